@@ -1,0 +1,1 @@
+"""Megatron-core MoE mid-training: data path, trainer, Slurm launcher."""

@@ -1,0 +1,1 @@
+"""Apache Beam corpus pipelines: read, filter, redact, deduplicate."""

@@ -1,0 +1,1 @@
+"""Rollout ETL on Kafka: producers, filtering, reward joins, advantages, training batches."""

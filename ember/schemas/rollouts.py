@@ -1,0 +1,371 @@
+"""RL records: `Rollout` (from inference workers), `Reward` (from graders), `TrainBatch` (to the trainer).
+
+Per-token arrays are numpy arrays of fixed dtypes so they move through the wire codec and Arrow
+without per-token Python work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from ember.schemas.errors import FieldIssue, raise_if_issues
+from ember.schemas.versioning import versioned_schema
+
+ROLLOUT_SCHEMA_VERSION = 1
+REWARD_SCHEMA_VERSION = 1
+TRAIN_BATCH_SCHEMA_VERSION = 1
+
+TURN_ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool", "summary")
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "tool_error", "abort", "timeout")
+MAX_EXPERTS_UINT8 = 256
+
+
+def routed_experts_dtype(num_experts: int) -> np.dtype:
+    """uint8 while expert ids fit (<= 256 experts), else uint16: 488 B/token at 61 layers x top-8."""
+    if num_experts <= 0:
+        raise ValueError(f"num_experts must be positive, got {num_experts}")
+    if num_experts <= MAX_EXPERTS_UINT8:
+        return np.dtype(np.uint8)
+    if num_experts <= 65536:
+        return np.dtype(np.uint16)
+    raise ValueError(f"num_experts {num_experts} does not fit in uint16 expert ids")
+
+
+@dataclass(frozen=True)
+class Turn:
+    """A span [start, end) of a rollout's tokens produced by one role."""
+
+    role: str
+    start: int
+    end: int
+
+
+def _array_issues(name: str, array: object, dtype: np.dtype, length: int | None) -> list[FieldIssue]:
+    if not isinstance(array, np.ndarray):
+        return [FieldIssue(name, f"must be a numpy array, got {type(array).__name__}")]
+    issues = []
+    if array.dtype != dtype:
+        issues.append(FieldIssue(name, f"dtype {array.dtype} != {dtype}"))
+    if length is not None and (array.ndim != 1 or len(array) != length):
+        issues.append(FieldIssue(name, f"shape {array.shape} != ({length},) (one value per token)"))
+    return issues
+
+
+@dataclass
+class Rollout:
+    rollout_id: str
+    group_id: str
+    prompt_id: str
+    policy_version: int
+    sampler: str
+    region: str
+    created_at_us: int
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    sampler_logprobs: np.ndarray
+    turns: list[Turn] = field(default_factory=list)
+    routed_experts: np.ndarray | None = None
+    finish_reason: str = "stop"
+    truncated: bool = False
+    prompt_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return int(len(self.tokens))
+
+    def issues(self) -> list[FieldIssue]:
+        found: list[FieldIssue] = []
+        for name in ("rollout_id", "group_id", "prompt_id", "sampler"):
+            if not getattr(self, name):
+                found.append(FieldIssue(name, "must be non-empty"))
+        if self.policy_version < 0:
+            found.append(FieldIssue("policy_version", f"must be >= 0, got {self.policy_version}"))
+        if self.finish_reason not in FINISH_REASONS:
+            found.append(FieldIssue("finish_reason", f"'{self.finish_reason}' not in {FINISH_REASONS}"))
+        found += _array_issues("tokens", self.tokens, np.dtype(np.uint32), None)
+        if found:
+            return found
+        n = self.num_tokens
+        found += _array_issues("loss_mask", self.loss_mask, np.dtype(np.uint8), n)
+        found += _array_issues("sampler_logprobs", self.sampler_logprobs, np.dtype(np.float32), n)
+        if not found:
+            if np.any(self.loss_mask > 1):
+                found.append(FieldIssue("loss_mask", "values must be 0 or 1"))
+            trained = self.sampler_logprobs[self.loss_mask.astype(bool)]
+            if not np.all(np.isfinite(trained)) or np.any(trained > 0):
+                found.append(FieldIssue("sampler_logprobs", "policy tokens need finite log-probs <= 0"))
+        if not 0 <= self.prompt_tokens <= n:
+            found.append(FieldIssue("prompt_tokens", f"{self.prompt_tokens} outside [0, {n}]"))
+        if self.routed_experts is not None:
+            re = self.routed_experts
+            if not isinstance(re, np.ndarray) or re.ndim != 3 or re.shape[0] != n:
+                shape = getattr(re, "shape", None)
+                found.append(FieldIssue("routed_experts", f"shape {shape} must be [tokens={n}, layers, top_k]"))
+            elif re.dtype not in (np.uint8, np.uint16):
+                found.append(FieldIssue("routed_experts", f"dtype {re.dtype} must be uint8 or uint16"))
+        previous_end = 0
+        for i, turn in enumerate(self.turns):
+            if turn.role not in TURN_ROLES:
+                found.append(FieldIssue(f"turns[{i}].role", f"'{turn.role}' not in {TURN_ROLES}"))
+            if turn.start != previous_end or turn.end <= turn.start:
+                found.append(FieldIssue(f"turns[{i}]", f"[{turn.start}, {turn.end}) must follow {previous_end}"))
+            previous_end = turn.end
+        if self.turns and previous_end != n:
+            found.append(FieldIssue("turns", f"cover {previous_end} tokens of {n}"))
+        return found
+
+    def validate(self) -> "Rollout":
+        raise_if_issues(f"Rollout {self.rollout_id or '<no id>'}", self.issues())
+        return self
+
+
+@dataclass
+class Reward:
+    rollout_id: str
+    group_id: str
+    grader: str
+    score: float
+    created_at_us: int
+    components: dict[str, float] = field(default_factory=dict)
+
+    def issues(self) -> list[FieldIssue]:
+        found = [FieldIssue(n, "must be non-empty") for n in ("rollout_id", "group_id", "grader") if not getattr(self, n)]
+        if not np.isfinite(self.score):
+            found.append(FieldIssue("score", f"must be finite, got {self.score}"))
+        for name, value in self.components.items():
+            if not np.isfinite(value):
+                found.append(FieldIssue(f"components.{name}", f"must be finite, got {value}"))
+        return found
+
+    def validate(self) -> "Reward":
+        raise_if_issues(f"Reward for {self.rollout_id or '<no id>'}", self.issues())
+        return self
+
+
+@dataclass(frozen=True)
+class SourceOffset:
+    """Input range [start, end) of one topic partition that a batch consumed."""
+
+    topic: str
+    partition: int
+    start: int
+    end: int
+
+
+@dataclass
+class TrainBatch:
+    batch_id: str
+    step: int
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    advantages: np.ndarray
+    sampler_logprobs: np.ndarray
+    cu_seqlens: np.ndarray
+    policy_versions: np.ndarray
+    rollout_ids: list[str]
+    source_offsets: list[SourceOffset] = field(default_factory=list)
+    routed_experts: np.ndarray | None = None
+    created_at_us: int = 0
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.rollout_ids)
+
+    def issues(self) -> list[FieldIssue]:
+        found = _array_issues("tokens", self.tokens, np.dtype(np.uint32), None)
+        if found:
+            return found
+        n = len(self.tokens)
+        found += _array_issues("loss_mask", self.loss_mask, np.dtype(np.uint8), n)
+        found += _array_issues("advantages", self.advantages, np.dtype(np.float32), n)
+        found += _array_issues("sampler_logprobs", self.sampler_logprobs, np.dtype(np.float32), n)
+        found += _array_issues("cu_seqlens", self.cu_seqlens, np.dtype(np.int32), self.num_sequences + 1)
+        found += _array_issues("policy_versions", self.policy_versions, np.dtype(np.int64), self.num_sequences)
+        if not found:
+            cu = self.cu_seqlens
+            if cu[0] != 0 or cu[-1] != n or np.any(np.diff(cu) <= 0):
+                found.append(FieldIssue("cu_seqlens", f"must rise strictly from 0 to {n}"))
+        if self.routed_experts is not None and (
+            self.routed_experts.ndim != 3 or self.routed_experts.shape[0] != n
+        ):
+            found.append(FieldIssue("routed_experts", f"shape {self.routed_experts.shape} must be [{n}, layers, top_k]"))
+        if len(set(self.rollout_ids)) != len(self.rollout_ids):
+            found.append(FieldIssue("rollout_ids", "a rollout appears twice in one batch"))
+        return found
+
+    def validate(self) -> "TrainBatch":
+        raise_if_issues(f"TrainBatch {self.batch_id or '<no id>'}", self.issues())
+        return self
+
+
+ROLLOUT_SCHEMA = versioned_schema(
+    "Rollout",
+    ROLLOUT_SCHEMA_VERSION,
+    [
+        pa.field("rollout_id", pa.string(), nullable=False),
+        pa.field("group_id", pa.string(), nullable=False),
+        pa.field("prompt_id", pa.string(), nullable=False),
+        pa.field("policy_version", pa.int64(), nullable=False),
+        pa.field("sampler", pa.string(), nullable=False),
+        pa.field("region", pa.string(), nullable=False),
+        pa.field("created_at", pa.timestamp("us", tz="UTC"), nullable=False),
+        pa.field("turn_roles", pa.list_(pa.string()), nullable=False),
+        pa.field("turn_ends", pa.list_(pa.int32()), nullable=False),
+        pa.field("tokens", pa.large_list(pa.uint32()), nullable=False),
+        pa.field("loss_mask", pa.large_list(pa.uint8()), nullable=False),
+        pa.field("sampler_logprobs", pa.large_list(pa.float32()), nullable=False),
+        pa.field("routed_experts", pa.large_binary()),
+        pa.field("routed_experts_dtype", pa.string()),
+        pa.field("expert_layers", pa.int32()),
+        pa.field("expert_top_k", pa.int32()),
+        pa.field("finish_reason", pa.string(), nullable=False),
+        pa.field("truncated", pa.bool_(), nullable=False),
+        pa.field("prompt_tokens", pa.int32(), nullable=False),
+    ],
+)
+
+REWARD_SCHEMA = versioned_schema(
+    "Reward",
+    REWARD_SCHEMA_VERSION,
+    [
+        pa.field("rollout_id", pa.string(), nullable=False),
+        pa.field("group_id", pa.string(), nullable=False),
+        pa.field("grader", pa.string(), nullable=False),
+        pa.field("score", pa.float64(), nullable=False),
+        pa.field("components", pa.map_(pa.string(), pa.float64()), nullable=False),
+        pa.field("created_at", pa.timestamp("us", tz="UTC"), nullable=False),
+    ],
+)
+
+TRAIN_BATCH_SCHEMA = versioned_schema(
+    "TrainBatch",
+    TRAIN_BATCH_SCHEMA_VERSION,
+    [
+        pa.field("batch_id", pa.string(), nullable=False),
+        pa.field("step", pa.int64(), nullable=False),
+        pa.field("tokens", pa.large_list(pa.uint32()), nullable=False),
+        pa.field("loss_mask", pa.large_list(pa.uint8()), nullable=False),
+        pa.field("advantages", pa.large_list(pa.float32()), nullable=False),
+        pa.field("sampler_logprobs", pa.large_list(pa.float32()), nullable=False),
+        pa.field("cu_seqlens", pa.list_(pa.int32()), nullable=False),
+        pa.field("policy_versions", pa.list_(pa.int64()), nullable=False),
+        pa.field("rollout_ids", pa.list_(pa.string()), nullable=False),
+        pa.field(
+            "source_offsets",
+            pa.list_(
+                pa.struct(
+                    [
+                        pa.field("topic", pa.string()),
+                        pa.field("partition", pa.int32()),
+                        pa.field("start", pa.int64()),
+                        pa.field("end", pa.int64()),
+                    ]
+                )
+            ),
+            nullable=False,
+        ),
+        pa.field("routed_experts", pa.large_binary()),
+        pa.field("routed_experts_shape", pa.list_(pa.int32())),
+        pa.field("routed_experts_dtype", pa.string()),
+        pa.field("created_at", pa.timestamp("us", tz="UTC"), nullable=False),
+    ],
+)
+
+
+def _large_list(arrays: list[np.ndarray], dtype: np.dtype) -> pa.LargeListArray:
+    """Builds a list column from per-row arrays with one concatenate, no per-element Python work."""
+    lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
+    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))
+
+
+def rollouts_to_table(rollouts: list[Rollout]) -> pa.Table:
+    experts = [r.routed_experts for r in rollouts]
+    columns = {
+        "rollout_id": pa.array([r.rollout_id for r in rollouts], pa.string()),
+        "group_id": pa.array([r.group_id for r in rollouts], pa.string()),
+        "prompt_id": pa.array([r.prompt_id for r in rollouts], pa.string()),
+        "policy_version": pa.array([r.policy_version for r in rollouts], pa.int64()),
+        "sampler": pa.array([r.sampler for r in rollouts], pa.string()),
+        "region": pa.array([r.region for r in rollouts], pa.string()),
+        "created_at": pa.array([r.created_at_us for r in rollouts], pa.int64()).cast(pa.timestamp("us", tz="UTC")),
+        "turn_roles": pa.array([[t.role for t in r.turns] for r in rollouts], pa.list_(pa.string())),
+        "turn_ends": pa.array([[t.end for t in r.turns] for r in rollouts], pa.list_(pa.int32())),
+        "tokens": _large_list([r.tokens for r in rollouts], np.dtype(np.uint32)),
+        "loss_mask": _large_list([r.loss_mask for r in rollouts], np.dtype(np.uint8)),
+        "sampler_logprobs": _large_list([r.sampler_logprobs for r in rollouts], np.dtype(np.float32)),
+        "routed_experts": pa.array([None if e is None else e.tobytes() for e in experts], pa.large_binary()),
+        "routed_experts_dtype": pa.array([None if e is None else e.dtype.name for e in experts], pa.string()),
+        "expert_layers": pa.array([None if e is None else e.shape[1] for e in experts], pa.int32()),
+        "expert_top_k": pa.array([None if e is None else e.shape[2] for e in experts], pa.int32()),
+        "finish_reason": pa.array([r.finish_reason for r in rollouts], pa.string()),
+        "truncated": pa.array([r.truncated for r in rollouts], pa.bool_()),
+        "prompt_tokens": pa.array([r.prompt_tokens for r in rollouts], pa.int32()),
+    }
+    return pa.Table.from_pydict(columns, schema=ROLLOUT_SCHEMA)
+
+
+def _list_values(column: pa.ChunkedArray, dtype: np.dtype) -> list[np.ndarray]:
+    array = column.combine_chunks()
+    offsets = array.offsets.to_numpy()
+    values = array.values.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+    return [values[offsets[i] : offsets[i + 1]] for i in range(len(array))]
+
+
+def table_to_rollouts(table: pa.Table) -> list[Rollout]:
+    from ember.schemas.versioning import conform
+
+    table = conform(table, ROLLOUT_SCHEMA)
+    tokens = _list_values(table.column("tokens"), np.dtype(np.uint32))
+    masks = _list_values(table.column("loss_mask"), np.dtype(np.uint8))
+    logprobs = _list_values(table.column("sampler_logprobs"), np.dtype(np.float32))
+    created = table.column("created_at").cast(pa.int64()).to_pylist()
+    scalars = table.drop_columns(["tokens", "loss_mask", "sampler_logprobs"]).to_pylist()
+    rollouts = []
+    for i, row in enumerate(scalars):
+        experts = None
+        if row["routed_experts"] is not None:
+            experts = np.frombuffer(row["routed_experts"], dtype=row["routed_experts_dtype"]).reshape(
+                len(tokens[i]), row["expert_layers"], row["expert_top_k"]
+            )
+        starts = [0] + list(row["turn_ends"][:-1])
+        turns = [Turn(role, s, e) for role, s, e in zip(row["turn_roles"], starts, row["turn_ends"])]
+        rollouts.append(
+            Rollout(
+                rollout_id=row["rollout_id"],
+                group_id=row["group_id"],
+                prompt_id=row["prompt_id"],
+                policy_version=row["policy_version"],
+                sampler=row["sampler"],
+                region=row["region"],
+                created_at_us=created[i],
+                tokens=tokens[i],
+                loss_mask=masks[i],
+                sampler_logprobs=logprobs[i],
+                turns=turns,
+                routed_experts=experts,
+                finish_reason=row["finish_reason"],
+                truncated=row["truncated"],
+                prompt_tokens=row["prompt_tokens"] or 0,
+            )
+        )
+    return rollouts
+
+
+def rewards_to_table(rewards: list[Reward]) -> pa.Table:
+    return pa.Table.from_pydict(
+        {
+            "rollout_id": [r.rollout_id for r in rewards],
+            "group_id": [r.group_id for r in rewards],
+            "grader": [r.grader for r in rewards],
+            "score": [float(r.score) for r in rewards],
+            "components": [list(r.components.items()) for r in rewards],
+            "created_at": pa.array([r.created_at_us for r in rewards], pa.int64()).cast(pa.timestamp("us", tz="UTC")),
+        },
+        schema=REWARD_SCHEMA,
+    )

@@ -1,0 +1,167 @@
+"""Training shards: one `PackedSequence` row per fixed-length sequence, and the shard-set manifest.
+
+A shard directory is a finished dataset only when its `manifest.json` exists and validates; the
+manifest is written last and atomically (`write_manifest`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import pyarrow as pa
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ember.schemas.errors import FieldIssue, SchemaValidationError
+from ember.schemas.versioning import versioned_schema
+
+PACKED_SEQUENCE_SCHEMA_VERSION = 1
+MANIFEST_SCHEMA_VERSION = 1
+MANIFEST_FILENAME = "manifest.json"
+
+SEGMENT_TYPE = pa.struct(
+    [
+        pa.field("document_id", pa.string(), nullable=False),
+        pa.field("doc_token_start", pa.int64(), nullable=False),
+        pa.field("doc_token_end", pa.int64(), nullable=False),
+    ]
+)
+
+PACKED_SEQUENCE_SCHEMA = versioned_schema(
+    "PackedSequence",
+    PACKED_SEQUENCE_SCHEMA_VERSION,
+    [
+        pa.field("tokens", pa.list_(pa.uint32()), nullable=False),
+        pa.field("cu_seqlens", pa.list_(pa.int32()), nullable=False),
+        pa.field("segments", pa.list_(SEGMENT_TYPE), nullable=False),
+        pa.field("source", pa.string(), nullable=False),
+        pa.field("loss_mask", pa.list_(pa.uint8())),
+    ],
+)
+
+
+def packed_sequence_issues(
+    tokens: np.ndarray, cu_seqlens: np.ndarray, segments: list[dict], seq_len: int
+) -> list[FieldIssue]:
+    """Invariants of one packed row: fixed length, monotone boundaries, one segment per document span."""
+    issues: list[FieldIssue] = []
+    if len(tokens) != seq_len:
+        issues.append(FieldIssue("tokens", f"length {len(tokens)} != seq_len {seq_len}"))
+    cu = np.asarray(cu_seqlens)
+    if len(cu) < 2 or cu[0] != 0:
+        issues.append(FieldIssue("cu_seqlens", "must start at 0 and hold at least one boundary"))
+    elif np.any(np.diff(cu) <= 0) or cu[-1] > seq_len:
+        issues.append(FieldIssue("cu_seqlens", f"must be strictly increasing and end <= {seq_len}"))
+    elif len(segments) != len(cu) - 1:
+        issues.append(
+            FieldIssue("segments", f"{len(segments)} segments for {len(cu) - 1} document spans in cu_seqlens")
+        )
+    else:
+        for i, seg in enumerate(segments):
+            span = int(cu[i + 1] - cu[i])
+            if seg["doc_token_end"] - seg["doc_token_start"] != span:
+                issues.append(FieldIssue(f"segments[{i}]", f"token range does not match span {span}"))
+    return issues
+
+
+class TokenizerIdentity(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1)
+    hash: str = Field(min_length=8, description="hash of the tokenizer's files")
+    vocab_size: int = Field(gt=0)
+
+
+class SourceStats(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    documents: int = Field(ge=0)
+    tokens: int = Field(ge=0, description="document tokens, padding excluded")
+    sequences: int = Field(ge=0)
+    padding_tokens: int = Field(ge=0)
+    split_documents: int = Field(default=0, ge=0)
+    mixture_weight: float | None = Field(default=None, ge=0)
+
+
+class ShardEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: str = Field(min_length=1, description="relative to the manifest's directory")
+    rows: int = Field(gt=0)
+    bytes: int = Field(gt=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class Manifest(BaseModel):
+    """The contract between `ember corpus` (writer) and `midtrain` (reader)."""
+
+    model_config = ConfigDict(extra="allow")
+    schema_name: Literal["ShardManifest"] = "ShardManifest"
+    schema_version: int = Field(default=MANIFEST_SCHEMA_VERSION, ge=1)
+    tokenizer: TokenizerIdentity
+    seq_len: int = Field(gt=0)
+    dtype: Literal["uint16", "uint32"]
+    sources: dict[str, SourceStats]
+    padding_tokens: int = Field(ge=0)
+    pad_token_id: int = Field(ge=0)
+    shards: list[ShardEntry] = Field(min_length=1)
+    config_hash: str = Field(min_length=8)
+    created_at: str
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Manifest":
+        if self.schema_version > MANIFEST_SCHEMA_VERSION:
+            raise ValueError(
+                f"schema_version {self.schema_version} is newer than this ember reads "
+                f"({MANIFEST_SCHEMA_VERSION}); upgrade ember"
+            )
+        if self.dtype == "uint16" and self.tokenizer.vocab_size > 65536:
+            raise ValueError(f"dtype uint16 cannot hold vocab_size {self.tokenizer.vocab_size}")
+        rows = sum(s.rows for s in self.shards)
+        sequences = sum(s.sequences for s in self.sources.values())
+        if rows != sequences:
+            raise ValueError(f"shards hold {rows} rows but sources count {sequences} sequences")
+        padding = sum(s.padding_tokens for s in self.sources.values())
+        if padding != self.padding_tokens:
+            raise ValueError(f"padding_tokens {self.padding_tokens} != sum over sources {padding}")
+        return self
+
+    @property
+    def num_sequences(self) -> int:
+        return sum(s.rows for s in self.shards)
+
+
+def _issues_from_pydantic(exc: ValidationError) -> list[FieldIssue]:
+    return [FieldIssue(".".join(str(p) for p in e["loc"]) or "manifest", e["msg"]) for e in exc.errors()]
+
+
+def parse_manifest(data: dict, where: str = "manifest") -> Manifest:
+    try:
+        return Manifest.model_validate(data)
+    except ValidationError as exc:
+        raise SchemaValidationError(where, _issues_from_pydantic(exc)) from None
+
+
+def read_manifest(directory: str | Path) -> Manifest:
+    path = Path(directory) / MANIFEST_FILENAME
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: {directory} is not a finished shard set")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise SchemaValidationError(str(path), [FieldIssue("manifest", f"not valid JSON: {exc}")]) from None
+    return parse_manifest(data, str(path))
+
+
+def write_manifest(directory: str | Path, manifest: Manifest) -> Path:
+    """Atomic: readers see either no manifest or the complete one, never a partial file."""
+    directory = Path(directory)
+    target = directory / MANIFEST_FILENAME
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".manifest.", suffix=".tmp")
+    with os.fdopen(fd, "w") as handle:
+        handle.write(manifest.model_dump_json(indent=2))
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, target)
+    return target

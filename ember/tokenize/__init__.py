@@ -1,0 +1,1 @@
+"""Tokenizers from local files, packing, and training shards."""
