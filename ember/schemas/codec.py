@@ -17,6 +17,7 @@ before anything is read, so a lying header cannot trigger a large allocation.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from typing import Any, Callable
 
@@ -134,7 +135,7 @@ def _decode(message: bytes | bytearray | memoryview) -> tuple[int, dict[str, Any
     reader.take(_pad(reader.pos), "table padding")
     arrays: dict[str, np.ndarray] = {}
     for name, dtype, shape in specs:
-        nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         data = reader.take(nbytes, f"array '{name}' payload of shape {shape}")
         reader.take(_pad(nbytes), f"array '{name}' padding")
         arrays[name] = np.frombuffer(data, dtype=dtype).reshape(shape)

@@ -1,0 +1,74 @@
+"""The `ember` command line."""
+
+from __future__ import annotations
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ember.dev import services
+from ember.rollouts.cli import app as rollouts_app
+from ember.tokenize.cli import corpus_app
+
+app = typer.Typer(help="ember: the data plane for post-training a coding model.", no_args_is_help=True)
+dev_app = typer.Typer(help="Local real services for development and tests (Kafka, Slurm, Flink job-server jar).", no_args_is_help=True)
+app.add_typer(dev_app, name="dev")
+app.add_typer(rollouts_app, name="rollouts")
+app.add_typer(corpus_app, name="corpus")
+console = Console()
+
+
+def _print_status() -> None:
+    table = Table("service", "state", "address", "log / detail")
+    for s in services.status():
+        style = {"running": "green", "available": "green"}.get(s.state, "yellow")
+        table.add_row(s.name, f"[{style}]{s.state}[/{style}]", s.address, s.log)
+    console.print(table)
+
+
+@dev_app.command("up")
+def dev_up(
+    only: list[str] = typer.Option(None, "--only", help="Start just these services (kafka, slurm, flink)."),
+) -> None:
+    """Start every local service (idempotent): Kafka KRaft broker, single-node Slurm, Flink job-server jar."""
+    for service in only or list(services.SERVICES):
+        with console.status(f"starting {service}..."):
+            try:
+                services.start(service)
+            except services.ServiceError as exc:
+                if service != "flink":
+                    console.print(f"[red]{exc}[/red]")
+                    raise typer.Exit(1)
+                console.print(f"[yellow]warning:[/yellow] {exc}")
+    _print_status()
+
+
+@dev_app.command("down")
+def dev_down() -> None:
+    """Stop every local service this checkout started."""
+    for service in services.SERVICES:
+        services.stop(service)
+    _print_status()
+
+
+@dev_app.command("status")
+def dev_status() -> None:
+    """Show each service, its address and its log file."""
+    _print_status()
+
+
+@app.command("demo")
+def demo(
+    rollouts: int = typer.Option(64, min=1, help="Rollouts to simulate."),
+    group_size: int = typer.Option(8, min=1, help="Samples per prompt group."),
+    tokens: int = typer.Option(8192, min=16, help="Tokens per rollout."),
+    layers: int = typer.Option(61, min=0, help="MoE layers whose routed experts each rollout records (0: none)."),
+) -> None:
+    """The main job on embedded defaults: bring services up and run every stage on a small real input."""
+    from ember.demo import run_demo
+
+    raise typer.Exit(run_demo(console, rollouts=rollouts, group_size=group_size, tokens=tokens, layers=layers))
+
+
+if __name__ == "__main__":
+    app()

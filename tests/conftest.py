@@ -1,0 +1,28 @@
+"""Shared fixtures: real local services, started idempotently through infra/ (never mocked, never skipped)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+from ember.dev import services
+
+
+@pytest.fixture(scope="session")
+def kafka() -> str:
+    """Bootstrap address of the real KRaft broker that infra/kafka.sh runs on 127.0.0.1."""
+    try:
+        services.start("kafka")
+    except services.ServiceError as exc:
+        pytest.fail(f"the Kafka broker could not be started:\n{exc}")
+    from ember.rollouts.transport import kafka_bootstrap
+
+    return kafka_bootstrap()
+
+
+@pytest.fixture
+def topic_prefix() -> str:
+    """A fresh topic prefix per test so tests never read each other's records."""
+    return f"test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
