@@ -2,7 +2,9 @@
 
 The rollout: 8192 tokens, 4 turns, routed experts 61 layers x top-8 (uint8). Each codec encodes to
 bytes and decodes back to numpy arrays (msgpack carries arrays as raw `bin` buffers, its fastest
-fair form; pyarrow uses a one-row IPC stream of the Rollout table). Reported: median MB/s over
+fair form; pyarrow uses a one-row IPC stream of the Rollout table). `ember` decodes and validates the
+record against its schema; `ember-noval` skips validation, like the anchors (structure is still
+checked). Reported: median MB/s over
 --repeats runs and ember's ratio to each anchor. Timing never decides pass/fail.
 
     .venv/bin/python bench/bench_codec.py [--repeats 200] [--tokens 8192]
@@ -19,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from ember.rollouts.simulate import synthetic_rollout
-from ember.schemas import decode_rollout, encode_rollout
+from ember.schemas import decode, decode_rollout, encode_rollout
 from ember.schemas.rollouts import Rollout, rollouts_to_table, table_to_rollouts
 
 
@@ -68,6 +70,7 @@ def msgpack_decode(message: bytes) -> dict:
 
 CODECS = {
     "ember": (encode_rollout, decode_rollout),
+    "ember-noval": (encode_rollout, lambda m: decode(m, validate=False)),
     "pyarrow-ipc": (arrow_encode, arrow_decode),
     "msgpack": (msgpack_encode, msgpack_decode),
 }
@@ -101,9 +104,13 @@ def main() -> None:
     for name, (size, enc_s, dec_s) in results.items():
         print(f"{name:<12} {size / args.tokens:>11.1f} {payload_mb / enc_s:>12.0f} {payload_mb / dec_s:>12.0f}")
     _, ember_enc, ember_dec = results["ember"]
+    _, _, noval_dec = results["ember-noval"]
     for name in ("pyarrow-ipc", "msgpack"):
         _, enc_s, dec_s = results[name]
-        print(f"ember vs {name}: encode {enc_s / ember_enc:.2f}x, decode {dec_s / ember_dec:.2f}x (>1 = ember faster)")
+        print(
+            f"ember vs {name}: encode {enc_s / ember_enc:.2f}x, decode+validate {dec_s / ember_dec:.2f}x, "
+            f"decode {dec_s / noval_dec:.2f}x (>1 = ember faster)"
+        )
 
 
 if __name__ == "__main__":

@@ -307,11 +307,15 @@ _BUILDERS: dict[int, Callable[[dict[str, Any], dict[str, np.ndarray]], Any]] = {
 }
 
 
-def decode(message: bytes | bytearray | memoryview) -> Rollout | Reward | TrainBatch:
-    """Decode any ember message and validate it against its schema; raises only DecodeError."""
+def decode(message: bytes | bytearray | memoryview, *, validate: bool = True) -> Rollout | Reward | TrainBatch:
+    """Decode any ember message; raises only DecodeError.
+
+    `validate=False` skips the schema checks (structure is always checked): for re-reading data this
+    process already validated, e.g. replaying its own output topic.
+    """
     kind, meta, arrays = _decode(message)
     record = _BUILDERS[kind](meta, arrays)
-    issues = record.issues()
+    issues = record.issues() if validate else []
     if issues:
         raise DecodeError(f"invalid {KIND_NAMES[kind]}: " + "; ".join(str(i) for i in issues))
     return record

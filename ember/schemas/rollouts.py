@@ -325,7 +325,7 @@ def table_to_rollouts(table: pa.Table) -> list[Rollout]:
     masks = _list_values(table.column("loss_mask"), np.dtype(np.uint8))
     logprobs = _list_values(table.column("sampler_logprobs"), np.dtype(np.float32))
     created = table.column("created_at").cast(pa.int64()).to_pylist()
-    scalars = table.drop_columns(["tokens", "loss_mask", "sampler_logprobs"]).to_pylist()
+    scalars = table.drop_columns(["tokens", "loss_mask", "sampler_logprobs", "created_at"]).to_pylist()
     rollouts = []
     for i, row in enumerate(scalars):
         experts = None

@@ -143,3 +143,15 @@ def test_encoding_is_little_endian_regardless_of_input_byte_order():
     decoded = decode_rollout(encode(swapped))
     assert np.array_equal(decoded.tokens, rollout.tokens)
     assert decoded.tokens.dtype == np.dtype("<u4")
+
+
+def test_validate_false_skips_schema_checks_but_not_structure():
+    rng = np.random.default_rng(5)
+    rollout = synthetic_rollout(rng, group_id="g", prompt_id="p", num_tokens=32, layers=None)
+    rollout.finish_reason = "cosmic-ray"
+    message = encode(rollout)
+    assert decode(message, validate=False).finish_reason == "cosmic-ray"
+    with pytest.raises(DecodeError, match="finish_reason"):
+        decode(message)
+    with pytest.raises(DecodeError, match="length mismatch"):
+        decode(message[:-1], validate=False)
