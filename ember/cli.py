@@ -8,13 +8,14 @@ from rich.table import Table
 
 from ember.dev import services
 from ember.rollouts.cli import app as rollouts_app
-from ember.tokenize.cli import corpus_app
+from ember.tokenize.cli import corpus_app, export_app
 
 app = typer.Typer(help="ember: the data plane for post-training a coding model.", no_args_is_help=True)
 dev_app = typer.Typer(help="Local real services for development and tests (Kafka, Slurm, Flink job-server jar).", no_args_is_help=True)
 app.add_typer(dev_app, name="dev")
 app.add_typer(rollouts_app, name="rollouts")
 app.add_typer(corpus_app, name="corpus")
+app.add_typer(export_app, name="export")
 console = Console()
 
 

@@ -1,17 +1,22 @@
 """`ember demo`: the main job on embedded defaults, end to end on a small real input.
 
-Today it brings the local services up, publishes simulated rollouts and their rewards through the
-real Kafka broker with the wire codec, reads them back `read_committed`, checks every record, shows
-that a malformed message is reported rather than crashing the reader, and runs a Slurm job.
+Stages, in the order the system runs them: bring the local services up; check the Kafka wire codec
+through the real broker (and that a malformed message is reported, not fatal); build a small mixed
+code + web corpus with Beam (filters, redaction, exact + near dedup); tokenize and best-fit pack it
+into verified Arrow shards; run a few Megatron-core MoE mid-training steps on those shards; stream
+simulated RL rollouts and late rewards through the rollout ETL into training batches that a trainer
+reads; and run a job on the local Slurm. Each stage contributes rows to one summary table; the demo
+fails when a stage raises or a stage's own check (records equal, books balance, shards verify) fails.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
-import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
@@ -32,6 +37,15 @@ from ember.rollouts.transport import (
 from ember.schemas import Reward, Rollout
 
 DEMO_PREFIX = "ember-demo"
+Rows = list[tuple[str, str]]
+
+VERDICTS: dict[str, Callable[[str], bool]] = {
+    "records read back equal": lambda v: v.split(" ")[0] == v.split(" ")[2],
+    "malformed message reported": lambda v: v.count("@") == 1,
+    "corpus accounted (in = kept + rejected)": lambda v: v == "yes",
+    "verify": lambda v: v == "OK",
+    "books balance": lambda v: v.startswith("yes"),
+}
 
 
 def _fingerprint(record: Rollout | Reward) -> str:
@@ -43,7 +57,7 @@ def _fingerprint(record: Rollout | Reward) -> str:
         digest.update(f"{record.policy_version}/{record.turns}".encode())
     else:
         digest.update(f"{record.score!r}/{sorted(record.components.items())}".encode())
-    return f"{type(record).__name__}:{getattr(record, 'rollout_id')}:{digest.hexdigest()}"
+    return f"{type(record).__name__}:{record.rollout_id}:{digest.hexdigest()}"
 
 
 def _end_offsets(topics: list[str]) -> dict[TopicPartition, int]:
@@ -55,51 +69,29 @@ def _end_offsets(topics: list[str]) -> dict[TopicPartition, int]:
         consumer.close()
 
 
-def _slurm_smoke(console: Console) -> str:
-    with tempfile.TemporaryDirectory(prefix="ember-demo-slurm-") as tmp:
-        out = Path(tmp) / "job.out"
-        subprocess.run(
-            ["sbatch", "--wait", "--job-name=ember-demo", f"--output={out}", "--wrap", "echo ember-demo on $(hostname)"],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        return out.read_text().strip()
-
-
-def run_demo(console: Console, *, rollouts: int, group_size: int, tokens: int, layers: int) -> int:
-    for service in services.SERVICES:
-        with console.status(f"bringing up {service}..."):
-            try:
-                services.start(service)
-            except services.ServiceError as exc:
-                if service == "flink":
-                    console.print(f"[yellow]flink job-server jar unavailable:[/yellow] {str(exc).splitlines()[-1]}")
-                    continue
-                console.print(f"[red]{exc}[/red]")
-                return 1
-
+def wire_stage(console: Console, *, rollouts: int, group_size: int, tokens: int, layers: int) -> Rows:
+    """Rollouts and rewards through the broker with the codec; every record must come back equal."""
     topics = default_topics(DEMO_PREFIX)
     ensure_topics(kafka_bootstrap(), list(topics.values()))
     names = [topics["rollouts"].name, topics["rewards"].name]
     start_offsets = _end_offsets(names)
-
     rng = np.random.default_rng(int(time.time()))
     sent: set[str] = set()
     started = time.perf_counter()
-    with console.status(f"publishing {rollouts} rollouts and rewards..."):
+    with console.status(f"wire: publishing {rollouts} rollouts and rewards..."):
         with RecordWriter(names[0]) as rollout_writer, RecordWriter(names[1]) as reward_writer:
             for i in range(rollouts):
-                group = f"demo-{time.time_ns()}-{i // group_size}"
                 rollout = synthetic_rollout(
-                    rng, group_id=group, prompt_id=f"prompt-{i // group_size}", num_tokens=tokens, layers=layers or None
+                    rng,
+                    group_id=f"demo-{time.time_ns()}-{i // group_size}",
+                    prompt_id=f"prompt-{i // group_size}",
+                    num_tokens=tokens,
+                    layers=layers or None,
                 )
                 reward = synthetic_reward(rng, rollout)
                 rollout_writer.write(rollout)
                 reward_writer.write(reward)
-                sent.add(_fingerprint(rollout))
-                sent.add(_fingerprint(reward))
+                sent |= {_fingerprint(rollout), _fingerprint(reward)}
         poison = KafkaProducer(**producer_config())
         poison.send(names[0], key=b"demo-poison", value=b"EMBR\x01\x01 this is not a rollout")
         poison.flush()
@@ -112,30 +104,103 @@ def run_demo(console: Console, *, rollouts: int, group_size: int, tokens: int, l
     consumer.assign(list(end_offsets))
     for tp in end_offsets:
         consumer.seek(tp, start_offsets.get(tp, 0))
-    received: set[str] = set()
+    received: list[str] = []
     bad: list[BadMessage] = []
-    started = time.perf_counter()
-    with console.status("consuming read_committed and checking every record..."):
+    with console.status("wire: consuming read_committed and checking every record..."):
         for item in read_messages(consumer, limit=expected, idle_timeout_s=15):
             if isinstance(item, BadMessage):
                 bad.append(item)
             else:
-                received.add(_fingerprint(item.record))
-    consume_s = time.perf_counter() - started
+                received.append(_fingerprint(item.record))
     consumer.close()
+    equal = len(sent & set(received)) if len(received) == len(set(received)) else 0
+    return [
+        ("kafka", f"{kafka_bootstrap()}: {expected} messages this run"),
+        ("rollouts published", f"{rollout_writer.records} ({rollout_writer.bytes / 1e6:.1f} MB, {publish_s:.1f}s)"),
+        ("wire bytes / token", f"{rollout_writer.bytes / (rollouts * tokens):.1f} (routed experts {layers} layers x top-8)"),
+        ("rewards published", str(reward_writer.records)),
+        ("records read back equal", f"{equal} / {len(sent)}"),
+        ("malformed message reported", "; ".join(str(b)[:100] for b in bad) or "NOT REPORTED"),
+    ]
 
-    slurm_output = _slurm_smoke(console)
 
-    wire_bytes = rollout_writer.bytes
-    table = Table("stage", "result", title="ember demo")
-    table.add_row("kafka", kafka_bootstrap())
-    table.add_row("rollouts published", f"{rollout_writer.records} ({wire_bytes / 1e6:.1f} MB, {publish_s:.1f}s)")
-    table.add_row("wire bytes / token", f"{wire_bytes / (rollouts * tokens):.1f} (routed experts: {layers} layers x top-8)")
-    table.add_row("rewards published", str(reward_writer.records))
-    table.add_row("records read back equal", f"{len(received & sent)} / {len(sent)} in {consume_s:.1f}s")
-    table.add_row("malformed messages reported", "; ".join(str(b) for b in bad) or "none")
-    table.add_row("slurm job", slurm_output)
+def slurm_stage(workdir: Path) -> Rows:
+    out = workdir / "slurm-job.out"
+    subprocess.run(
+        ["sbatch", "--wait", "--job-name=ember-demo", f"--output={out}", "--wrap", "echo ember-demo on $(hostname)"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    return [("slurm job", out.read_text().strip())]
+
+
+def _healthy(rows: Rows) -> bool:
+    return all(check(value) for key, value in rows for name, check in VERDICTS.items() if key == name)
+
+
+def run_demo(console: Console, *, rollouts: int, group_size: int, tokens: int, layers: int) -> int:
+    for service in services.SERVICES:
+        with console.status(f"bringing up {service}..."):
+            try:
+                services.start(service)
+            except services.ServiceError as exc:
+                if service == "flink":
+                    console.print(f"[yellow]flink job server unavailable:[/yellow] {str(exc).splitlines()[-1]}")
+                    continue
+                console.print(f"[red]{exc}[/red]")
+                return 1
+    home = Path(os.environ.get("EMBER_HOME", services.REPO_ROOT / ".ember"))
+    workdir = home / "demo" / time.strftime("%Y%m%d-%H%M%S")
+    workdir.mkdir(parents=True, exist_ok=True)
+    console.print(f"demo work directory: {workdir}")
+
+    from ember.midtrain import demo_stage as midtrain_demo
+    from ember.pipelines import demo_stage as corpus_demo
+    from ember.rollouts import demo_stage as rollouts_demo
+    from ember.tokenize import demo_stage as tokenize_demo
+
+    sections: list[tuple[str, Rows]] = []
+    context: dict[str, Path] = {}
+
+    def corpus() -> Rows:
+        rows, documents = corpus_demo.run(console, workdir)
+        context["documents"] = documents
+        return rows
+
+    def shards() -> Rows:
+        rows, shards_dir = tokenize_demo.run(console, workdir, documents_dir=context["documents"])
+        context["shards"] = shards_dir
+        return rows
+
+    stages: list[tuple[str, Callable[[], Rows]]] = [
+        ("wire codec through Kafka", lambda: wire_stage(console, rollouts=rollouts, group_size=group_size, tokens=tokens, layers=layers)),
+        ("corpus build (Beam)", corpus),
+        ("tokenize + pack (Beam)", shards),
+        ("mid-training (Megatron-core MoE, CPU)", lambda: midtrain_demo.run(console, context["shards"], workdir / "midtrain")),
+        ("rollout ETL (Kafka)", lambda: rollouts_demo.run(console, f"{DEMO_PREFIX}-etl-{int(time.time())}", 48, group_size, 512)),
+        ("slurm", lambda: slurm_stage(workdir)),
+    ]
+    ok = True
+    for title, stage in stages:
+        console.rule(title)
+        started = time.perf_counter()
+        try:
+            rows = stage()
+        except Exception as exc:  # noqa: BLE001 - a failed stage is reported in the summary, then the demo fails
+            rows = [("FAILED", f"{type(exc).__name__}: {str(exc)[:500]}")]
+            ok = False
+        ok = ok and _healthy(rows)
+        sections.append((f"{title} ({time.perf_counter() - started:.0f}s)", rows))
+        if not ok:
+            break
+
+    table = Table("stage", "result", title="ember demo", show_lines=False)
+    for title, rows in sections:
+        table.add_row(f"[bold]{title}[/bold]", "")
+        for key, value in rows:
+            table.add_row(f"  {key}", value)
     console.print(table)
-    ok = received == sent and len(bad) == 1
-    console.print("[green]demo OK[/green]" if ok else "[red]demo FAILED: records lost, changed or doubled[/red]")
+    console.print("[green]demo OK[/green]" if ok else "[red]demo FAILED (see the stage above)[/red]")
     return 0 if ok else 1

@@ -1,15 +1,14 @@
-"""`ember rollouts ...`: topics, a rollout simulator and a decoding tail."""
+"""`ember rollouts ...`: topics, the load generator, the ETL service, stats, replay and a decoding tail."""
 
 from __future__ import annotations
 
-import time
+from pathlib import Path
 
-import numpy as np
 import typer
 from rich.console import Console
 from rich.table import Table
 
-rollouts_app = typer.Typer(help="Kafka rollout stream: topics, simulation, inspection.", no_args_is_help=True)
+rollouts_app = typer.Typer(help="Kafka rollout stream: topics, simulation, ETL, stats, replay, inspection.", no_args_is_help=True)
 topics_app = typer.Typer(help="Create or describe the ETL's topics.", no_args_is_help=True)
 rollouts_app.add_typer(topics_app, name="topics")
 app = rollouts_app
@@ -44,37 +43,188 @@ def topics_describe(prefix: str = PrefixOption) -> None:
     console.print(table)
 
 
+def _regions(text: str) -> dict[str, float]:
+    regions = {}
+    for part in text.split(","):
+        name, _, delay = part.partition("=")
+        try:
+            regions[name.strip()] = float(delay or 0)
+        except ValueError:
+            raise typer.BadParameter(f"region {part!r}: expected name=delay_seconds, e.g. us-east=0,eu-west=0.4") from None
+    return regions
+
+
 @rollouts_app.command("simulate")
 def simulate(
     prefix: str = PrefixOption,
     groups: int = typer.Option(8, min=1, help="Prompt groups to publish."),
     group_size: int = typer.Option(8, min=1, help="Samples per group."),
-    tokens: int = typer.Option(2048, min=16, help="Tokens per rollout."),
+    tokens: int = typer.Option(2048, min=16, help="Median tokens per rollout (lengths are long-tailed)."),
+    length_sigma: float = typer.Option(0.5, min=0, help="Log-normal sigma of rollout lengths (0: all equal)."),
     layers: int = typer.Option(61, min=0, help="MoE layers with routed experts (0: none)."),
+    partitions: int = typer.Option(6, min=1, help="Partitions of the rollouts/rewards topics if they are created."),
+    regions: str = typer.Option("us-east=0,eu-west=0.4,ap-south=1.5", help="Regions and their publish delays in seconds."),
+    group_interval: float = typer.Option(0.05, min=0, help="Seconds between group starts."),
+    reward_delay: float = typer.Option(0.5, min=0, help="Mean seconds from episode end to reward."),
+    p_missing_reward: float = typer.Option(0.0, min=0, max=1, help="Fraction of rollouts never rewarded."),
+    p_late_reward: float = typer.Option(0.0, min=0, max=1, help="Fraction of rewards delayed by --late-delay."),
+    late_delay: float = typer.Option(60.0, min=0, help="Extra seconds for late rewards."),
+    p_duplicate_reward: float = typer.Option(0.0, min=0, max=1, help="Fraction of rewards sent twice."),
+    p_duplicate_rollout: float = typer.Option(0.0, min=0, max=1, help="Fraction of rollouts sent twice (producer retries)."),
+    p_truncated: float = typer.Option(0.0, min=0, max=1, help="Fraction of rollouts truncated at max length."),
+    p_malformed: float = typer.Option(0.0, min=0, max=1, help="Malformed messages per rollout."),
+    policy_versions: int = typer.Option(1, min=1, help="Policy versions announced over the run."),
+    p_stale: float = typer.Option(0.0, min=0, max=1, help="Fraction of rollouts from an old policy."),
+    stale_lag: int = typer.Option(10, min=1, help="How many versions behind a stale rollout is."),
+    time_scale: float = typer.Option(1.0, min=0.001, help="Simulated seconds per real second (inf: no waiting)."),
     seed: int = typer.Option(0, help="Random seed."),
 ) -> None:
-    """Publish synthetic agent rollouts and their rewards, as an inference fleet and graders would."""
-    from ember.rollouts.simulate import synthetic_reward, synthetic_rollout
+    """Publish a simulated fleet: rollouts from several regions, rewards, policy versions and faults."""
+    from ember.rollouts.simulate import WorkloadSpec, plan_workload, publish_workload
     from ember.rollouts.topics import default_topics, ensure_topics
-    from ember.rollouts.transport import RecordWriter, kafka_bootstrap
+    from ember.rollouts.transport import kafka_bootstrap
 
-    topics = default_topics(prefix)
+    topics = default_topics(prefix, partitions)
     ensure_topics(kafka_bootstrap(), list(topics.values()))
-    rng = np.random.default_rng(seed)
-    started = time.perf_counter()
-    with RecordWriter(topics["rollouts"].name) as rollout_writer, RecordWriter(topics["rewards"].name) as reward_writer:
-        for g in range(groups):
-            for _ in range(group_size):
-                rollout = synthetic_rollout(
-                    rng, group_id=f"g{seed}-{g}", prompt_id=f"p{g}", num_tokens=tokens, layers=layers or None
-                )
-                rollout_writer.write(rollout)
-                reward_writer.write(synthetic_reward(rng, rollout))
-    elapsed = time.perf_counter() - started
-    console.print(
-        f"published {rollout_writer.records} rollouts ({rollout_writer.bytes / 1e6:.1f} MB) and "
-        f"{reward_writer.records} rewards in {elapsed:.1f}s"
+    spec = WorkloadSpec(
+        groups=groups,
+        group_size=group_size,
+        tokens=tokens,
+        length_sigma=length_sigma,
+        layers=layers or None,
+        regions=_regions(regions),
+        group_interval_s=group_interval,
+        reward_delay_s=reward_delay,
+        p_missing_reward=p_missing_reward,
+        p_late_reward=p_late_reward,
+        late_delay_s=late_delay,
+        p_duplicate_reward=p_duplicate_reward,
+        p_duplicate_rollout=p_duplicate_rollout,
+        p_truncated=p_truncated,
+        p_malformed=p_malformed,
+        policy_versions=policy_versions,
+        p_stale=p_stale,
+        stale_lag=stale_lag,
+        seed=seed,
     )
+    events = plan_workload(spec)
+    stats = publish_workload(events, {role: t.name for role, t in topics.items()}, time_scale=time_scale)
+    rollout_bytes = stats.bytes.get("rollouts", 0)
+    console.print(
+        f"published {stats.counts} in {stats.seconds:.1f}s; rollouts {rollout_bytes / 1e6:.1f} MB on the wire, "
+        f"{rollout_bytes / max(1, stats.tokens):.1f} B/token"
+    )
+
+
+def _etl_config(path: Path):
+    from ember.rollouts.config import ConfigError, load_config
+
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
+
+
+@rollouts_app.command("etl")
+def etl(
+    config: Path = typer.Argument(..., help="ETL config YAML (see ember/rollouts/etl.example.yaml)."),
+    instance: str = typer.Option("0", help="Distinct per process: transactional id and static group member."),
+    until_idle: float = typer.Option(None, help="Exit once nothing is pending and no input came for this many seconds."),
+    log_level: str = typer.Option("INFO", help="Python log level."),
+) -> None:
+    """Run one ETL process: validate, filter, join rewards, compute advantages, commit batches exactly once."""
+    import logging
+    import signal
+    import threading
+
+    from ember.rollouts.etl import EtlService, TopologyError
+    from ember.rollouts.metrics import EtlMetrics
+
+    settings = _etl_config(config)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kafka").setLevel(logging.ERROR)
+    metrics = EtlMetrics()
+    if settings.metrics.port is not None:
+        console.print(f"metrics on http://127.0.0.1:{metrics.serve(settings.metrics.port)}/metrics")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        EtlService(settings, instance, metrics).run(stop, until_idle_s=until_idle)
+    except TopologyError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
+
+
+@rollouts_app.command("stats")
+def stats(
+    config: Path = typer.Argument(..., help="The ETL config YAML (topics and consumer group)."),
+    window: float = typer.Option(300.0, min=0, help="Seconds of ledger to summarise (0: everything)."),
+) -> None:
+    """Is data flowing and how stale is it: input lag, batches, drops by reason, dead letters."""
+    from ember.rollouts.stats import collect_stats, render_stats
+
+    render_stats(collect_stats(_etl_config(config), window_s=window), console)
+
+
+@rollouts_app.command("replay")
+def replay(
+    config: Path = typer.Argument(..., help="The ETL config YAML to start from."),
+    start: str = typer.Option("earliest", "--from", help="earliest | ISO time | unix seconds | rollouts:0=120,rewards:0=80"),
+    to: str = typer.Option(..., "--to", help="topic:NAME, or a directory for batches.arrow + outcomes.jsonl"),
+    advantage: str = typer.Option(None, help="Override advantages.estimator (grpo, dr_grpo, rloo)."),
+    overrides: list[str] = typer.Option(None, "--set", help="Override any setting, e.g. --set filters.max_policy_lag=2"),
+) -> None:
+    """Rebuild batches from the retained log with different settings (ablations, debugging)."""
+    import json
+
+    import yaml
+
+    from ember.rollouts.config import ConfigError
+    from ember.rollouts.replay import parse_start, replay as run_replay
+
+    settings = _etl_config(config)
+    sections: dict[str, dict] = {}
+    for item in overrides or []:
+        key, _, value = item.partition("=")
+        section, _, name = key.partition(".")
+        if not name or not value:
+            raise typer.BadParameter(f"--set {item!r}: expected section.key=value")
+        sections.setdefault(section, {})[name] = yaml.safe_load(value)
+    if advantage:
+        sections.setdefault("advantages", {})["estimator"] = advantage
+    try:
+        settings = settings.with_overrides(**sections)
+        begin = parse_start(start)
+    except (ConfigError, ValueError) as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
+    if to.startswith("topic:"):
+        summary = run_replay(settings, begin, to_topic=to.removeprefix("topic:"))
+    else:
+        summary = run_replay(settings, begin, to_dir=Path(to))
+    console.print_json(json.dumps(summary.as_dict()))
+
+
+@rollouts_app.command("publish-policy")
+def publish_policy(
+    version: int = typer.Argument(..., min=0, help="The policy version the trainer just published."),
+    prefix: str = PrefixOption,
+) -> None:
+    """Announce a new policy version (what the trainer does after each weight sync)."""
+    from kafka import KafkaProducer
+
+    from ember.rollouts.records import PolicyVersion
+    from ember.rollouts.topics import default_topics, ensure_topics
+    from ember.rollouts.transport import kafka_bootstrap, producer_config
+
+    spec = default_topics(prefix)["policy_versions"]
+    ensure_topics(kafka_bootstrap(), [spec])
+    producer = KafkaProducer(**producer_config())
+    producer.send(spec.name, key=b"policy", value=PolicyVersion.now(version).encode())
+    producer.close()
+    console.print(f"{spec.name}: policy version {version}")
 
 
 @rollouts_app.command("tail")

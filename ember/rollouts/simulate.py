@@ -1,16 +1,24 @@
 """Synthetic agent rollouts and rewards with realistic shapes, for the demo, tests and benchmarks.
 
 A rollout is a multi-turn episode: prompt (user), then alternating assistant and tool turns; only
-assistant tokens carry loss and sampler log-probs.
+assistant tokens carry loss and sampler log-probs. `plan_workload` + `publish_workload` are the load
+generator behind `ember rollouts simulate`: a fleet in several regions, graders, and the faults a real
+run sees (late, missing and duplicate rewards, duplicate rollouts, stale policies, malformed bytes).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
+from dataclasses import dataclass, field
 
 import numpy as np
+from kafka import KafkaProducer
 
+from ember.rollouts.records import PolicyVersion
+from ember.rollouts.transport import producer_config
+from ember.schemas.codec import encode
 from ember.schemas.rollouts import Reward, Rollout, Turn, routed_experts_dtype
 
 REGIONS = ("us-east", "eu-west", "ap-south")
@@ -30,6 +38,9 @@ def synthetic_rollout(
     num_experts: int = 256,
     policy_version: int = 0,
     rollout_id: str | None = None,
+    finish_reason: str | None = None,
+    region: str | None = None,
+    created_at_us: int | None = None,
 ) -> Rollout:
     prompt_tokens = min(prompt_tokens, num_tokens - 1)
     remaining = num_tokens - prompt_tokens
@@ -48,15 +59,15 @@ def synthetic_rollout(
         experts = rng.integers(0, num_experts, size=(num_tokens, layers, top_k)).astype(
             routed_experts_dtype(num_experts)
         )
-    finish = "length" if rng.random() < 0.05 else "stop"
+    finish = finish_reason or ("length" if rng.random() < 0.05 else "stop")
     return Rollout(
         rollout_id=rollout_id or uuid.uuid4().hex,
         group_id=group_id,
         prompt_id=prompt_id,
         policy_version=policy_version,
         sampler="sglang-sim/0",
-        region=str(rng.choice(REGIONS)),
-        created_at_us=time.time_ns() // 1000,
+        region=region or str(rng.choice(REGIONS)),
+        created_at_us=created_at_us if created_at_us is not None else time.time_ns() // 1000,
         tokens=rng.integers(0, vocab_size, size=num_tokens).astype(np.uint32),
         loss_mask=loss_mask,
         sampler_logprobs=logprobs,
@@ -79,3 +90,175 @@ def synthetic_reward(rng: np.random.Generator, rollout: Rollout, grader: str = "
         created_at_us=time.time_ns() // 1000,
         components={"tests_passed": passed, "style": style},
     )
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """What the simulated fleet does. Times are in simulated seconds; `publish` can compress them."""
+
+    groups: int = 8
+    group_size: int = 8
+    tokens: int = 2048
+    length_sigma: float = 0.5
+    max_tokens: int | None = None
+    layers: int | None = 61
+    top_k: int = 8
+    regions: dict[str, float] = field(default_factory=lambda: {"us-east": 0.0, "eu-west": 0.4, "ap-south": 1.5})
+    group_interval_s: float = 0.05
+    episode_s: float = 0.5
+    reward_delay_s: float = 0.5
+    p_missing_reward: float = 0.0
+    p_late_reward: float = 0.0
+    late_delay_s: float = 60.0
+    p_duplicate_reward: float = 0.0
+    p_duplicate_rollout: float = 0.0
+    p_truncated: float = 0.0
+    p_malformed: float = 0.0
+    policy_versions: int = 1
+    p_stale: float = 0.0
+    stale_lag: int = 10
+    graders: tuple[str, ...] = ("unit-tests",)
+    seed: int = 0
+    group_prefix: str = "sim"
+
+
+@dataclass(frozen=True)
+class Event:
+    """One message the fleet publishes at simulated time `at_s`; `record` is None for malformed bytes."""
+
+    at_s: float
+    role: str
+    key: bytes
+    record: Rollout | Reward | PolicyVersion | None = None
+    raw: bytes = b""
+    note: str = ""
+
+
+def _lengths(rng: np.random.Generator, spec: WorkloadSpec) -> np.ndarray:
+    cap = spec.max_tokens or 4 * spec.tokens
+    raw = spec.tokens * rng.lognormal(0.0, spec.length_sigma, size=spec.group_size) if spec.length_sigma else np.full(spec.group_size, spec.tokens)
+    return np.clip(raw.astype(np.int64), 16, cap)
+
+
+def _malformed(rng: np.random.Generator, good: bytes) -> tuple[bytes, str]:
+    kind = int(rng.integers(0, 3))
+    if kind == 0:
+        return good[: max(1, len(good) // 2)], "truncated encoding"
+    if kind == 1:
+        return b'{"rollout_id": "json is not the wire format"}', "not ember"
+    return bytes(rng.integers(0, 256, size=64, dtype=np.uint8)), "random bytes"
+
+
+def plan_workload(spec: WorkloadSpec) -> list[Event]:
+    """Every message of a simulated run, in publish order: rollouts delayed by region, rewards late,
+    missing or duplicated, rollouts duplicated, stale policy versions, and some malformed messages.
+
+    With `p_stale`, announced versions start at `stale_lag` so a stale rollout (`stale_lag` behind the
+    version current at its start) is always distinguishable from a fresh one.
+    """
+    rng = np.random.default_rng(spec.seed)
+    regions = list(spec.regions)
+    version_period = (spec.groups * spec.group_interval_s) / max(1, spec.policy_versions)
+    first = spec.stale_lag if spec.p_stale else 0
+    events = [
+        Event(v * version_period, "policy_versions", b"policy", PolicyVersion(first + v, 0))
+        for v in range(spec.policy_versions)
+    ]
+    base_us = time.time_ns() // 1000
+    for g in range(spec.groups):
+        group_id = f"{spec.group_prefix}-{spec.seed}-{g}"
+        key = group_id.encode()
+        start = g * spec.group_interval_s
+        version = first + (min(spec.policy_versions - 1, int(start / version_period)) if version_period > 0 else 0)
+        for i, length in enumerate(_lengths(rng, spec)):
+            region = regions[int(rng.integers(0, len(regions)))]
+            finished = start + float(rng.exponential(spec.episode_s))
+            lag = spec.stale_lag if rng.random() < spec.p_stale else 0
+            truncated = rng.random() < spec.p_truncated
+            rollout = synthetic_rollout(
+                rng,
+                group_id=group_id,
+                prompt_id=f"prompt-{g}",
+                num_tokens=int(length),
+                prompt_tokens=max(1, int(length) // 4),
+                layers=spec.layers,
+                top_k=spec.top_k,
+                policy_version=max(0, version - lag),
+                rollout_id=f"{group_id}-{i}",
+                finish_reason="length" if truncated else "stop",
+                region=region,
+                created_at_us=base_us + int(finished * 1e6),
+            )
+            published = finished + spec.regions[region]
+            events.append(Event(published, "rollouts", key, rollout))
+            if rng.random() < spec.p_duplicate_rollout:
+                events.append(Event(published + 0.01, "rollouts", key, rollout, note="duplicate"))
+            if rng.random() < spec.p_malformed:
+                raw, why = _malformed(rng, encode(rollout))
+                events.append(Event(published + 0.005, "rollouts", key, raw=raw, note=why))
+            if rng.random() < spec.p_missing_reward:
+                continue
+            for grader in spec.graders:
+                at = finished + float(rng.exponential(spec.reward_delay_s))
+                if rng.random() < spec.p_late_reward:
+                    at += spec.late_delay_s
+                reward = synthetic_reward(rng, rollout, grader=grader)
+                events.append(Event(at, "rewards", key, reward))
+                if rng.random() < spec.p_duplicate_reward:
+                    events.append(Event(at + 0.01, "rewards", key, reward, note="duplicate"))
+    events.sort(key=lambda e: e.at_s)
+    return events
+
+
+@dataclass
+class PublishStats:
+    counts: dict[str, int] = field(default_factory=dict)
+    bytes: dict[str, int] = field(default_factory=dict)
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def add(self, role: str, size: int) -> None:
+        self.counts[role] = self.counts.get(role, 0) + 1
+        self.bytes[role] = self.bytes.get(role, 0) + size
+
+
+def publish_workload(
+    events: list[Event],
+    topics: dict[str, str],
+    *,
+    time_scale: float = 1.0,
+    producer: KafkaProducer | None = None,
+    stop: threading.Event | None = None,
+) -> PublishStats:
+    """Publish events at their simulated times divided by `time_scale` (inf: as fast as possible).
+
+    Malformed events go out as raw bytes, everything else through the wire codec, keyed by group_id.
+    """
+    own = producer is None
+    producer = producer or KafkaProducer(**producer_config())
+    stats = PublishStats()
+    started = time.monotonic()
+    try:
+        for event in events:
+            if stop is not None and stop.is_set():
+                break
+            if time_scale != float("inf"):
+                delay = started + event.at_s / time_scale - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+            if isinstance(event.record, PolicyVersion):
+                value = PolicyVersion.now(event.record.policy_version).encode()
+            elif event.record is not None:
+                value = encode(event.record)
+            else:
+                value = event.raw
+            if isinstance(event.record, Rollout) and not event.note:
+                stats.tokens += event.record.num_tokens
+            producer.send(topics[event.role], key=event.key, value=value)
+            stats.add(event.role if not event.raw else "malformed", len(value))
+        producer.flush()
+    finally:
+        if own:
+            producer.close()
+    stats.seconds = time.monotonic() - started
+    return stats

@@ -29,13 +29,19 @@ class TopicSpec:
 
 
 def default_topics(prefix: str = "ember", partitions: int = 6) -> dict[str, TopicSpec]:
-    """Rollouts and rewards share a partition count so a group's rollouts and rewards co-partition."""
+    """Rollouts and rewards share a partition count so a group's rollouts and rewards co-partition.
+
+    `etl-state` has one partition per rollouts partition (the ETL's crash-recovery snapshots) and
+    `outcomes` is the ETL's ledger: one record per batch, per dropped rollout or reward, per dead letter.
+    """
     return {
         "rollouts": TopicSpec(f"{prefix}.rollouts", partitions),
         "rewards": TopicSpec(f"{prefix}.rewards", partitions),
         "policy_versions": TopicSpec(f"{prefix}.policy-versions", 1, retention_ms=-1),
         "train_batches": TopicSpec(f"{prefix}.train-batches", 1),
         "dead_letter": TopicSpec(f"{prefix}.dead-letter", 1, retention_ms=30 * 24 * 3600 * 1000),
+        "outcomes": TopicSpec(f"{prefix}.outcomes", 1, retention_ms=30 * 24 * 3600 * 1000),
+        "etl_state": TopicSpec(f"{prefix}.etl-state", partitions),
     }
 
 

@@ -1,0 +1,417 @@
+"""Corpus build: near-dedup quality and end-to-end throughput, ember vs datatrove, same parameters.
+
+Quality: a planted corpus of document families (a base plus variants: word edits at several rates,
+reformatting, renamed identifiers, an appended license header) is deduplicated by ember's near-dedup
+(MinHash, word 5-grams, 14 bands x 8 rows, distributed connected components) and by datatrove's
+MinHash pipeline with the same parameters (stages 1-4, union-find clustering). Ground truth: exact
+Jaccard of the word 5-gram sets, all pairs sharing any 5-gram (inverted index, so nothing is missed);
+a pair is a true duplicate when its Jaccard >= the LSH threshold (1/14)^(1/8) ~ 0.72. Reported: pair
+precision and recall of each tool's clusters.
+
+Throughput: the same web input (several zstd Parquet files; datatrove's JSONL reader needs orjson, absent), the same stages on both sides: read ->
+Gopher repetition + Gopher quality + C4 + FineWeb filters (datatrove's classes, same word splitter)
+-> exact dedup -> MinHash near dedup -> write. ember runs on FnApiRunner (multi_processing, W
+workers), datatrove on its LocalPipelineExecutor (W workers). Each run is a fresh subprocess;
+reported: medians over --repeats of wall seconds and CPU seconds (user + sys of the whole process
+tree: the per-core figure that holds on a machine shared with other work), docs/s per core, peak RSS
+(sum over the run's processes, and the largest one), and ember / datatrove ratios. Redaction is off for ember (datatrove
+has no equivalent stage here). datatrove hashes with sha1 (its default xxhash is not installed).
+Timing never decides pass/fail.
+
+    .venv/bin/python bench/bench_corpus_dedup.py [--families 600] [--docs 4000] [--files 4] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter, defaultdict
+from itertools import combinations
+from pathlib import Path
+
+import psutil
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+THRESHOLD = (1 / 14) ** (1 / 8)
+N_GRAMS, BANDS, ROWS, SEED = 5, 14, 8, 1
+MIT_HEADER = (
+    "# Copyright (c) 2024 The Authors\n# Permission is hereby granted, free of charge, to any person obtaining a copy of "
+    "this software and associated documentation files (the Software), to deal in the Software without restriction, "
+    "including without limitation the rights to use, copy, modify, merge, publish, distribute, sublicense, and/or sell "
+    "copies of the Software, and to permit persons to whom the Software is furnished to do so, subject to the "
+    "following conditions: The above copyright notice and this permission notice shall be included in all copies or "
+    "substantial portions of the Software.\n"
+)
+
+
+# ---------------------------------------------------------------- planted corpus
+
+
+def _vocabulary(rng: random.Random, size: int) -> list[str]:
+    syllables = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "ze", "pa", "qu", "ly", "do", "fe", "gi", "ho"]
+    words = set()
+    while len(words) < size:
+        words.add("".join(rng.choice(syllables) for _ in range(rng.randint(2, 4))))
+    return sorted(words)
+
+
+def _zipf_text(rng: random.Random, vocab: list[str], weights: list[float], words: int) -> str:
+    chosen = rng.choices(vocab, weights=weights, k=words)
+    lines, line = [], []
+    for w in chosen:
+        line.append(w)
+        if len(line) >= rng.randint(8, 14):
+            lines.append(" ".join(line) + ".")
+            line = []
+    if line:
+        lines.append(" ".join(line) + ".")
+    return "\n".join(lines)
+
+
+def _code(rng: random.Random, vocab: list[str], functions: int) -> tuple[str, list[str]]:
+    names = [f"{rng.choice(vocab)}_{rng.choice(vocab)}" for _ in range(functions)]
+    body = []
+    for name in names:
+        a, b = rng.sample(vocab, 2)
+        body.append(
+            f"def {name}({a}, {b}):\n    {rng.choice(vocab)} = {a} * {rng.randint(2, 99)} + {b}\n"
+            f"    if {rng.choice(vocab)}({a}) > {rng.randint(1, 999)}:\n        return {rng.choice(vocab)}({b}, {a})\n"
+            f"    return {rng.choice(names)}({b}, {rng.choice(vocab)})\n"
+        )
+    return "\n".join(body), names
+
+
+def _edit(rng: random.Random, text: str, vocab: list[str], rate: float) -> str:
+    words = text.split(" ")
+    for i in rng.sample(range(len(words)), max(1, int(rate * len(words)))):
+        words[i] = rng.choice(vocab)
+    return " ".join(words)
+
+
+def _reformat(rng: random.Random, text: str) -> str:
+    words = text.split()
+    out, line = [], []
+    for w in words:
+        line.append(w.upper() if rng.random() < 0.1 else w)
+        if len(line) >= rng.randint(5, 20):
+            out.append("  ".join(line))
+            line = []
+    out.append(" ".join(line))
+    return "\n\n".join(out)
+
+
+def planted_corpus(families: int, seed: int = 3) -> list[dict]:
+    """Families of one base document and its planted variants, ids 'f<family>-<variant>'."""
+    rng = random.Random(seed)
+    vocab = _vocabulary(rng, 20000)
+    weights = [1 / (i + 1) ** 0.9 for i in range(len(vocab))]
+    docs = []
+    for f in range(families):
+        if f % 2 == 0:
+            base = _zipf_text(rng, vocab, weights, rng.randint(200, 500))
+            variants = {
+                "edit01": _edit(rng, base, vocab, 0.01), "edit05": _edit(rng, base, vocab, 0.05),
+                "edit10": _edit(rng, base, vocab, 0.10), "edit20": _edit(rng, base, vocab, 0.20),
+                "reformat": _reformat(rng, base),
+            }
+        else:
+            base, names = _code(rng, vocab, rng.randint(6, 12))
+            renamed = base
+            for old in rng.sample(names, 2):
+                renamed = renamed.replace(old, f"{old}_v2")
+            variants = {"rename": renamed, "license": MIT_HEADER + base, "edit05": _edit(rng, base, vocab, 0.05)}
+        docs.append({"id": f"f{f}-base", "text": base})
+        chosen = rng.sample(sorted(variants), rng.randint(1, len(variants)))
+        docs += [{"id": f"f{f}-{name}", "text": variants[name]} for name in sorted(chosen)]
+    return docs
+
+
+def _write_parquet(path: Path, docs: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(docs), path, compression="zstd")
+
+
+def true_pairs(docs: list[dict]) -> tuple[set[tuple[str, str]], int]:
+    """Pairs with exact 5-gram Jaccard >= THRESHOLD; also how many candidate pairs were checked."""
+    from ember.pipelines.minhash import jaccard, shingle_set
+
+    sets = {d["id"]: shingle_set(d["text"], N_GRAMS) for d in docs}
+    postings: dict[int, list[str]] = defaultdict(list)
+    for doc_id, s in sets.items():
+        for h in s:
+            postings[h].append(doc_id)
+    candidates: set[tuple[str, str]] = set()
+    for ids in postings.values():
+        if len(ids) > 1:
+            candidates.update(tuple(sorted(p)) for p in combinations(ids, 2))
+    return {p for p in candidates if jaccard(sets[p[0]], sets[p[1]]) >= THRESHOLD}, len(candidates)
+
+
+def cluster_pairs(clusters: dict[str, str]) -> set[tuple[str, str]]:
+    members: dict[str, list[str]] = defaultdict(list)
+    for doc_id, cluster in clusters.items():
+        members[cluster].append(doc_id)
+    return {tuple(sorted(p)) for ids in members.values() for p in combinations(ids, 2)}
+
+
+def precision_recall(predicted: set, truth: set) -> tuple[float, float]:
+    hit = len(predicted & truth)
+    return (hit / len(predicted) if predicted else 1.0), (hit / len(truth) if truth else 1.0)
+
+
+def ember_clusters(docs: list[dict], work: Path) -> tuple[dict[str, str], float]:
+    import polars as pl
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    from ember.pipelines.corpus_config import parse_config
+    from ember.pipelines.corpus_pipeline import run
+    from ember.pipelines.corpus_report import read_output
+
+    _write_parquet(work / "in" / "planted.parquet", docs)
+    off = {"enabled": False}
+    config = parse_config({
+        "sources": [{"name": "p", "kind": "web", "inputs": [str(work / "in" / "*.parquet")], "format": "parquet",
+                     "fields": {"id": "id"}}],
+        "filters": {"web": {k: off for k in ("gopher_repetition", "gopher_quality", "c4_quality", "fineweb_quality")}},
+        "redaction": off, "dedup": {"exact": False, "n_grams": N_GRAMS, "bands": BANDS, "rows_per_band": ROWS, "seed": SEED},
+        "output": {"directory": str(work / "out")},
+    })
+    start = time.perf_counter()
+    run(config, PipelineOptions(["--runner=FnApiRunner"]))
+    seconds = time.perf_counter() - start
+    clusters = read_output(str(work / "out"), "clusters").filter(pl.col("stage") == "near_dedup")
+    return {r["document_id"].split(":", 1)[1]: r["cluster_id"] for r in clusters.iter_rows(named=True)}, seconds
+
+
+def _datatrove_minhash_config():
+    from datatrove.pipeline.dedup.minhash import MinhashConfig
+    from datatrove.utils.hashing import HashConfig
+
+    return MinhashConfig(n_grams=N_GRAMS, num_buckets=BANDS, hashes_per_bucket=ROWS, seed=SEED,
+                         hash_config=HashConfig(precision=64, hash_fc="sha1"))
+
+
+def datatrove_clusters(docs: list[dict], work: Path) -> tuple[dict[str, str], float]:
+    from datatrove.executor import LocalPipelineExecutor
+    from datatrove.pipeline.dedup.minhash import (
+        MinhashDedupBuckets, MinhashDedupCluster, MinhashDedupFilter, MinhashDedupSignature,
+    )
+    from datatrove.pipeline.readers import ParquetReader
+    from datatrove.pipeline.writers import ParquetWriter
+
+    from ember.pipelines.web_filters import RegexWordTokenizer
+
+    _write_parquet(work / "in" / "planted.parquet", docs)
+    cfg, tok, w = _datatrove_minhash_config(), RegexWordTokenizer(), str(work)
+    start = time.perf_counter()
+    for pipeline, tasks in (
+        ([ParquetReader(f"{w}/in"), MinhashDedupSignature(f"{w}/sigs", config=cfg, language=tok)], 1),
+        ([MinhashDedupBuckets(f"{w}/sigs", f"{w}/buckets", config=cfg)], BANDS),
+        ([MinhashDedupCluster(f"{w}/buckets", f"{w}/remove", config=cfg, save_cluster_id=True)], 1),
+        ([ParquetReader(f"{w}/in"),
+          MinhashDedupFilter(f"{w}/remove", load_cluster_ids=True,
+                             exclusion_writer=ParquetWriter(f"{w}/removed", expand_metadata=True)),
+          ParquetWriter(f"{w}/kept", expand_metadata=True)], 1),
+    ):
+        LocalPipelineExecutor(pipeline, tasks=tasks, workers=1, logging_dir=f"{w}/logs/{len(os.listdir(w))}").run()
+    seconds = time.perf_counter() - start
+    clusters = {}
+    for folder in ("kept", "removed"):
+        for path in sorted((work / folder).glob("*.parquet")):
+            for d in pq.read_table(path, columns=["id", "minhash_cluster_id"]).to_pylist():
+                if d["minhash_cluster_id"] != -1:
+                    clusters[d["id"]] = str(d["minhash_cluster_id"])
+    return clusters, seconds
+
+
+def quality(families: int, work: Path) -> None:
+    docs = planted_corpus(families)
+    truth, checked = true_pairs(docs)
+    print(f"\n## Near-dedup quality: {len(docs)} documents in {families} planted families")
+    print(f"ground truth: {len(truth)} pairs with exact 5-gram Jaccard >= {THRESHOLD:.3f} (of {checked} pairs sharing a 5-gram)\n")
+    print("| tool | clustered docs | predicted pairs | precision | recall | seconds |")
+    print("|---|---|---|---|---|---|")
+    for name, fn in (("ember (Beam, star CC)", ember_clusters), ("datatrove MinHash", datatrove_clusters)):
+        clusters, seconds = fn(docs, work / name.split()[0])
+        predicted = cluster_pairs(clusters)
+        p, r = precision_recall(predicted, truth)
+        print(f"| {name} | {len(clusters)} | {len(predicted)} | {p:.4f} | {r:.4f} | {seconds:.1f} |")
+
+
+# ---------------------------------------------------------------- throughput
+
+
+def web_corpus(directory: Path, docs: int, files: int, seed: int = 11) -> int:
+    """Filter-passing web pages with ~10% planted near duplicates and ~3% exact ones; returns bytes."""
+    from ember.pipelines.sample_corpus import near_duplicate, prose
+
+    rng = random.Random(seed)
+    directory.mkdir(parents=True)
+    pages: list[str] = []
+    for i in range(docs):
+        roll = rng.random()
+        if pages and roll < 0.03:
+            pages.append(rng.choice(pages))
+        elif pages and roll < 0.13:
+            pages.append(near_duplicate(rng, rng.choice(pages), 2))
+        else:
+            pages.append(prose(rng, rng.randint(8, 20)))
+    for k in range(files):
+        _write_parquet(directory / f"part-{k}.parquet", [{"id": f"d{i}", "text": t} for i, t in enumerate(pages) if i % files == k])
+    return sum(len(t.encode()) for t in pages)
+
+
+def run_ember(input_dir: str, out: str, workers: int) -> int:
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    from ember.pipelines.corpus_config import parse_config
+    from ember.pipelines.corpus_pipeline import run
+    from ember.pipelines.corpus_report import read_stats
+
+    config = parse_config({
+        "sources": [{"name": "web", "kind": "web", "inputs": [f"{input_dir}/*.parquet"], "format": "parquet"}],
+        "redaction": {"enabled": False},
+        "dedup": {"n_grams": N_GRAMS, "bands": BANDS, "rows_per_band": ROWS, "seed": SEED},
+        "output": {"directory": out},
+    })
+    args = ["--runner=FnApiRunner", "--direct_running_mode=multi_processing", f"--direct_num_workers={workers}"]
+    run(config, PipelineOptions(args))
+    return read_stats(out)["totals"]["kept"]
+
+
+def _text(doc) -> str:
+    return doc.text
+
+
+def run_datatrove(input_dir: str, out: str, workers: int, files: int) -> int:
+    from datatrove.executor import LocalPipelineExecutor
+    from datatrove.pipeline.dedup.exact_dedup import ExactDedupConfig, ExactDedupFilter, ExactDedupSignature, ExactFindDedups
+    from datatrove.pipeline.dedup.minhash import (
+        MinhashDedupBuckets, MinhashDedupCluster, MinhashDedupFilter, MinhashDedupSignature,
+    )
+    from datatrove.pipeline.filters import C4QualityFilter, FineWebQualityFilter, GopherQualityFilter, GopherRepetitionFilter
+    from datatrove.pipeline.readers import ParquetReader
+    from datatrove.pipeline.writers import ParquetWriter
+    from datatrove.utils.hashing import HashConfig
+
+    from ember.pipelines.web_filters import RegexWordTokenizer
+
+    tok, cfg = RegexWordTokenizer(), _datatrove_minhash_config()
+    exact = ExactDedupConfig(content_getter=_text, hash_config=HashConfig(precision=64, hash_fc="sha1"))
+    stages = [
+        ([ParquetReader(input_dir), GopherRepetitionFilter(language=tok), GopherQualityFilter(language=tok),
+          C4QualityFilter(filter_no_terminal_punct=False, language=tok), FineWebQualityFilter(language=tok),
+          ParquetWriter(f"{out}/filtered", compression="zstd")], files),
+        ([ParquetReader(f"{out}/filtered"), ExactDedupSignature(f"{out}/exact_sigs", config=exact)], files),
+        ([ExactFindDedups(f"{out}/exact_sigs", f"{out}/exact_dups", config=exact)], 1),
+        ([ParquetReader(f"{out}/filtered"), ExactDedupFilter(f"{out}/exact_dups", config=exact),
+          ParquetWriter(f"{out}/exact", compression="zstd")], files),
+        ([ParquetReader(f"{out}/exact"), MinhashDedupSignature(f"{out}/sigs", config=cfg, language=tok)], files),
+        ([MinhashDedupBuckets(f"{out}/sigs", f"{out}/buckets", config=cfg)], BANDS),
+        ([MinhashDedupCluster(f"{out}/buckets", f"{out}/remove", config=cfg)], 1),
+        ([ParquetReader(f"{out}/exact"), MinhashDedupFilter(f"{out}/remove"), ParquetWriter(f"{out}/final", compression="zstd")], files),
+    ]
+    for i, (pipeline, tasks) in enumerate(stages):
+        LocalPipelineExecutor(pipeline, tasks=tasks, workers=min(workers, tasks), logging_dir=f"{out}/logs/{i}").run()
+    return sum(pq.read_metadata(p).num_rows for p in Path(f"{out}/final").glob("*.parquet"))
+
+
+def _child(args: argparse.Namespace) -> None:
+    """One timed run in this fresh process; prints a JSON line for the parent."""
+    me = psutil.Process()
+    peak = {"sum": 0, "max": 0}
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.05):
+            try:
+                rss = [me.memory_info().rss] + [c.memory_info().rss for c in me.children(recursive=True)]
+            except psutil.Error:
+                continue
+            peak["sum"], peak["max"] = max(peak["sum"], sum(rss)), max(peak["max"], max(rss))
+
+    threading.Thread(target=sample, daemon=True).start()
+    start = time.perf_counter()
+    if args.tool == "ember":
+        kept = run_ember(args.input, args.out, args.workers)
+    else:
+        kept = run_datatrove(args.input, args.out, args.workers, args.files)
+    seconds = time.perf_counter() - start
+    stop.set()
+    print(json.dumps({"seconds": seconds, "kept": kept, "rss_sum_mb": peak["sum"] / 2**20, "rss_max_mb": peak["max"] / 2**20}))
+
+
+def throughput(docs: int, files: int, repeats: int, work: Path) -> None:
+    input_dir = work / "web"
+    total_bytes = web_corpus(input_dir, docs, files)
+    print(f"\n## Throughput: {docs} web documents ({total_bytes / 1e6:.1f} MB) in {files} files, median of {repeats}\n")
+    print("| tool | workers | wall s | CPU s | docs/s/core (wall) | docs per CPU-s | MB per CPU-s | kept | peak RSS sum MB | largest process MB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    results: dict[tuple[str, int], dict] = {}
+    for workers in (1, 2):
+        for tool in ("ember", "datatrove"):
+            runs = []
+            for r in range(repeats):
+                out = work / f"{tool}-{workers}-{r}"
+                cmd = [sys.executable, __file__, "_child", tool, str(input_dir), str(out), str(workers), str(files)]
+                before = resource.getrusage(resource.RUSAGE_CHILDREN)
+                line = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+                after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+                runs.append({**json.loads(line), "cpu": cpu})
+                shutil.rmtree(out, ignore_errors=True)
+            med = {k: statistics.median(run[k] for run in runs) for k in ("seconds", "cpu", "rss_sum_mb", "rss_max_mb")}
+            med["kept"] = runs[0]["kept"]
+            results[(tool, workers)] = med
+            s, cpu = med["seconds"], med["cpu"]
+            print(f"| {tool} | {workers} | {s:.2f} | {cpu:.2f} | {docs / s / workers:,.0f} | {docs / cpu:,.0f} | "
+                  f"{total_bytes / 1e6 / cpu:.3f} | {med['kept']} | {med['rss_sum_mb']:.0f} | {med['rss_max_mb']:.0f} |")
+    print("\n| workers | ember/datatrove docs/s per core (wall) | ember/datatrove docs per CPU-s | ember/datatrove peak RSS sum |")
+    print("|---|---|---|---|")
+    for workers in (1, 2):
+        e, d = results[("ember", workers)], results[("datatrove", workers)]
+        print(f"| {workers} | {d['seconds'] / e['seconds']:.2f}x | {d['cpu'] / e['cpu']:.2f}x | {e['rss_sum_mb'] / d['rss_sum_mb']:.2f}x |")
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "_child":
+        p = argparse.ArgumentParser()
+        for name in ("mode", "tool", "input", "out"):
+            p.add_argument(name)
+        p.add_argument("workers", type=int)
+        p.add_argument("files", type=int)
+        _child(p.parse_args())
+        return
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--families", type=int, default=600, help="planted families for the quality run")
+    p.add_argument("--docs", type=int, default=4000, help="web documents for the throughput run")
+    p.add_argument("--files", type=int, default=4, help="input files for the throughput run")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--skip-quality", action="store_true")
+    p.add_argument("--skip-throughput", action="store_true")
+    args = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="ember-bench-corpus-"))
+    try:
+        print(f"# bench_corpus_dedup — {os.cpu_count()} cores, ember vs datatrove "
+              f"(word {N_GRAMS}-grams, {BANDS} bands x {ROWS} rows, threshold {THRESHOLD:.3f})")
+        if not args.skip_quality:
+            quality(args.families, work / "quality")
+        if not args.skip_throughput:
+            throughput(args.docs, args.files, args.repeats, work / "throughput")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""Tokenize + pack: fill ratio and tokens/s per core, ember vs the tools users compare it with.
+
+One run, same texts, same tokenizer (a 32k byte-level BPE trained here on the corpus: no model hub
+is reachable), every tokenizer single-threaded (TOKENIZERS_PARALLELISM=false), so tokens/s is per core:
+  (a) raw    - tokenizers' `encode_batch_fast` alone, ids materialised (the ceiling)
+  (b) megatron - per-document encode + megatron-core `IndexedDatasetBuilder.add_document`, as
+               Megatron-LM's tools/preprocess_data.py does, then `finalize`
+  (c) datatrove - `DocumentTokenizer` (batch encode, .ds files, its default document shuffle)
+  (d) ember  - the whole `ember corpus tokenize` Beam pipeline on FnApiRunner from Parquet:
+               tokenize, best-fit pack, global shuffle, zstd Arrow shards, manifest
+  (d') ember tokenizer - ember's batch encode step alone (framing + uint32 arrays)
+Fill ratio at L=8192: best-fit-decreasing vs concat-and-chunk over the same document lengths.
+
+    .venv/bin/python bench/bench_tokenize_pack.py [--web-pages 4000] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TOKENIZERS_PARALLELISM"] = "false"  # before tokenizers is imported: one core each
+os.environ.setdefault("RAYON_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+
+from ember.tokenize.config import parse_config  # noqa: E402
+from ember.tokenize.packing import best_fit_decreasing, concat_and_chunk  # noqa: E402
+from ember.tokenize.sample_corpus import code_documents, web_documents, write_source  # noqa: E402
+from ember.tokenize.tokenizers import load_tokenizer  # noqa: E402
+
+EOS = "<|endoftext|>"
+BATCH = 512
+
+
+def train_tokenizer(texts: list[str], path: Path, vocab_size: int) -> Path:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.save(str(path))
+    return path
+
+
+def raw_encode(path: Path, texts: list[str]) -> int:
+    tokenizer = Tokenizer.from_file(str(path))
+    tokens = 0
+    for start in range(0, len(texts), BATCH):
+        for encoding in tokenizer.encode_batch_fast(texts[start : start + BATCH], add_special_tokens=False):
+            tokens += len(encoding.ids) + 1  # + EOS, to count like the others
+    return tokens
+
+
+def megatron_path(path: Path, texts: list[str], out: Path) -> int:
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    tokenizer = Tokenizer.from_file(str(path))
+    eod = tokenizer.token_to_id(EOS)
+    builder = IndexedDatasetBuilder(str(out) + ".bin", dtype=DType.optimal_dtype(tokenizer.get_vocab_size()))
+    tokens = 0
+    for text in texts:  # preprocess_data.py: Encoder.encode per document, then add_document
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        ids.append(eod)
+        builder.add_document(ids, [len(ids)])
+        tokens += len(ids)
+    builder.finalize(str(out) + ".idx")
+    assert np.iinfo(builder.dtype).max >= tokenizer.get_vocab_size() - 1
+    return tokens
+
+
+def datatrove_path(path: Path, texts: list[str], out: Path) -> int:
+    from datatrove.data import Document as DTDocument
+    from datatrove.pipeline.tokens.tokenizer import DocumentTokenizer
+
+    step = DocumentTokenizer(str(out), tokenizer_name_or_path=str(path), eos_token=EOS, seed=0, save_final_metadata=False)
+    step.run((DTDocument(text=t, id=str(i)) for i, t in enumerate(texts)), rank=0, world_size=1)
+    return sum((out / f).stat().st_size for f in os.listdir(out) if f.endswith(".ds")) // step.token_size
+
+
+def ember_tokenizer(config, texts: list[str]) -> int:
+    tokenizer = load_tokenizer(config)
+    return sum(
+        sum(len(t) for t in tokenizer.encode_batch(texts[start : start + BATCH]).tokens)
+        for start in range(0, len(texts), BATCH)
+    )
+
+
+def ember_pipeline(settings: dict, out: Path) -> int:
+    from ember.pipelines.tokenize_pipeline import run
+
+    manifest = run(parse_config({**settings, "output_dir": str(out)}), overwrite=True)
+    return sum(s.tokens for s in manifest.sources.values())
+
+
+def timed(fn) -> tuple[float, float, int]:
+    """CPU seconds of this process (all its threads) and wall seconds: per-core rates use CPU time,
+    which a busy shared machine distorts far less than wall time."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    tokens = fn()
+    return time.process_time() - cpu, time.perf_counter() - wall, tokens
+
+
+def fill_report(tokenizer_config, sources: dict[str, list[str]], seq_len: int) -> None:
+    tokenizer = load_tokenizer(tokenizer_config)
+    print(f"\n## Fill ratio at L={seq_len} (packing per source, one window per source)")
+    print(f"{'source':8} {'docs':>6} {'tokens':>10} {'> L':>5} | {'strategy':14} {'seqs':>6} {'fill':>8} {'padding':>9} {'split':>6} {'dropped':>7}")
+    totals = {"best_fit": [0, 0, 0], "concat_chunk": [0, 0, 0]}
+    for name, texts in sources.items():
+        lengths = [len(t) for s in range(0, len(texts), BATCH) for t in tokenizer.encode_batch(texts[s : s + BATCH]).tokens]
+        longer = sum(1 for n in lengths if n > seq_len)
+        for strategy, fn in (("best_fit", best_fit_decreasing), ("concat_chunk", concat_and_chunk)):
+            packing = fn(lengths, seq_len)
+            totals[strategy][0] += packing.tokens
+            totals[strategy][1] += len(packing.bins)
+            totals[strategy][2] += packing.split_documents
+            print(
+                f"{name:8} {len(lengths):6} {sum(lengths):10} {longer:5} | {strategy:14} {len(packing.bins):6} "
+                f"{packing.fill_ratio:8.4%} {packing.padding_tokens:9} {packing.split_documents:6} {0:7}"
+            )
+    for strategy, (tokens, bins, split) in totals.items():
+        print(f"{'all':8} {'':6} {tokens:10} {'':5} | {strategy:14} {bins:6} {tokens / (bins * seq_len):8.4%} {'':9} {split:6}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--web-pages", type=int, default=4000)
+    parser.add_argument("--code-files", type=int, default=None, help="default: every stdlib source file")
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    from loguru import logger
+
+    logger.remove()  # datatrove logs every step at INFO
+
+    work = Path(tempfile.mkdtemp(prefix="ember-bench-tokenize-"))
+    try:
+        code, web = code_documents(args.code_files), web_documents(args.web_pages, seed=0)
+        texts = [d.text for d in code] + [d.text for d in web]
+        chars = sum(map(len, texts))
+        print(f"corpus: {len(code)} code files + {len(web)} web pages, {chars / 1e6:.1f} M characters")
+        start = time.perf_counter()
+        path = train_tokenizer(texts, work / "tokenizer.json", args.vocab)
+        print(f"tokenizer: byte-level BPE, vocab {args.vocab}, trained in {time.perf_counter() - start:.1f}s")
+        tokenizer_settings = {"kind": "huggingface", "path": str(path), "eos_token": EOS}
+        fill_report(parse_config({"output_dir": "x", "tokenizer": tokenizer_settings, "sources": [{"name": "x", "path": "x"}]}).tokenizer,
+                    {"code": [d.text for d in code], "web": [d.text for d in web]}, args.seq_len)
+
+        write_source(work / "in" / "code" / "part-0.parquet", code)
+        write_source(work / "in" / "web" / "part-0.parquet", web)
+        settings = {
+            "output_dir": "unused",
+            "seq_len": args.seq_len,
+            "tokenizer": tokenizer_settings,
+            "sources": [
+                {"name": "code", "path": str(work / "in" / "code" / "*.parquet"), "weight": 0.5},
+                {"name": "web", "path": str(work / "in" / "web" / "*.parquet"), "weight": 0.5},
+            ],
+        }
+        tokenizer_config = parse_config(settings).tokenizer
+        runs = {
+            "(a) raw encode_batch_fast": lambda: raw_encode(path, texts),
+            "(b) megatron per-doc + IndexedDatasetBuilder": lambda: megatron_path(path, texts, work / "megatron"),
+            "(c) datatrove DocumentTokenizer": lambda: datatrove_path(path, texts, _fresh(work / "datatrove")),
+            "(d) ember pipeline (FnApiRunner)": lambda: ember_pipeline(settings, work / "ember"),
+            "(d') ember tokenizer step": lambda: ember_tokenizer(tokenizer_config, texts),
+        }
+        results: dict[str, list[float]] = {name: [] for name in runs}
+        walls: dict[str, list[float]] = {name: [] for name in runs}
+        counts: dict[str, int] = {}
+        for _ in range(args.repeats):
+            for name, fn in runs.items():  # interleaved, so machine noise hits every method alike
+                cpu, wall, tokens = timed(fn)
+                results[name].append(tokens / cpu)
+                walls[name].append(tokens / wall)
+                counts[name] = tokens
+        ceiling = statistics.median(results["(a) raw encode_batch_fast"])
+        print(f"\n## Tokens per CPU-second = tokens/s per core (median of {args.repeats}; single-threaded tokenizers)")
+        print(f"{'method':48} {'tokens':>10} {'median':>10} {'min':>10} {'max':>10} {'vs (a)':>7} {'wall tok/s':>11}")
+        for name, rates in results.items():
+            median = statistics.median(rates)
+            print(
+                f"{name:48} {counts[name]:10} {median:10,.0f} {min(rates):10,.0f} {max(rates):10,.0f} "
+                f"{median / ceiling:7.1%} {statistics.median(walls[name]):11,.0f}"
+            )
+        ember = statistics.median(results["(d) ember pipeline (FnApiRunner)"])
+        for other in ("(b) megatron per-doc + IndexedDatasetBuilder", "(c) datatrove DocumentTokenizer"):
+            print(f"ember pipeline / {other[:3]}: {ember / statistics.median(results[other]):.2f}x")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _fresh(path: Path) -> Path:
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""The `midtrain` run config: one YAML file, validated before anything is built or submitted.
+
+Every section forbids unknown keys, so a typo fails with the key's dotted path instead of being
+ignored. Relative paths are resolved against the config file's directory, so a config and the
+shard sets it names can move together.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """The config file is unreadable or invalid; the message names each bad key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Section):
+    tokenizer: str = Field(min_length=1, description="tokenizer name every shard set's manifest must carry")
+    vocab_size: int = Field(gt=0, description="must equal the manifests' tokenizer vocab_size")
+    seq_len: int = Field(gt=1, description="must equal the manifests' seq_len")
+    num_layers: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_query_groups: int | None = Field(default=None, gt=0)
+    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    swiglu: bool = True
+    position_embedding: Literal["rope", "learned_absolute"] = "rope"
+    rotary_base: int = Field(default=10000, gt=0)
+    init_std: float = Field(default=0.02, gt=0)
+    hidden_dropout: float = Field(default=0.0, ge=0, lt=1)
+    attention_dropout: float = Field(default=0.0, ge=0, lt=1)
+    vocab_pad_multiple: int = Field(default=128, gt=0, description="embedding rows are padded to a multiple of this x TP")
+
+    @model_validator(mode="after")
+    def _heads(self) -> "ModelConfig":
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}")
+        if self.num_query_groups and self.num_attention_heads % self.num_query_groups:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not divisible by num_query_groups {self.num_query_groups}")
+        return self
+
+
+class MoEConfig(_Section):
+    num_experts: int = Field(gt=1)
+    router_topk: int = Field(gt=0)
+    ffn_hidden_size: int = Field(gt=0, description="hidden size of each routed expert")
+    shared_expert_ffn_hidden_size: int | None = Field(default=None, gt=0, description="None: no shared expert")
+    router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    load_balancing: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "aux_loss"
+    aux_loss_coeff: float = Field(default=1e-3, ge=0)
+    expert_bias: bool = Field(default=False, description="aux-loss-free balancing by a per-expert routing bias")
+    expert_bias_update_rate: float = Field(default=1e-3, gt=0)
+    token_dispatcher: Literal["allgather", "alltoall", "flex"] = "alltoall"
+    routing_replay: bool = Field(default=False, description="megatron's moe_enable_routing_replay (router replay for RL)")
+    grouped_gemm: bool = Field(default=False, description="needs Transformer Engine")
+
+    @model_validator(mode="after")
+    def _routing(self) -> "MoEConfig":
+        if self.router_topk > self.num_experts:
+            raise ValueError(f"router_topk {self.router_topk} exceeds num_experts {self.num_experts}")
+        if self.expert_bias and self.router_score_function != "sigmoid":
+            raise ValueError("expert_bias needs router_score_function: sigmoid")
+        if self.router_topk == 1 and self.router_score_function == "softmax":
+            raise ValueError("router_topk 1 with softmax scores gives the router no gradient; use topk >= 2 or sigmoid")
+        return self
+
+
+class ParallelConfig(_Section):
+    tensor: int = Field(default=1, gt=0)
+    pipeline: int = Field(default=1, gt=0)
+    expert: int = Field(default=1, gt=0)
+
+
+class OptimizerConfig(_Section):
+    lr: float = Field(gt=0)
+    min_lr: float = Field(default=0.0, ge=0)
+    weight_decay: float = Field(default=0.1, ge=0)
+    adam_beta1: float = Field(default=0.9, gt=0, lt=1)
+    adam_beta2: float = Field(default=0.95, gt=0, lt=1)
+    adam_eps: float = Field(default=1e-8, gt=0)
+    clip_grad: float = Field(default=1.0, ge=0, description="0 disables; always 0 on CPU (megatron asserts CUDA grads)")
+
+    @model_validator(mode="after")
+    def _lrs(self) -> "OptimizerConfig":
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr {self.min_lr} exceeds lr {self.lr}")
+        return self
+
+
+class ScheduleConfig(_Section):
+    """Warmup-stable-decay: linear warmup, constant, then decay to min_lr over the last steps."""
+
+    warmup_steps: int = Field(default=0, ge=0)
+    decay_steps: int = Field(default=0, ge=0)
+    decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "linear"
+
+
+class ShardSetConfig(_Section):
+    path: Path
+    weight: float = Field(default=1.0, gt=0)
+
+
+class DataConfig(_Section):
+    shard_sets: list[ShardSetConfig] = Field(min_length=1)
+    seed: int = 1234
+    blend_period: int = Field(default=1000, gt=0, description="positions per exact blend cycle")
+    shuffle_window_chunks: int = Field(
+        default=64, gt=0, description="record batches shuffled together; each loader keeps this many decoded per shard set"
+    )
+    num_workers: int = Field(default=2, ge=0)
+
+
+class TrainConfig(_Section):
+    steps: int = Field(gt=0)
+    micro_batch_size: int = Field(gt=0)
+    global_batch_size: int = Field(gt=0)
+    seed: int = 1234
+    precision: Literal["auto", "bf16", "fp32"] = Field(default="auto", description="auto: bf16 on GPU, fp32 on CPU")
+    save_interval: int = Field(default=0, ge=0, description="steps between checkpoints; 0: only at the end and on signal")
+    log_interval: int = Field(default=1, gt=0)
+    keep_checkpoints: int = Field(default=2, gt=0)
+
+    @model_validator(mode="after")
+    def _batches(self) -> "TrainConfig":
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"global_batch_size {self.global_batch_size} is not a multiple of micro_batch_size {self.micro_batch_size}"
+            )
+        return self
+
+
+class MidtrainConfig(_Section):
+    run_dir: Path = Field(description="checkpoints/, metrics.jsonl and logs/ are written here")
+    model: ModelConfig
+    moe: MoEConfig
+    parallel: ParallelConfig = ParallelConfig()
+    optimizer: OptimizerConfig
+    schedule: ScheduleConfig = ScheduleConfig()
+    data: DataConfig
+    train: TrainConfig
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "MidtrainConfig":
+        problems = []
+        if self.moe.num_experts % self.parallel.expert:
+            problems.append(f"parallel.expert {self.parallel.expert} does not divide moe.num_experts {self.moe.num_experts}")
+        if self.model.num_attention_heads % self.parallel.tensor:
+            problems.append(f"parallel.tensor {self.parallel.tensor} does not divide model.num_attention_heads")
+        if self.model.num_layers % self.parallel.pipeline:
+            problems.append(f"parallel.pipeline {self.parallel.pipeline} does not divide model.num_layers {self.model.num_layers}")
+        if self.schedule.warmup_steps + self.schedule.decay_steps > self.train.steps:
+            problems.append(
+                f"schedule.warmup_steps + schedule.decay_steps ({self.schedule.warmup_steps} + "
+                f"{self.schedule.decay_steps}) exceed train.steps {self.train.steps}"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.run_dir / "metrics.jsonl"
+
+    @property
+    def complete_marker(self) -> Path:
+        """Written when every step has run, so a requeue trap knows not to requeue."""
+        return self.run_dir / "COMPLETE"
+
+
+def _resolve(data: dict, base: Path) -> dict:
+    data = dict(data)
+    if isinstance(data.get("run_dir"), str):
+        data["run_dir"] = str((base / data["run_dir"]).resolve())
+    sets = (data.get("data") or {}).get("shard_sets") if isinstance(data.get("data"), dict) else None
+    if isinstance(sets, list):
+        data["data"] = {
+            **data["data"],
+            "shard_sets": [
+                {**s, "path": str((base / s["path"]).resolve())} if isinstance(s, dict) and isinstance(s.get("path"), str) else s
+                for s in sets
+            ],
+        }
+    return data
+
+
+def parse_config(data: dict, base: Path, where: str = "config") -> MidtrainConfig:
+    try:
+        return MidtrainConfig.model_validate(_resolve(data, base))
+    except ValidationError as exc:
+        lines = []
+        for error in exc.errors():
+            key = ".".join(str(p) for p in error["loc"]) or "(top level)"
+            lines.append(f"  {key}: {error['msg']}")
+        raise ConfigError(f"{where} is invalid:\n" + "\n".join(lines)) from None
+
+
+def load_config(path: str | Path) -> MidtrainConfig:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections (model, moe, data, ...), got {type(data).__name__}")
+    return parse_config(data, path.resolve().parent, str(path))
+

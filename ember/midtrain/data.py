@@ -1,0 +1,347 @@
+"""Mid-training data path: a Megatron-style dataset over ember's packed Arrow shard sets.
+
+Startup reads each manifest and each shard's footer (O(shards), no pass over rows). A global
+sample position is blended, shuffled and located by `ember.midtrain.sampling`; the row is read
+from a memory-mapped Arrow IPC file, decompressing only the record batch that holds it (an LRU
+keeps recent batches, and the shuffle keeps reads inside a window of batches). Each sample is the
+dict megatron-core's GPT step consumes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import torch
+
+from ember.midtrain.sampling import Blend, EpochShuffle, chunk_bounds, microbatch_positions
+from ember.schemas import Manifest, read_manifest
+from ember.tokenize.shards import ROWS_PER_BATCH_KEY
+
+# Columns a sample needs; `segments` (document ids) is never decompressed on the training path.
+_READ_COLUMNS = ("tokens", "cu_seqlens", "source", "loss_mask")
+
+
+class DataError(ValueError):
+    """A shard set cannot feed this model; the message names the shard set and the mismatch."""
+
+
+@dataclass(frozen=True)
+class ShardSetSpec:
+    path: Path
+    weight: float
+
+
+@dataclass
+class _Chunk:
+    """One decoded record batch."""
+
+    tokens: np.ndarray  # [rows, seq_len] uint32
+    cu_offsets: np.ndarray
+    cu_values: np.ndarray
+    source_ids: np.ndarray  # [rows] global source index
+    mask_valid: np.ndarray | None  # [rows] bool, None when the column is all null
+    mask_values: np.ndarray | None  # [rows, seq_len] uint8
+
+
+class _Shard:
+    """One Arrow IPC shard, opened lazily per process (memory maps do not survive fork/pickle)."""
+
+    def __init__(self, path: Path, rows: int):
+        self.path = path
+        self.rows = rows
+        self._pid: int | None = None
+        self._reader: ipc.RecordBatchFileReader | None = None
+
+    def reader(self) -> ipc.RecordBatchFileReader:
+        if self._pid != os.getpid():
+            source = pa.memory_map(str(self.path))
+            schema = ipc.open_file(source).schema
+            missing = [c for c in _READ_COLUMNS if c not in schema.names]
+            if missing:
+                raise DataError(f"{self.path}: not a PACKED_SEQUENCE_SCHEMA shard, missing columns {missing}")
+            fields = [schema.get_field_index(c) for c in _READ_COLUMNS]
+            self._reader = ipc.open_file(source, options=ipc.IpcReadOptions(included_fields=fields))
+            self._pid = os.getpid()
+        return self._reader
+
+    def batch_rows(self) -> list[int]:
+        """Rows per record batch: from the writer's metadata when present, else batch headers."""
+        reader = self.reader()
+        per_batch = int((reader.schema.metadata or {}).get(ROWS_PER_BATCH_KEY, b"0"))
+        n = reader.num_record_batches
+        if per_batch > 0:
+            sizes = [per_batch] * n
+            sizes[-1] = self.rows - per_batch * (n - 1)
+        else:  # another writer: read the batch lengths, decompressing only the small `source` column
+            with ipc.open_file(
+                pa.memory_map(str(self.path)),
+                options=ipc.IpcReadOptions(included_fields=[reader.schema.get_field_index("source")]),
+            ) as light:
+                sizes = [light.get_batch(i).num_rows for i in range(n)]
+        if sum(sizes) != self.rows or min(sizes) <= 0:
+            raise DataError(f"{self.path}: record batches hold {sum(sizes)} rows, manifest says {self.rows}")
+        return sizes
+
+
+def _decode(batch: pa.RecordBatch, seq_len: int, source_index: dict[str, int], where: str) -> _Chunk:
+    tokens_col = batch.column("tokens")
+    lengths = np.diff(tokens_col.offsets.to_numpy())
+    if np.any(lengths != seq_len):
+        raise DataError(f"{where}: a row holds {int(lengths[lengths != seq_len][0])} tokens, seq_len is {seq_len}")
+    tokens = tokens_col.flatten().to_numpy().reshape(len(batch), seq_len)
+    cu = batch.column("cu_seqlens")
+    encoded = batch.column("source").dictionary_encode()
+    lookup = np.array([source_index[s] for s in encoded.dictionary.to_pylist()], dtype=np.int64)
+    source_ids = lookup[encoded.indices.to_numpy(zero_copy_only=False)]
+    mask = batch.column("loss_mask")
+    mask_valid = mask_values = None
+    if mask.null_count < len(mask):
+        mask_valid = mask.is_valid().to_numpy(zero_copy_only=False)
+        filled = mask.fill_null(pa.scalar([0] * seq_len, type=mask.type))
+        mask_values = filled.flatten().to_numpy().reshape(len(batch), seq_len)
+    return _Chunk(
+        tokens=tokens,
+        cu_offsets=cu.offsets.to_numpy(),
+        cu_values=cu.flatten().to_numpy(),
+        source_ids=source_ids,
+        mask_valid=mask_valid,
+        mask_values=mask_values,
+    )
+
+
+@lru_cache(maxsize=4)
+def _causal_mask(seq_len: int) -> np.ndarray:
+    """[s, s] bool, True above the diagonal (future positions are masked)."""
+    mask = np.triu(np.ones((seq_len, seq_len), dtype=bool), k=1)
+    mask.flags.writeable = False
+    return mask
+
+
+def gpt_sample(
+    tokens: np.ndarray, cu_seqlens: np.ndarray, row_loss_mask: np.ndarray | None, pad_token_id: int, dense_mask: bool
+) -> dict[str, np.ndarray]:
+    """One packed row -> megatron-core's GPT inputs.
+
+    labels[t] = tokens[t+1]. A position is trained only when its target is a real next token of
+    the same document: not the last token of a document (its target would be the next document),
+    not padding, and not where the row's own loss mask excludes the target token.  Position ids
+    restart at 0 per document; the padding tail is one more segment so no attention row is empty.
+    """
+    seq_len = len(tokens)
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    bounds = cu if cu[-1] == seq_len else np.append(cu, seq_len)
+    segment = np.repeat(np.arange(len(bounds) - 1), np.diff(bounds))
+    position_ids = np.arange(seq_len) - bounds[segment]
+    tokens = tokens.astype(np.int64)
+    labels = np.empty_like(tokens)
+    labels[:-1] = tokens[1:]
+    labels[-1] = pad_token_id
+    loss_mask = np.zeros(seq_len, dtype=np.float32)
+    loss_mask[: cu[-1]] = 1.0
+    loss_mask[cu[1:] - 1] = 0.0
+    if row_loss_mask is not None:
+        loss_mask[:-1] *= row_loss_mask[1:].astype(np.float32)
+    padded_cu = np.full(seq_len + 1, -1, dtype=np.int32)
+    padded_cu[: len(bounds)] = bounds
+    sample = {
+        "tokens": tokens,
+        "labels": labels,
+        "loss_mask": loss_mask,
+        "position_ids": position_ids,
+        "cu_seqlens": padded_cu,
+        "max_seqlen": np.int32(np.diff(bounds).max()),
+    }
+    if dense_mask:
+        sample["attention_mask"] = (_causal_mask(seq_len) | (segment[:, None] != segment[None, :]))[None]
+    return sample
+
+
+def thd_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """A micro-batch's -1-padded per-sample cu_seqlens -> one cu_seqlens over the flattened batch.
+
+    Why: Transformer Engine's THD attention takes the batch as one token stream [b*s] with every
+    document boundary in it; sample j's boundaries shift by j*seq_len.
+    """
+    pieces = [torch.zeros(1, dtype=torch.int32)]
+    for j, row in enumerate(cu_seqlens):
+        valid = row[row >= 0]
+        pieces.append(valid[1:] + j * seq_len)
+    return torch.cat(pieces).to(torch.int32)
+
+
+class _ShardSet:
+    def __init__(self, index: int, spec: ShardSetSpec, manifest: Manifest, window_chunks: int, seed: int):
+        self.spec = spec
+        self.manifest = manifest
+        self.shards = [_Shard(spec.path / entry.path, entry.rows) for entry in manifest.shards]
+        chunk_shard, chunk_batch, chunk_rows = [], [], []
+        for s, shard in enumerate(self.shards):
+            for b, rows in enumerate(shard.batch_rows()):
+                chunk_shard.append(s)
+                chunk_batch.append(b)
+                chunk_rows.append(rows)
+        self.chunk_shard = np.asarray(chunk_shard, dtype=np.int64)
+        self.chunk_batch = np.asarray(chunk_batch, dtype=np.int64)
+        self.chunk_start = chunk_bounds(chunk_rows)
+        self.shuffle = EpochShuffle(chunk_rows, seed=seed, source=index, window_chunks=window_chunks)
+
+    def locate(self, row: int) -> tuple[int, int, int]:
+        """(shard, record batch, row within batch) of a row of this set, in manifest order."""
+        chunk = int(np.searchsorted(self.chunk_start, row, side="right")) - 1
+        return int(self.chunk_shard[chunk]), int(self.chunk_batch[chunk]), row - int(self.chunk_start[chunk])
+
+
+def open_manifests(specs: list[ShardSetSpec]) -> list[Manifest]:
+    """Each set's manifest, with a missing/unfinished/damaged set reported by path."""
+    manifests = []
+    for spec in specs:
+        if not spec.path.is_dir():
+            raise DataError(f"shard set {spec.path} does not exist")
+        try:
+            manifest = read_manifest(spec.path)
+        except FileNotFoundError as exc:
+            raise DataError(str(exc)) from None
+        missing = [e.path for e in manifest.shards if not (spec.path / e.path).is_file()]
+        wrong_size = [
+            e.path for e in manifest.shards if e.path not in missing and (spec.path / e.path).stat().st_size != e.bytes
+        ]
+        if missing or wrong_size:
+            raise DataError(
+                f"shard set {spec.path} is incomplete: missing {missing[:5]}, size differs from manifest {wrong_size[:5]}"
+            )
+        manifests.append(manifest)
+    return manifests
+
+
+def check_model_compatible(
+    specs: list[ShardSetSpec], manifests: list[Manifest], *, vocab_size: int, seq_len: int, tokenizer_name: str
+) -> None:
+    """Refuses shard sets tokenized for another model: tokenizer identity, vocab size, seq_len."""
+    problems = []
+    hashes = {m.tokenizer.hash for m in manifests}
+    if len(hashes) > 1:
+        problems.append(f"shard sets were tokenized with different tokenizers (hashes {sorted(hashes)})")
+    for spec, m in zip(specs, manifests):
+        if m.tokenizer.name != tokenizer_name:
+            problems.append(f"{spec.path}: tokenizer {m.tokenizer.name!r}, model.tokenizer is {tokenizer_name!r}")
+        if m.tokenizer.vocab_size != vocab_size:
+            problems.append(f"{spec.path}: tokenizer vocab_size {m.tokenizer.vocab_size}, model.vocab_size is {vocab_size}")
+        if m.seq_len != seq_len:
+            problems.append(f"{spec.path}: seq_len {m.seq_len}, model.seq_len is {seq_len}")
+    if problems:
+        raise DataError("; ".join(problems))
+
+
+class MidtrainDataset(torch.utils.data.Dataset):
+    """Global position -> GPT sample, blended over shard sets by weight (megatron-style dataset:
+    `__len__` is the number of samples training will draw, `__getitem__` returns tensors)."""
+
+    def __init__(
+        self,
+        specs: list[ShardSetSpec],
+        *,
+        num_samples: int,
+        seed: int,
+        blend_period: int,
+        window_chunks: int,
+        dense_attention_mask: bool,
+        manifests: list[Manifest] | None = None,
+    ):
+        manifests = manifests if manifests is not None else open_manifests(specs)
+        seq_lens = {m.seq_len for m in manifests}
+        if len(seq_lens) != 1:
+            raise DataError(f"shard sets disagree on seq_len: {sorted(seq_lens)}")
+        self.seq_len = seq_lens.pop()
+        self.num_samples = num_samples
+        self.dense_attention_mask = dense_attention_mask
+        self.source_names = sorted({name for m in manifests for name in m.sources})
+        self._source_index = {name: i for i, name in enumerate(self.source_names)}
+        self.sets = [_ShardSet(i, spec, m, window_chunks, seed) for i, (spec, m) in enumerate(zip(specs, manifests))]
+        self.blend = Blend.build([s.weight for s in specs], blend_period)
+        self.fingerprint = hashlib.sha256(
+            json.dumps(
+                {
+                    "sets": [[m.config_hash, m.num_sequences, m.seq_len] for m in manifests],
+                    "counts": self.blend.counts.tolist(),
+                    "seed": seed,
+                    "window_chunks": window_chunks,
+                }
+            ).encode()
+        ).hexdigest()[:16]
+        # One LRU of decoded record batches per shard set, as large as a shuffle window: every
+        # batch is then decoded once per epoch (the blend interleaves sets, so they must not share).
+        self._caches: list[OrderedDict[tuple[int, int], _Chunk]] = [OrderedDict() for _ in self.sets]
+        self._cache_chunks = window_chunks
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def locate(self, position: int) -> tuple[int, int, int]:
+        """(shard set, epoch of that set, row of that set) for a global position."""
+        set_index, draw = self.blend.locate(position)
+        epoch, row = self.sets[int(set_index)].shuffle.row(int(draw))
+        return int(set_index), epoch, row
+
+    def _chunk(self, set_index: int, shard: int, batch: int) -> _Chunk:
+        cache = self._caches[set_index]
+        chunk = cache.get((shard, batch))
+        if chunk is None:
+            shard_obj = self.sets[set_index].shards[shard]
+            chunk = _decode(
+                shard_obj.reader().get_batch(batch), self.seq_len, self._source_index, f"{shard_obj.path} batch {batch}"
+            )
+            cache[(shard, batch)] = chunk
+            if len(cache) > self._cache_chunks:
+                cache.popitem(last=False)
+        else:
+            cache.move_to_end((shard, batch))
+        return chunk
+
+    def __getitem__(self, position: int) -> dict[str, torch.Tensor]:
+        set_index, epoch, row = self.locate(int(position))
+        shard, batch, offset = self.sets[set_index].locate(row)
+        chunk = self._chunk(set_index, shard, batch)
+        cu = chunk.cu_values[chunk.cu_offsets[offset] : chunk.cu_offsets[offset + 1]]
+        row_mask = None
+        if chunk.mask_valid is not None and chunk.mask_valid[offset]:
+            row_mask = chunk.mask_values[offset]
+        pad = self.sets[set_index].manifest.pad_token_id
+        sample = gpt_sample(chunk.tokens[offset], cu, row_mask, pad, self.dense_attention_mask)
+        sample["source_id"] = chunk.source_ids[offset]
+        sample["sample_id"] = np.int64(position)
+        sample["shard_set"] = np.int64(set_index)
+        sample["row"] = np.int64(row)
+        sample["epoch"] = np.int64(epoch)
+        return {k: torch.from_numpy(np.asarray(v)) for k, v in sample.items()}
+
+
+class GlobalOrderSampler(torch.utils.data.Sampler):
+    """Batch sampler for one DP rank: its slice of each global micro-batch from `consumed` on.
+
+    Why: the only resume state is the global position, so a restart with any DP size (same global
+    micro-batch stepping) continues the global order exactly: nothing repeated, nothing skipped.
+    """
+
+    def __init__(self, consumed: int, total: int, micro_batch_size: int, dp_size: int, dp_rank: int):
+        self.consumed = consumed
+        self.total = total
+        self.micro_batch_size = micro_batch_size
+        self.dp_size = dp_size
+        self.dp_rank = dp_rank
+
+    def __iter__(self):
+        step = self.micro_batch_size * self.dp_size
+        for start in range(self.consumed, self.total - step + 1, step):
+            yield list(microbatch_positions(start, self.micro_batch_size, self.dp_size, self.dp_rank))
+
+    def __len__(self) -> int:
+        return max(0, (self.total - self.consumed) // (self.micro_batch_size * self.dp_size))

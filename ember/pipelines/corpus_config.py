@@ -1,0 +1,293 @@
+"""Typed configuration of `ember corpus build`: sources, filters, redaction, dedup and outputs.
+
+Every model forbids unknown keys so a typo fails loudly; `load_config` turns pydantic's errors into
+one `ConfigError` whose lines name the bad key by its dotted path (`sources.1.format: ...`). The
+datatrove web filters take exactly the keyword arguments of their datatrove constructors: their
+models are generated from those signatures, so a threshold datatrove does not have is an error here.
+"""
+
+from __future__ import annotations
+
+import inspect
+import posixpath
+from typing import Any, Literal
+
+import yaml
+from apache_beam.io.filesystems import FileSystems
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+
+from ember.schemas.documents import METADATA_KEYS
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names each bad key and why."""
+
+
+PERMISSIVE_LICENSES = (
+    "mit",
+    "apache-2.0",
+    "bsd-2-clause",
+    "bsd-3-clause",
+    "isc",
+    "unlicense",
+    "cc0-1.0",
+    "0bsd",
+    "zlib",
+    "artistic-2.0",
+    "bsl-1.0",
+    "python-2.0",
+    "mpl-2.0",
+)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FieldMapping(_Strict):
+    """Where a record keeps its text, its own id and the metadata ember knows (dotted paths reach nested objects)."""
+
+    text: str = Field(default="text", min_length=1)
+    id: str | None = Field(default=None, min_length=1, description="record id; document id becomes '<source>:<id>'")
+    metadata: dict[str, str] = Field(default_factory=dict, description="metadata key -> record field")
+
+    @field_validator("metadata")
+    @classmethod
+    def _known_keys(cls, mapping: dict[str, str]) -> dict[str, str]:
+        unknown = sorted(set(mapping) - set(METADATA_KEYS))
+        if unknown:
+            raise ValueError(f"unknown metadata keys {unknown}; Document metadata has {list(METADATA_KEYS)}")
+        return mapping
+
+
+class SourceConfig(_Strict):
+    """One corpus: its inputs on any Beam filesystem, their format, field mapping and mixture weight."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    kind: Literal["code", "web"]
+    inputs: list[str] = Field(min_length=1, description="file globs: local, gs://, s3://")
+    format: Literal["jsonl", "jsonl.gz", "jsonl.zst", "parquet"] = "jsonl"
+    fields: FieldMapping = Field(default_factory=FieldMapping)
+    weight: float = Field(default=1.0, ge=0)
+
+
+def _datatrove_params_model(name: str, cls: type) -> type[BaseModel]:
+    """A strict model of `cls.__init__`'s tunable keyword arguments (writer and language are ember's to set)."""
+    fields: dict[str, Any] = {}
+    for param in inspect.signature(cls.__init__).parameters.values():
+        if param.name in ("self", "exclusion_writer", "language") or param.default is param.empty:
+            continue
+        fields[param.name] = (param.annotation if param.annotation is not param.empty else Any, param.default)
+    return create_model(name, __config__=ConfigDict(extra="forbid", frozen=True), **fields)
+
+
+def _web_filter_models() -> dict[str, type[BaseModel]]:
+    from datatrove.pipeline.filters import C4QualityFilter, FineWebQualityFilter, GopherQualityFilter, GopherRepetitionFilter
+
+    return {
+        "gopher_repetition": _datatrove_params_model("GopherRepetitionParams", GopherRepetitionFilter),
+        "gopher_quality": _datatrove_params_model("GopherQualityParams", GopherQualityFilter),
+        "c4_quality": _datatrove_params_model("C4QualityParams", C4QualityFilter),
+        "fineweb_quality": _datatrove_params_model("FineWebQualityParams", FineWebQualityFilter),
+    }
+
+
+WEB_FILTER_MODELS = _web_filter_models()
+WEB_FILTER_ORDER = ("gopher_repetition", "gopher_quality", "c4_quality", "fineweb_quality")
+# FineWeb's recipe keeps lines without terminal punctuation in C4's filter; everything else is datatrove's default.
+WEB_FILTER_DEFAULTS: dict[str, dict[str, Any]] = {"c4_quality": {"filter_no_terminal_punct": False}}
+
+
+class DatatroveFilter(_Strict):
+    """One datatrove filter: on or off, and its constructor arguments (validated against datatrove's signature)."""
+
+    enabled: bool = True
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class WebFilters(_Strict):
+    """FineWeb's heuristic stack, run with datatrove's own filter classes in this order."""
+
+    gopher_repetition: DatatroveFilter = Field(default_factory=DatatroveFilter)
+    gopher_quality: DatatroveFilter = Field(default_factory=DatatroveFilter)
+    c4_quality: DatatroveFilter = Field(default_factory=lambda: DatatroveFilter(params=WEB_FILTER_DEFAULTS["c4_quality"]))
+    fineweb_quality: DatatroveFilter = Field(default_factory=DatatroveFilter)
+
+    @model_validator(mode="after")
+    def _params_match_datatrove(self) -> "WebFilters":
+        problems = []
+        for name in WEB_FILTER_ORDER:
+            try:
+                WEB_FILTER_MODELS[name].model_validate(getattr(self, name).params)
+            except ValidationError as exc:
+                for e in exc.errors():
+                    where = ".".join(str(p) for p in e["loc"])
+                    problems.append(f"{name}.params.{where}: {e['msg']}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def validated_params(self, name: str) -> dict[str, Any]:
+        """Constructor kwargs with datatrove's types (lists from YAML become the tuples datatrove expects)."""
+        model = WEB_FILTER_MODELS[name].model_validate(getattr(self, name).params)
+        return {k: getattr(model, k) for k in getattr(self, name).params}
+
+
+class CodeFilters(_Strict):
+    """StarCoder-style code heuristics; each limit can be switched off with null."""
+
+    min_chars: int | None = Field(default=20, ge=0)
+    max_chars: int | None = Field(default=1_000_000, ge=1)
+    max_line_length: int | None = Field(default=1000, ge=1)
+    max_mean_line_length: float | None = Field(default=100.0, gt=0)
+    min_alphanum_fraction: float | None = Field(default=0.25, ge=0, le=1)
+    autogenerated_header_lines: int | None = Field(default=5, ge=1, description="lines searched for generator markers")
+    max_encoded_fraction: float | None = Field(
+        default=0.5, gt=0, le=1, description="share of characters inside long base64/hex/escape runs"
+    )
+    data_extensions: list[str] = Field(default_factory=lambda: ["json", "yaml", "yml", "csv", "tsv", "xml"])
+    data_max_chars: int | None = Field(default=5000, ge=1, description="data files (data_extensions) longer than this are dropped")
+    languages: list[str] | None = Field(default=None, description="allow-list of languages; null keeps every language")
+    licenses: list[str] | None = Field(
+        default_factory=lambda: list(PERMISSIVE_LICENSES),
+        description="allow-list of SPDX ids (lower case), applied when a document has license metadata; null: off",
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "CodeFilters":
+        if self.min_chars is not None and self.max_chars is not None and self.min_chars > self.max_chars:
+            raise ValueError(f"min_chars ({self.min_chars}) is larger than max_chars ({self.max_chars})")
+        return self
+
+
+class Filters(_Strict):
+    web: WebFilters = Field(default_factory=WebFilters)
+    code: CodeFilters = Field(default_factory=CodeFilters)
+
+
+REDACTION_TYPES = ("email", "ip_address", "aws_access_key", "github_token", "slack_token", "private_key", "secret", "password")
+
+
+class Redaction(_Strict):
+    """Which secret/PII detectors run; each hit becomes its typed placeholder and is counted by type."""
+
+    enabled: bool = True
+    types: list[Literal[REDACTION_TYPES]] = Field(default_factory=lambda: list(REDACTION_TYPES))  # type: ignore[valid-type]
+    min_secret_entropy: float = Field(default=3.0, ge=0, description="bits/char a *_KEY/*_TOKEN/*_SECRET value needs")
+    min_secret_length: int = Field(default=16, ge=1)
+    min_password_length: int = Field(default=6, ge=1)
+
+
+class Dedup(_Strict):
+    """Exact dedup on content hash, then MinHash LSH near dedup with distributed connected components."""
+
+    exact: bool = True
+    near: bool = True
+    shingle: Literal["word", "char"] = "word"
+    n_grams: int = Field(default=5, ge=1)
+    bands: int = Field(default=14, ge=1)
+    rows_per_band: int = Field(default=8, ge=1)
+    seed: int = Field(default=1, ge=0, lt=2**63)
+    max_cc_rounds: int = Field(
+        default=8, ge=1, le=64, description="large-star/small-star rounds; unconverged nodes are counted in stats.json"
+    )
+    prefer: list[Literal["permissive_license", "stars", "longest"]] = Field(
+        default_factory=lambda: ["permissive_license", "stars"],
+        description="representative order within a cluster; the smallest document id breaks ties",
+    )
+    permissive_licenses: list[str] = Field(default_factory=lambda: list(PERMISSIVE_LICENSES))
+
+    @field_validator("prefer")
+    @classmethod
+    def _no_repeats(cls, prefer: list[str]) -> list[str]:
+        if len(set(prefer)) != len(prefer):
+            raise ValueError(f"each preference may appear once, got {prefer}")
+        return prefer
+
+    @property
+    def threshold(self) -> float:
+        """Jaccard where LSH inclusion probability crosses ~1/2: (1/bands)^(1/rows)."""
+        return (1 / self.bands) ** (1 / self.rows_per_band)
+
+
+class Output(_Strict):
+    directory: str = Field(min_length=1, description="local path or any Beam filesystem URL")
+    rows_per_shard: int = Field(default=50_000, ge=1, description="target rows per Parquet shard (shards per source follow)")
+
+
+class CorpusConfig(_Strict):
+    sources: list[SourceConfig] = Field(min_length=1)
+    filters: Filters = Field(default_factory=Filters)
+    redaction: Redaction = Field(default_factory=Redaction)
+    dedup: Dedup = Field(default_factory=Dedup)
+    output: Output
+
+    @field_validator("sources")
+    @classmethod
+    def _unique_sources(cls, sources: list[SourceConfig]) -> list[SourceConfig]:
+        names = [s.name for s in sources]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"source names must be unique; repeated: {repeated}")
+        return sources
+
+
+def _error_lines(exc: ValidationError) -> list[str]:
+    return [f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in exc.errors()]
+
+
+def parse_config(data: object, where: str = "config") -> CorpusConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        return CorpusConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{where} is invalid:\n  " + "\n  ".join(_error_lines(exc))) from None
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path
+
+
+def _resolve(base: str, path: str) -> str:
+    if _is_url(path) or posixpath.isabs(path):
+        return path
+    return posixpath.normpath(posixpath.join(base, path)) if not _is_url(base) else f"{base.rstrip('/')}/{path}"
+
+
+def load_config(path: str) -> CorpusConfig:
+    """Read YAML from any Beam filesystem; relative inputs and output resolve against the file's directory."""
+    path = str(path)
+    try:
+        with FileSystems.open(path) as handle:
+            text = handle.read().decode("utf-8")
+    except (OSError, Exception) as exc:  # Beam wraps every filesystem failure in its own BeamIOError
+        raise ConfigError(f"{path}: cannot read the config file: {exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    config = parse_config(data, path)
+    base = posixpath.dirname(path) if _is_url(path) else posixpath.dirname(posixpath.abspath(path))
+    return config.model_copy(
+        update={
+            "sources": [s.model_copy(update={"inputs": [_resolve(base, g) for g in s.inputs]}) for s in config.sources],
+            "output": config.output.model_copy(update={"directory": _resolve(base, config.output.directory)}),
+        }
+    )
+
+
+def check_inputs(config: CorpusConfig) -> None:
+    """Every glob must match at least one file: an empty or unreadable glob is a config error, not an empty corpus."""
+    problems = []
+    for i, source in enumerate(config.sources):
+        for j, pattern in enumerate(source.inputs):
+            try:
+                matched = FileSystems.match([pattern], limits=[1])[0].metadata_list
+            except Exception as exc:  # BeamIOError for unreachable buckets, bad schemes, permissions
+                problems.append(f"sources.{i}.inputs.{j}: cannot list '{pattern}': {exc}")
+                continue
+            if not matched:
+                problems.append(f"sources.{i}.inputs.{j}: '{pattern}' matches no file")
+    if problems:
+        raise ConfigError("inputs are unusable:\n  " + "\n  ".join(problems))

@@ -1,0 +1,173 @@
+"""The human report of a corpus build: Markdown tables (with text bar charts) computed by polars over
+the build's own outputs, plus the short summary rows the CLI and the demo print.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+import polars as pl
+import pyarrow.parquet as pq
+from apache_beam.io.filesystem import CompressionTypes
+from apache_beam.io.filesystems import FileSystems
+
+from ember.pipelines.corpus_pipeline import CLUSTER_SCHEMA, STATS_FILE
+from ember.schemas.documents import DOCUMENT_SCHEMA, REJECTED_SCHEMA
+
+REPORT_FILE = "report.md"
+BAR_WIDTH = 30
+
+
+def read_stats(directory: str) -> dict[str, Any]:
+    with FileSystems.open(f"{directory.rstrip('/')}/{STATS_FILE}", compression_type=CompressionTypes.UNCOMPRESSED) as f:
+        return json.loads(f.read())
+
+
+def read_output(directory: str, name: str) -> pl.DataFrame:
+    """All shards of one output (documents, rejects, clusters) as one frame; empty with the schema when none."""
+    schema = {"documents": DOCUMENT_SCHEMA, "rejects": REJECTED_SCHEMA, "clusters": CLUSTER_SCHEMA}[name]
+    pattern = f"{directory.rstrip('/')}/{name}/**.parquet"
+    paths = sorted(m.path for m in FileSystems.match([pattern])[0].metadata_list)
+    tables = []
+    for path in paths:
+        with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
+            tables.append(pq.read_table(io.BytesIO(f.read())))
+    if not tables:
+        return pl.from_arrow(schema.empty_table())
+    return pl.concat([pl.from_arrow(t) for t in tables])
+
+
+def _table(headers: list[str], rows: list[list[Any]]) -> str:
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:,.3f}" if abs(v) < 10 else f"{v:,.0f}"
+        if isinstance(v, int):
+            return f"{v:,}"
+        return str(v).replace("|", "\\|")
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _bar(value: int, largest: int) -> str:
+    return "█" * max(1, round(BAR_WIDTH * value / largest)) if largest and value else ""
+
+
+def summary_rows(stats: dict[str, Any]) -> list[tuple[str, str]]:
+    """(label, value) pairs: documents in/kept/rejected by reason, duplicates removed, redactions."""
+    totals = stats["totals"]
+    rows = [
+        ("documents in", f"{totals['docs_in']:,}"),
+        ("documents kept", f"{totals['kept']:,}"),
+        ("documents rejected", f"{totals['rejected']:,}"),
+    ]
+    rows += [(f"  rejected {reason}", f"{n:,}") for reason, n in totals["rejected_by_reason"].items()]
+    for stage in ("exact_dedup", "near_dedup"):
+        d = stats["dedup"][stage]
+        rows.append((f"{stage} removed", f"{d['removed']:,} in {d['clusters']:,} clusters"))
+    rows.append(("redactions", ", ".join(f"{k}={v}" for k, v in sorted(totals["redactions"].items())) or "none"))
+    rows.append(("balanced (in = kept + rejected)", "yes" if totals["balanced"] else "NO"))
+    return rows
+
+
+def render_report(directory: str) -> str:
+    stats = read_stats(directory)
+    documents = read_output(directory, "documents")
+    rejects = read_output(directory, "rejects")
+    clusters = read_output(directory, "clusters")
+    totals = stats["totals"]
+    out = [f"# Corpus build report\n\nOutput: `{directory}`\n"]
+
+    out.append("## Totals\n")
+    out.append(_table(["", "documents", "MB"], [
+        ["in", totals["docs_in"], totals["bytes_in"] / 1e6],
+        ["kept", totals["kept"], totals["bytes_kept"] / 1e6],
+        ["rejected", totals["rejected"], ""],
+    ]))
+    out.append(f"\nEvery input unit accounted for (in = kept + rejected): **{'yes' if totals['balanced'] else 'NO'}**\n")
+
+    out.append("## Sources\n")
+    rows = []
+    for name, s in stats["sources"].items():
+        kept_share = s["kept"] / s["docs_in"] if s["docs_in"] else 0.0
+        rows.append([name, s["kind"], s["weight"], s["docs_in"], s["kept"], f"{kept_share:.1%}", s["bytes_kept"] / 1e6])
+    out.append(_table(["source", "kind", "weight", "in", "kept", "kept %", "MB kept"], rows))
+
+    out.append("\n## Documents after each stage\n")
+    stages = ["read", "filter", "exact_dedup", "output"]
+    rows = [[name] + [s["stages"].get(st, {}).get("docs_out", "") for st in stages] for name, s in stats["sources"].items()]
+    out.append(_table(["source", *stages], rows))
+
+    out.append("\n## Rejects by stage and reason\n")
+    if rejects.height:
+        by_reason = (
+            rejects.group_by("stage", "reason")
+            .agg(pl.len().alias("n"), pl.col("location").sort().first().alias("example"))
+            .sort(["n", "stage", "reason"], descending=[True, False, False])
+        )
+        largest = int(by_reason["n"].max())
+        out.append(_table(["stage", "reason", "n", "", "first location"], [
+            [r["stage"], r["reason"], r["n"], _bar(r["n"], largest), f"`{r['example']}`"] for r in by_reason.iter_rows(named=True)
+        ]))
+    else:
+        out.append("No rejects.")
+
+    out.append("\n\n## Redactions\n")
+    redactions = sorted(totals["redactions"].items())
+    if redactions:
+        largest = max(n for _, n in redactions)
+        out.append(_table(["type", "n", ""], [[k, n, _bar(n, largest)] for k, n in redactions]))
+    else:
+        out.append("None.")
+
+    out.append("\n\n## Duplicates\n")
+    near = stats["dedup"]["near_dedup"]
+    out.append(
+        f"Near-duplicate threshold (LSH): Jaccard ≈ {near['jaccard_threshold']}; connected components "
+        f"ran {near['cc_max_rounds']} large/small-star rounds, unconverged edges: {near['cc_unconverged_edges']}.\n"
+    )
+    rows = []
+    for stage in ("exact_dedup", "near_dedup"):
+        d = stats["dedup"][stage]
+        rows.append([stage, d["clusters"], d["removed"], ", ".join(f"{k}: {v}" for k, v in d["cluster_sizes"].items())])
+    out.append(_table(["stage", "clusters", "removed", "cluster sizes"], rows))
+    if clusters.height:
+        largest_clusters = (
+            clusters.group_by("stage", "cluster_id").agg(pl.len().alias("members"))
+            .sort(["members", "cluster_id"], descending=[True, False]).head(10)
+        )
+        out.append("\n\nLargest clusters (the cluster id is the kept representative's document id):\n")
+        out.append(_table(["stage", "cluster id", "members"], [list(r) for r in largest_clusters.iter_rows()]))
+
+    out.append("\n\n## Kept documents\n")
+    if documents.height:
+        lengths = (
+            documents.with_columns(pl.col("text").str.len_chars().alias("chars"))
+            .group_by("source", "kind")
+            .agg(pl.len().alias("docs"), pl.col("chars").median().alias("median chars"),
+                 pl.col("chars").quantile(0.9).alias("p90 chars"))
+            .sort("source")
+        )
+        out.append(_table(["source", "kind", "docs", "median chars", "p90 chars"], [list(r) for r in lengths.iter_rows()]))
+        code = documents.filter(pl.col("kind") == "code")
+        if code.height:
+            languages = (
+                code.select(pl.col("metadata").struct.field("language").fill_null("unknown").alias("language"))
+                .group_by("language").agg(pl.len().alias("n")).sort(["n", "language"], descending=[True, False])
+            )
+            largest = int(languages["n"].max())
+            out.append("\n\nCode languages:\n")
+            out.append(_table(["language", "n", ""], [[lang, n, _bar(n, largest)] for lang, n in languages.iter_rows()]))
+    else:
+        out.append("No document was kept.")
+    return "\n".join(out) + "\n"
+
+
+def write_report(directory: str) -> str:
+    path = f"{directory.rstrip('/')}/{REPORT_FILE}"
+    with FileSystems.create(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
+        f.write(render_report(directory).encode("utf-8"))
+    return path

@@ -1,0 +1,103 @@
+"""MinHash signatures and LSH band keys: pure numpy functions of (text, parameters).
+
+Text is simplified exactly as datatrove's MinHash stage does (its `simplify_text` with the default
+`TextNormConfig`: lower case, punctuation and diacritics removed, numbers folded), then cut into word
+or character n-grams. Each n-gram hashes to 64 bits through splitmix64 over its words' blake2b hashes,
+and hash function k is splitmix64(x XOR seed_k): a bijection per k, vectorised over all n-grams.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import unicodedata
+from functools import lru_cache
+
+import numpy as np
+from datatrove.utils.text import NUMBERS_PATTERN, PUNCTUATION_TRANS
+
+_C1, _C2, _C3 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+_BLOCK = 4096  # n-grams per block when taking minima, bounding memory to BLOCK x num_hashes x 8 bytes
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser (a 64-bit bijection with full avalanche), element-wise on uint64."""
+    with np.errstate(over="ignore"):
+        x = x + _C1
+        x = (x ^ (x >> _S30)) * _C2
+        x = (x ^ (x >> _S27)) * _C3
+        return x ^ (x >> _S31)
+
+
+def normalize(text: str) -> str:
+    """Same output as datatrove's `simplify_text(text)` (a test holds them equal), without its slow paths:
+    whitespace folded by `str.split`, NFD only off ASCII."""
+    text = text.lower()
+    text = NUMBERS_PATTERN.sub("0", text)
+    text = " ".join(text.translate(PUNCTUATION_TRANS).split())
+    if not text.isascii():
+        text = "".join(c for c in unicodedata.normalize("NFD", text) if unicodedata.category(c) != "Mn")
+    return text.strip()
+
+
+def _word_hashes(words: list[str]) -> np.ndarray:
+    table: dict[str, int] = {}
+    for w in words:
+        if w not in table:
+            table[w] = int.from_bytes(hashlib.blake2b(w.encode("utf-8"), digest_size=8).digest(), "little")
+    return np.fromiter((table[w] for w in words), dtype=np.uint64, count=len(words))
+
+
+def shingles(text: str, n_grams: int, kind: str = "word") -> np.ndarray:
+    """64-bit hashes of the text's n-grams (empty when the text has fewer than n units, as in datatrove)."""
+    simplified = normalize(text)
+    if kind == "word":
+        units = _word_hashes(simplified.split())
+    else:
+        units = splitmix64(np.frombuffer(simplified.encode("utf-32-le"), dtype=np.uint32).astype(np.uint64))
+    count = len(units) - n_grams + 1
+    if count <= 0:
+        return np.empty(0, dtype=np.uint64)
+    h = units[:count].copy()
+    for j in range(1, n_grams):
+        h = splitmix64(h ^ units[j : j + count])
+    return h
+
+
+def shingle_set(text: str, n_grams: int, kind: str = "word") -> frozenset[int]:
+    """The exact set MinHash estimates the Jaccard of; the ground truth for benchmarks and tests."""
+    return frozenset(shingles(text, n_grams, kind).tolist())
+
+
+@lru_cache(maxsize=8)
+def hash_seeds(num_hashes: int, seed: int) -> np.ndarray:
+    return splitmix64(np.arange(num_hashes, dtype=np.uint64) + splitmix64(np.array([seed], dtype=np.uint64)))
+
+
+def signature(hashes: np.ndarray, num_hashes: int, seed: int) -> np.ndarray:
+    """Per hash function, the minimum over the n-grams: uint64[num_hashes]."""
+    seeds = hash_seeds(num_hashes, seed)
+    result = np.full(num_hashes, np.iinfo(np.uint64).max, dtype=np.uint64)
+    for start in range(0, len(hashes), _BLOCK):
+        block = hashes[start : start + _BLOCK, None]
+        np.minimum(result, splitmix64(block ^ seeds[None, :]).min(axis=0), out=result)
+    return result
+
+
+def band_keys(sig: np.ndarray, bands: int, rows: int) -> list[bytes]:
+    """One LSH bucket key per band: band index + a 16-byte digest of that band's rows."""
+    return [
+        struct.pack(">H", b) + hashlib.blake2b(sig[b * rows : (b + 1) * rows].tobytes(), digest_size=16).digest()
+        for b in range(bands)
+    ]
+
+
+def estimated_jaccard(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.mean(a == b))
+
+
+def jaccard(a: frozenset[int], b: frozenset[int]) -> float:
+    if not a and not b:
+        return 1.0
+    return len(a & b) / len(a | b)

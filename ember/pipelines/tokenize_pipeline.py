@@ -1,0 +1,386 @@
+"""Beam pipeline: deduplicated `Document` Parquet -> tokenized, best-fit packed, shuffled Arrow shards.
+
+Stages (each a Beam transform, so the same graph runs on FnApiRunner, Flink or Dataflow):
+  1. per source: read Parquet row groups, batch-encode in a DoFn (tokenizer loaded once in `setup`);
+     documents empty after tokenization become counted rejects.
+  2. count documents per source -> number of packing windows; each document's *length* goes to a
+     window chosen by a seeded hash of its id; GroupByKey per (source, window) and pack there, so a
+     window holds lengths only, and mixture sources never share a sequence.
+  3. join each document's tokens with its placements (CoGroupByKey on the document) and send each
+     piece to the shard its sequence lands in: global index from the per-window bin counts, then a
+     seeded Feistel permutation -> (shard, row). No worker ever holds more than one shard's tokens.
+  4. write each shard atomically, then - last - the manifest with per-shard sha256 and exact
+     per-source token/padding accounting.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import itertools
+import shutil
+from dataclasses import asdict, astuple, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import apache_beam as beam
+import numpy as np
+import pyarrow.parquet as pq
+from apache_beam.io.filesystems import FileSystems
+from apache_beam.metrics import Metrics
+from apache_beam.options.pipeline_options import PipelineOptions
+
+from ember.schemas import REJECTED_SCHEMA, Rejected
+from ember.schemas.shards import MANIFEST_FILENAME, Manifest, read_manifest, write_manifest
+from ember.tokenize.config import ConfigError, SourceConfig, TokenizeConfig, TokenizerConfig
+from ember.tokenize.packing import Segment, assemble, pack, window_count, window_of
+from ember.tokenize.shards import ShardRow, write_shard
+from ember.tokenize.shuffle import FeistelPermutation
+from ember.tokenize.tokenizers import Tokenizer, load_tokenizer
+
+STAGE = "tokenize"
+REQUIRED_COLUMNS = ("id", "source", "text")
+REJECTED_FILE = "rejected.parquet"
+TOKEN_BYTES = 4  # tokens travel between stages as little-endian uint32 bytes
+DEFAULT_RUNNER = "--runner=FnApiRunner"
+
+
+class TokenizeDocuments(beam.DoFn):
+    """Row groups in, ((source, document id), token bytes) out; rejects on a tagged output."""
+
+    REJECTS = "rejects"
+
+    def __init__(self, tokenizer: TokenizerConfig, source: SourceConfig, batch_documents: int):
+        self._tokenizer_config = tokenizer
+        self._source = source
+        self._batch = batch_documents
+        self._documents = Metrics.counter(STAGE, f"{source.name}.documents")
+        self._tokens = Metrics.counter(STAGE, f"{source.name}.tokens")
+        self._rejected = Metrics.counter(STAGE, f"{source.name}.rejected")
+
+    def setup(self) -> None:
+        self._tok: Tokenizer = load_tokenizer(self._tokenizer_config)
+
+    def _reject(self, document_id: str | None, reason: str, detail: str = "") -> beam.pvalue.TaggedOutput:
+        self._rejected.inc()
+        row = Rejected(self._source.name, self._source.path, STAGE, reason, detail, document_id).to_row()
+        return beam.pvalue.TaggedOutput(self.REJECTS, row)
+
+    def process(self, table) -> Iterator:
+        name = self._source.name
+        for start in range(0, table.num_rows, self._batch):
+            chunk = table.slice(start, self._batch)
+            ids, sources, texts = (chunk.column(c).to_pylist() for c in REQUIRED_COLUMNS)
+            keep: list[int] = []
+            for i, (doc_id, source, text) in enumerate(zip(ids, sources, texts)):
+                if not doc_id:
+                    yield self._reject(None, "missing_id")
+                elif text is None:
+                    yield self._reject(doc_id, "missing_text")
+                elif source != name:
+                    yield self._reject(doc_id, "source_mismatch", f"row source '{source}', configured '{name}'")
+                else:
+                    keep.append(i)
+            encoded = self._tok.encode_batch([texts[i] for i in keep])
+            for i, tokens, content in zip(keep, encoded.tokens, encoded.content_lengths):
+                if content == 0:
+                    yield self._reject(ids[i], "empty_after_tokenization", f"{len(texts[i])} characters")
+                    continue
+                self._documents.inc()
+                self._tokens.inc(len(tokens))
+                yield (name, ids[i]), tokens.astype("<u4", copy=False).tobytes()
+
+
+@dataclass(frozen=True)
+class WindowStats:
+    documents: int = 0
+    tokens: int = 0
+    sequences: int = 0
+    padding_tokens: int = 0
+    split_documents: int = 0
+
+    def __add__(self, other: "WindowStats") -> "WindowStats":
+        return WindowStats(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+
+def _sum_stats(stats: Iterable[WindowStats]) -> WindowStats:
+    return sum(stats, WindowStats())
+
+
+class PackWindow(beam.DoFn):
+    """One packing window's lengths in; one placement per piece out, plus the window's bin count."""
+
+    BINS, STATS, REJECTS = "bins", "stats", "rejects"
+
+    def __init__(self, seq_len: int, strategy: str, sources: dict[str, str]):
+        self._seq_len = seq_len
+        self._strategy = strategy
+        self._source_paths = sources
+
+    def process(self, element) -> Iterator:
+        (source, window), lengths = element
+        docs: list[tuple[str, int]] = []
+        # A repeated id means an upstream dedup bug; keep one copy (the same one the join keeps).
+        for doc_id, group in itertools.groupby(sorted(lengths), key=lambda kv: kv[0]):
+            docs.append(next(group))
+            for _duplicate in group:
+                row = Rejected(source, self._source_paths[source], STAGE, "duplicate_document_id", "", doc_id)
+                yield beam.pvalue.TaggedOutput(self.REJECTS, row.to_row())
+        packing = pack([n for _, n in docs], self._seq_len, self._strategy)
+        for bin_index, pieces in enumerate(packing.bins):
+            for slot, piece in enumerate(pieces):
+                yield (source, docs[piece.doc][0]), (window, bin_index, slot, piece.start, piece.end)
+        yield beam.pvalue.TaggedOutput(self.BINS, ((source, window), len(packing.bins)))
+        stats = WindowStats(len(docs), packing.tokens, len(packing.bins), packing.padding_tokens, packing.split_documents)
+        yield beam.pvalue.TaggedOutput(self.STATS, (source, stats))
+
+
+def assign_window(element, counts: dict[str, int], window_documents: int, seed: int):
+    """((source, id), length) -> ((source, window), (id, length))."""
+    (source, doc_id), length = element
+    return (source, window_of(doc_id, window_count(counts[source], window_documents), seed)), (doc_id, length)
+
+
+def window_layout(bin_counts: list[tuple[tuple[str, int], int]]) -> dict:
+    """Dense global index of each window's first bin, in (source, window) order, and the total."""
+    offsets: dict[tuple[str, int], int] = {}
+    total = 0
+    for key, count in sorted(bin_counts):
+        offsets[key] = total
+        total += count
+    return {"offsets": offsets, "total": total}
+
+
+class RoutePieces(beam.DoFn):
+    """A document's tokens + placements in; each piece keyed by the shard its sequence lands in."""
+
+    def __init__(self, seed: int, sequences_per_shard: int):
+        self._seed = seed
+        self._per_shard = sequences_per_shard
+        self._permutation: FeistelPermutation | None = None
+
+    def process(self, element, layout: dict) -> Iterator:
+        (source, doc_id), grouped = element
+        copies = sorted(grouped["tokens"], key=lambda b: (len(b), b))
+        placements = list(grouped["placements"])
+        if not copies or not placements:
+            raise RuntimeError(f"document {doc_id} has {len(copies)} token copies and {len(placements)} placements")
+        data = copies[0]
+        if self._permutation is None or self._permutation.n != layout["total"]:
+            self._permutation = FeistelPermutation(layout["total"], self._seed)
+        for window, bin_index, slot, start, end in placements:
+            position = self._permutation(layout["offsets"][(source, window)] + bin_index)
+            shard, row = divmod(position, self._per_shard)
+            yield shard, (row, slot, source, doc_id, start, end, data[start * TOKEN_BYTES : end * TOKEN_BYTES])
+
+
+class WriteShard(beam.DoFn):
+    """All pieces of one shard in; the shard file written atomically; its `ShardEntry` out."""
+
+    def __init__(self, output_dir: str, seq_len: int, pad_id: int, rows_per_batch: int, per_shard: int):
+        self._output_dir = Path(output_dir)
+        self._seq_len = seq_len
+        self._pad_id = pad_id
+        self._rows_per_batch = rows_per_batch
+        self._per_shard = per_shard
+
+    def process(self, element) -> Iterator[dict]:
+        shard, pieces = element
+        by_row: dict[int, list] = {}
+        for piece in pieces:
+            by_row.setdefault(piece[0], []).append(piece)
+        if sorted(by_row) != list(range(len(by_row))):
+            raise RuntimeError(f"shard {shard} rows are not contiguous from 0: {sorted(by_row)[:10]}")
+        rows = []
+        for index in range(len(by_row)):
+            parts = sorted(by_row[index], key=lambda p: p[1])
+            segments = [Segment(p[3], p[4], p[5], np.frombuffer(p[6], dtype="<u4")) for p in parts]
+            rows.append(ShardRow(assemble(segments, self._seq_len, self._pad_id), parts[0][2]))
+        entry = write_shard(self._output_dir, shard, rows, self._rows_per_batch)
+        yield {"index": shard, **entry.model_dump()}
+
+
+def _finish(
+    _,
+    *,
+    config: TokenizeConfig,
+    tokenizer: dict,
+    pad_id: int,
+    dtype: str,
+    config_hash: str,
+    shards: list[dict],
+    stats: list,
+    rejected: list,
+    rejected_files: list,
+) -> str:
+    """The last step: gathers the accounting and writes the manifest atomically."""
+    if not shards:
+        raise ValueError("no document survived tokenization; there is nothing to write (see rejected.parquet)")
+    by_source = dict(stats)
+    rejects: dict[str, dict[str, int]] = {}
+    for (source, reason), count in sorted(rejected):
+        rejects.setdefault(source, {})[reason] = count
+    sources, fill = {}, {}
+    for source in config.sources:
+        s = by_source.get(source.name, WindowStats())
+        sources[source.name] = {**asdict(s), "mixture_weight": source.weight}
+        fill[source.name] = s.tokens / (s.sequences * config.seq_len) if s.sequences else None
+    manifest = Manifest(
+        tokenizer=tokenizer,
+        seq_len=config.seq_len,
+        dtype=dtype,
+        sources=sources,
+        padding_tokens=sum(s["padding_tokens"] for s in sources.values()),
+        pad_token_id=pad_id,
+        shards=[{k: v for k, v in e.items() if k != "index"} for e in sorted(shards, key=lambda e: e["index"])],
+        config_hash=config_hash,
+        created_at=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        packing={"strategy": config.packing, "window_documents": config.window_documents, "seed": config.seed},
+        framing={"bos_token": config.tokenizer.bos_token, "eos_token": config.tokenizer.eos_token},
+        sequences_per_shard=config.sequences_per_shard,
+        rows_per_batch=config.rows_per_batch,
+        fill_ratio=fill,
+        rejected=rejects,
+        rejected_file=REJECTED_FILE if rejected_files else None,
+    )
+    return str(write_manifest(config.output_dir, manifest))
+
+
+def build(pipeline: beam.Pipeline, config: TokenizeConfig, tokenizer: Tokenizer) -> None:
+    """Adds the whole tokenize-and-pack graph to `pipeline`."""
+    source_paths = {s.name: s.path for s in config.sources}
+    tokenized, rejects = [], []
+    for source in config.sources:
+        outputs = (
+            pipeline
+            | f"Read {source.name}" >> beam.io.ReadFromParquetBatched(source.path, columns=list(REQUIRED_COLUMNS))
+            | f"Tokenize {source.name}"
+            >> beam.ParDo(TokenizeDocuments(config.tokenizer, source, config.encode_batch_documents)).with_outputs(
+                TokenizeDocuments.REJECTS, main="documents"
+            )
+        )
+        tokenized.append(outputs.documents)
+        rejects.append(outputs[TokenizeDocuments.REJECTS])
+    documents = tokenized | "All documents" >> beam.Flatten()
+
+    lengths = documents | "Lengths" >> beam.MapTuple(lambda key, data: (key, len(data) // TOKEN_BYTES))
+    counts = (
+        lengths
+        | "Per source" >> beam.MapTuple(lambda key, _n: (key[0], 1))
+        | "Count documents" >> beam.CombinePerKey(sum)
+    )
+    windows = beam.pvalue.AsDict(counts)
+    packed = (
+        lengths
+        | "Assign windows"
+        >> beam.Map(assign_window, counts=windows, window_documents=config.window_documents, seed=config.seed)
+        | "Group windows" >> beam.GroupByKey()
+        | "Pack windows"
+        >> beam.ParDo(PackWindow(config.seq_len, config.packing, source_paths)).with_outputs(
+            PackWindow.BINS, PackWindow.STATS, PackWindow.REJECTS, main="placements"
+        )
+    )
+    rejects.append(packed[PackWindow.REJECTS])
+    layout = (
+        packed[PackWindow.BINS]
+        | "Bins per window" >> beam.combiners.ToList()
+        | "Layout" >> beam.Map(window_layout)
+    )
+    entries = (
+        {"tokens": documents, "placements": packed.placements}
+        | "Join tokens" >> beam.CoGroupByKey()
+        | "Route pieces"
+        >> beam.ParDo(RoutePieces(config.seed, config.sequences_per_shard), layout=beam.pvalue.AsSingleton(layout))
+        | "Group shards" >> beam.GroupByKey()
+        | "Write shards"
+        >> beam.ParDo(
+            WriteShard(
+                str(config.output_dir), config.seq_len, tokenizer.pad_id, config.rows_per_batch, config.sequences_per_shard
+            )
+        )
+    )
+    stats = packed[PackWindow.STATS] | "Stats per source" >> beam.CombinePerKey(_sum_stats)
+    all_rejects = rejects | "All rejects" >> beam.Flatten()
+    reject_counts = (
+        all_rejects
+        | "Reject key" >> beam.Map(lambda r: ((r["source"], r["reason"]), 1))
+        | "Count rejects" >> beam.CombinePerKey(sum)
+    )
+    rejected_files = all_rejects | "Write rejects" >> beam.io.WriteToParquet(
+        str(config.output_dir / REJECTED_FILE), schema=REJECTED_SCHEMA, shard_name_template="", num_shards=1
+    )
+    _ = (
+        pipeline
+        | "Finish" >> beam.Create([None])
+        | "Write manifest"
+        >> beam.Map(
+            _finish,
+            config=config,
+            tokenizer=tokenizer.identity.model_dump(),
+            pad_id=tokenizer.pad_id,
+            dtype=tokenizer.dtype,
+            config_hash=config.config_hash(tokenizer.identity.hash),
+            shards=beam.pvalue.AsList(entries),
+            stats=beam.pvalue.AsList(stats),
+            rejected=beam.pvalue.AsList(reject_counts),
+            rejected_files=beam.pvalue.AsList(rejected_files),
+        )
+    )
+
+
+def check_sources(config: TokenizeConfig) -> None:
+    """Fails before the pipeline starts when a source matches no file or lacks a required column."""
+    problems = []
+    for i, source in enumerate(config.sources):
+        matched = [m.path for r in FileSystems.match([source.path]) for m in r.metadata_list]
+        if not matched:
+            problems.append(f"sources.{i}.path: no file matches {source.path}")
+        for path in matched:
+            try:
+                with FileSystems.open(path) as handle:
+                    names = pq.read_schema(handle).names
+            except Exception as exc:  # pyarrow raises several types for a non-Parquet file
+                problems.append(f"sources.{i}.path: {path} is not readable Parquet ({exc})")
+                continue
+            missing = [c for c in REQUIRED_COLUMNS if c not in names]
+            if missing:
+                problems.append(f"sources.{i}.path: {path} lacks Document columns {missing}")
+    if problems:
+        raise ConfigError("input is not usable:\n  " + "\n  ".join(problems))
+
+
+OWNED = ("shard-*.arrow", ".shard-*.tmp", MANIFEST_FILENAME, ".manifest.*.tmp", REJECTED_FILE, "beam-temp-*")
+
+
+def prepare_output(directory: Path, overwrite: bool) -> None:
+    """An output directory is empty, or (with overwrite) cleared of a previous build - manifest first."""
+    directory.mkdir(parents=True, exist_ok=True)
+    present = sorted(p.name for p in directory.iterdir())
+    if not present:
+        return
+    if not overwrite:
+        raise ConfigError(f"output_dir: {directory} is not empty ({present[:3]}...); pass --overwrite to replace it")
+    foreign = [name for name in present if not any(fnmatch.fnmatch(name, pattern) for pattern in OWNED)]
+    if foreign:
+        raise ConfigError(f"output_dir: {directory} holds files ember did not write, refusing to clear it: {foreign[:5]}")
+    (directory / MANIFEST_FILENAME).unlink(missing_ok=True)  # from here on it is not a finished set
+    for name in present:
+        path = directory / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+def pipeline_options(beam_args: list[str]) -> PipelineOptions:
+    args = list(beam_args)
+    if not any(a == "--runner" or a.startswith("--runner=") for a in args):
+        args.insert(0, DEFAULT_RUNNER)
+    return PipelineOptions(args)
+
+
+def run(config: TokenizeConfig, beam_args: list[str] = (), overwrite: bool = False) -> Manifest:
+    """Validates everything that can be checked up front, runs the pipeline, returns the manifest."""
+    tokenizer = load_tokenizer(config.tokenizer)
+    check_sources(config)
+    prepare_output(config.output_dir, overwrite)
+    with beam.Pipeline(options=pipeline_options(beam_args)) as pipeline:
+        build(pipeline, config, tokenizer)
+    return read_manifest(config.output_dir)

@@ -1,0 +1,143 @@
+"""Packing finished groups into `TrainBatch`es by token budget: pure functions, no I/O.
+
+Groups are the packing unit so a GRPO group reaches the trainer in one step and so all of a group's
+batches are committed in one Kafka transaction (crash safety depends on it). Only a group larger
+than the budget is split, into consecutive batches built together.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+import numpy as np
+
+from ember.rollouts.advantages import token_advantages
+from ember.schemas import Rollout, SourceOffset, TrainBatch
+
+
+@dataclass(frozen=True)
+class PackedSequence:
+    """A rollout that passed every filter, with its sequence-level advantage."""
+
+    rollout: Rollout
+    advantage: float
+
+
+def expert_signature(rollout: Rollout) -> tuple | None:
+    """Rollouts share a batch only if their routed experts concatenate: same layers, top_k, dtype."""
+    experts = rollout.routed_experts
+    if experts is None:
+        return None
+    return (experts.shape[1], experts.shape[2], experts.dtype.str)
+
+
+def plan_batches(
+    sizes: Sequence[int],
+    budget: int,
+    *,
+    min_fill: float = 1.0,
+    flush: bool = False,
+    keys: Sequence[Hashable] | None = None,
+) -> tuple[list[list[int]], list[int]]:
+    """First-fit in arrival order: returns (bins of indices to emit now, indices left waiting).
+
+    A bin is emitted when it is filled to at least `min_fill * budget` tokens, or always when `flush`
+    (the oldest waiting group hit its deadline). Items larger than the budget get a bin of their own
+    and are always emitted (they will be split). Only items with equal `keys` share a bin.
+    """
+    if budget <= 0:
+        raise ValueError(f"token budget must be positive, got {budget}")
+    if not 0.0 < min_fill <= 1.0:
+        raise ValueError(f"min_fill must be in (0, 1], got {min_fill}")
+    keys = list(keys) if keys is not None else [None] * len(sizes)
+    if len(keys) != len(sizes):
+        raise ValueError(f"{len(keys)} keys for {len(sizes)} sizes")
+    bins: list[tuple[Hashable, list[int], int]] = []
+    for index, size in enumerate(sizes):
+        if size <= 0:
+            raise ValueError(f"item {index} has {size} tokens; every group has at least one token")
+        if size > budget:
+            bins.append((keys[index], [index], size))
+            continue
+        for b, (key, members, used) in enumerate(bins):
+            if key == keys[index] and used + size <= budget:
+                bins[b] = (key, members + [index], used + size)
+                break
+        else:
+            bins.append((keys[index], [index], size))
+    emit: list[list[int]] = []
+    waiting: list[int] = []
+    for _key, members, used in bins:
+        if flush or used >= min_fill * budget:
+            emit.append(members)
+        else:
+            waiting.extend(members)
+    return emit, sorted(waiting)
+
+
+def split_by_budget(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Next-fit over consecutive sequences, for the one group that exceeds the budget."""
+    chunks: list[list[int]] = []
+    used = budget + 1
+    for index, length in enumerate(lengths):
+        if length > budget:
+            raise ValueError(f"sequence {index} has {length} tokens, over the {budget}-token budget")
+        if used + length > budget:
+            chunks.append([])
+            used = 0
+        chunks[-1].append(index)
+        used += length
+    return chunks
+
+
+def batch_id_for(rollout_ids: Sequence[str]) -> str:
+    """Content-derived id: the same rollouts always get the same id, so a duplicate batch is visible."""
+    digest = hashlib.blake2b("\x1f".join(rollout_ids).encode("utf-8"), digest_size=12).hexdigest()
+    return f"b-{digest}"
+
+
+def build_train_batch(
+    sequences: Sequence[PackedSequence],
+    *,
+    step: int,
+    source_offsets: list[SourceOffset],
+    created_at_us: int,
+) -> TrainBatch:
+    """Concatenate sequences into one packed batch with cu_seqlens boundaries."""
+    if not sequences:
+        raise ValueError("a batch needs at least one sequence")
+    rollouts = [s.rollout for s in sequences]
+    signatures = {expert_signature(r) for r in rollouts}
+    if len(signatures) != 1:
+        raise ValueError(f"rollouts with different routed-expert layouts {signatures} cannot share a batch")
+    lengths = np.array([r.num_tokens for r in rollouts], dtype=np.int64)
+    cu_seqlens = np.zeros(len(rollouts) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=cu_seqlens[1:])
+    experts = None
+    if signatures != {None}:
+        experts = np.concatenate([r.routed_experts for r in rollouts])
+    ids = [r.rollout_id for r in rollouts]
+    return TrainBatch(
+        batch_id=batch_id_for(ids),
+        step=step,
+        tokens=np.concatenate([r.tokens for r in rollouts]),
+        loss_mask=np.concatenate([r.loss_mask for r in rollouts]),
+        advantages=np.concatenate([token_advantages(s.advantage, s.rollout.loss_mask) for s in sequences]),
+        sampler_logprobs=np.concatenate([r.sampler_logprobs for r in rollouts]),
+        cu_seqlens=cu_seqlens,
+        policy_versions=np.array([r.policy_version for r in rollouts], dtype=np.int64),
+        rollout_ids=ids,
+        source_offsets=source_offsets,
+        routed_experts=experts,
+        created_at_us=created_at_us,
+    )
+
+
+def position_ids(cu_seqlens: np.ndarray) -> np.ndarray:
+    """Positions restart at 0 for every packed sequence (what reset_position_ids does in Megatron)."""
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    total = int(cu[-1])
+    starts = np.repeat(cu[:-1], np.diff(cu))
+    return np.arange(total, dtype=np.int64) - starts

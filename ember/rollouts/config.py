@@ -1,0 +1,197 @@
+"""The ETL's YAML configuration: typed, validated, and loud about typos.
+
+Every section forbids unknown keys, so a misspelt setting fails at start-up with the path of the key
+and what it should be, instead of silently running with a default.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ember.rollouts.advantages import Estimator
+from ember.rollouts.topics import default_topics
+from ember.rollouts.transport import kafka_bootstrap
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class KafkaSettings(_Section):
+    bootstrap: str = Field(default_factory=kafka_bootstrap, description="host:port of the brokers")
+    topic_prefix: str = Field("ember", min_length=1, description="topics are <prefix>.rollouts, <prefix>.rewards, ...")
+    partitions: int = Field(6, ge=1, description="partitions of the rollouts/rewards topics when the ETL creates them")
+    group_id: str = Field("ember-etl", min_length=1, description="consumer group shared by every ETL process")
+    session_timeout_ms: int = Field(10_000, ge=6_000, description="how fast a dead ETL process loses its partitions")
+    heartbeat_interval_ms: int = Field(1_000, ge=100)
+    transaction_timeout_ms: int = Field(30_000, ge=1_000, description="a dead process's open transaction aborts after this")
+    poll_timeout_ms: int = Field(100, ge=1, le=10_000)
+    max_poll_records: int = Field(200, ge=1)
+
+    @model_validator(mode="after")
+    def _heartbeat_below_session(self) -> "KafkaSettings":
+        if self.heartbeat_interval_ms * 3 > self.session_timeout_ms:
+            raise ValueError(
+                f"heartbeat_interval_ms ({self.heartbeat_interval_ms}) must be at most a third of "
+                f"session_timeout_ms ({self.session_timeout_ms})"
+            )
+        return self
+
+    def topic(self, role: str) -> str:
+        return default_topics(self.topic_prefix, self.partitions)[role].name
+
+
+class GroupSettings(_Section):
+    size: int = Field(8, ge=1, description="samples per prompt group (N)")
+    quorum: int | None = Field(None, ge=1, description="rewarded samples needed after the timeout; default: size")
+    timeout_s: float = Field(600.0, gt=0, description="from the group's first rollout until it is cut at quorum")
+
+    @model_validator(mode="after")
+    def _quorum_fits(self) -> "GroupSettings":
+        if self.quorum is not None and self.quorum > self.size:
+            raise ValueError(f"quorum ({self.quorum}) cannot exceed size ({self.size})")
+        return self
+
+    @property
+    def min_samples(self) -> int:
+        return self.quorum if self.quorum is not None else self.size
+
+
+class RewardSettings(_Section):
+    graders: list[str] = Field(
+        default_factory=list, description="graders that must all report before a rollout is rewarded; empty: any one"
+    )
+    weights: dict[str, float] = Field(
+        default_factory=dict, description="component weights for the combined reward; empty: sum of grader scores"
+    )
+    timeout_s: float = Field(900.0, gt=0, description="a rollout without its rewards this long after it arrived is unrewarded")
+    orphan_timeout_s: float = Field(3600.0, gt=0, description="a reward whose rollout never arrives is dropped after this")
+
+
+class TruncatedPolicy(str, Enum):
+    DROP = "drop"
+    PENALIZE = "penalize"
+    KEEP = "keep"
+
+
+class FilterSettings(_Section):
+    max_policy_lag: int | None = Field(8, ge=0, description="drop rollouts this many versions behind the latest; null: never")
+    max_tokens: int = Field(65_536, ge=1, description="longer rollouts are dropped as overlong")
+    truncated: TruncatedPolicy = Field(TruncatedPolicy.DROP, description="what to do with truncated rollouts")
+    truncated_penalty: float = Field(-1.0, description="added to the reward of a truncated rollout when truncated=penalize")
+    drop_empty: bool = Field(True, description="drop rollouts with no policy tokens (loss_mask all 0)")
+    drop_finish_reasons: list[str] = Field(default_factory=lambda: ["tool_error"], description="e.g. failed tool episodes")
+    dedup_window_s: float = Field(3600.0, gt=0, description="how long a finished group's ids are remembered for dedup")
+
+
+class LengthPenalty(_Section):
+    max_tokens: int = Field(..., ge=1)
+    cache_tokens: int = Field(..., ge=0)
+    coefficient: float = Field(1.0, ge=0)
+
+    @model_validator(mode="after")
+    def _cache_fits(self) -> "LengthPenalty":
+        if self.cache_tokens > self.max_tokens:
+            raise ValueError(f"cache_tokens ({self.cache_tokens}) cannot exceed max_tokens ({self.max_tokens})")
+        return self
+
+
+class AdvantageSettings(_Section):
+    estimator: Estimator = Field(Estimator.GRPO, description="grpo, dr_grpo or rloo")
+    epsilon: float = Field(1e-6, gt=0)
+    drop_zero_variance: bool = Field(True, description="DAPO dynamic sampling: drop groups whose rewards are all equal")
+    length_penalty: LengthPenalty | None = Field(None, description="DAPO soft overlong punishment added to rewards")
+
+
+class BatchSettings(_Section):
+    token_budget: int = Field(65_536, ge=1, description="tokens per TrainBatch")
+    min_fill: float = Field(0.9, gt=0, le=1, description="emit a batch once it holds this fraction of the budget")
+    max_wait_s: float = Field(5.0, ge=0, description="emit a partial batch once its oldest group waited this long")
+
+
+class CommitSettings(_Section):
+    interval_ms: int = Field(200, ge=0, description="commit at most this often when there is no batch to emit")
+
+
+class MetricsSettings(_Section):
+    port: int | None = Field(None, ge=0, le=65535, description="Prometheus endpoint port; null: no endpoint")
+
+
+class DeadLetterSettings(_Section):
+    max_message_bytes: int = Field(48 * 1024 * 1024, ge=1024, description="larger input messages are dead-lettered")
+
+
+class EtlConfig(_Section):
+    kafka: KafkaSettings = Field(default_factory=KafkaSettings)
+    groups: GroupSettings = Field(default_factory=GroupSettings)
+    rewards: RewardSettings = Field(default_factory=RewardSettings)
+    filters: FilterSettings = Field(default_factory=FilterSettings)
+    advantages: AdvantageSettings = Field(default_factory=AdvantageSettings)
+    batches: BatchSettings = Field(default_factory=BatchSettings)
+    commit: CommitSettings = Field(default_factory=CommitSettings)
+    metrics: MetricsSettings = Field(default_factory=MetricsSettings)
+    dead_letter: DeadLetterSettings = Field(default_factory=DeadLetterSettings)
+
+    @model_validator(mode="after")
+    def _estimator_needs_pairs(self) -> "EtlConfig":
+        if self.advantages.estimator is Estimator.RLOO and self.groups.min_samples < 2:
+            raise ValueError("advantages.estimator=rloo needs groups.quorum (or size) >= 2")
+        if self.filters.max_tokens > self.batches.token_budget:
+            raise ValueError(
+                f"filters.max_tokens ({self.filters.max_tokens}) exceeds batches.token_budget "
+                f"({self.batches.token_budget}): such a rollout could never be packed"
+            )
+        return self
+
+    def with_overrides(self, **sections: dict[str, Any]) -> "EtlConfig":
+        """A copy with some fields of some sections replaced, validated again (for replay ablations)."""
+        data = self.model_dump(mode="json")
+        for section, values in sections.items():
+            if section not in data:
+                raise ConfigError(f"override section '{section}' does not exist (sections: {', '.join(data)})")
+            data[section] = {**data[section], **values}
+        return parse_config(data, "overridden config")
+
+
+class ConfigError(ValueError):
+    """The config file is missing or invalid; the message names each bad key and what to fix."""
+
+
+def _format_errors(source: str, error: ValidationError) -> str:
+    lines = [f"{source} is not a valid ETL config:"]
+    for item in error.errors():
+        where = ".".join(str(p) for p in item["loc"]) or "<top level>"
+        if item["type"] == "extra_forbidden":
+            lines.append(f"  {where}: unknown key (check the spelling; see ember/rollouts/etl.example.yaml)")
+        elif isinstance(item.get("input"), dict):
+            lines.append(f"  {where}: {item['msg']}")
+        else:
+            lines.append(f"  {where}: {item['msg']} (got {item.get('input')!r})")
+    return "\n".join(lines)
+
+
+def parse_config(data: Any, source: str = "config") -> EtlConfig:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source} must be a YAML mapping of sections, got {type(data).__name__}")
+    try:
+        return EtlConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(source, exc)) from None
+
+
+def load_config(path: str | Path) -> EtlConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"ETL config {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    return parse_config(data, str(path))

@@ -1,0 +1,622 @@
+"""The ETL's processing core for one shard (rollouts partition p + rewards partition p), free of Kafka.
+
+It is a deterministic function of the messages fed in (with their offsets and timestamps), the clock
+values passed to it and the latest policy version: the live service feeds it from Kafka with the wall
+clock, `replay` feeds it the retained log with the log's own clock, and unit tests feed it directly.
+
+Every input message ends in exactly one place: a batch, an `Outcome` (dropped, late, duplicate, dead
+letter), or still pending in memory. Pending offsets are reported so the service commits input
+offsets only up to the oldest one; a group's messages stay pending until its batches are emitted, so
+a crash can always rebuild the whole group from uncommitted input.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ember.rollouts.advantages import (
+    combine_reward,
+    group_advantages,
+    is_zero_variance,
+    overlong_penalty,
+    staleness,
+)
+from ember.rollouts.batching import (
+    PackedSequence,
+    build_train_batch,
+    expert_signature,
+    plan_batches,
+    split_by_budget,
+)
+from ember.rollouts.config import EtlConfig, TruncatedPolicy
+from ember.rollouts.records import ClosedGroup, Outcome, ShardSnapshot, offsets_to_ranges, ranges_to_offsets
+from ember.schemas import DecodeError, Reward, Rollout, SourceOffset, TrainBatch, decode
+
+ROLLOUTS, REWARDS = "rollouts", "rewards"
+
+
+@dataclass(frozen=True)
+class InputMessage:
+    """One consumed record, transport-free: where it came from, when, and its raw bytes."""
+
+    topic: str
+    partition: int
+    offset: int
+    timestamp_ms: int
+    key: bytes | None
+    value: bytes | None
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    source: InputMessage
+    reason: str
+    payload_kept: bool
+
+
+@dataclass
+class _RewardHold:
+    reward: Reward
+    offset: int
+    timestamp_ms: int
+
+
+@dataclass
+class _Member:
+    rollout: Rollout
+    offset: int
+    timestamp_ms: int
+    rewards: dict[str, _RewardHold] = field(default_factory=dict)
+
+
+@dataclass
+class _Group:
+    group_id: str
+    members: dict[str, _Member] = field(default_factory=dict)
+    early: dict[str, dict[str, _RewardHold]] = field(default_factory=dict)
+    first_rollout_ms: int | None = None
+    first_reward_ms: int | None = None
+
+
+@dataclass
+class _Finished:
+    """A group past its decision, waiting to be packed; its messages stay pending until then."""
+
+    group_id: str
+    sequences: list[PackedSequence]
+    positions: dict[str, tuple[int, tuple[int, ...]]]
+    outcomes: list[Outcome]
+    held: dict[str, list[int]]
+    rollout_ids: tuple[str, ...]
+    finished_at_ms: int
+    last_reward_ms: int
+    tokens: int
+    signature: tuple | None
+
+
+@dataclass(frozen=True)
+class EmittedBatch:
+    batch: TrainBatch
+    group_ids: tuple[str, ...]
+    last_reward_ms: int
+
+
+@dataclass
+class ShardOutput:
+    """Everything produced since the last checkpoint; the service writes it in one transaction."""
+
+    batches: list[EmittedBatch] = field(default_factory=list)
+    outcomes: list[Outcome] = field(default_factory=list)
+    dead_letters: list[DeadLetter] = field(default_factory=list)
+    observations: list[tuple[str, float]] = field(default_factory=list)
+
+    def empty(self) -> bool:
+        return not (self.batches or self.outcomes or self.dead_letters)
+
+
+class StateMismatch(RuntimeError):
+    """The committed offsets and the ETL state snapshot disagree: the state topic was tampered with."""
+
+
+class ShardEngine:
+    def __init__(
+        self,
+        config: EtlConfig,
+        shard: int,
+        topics: dict[str, str],
+        *,
+        snapshot: ShardSnapshot | None = None,
+        committed: dict[str, int] | None = None,
+        closed: list[ClosedGroup] = (),
+        now_ms: int = 0,
+    ):
+        """`topics` maps 'rollouts'/'rewards' to topic names; the rest restores a crashed shard."""
+        self.config = config
+        self.shard = shard
+        self.topics = topics
+        self._roles = {name: role for role, name in topics.items()}
+        self.positions: dict[str, int] = {}
+        self._replay: dict[str, tuple[int, set[int]]] = {}
+        self.next_step = 0
+        self.groups: dict[str, _Group] = {}
+        self.finishing: dict[str, _Finished] = {}
+        self.ready: list[_Finished] = []
+        self.closed: OrderedDict[str, ClosedGroup] = OrderedDict()
+        self._closed_delta: list[ClosedGroup] = []
+        self.held: dict[str, set[int]] = {ROLLOUTS: set(), REWARDS: set()}
+        self._deadlines: list[tuple[int, str]] = []
+        self._dirty: set[str] = set()
+        self._out = ShardOutput()
+        self._restore(snapshot, committed or {}, closed, now_ms)
+
+    def _restore(self, snapshot: ShardSnapshot | None, committed: dict[str, int], closed: list[ClosedGroup], now_ms: int) -> None:
+        for role, offset in committed.items():
+            self.positions[role] = offset
+        for group in sorted(closed, key=lambda c: c.closed_at_ms):
+            self._remember_closed(group)
+        self._expire_closed(now_ms)
+        if snapshot is None:
+            return
+        self.next_step = snapshot.next_step
+        for role, frontier in snapshot.positions.items():
+            pending = ranges_to_offsets(snapshot.pending.get(role, []))
+            start = committed.get(role)
+            if start is None or start > frontier or (pending and min(pending) < start):
+                raise StateMismatch(
+                    f"shard {self.shard} {role}: committed offset {start} does not match the state snapshot "
+                    f"(frontier {frontier}, oldest pending {min(pending) if pending else None}); "
+                    "reset the ETL group's offsets and state topic together, never one alone"
+                )
+            if frontier > start:
+                self._replay[role] = (frontier, pending)
+
+    # ---- ingest ------------------------------------------------------------------------------
+
+    def ingest(self, message: InputMessage, now_ms: int) -> None:
+        role = self._roles[message.topic]
+        if message.offset < self.positions.get(role, -1):
+            return
+        self.positions[role] = message.offset + 1
+        replay = self._replay.get(role)
+        if replay is not None:
+            frontier, pending = replay
+            if message.offset + 1 >= frontier:
+                del self._replay[role]
+            if message.offset < frontier and message.offset not in pending:
+                self._out.observations.append(("replay_skipped", 1.0))
+                return
+        limit = self.config.dead_letter.max_message_bytes
+        size = len(message.value or b"")
+        if size > limit:
+            self._dead_letter(message, f"oversized: {size} bytes > dead_letter.max_message_bytes {limit}", keep=False)
+            return
+        try:
+            record = decode(message.value or b"")
+        except DecodeError as exc:
+            self._dead_letter(message, str(exc), keep=True)
+            return
+        expected = Rollout if role == ROLLOUTS else Reward
+        if not isinstance(record, expected):
+            self._dead_letter(message, f"{type(record).__name__} on the {role} topic", keep=True)
+            return
+        if message.key != record.group_id.encode("utf-8"):
+            self._dead_letter(message, f"key {message.key!r} is not the group_id {record.group_id!r}", keep=True)
+            return
+        if role == ROLLOUTS:
+            self._ingest_rollout(message, record, now_ms)
+        else:
+            self._ingest_reward(message, record, now_ms)
+
+    def _dead_letter(self, message: InputMessage, reason: str, *, keep: bool) -> None:
+        self._out.dead_letters.append(DeadLetter(message, reason, keep))
+        self._out.outcomes.append(
+            Outcome(
+                "dead_letter",
+                reason,
+                self.shard,
+                message.timestamp_ms,
+                topic=message.topic,
+                partition=message.partition,
+                offset=message.offset,
+            )
+        )
+
+    def _is_closed(self, group_id: str) -> tuple[str, ...] | None:
+        if group_id in self.finishing:
+            return self.finishing[group_id].rollout_ids
+        closed = self.closed.get(group_id)
+        return closed.rollout_ids if closed is not None else None
+
+    def _open_group(self, group_id: str) -> _Group:
+        group = self.groups.get(group_id)
+        if group is None:
+            group = self.groups[group_id] = _Group(group_id)
+        return group
+
+    def _rollout_outcome(self, reason: str, rollout: Rollout, offset: int, at_ms: int, **detail: object) -> Outcome:
+        return Outcome(
+            "rollout_dropped",
+            reason,
+            self.shard,
+            at_ms,
+            group_id=rollout.group_id,
+            rollout_id=rollout.rollout_id,
+            topic=self.topics[ROLLOUTS],
+            partition=self.shard,
+            offset=offset,
+            tokens=rollout.num_tokens,
+            detail=dict(detail),
+        )
+
+    def _reward_outcome(self, reason: str, reward: Reward, offset: int, at_ms: int, **detail: object) -> Outcome:
+        return Outcome(
+            "reward_dropped",
+            reason,
+            self.shard,
+            at_ms,
+            group_id=reward.group_id,
+            rollout_id=reward.rollout_id,
+            topic=self.topics[REWARDS],
+            partition=self.shard,
+            offset=offset,
+            detail={"grader": reward.grader, **detail},
+        )
+
+    def _ingest_rollout(self, message: InputMessage, rollout: Rollout, now_ms: int) -> None:
+        closed_ids = self._is_closed(rollout.group_id)
+        if closed_ids is not None:
+            reason = "duplicate" if rollout.rollout_id in closed_ids else "late_rollout"
+            self._out.outcomes.append(self._rollout_outcome(reason, rollout, message.offset, now_ms))
+            return
+        group = self._open_group(rollout.group_id)
+        if rollout.rollout_id in group.members:
+            self._out.outcomes.append(self._rollout_outcome("duplicate", rollout, message.offset, now_ms))
+            return
+        if len(group.members) >= self.config.groups.size:
+            self._out.outcomes.append(
+                self._rollout_outcome("group_overflow", rollout, message.offset, now_ms, size=self.config.groups.size)
+            )
+            return
+        member = _Member(rollout, message.offset, message.timestamp_ms)
+        group.members[rollout.rollout_id] = member
+        self.held[ROLLOUTS].add(message.offset)
+        for grader, hold in group.early.pop(rollout.rollout_id, {}).items():
+            if hold.timestamp_ms >= self._reward_deadline(member):
+                self.held[REWARDS].discard(hold.offset)
+                self._out.outcomes.append(self._reward_outcome("late_reward", hold.reward, hold.offset, now_ms))
+            else:
+                member.rewards[grader] = hold
+        for hold in member.rewards.values():
+            self._out.observations.append(("reward_join_latency_s", max(0, hold.timestamp_ms - message.timestamp_ms) / 1e3))
+        if group.first_rollout_ms is None or message.timestamp_ms < group.first_rollout_ms:
+            group.first_rollout_ms = message.timestamp_ms
+            self._schedule(group.first_rollout_ms + self.config.groups.timeout_s * 1000, group.group_id)
+        self._schedule(message.timestamp_ms + self.config.rewards.timeout_s * 1000, group.group_id)
+        self._dirty.add(group.group_id)
+
+    def _ingest_reward(self, message: InputMessage, reward: Reward, now_ms: int) -> None:
+        graders = self.config.rewards.graders
+        if graders and reward.grader not in graders:
+            self._out.outcomes.append(self._reward_outcome("unknown_grader", reward, message.offset, now_ms))
+            return
+        if self._is_closed(reward.group_id) is not None:
+            self._out.outcomes.append(self._reward_outcome("late_reward", reward, message.offset, now_ms))
+            return
+        group = self._open_group(reward.group_id)
+        member = group.members.get(reward.rollout_id)
+        target = member.rewards if member is not None else group.early.setdefault(reward.rollout_id, {})
+        if reward.grader in target:
+            self._out.outcomes.append(self._reward_outcome("duplicate_reward", reward, message.offset, now_ms))
+            return
+        if member is not None and message.timestamp_ms >= self._reward_deadline(member):
+            self._out.outcomes.append(self._reward_outcome("late_reward", reward, message.offset, now_ms))
+            return
+        target[reward.grader] = _RewardHold(reward, message.offset, message.timestamp_ms)
+        self.held[REWARDS].add(message.offset)
+        if member is not None:
+            latency = max(0, message.timestamp_ms - member.timestamp_ms) / 1e3
+            self._out.observations.append(("reward_join_latency_s", latency))
+        if group.first_reward_ms is None:
+            group.first_reward_ms = message.timestamp_ms
+            self._schedule(message.timestamp_ms + self.config.rewards.orphan_timeout_s * 1000, group.group_id)
+        self._dirty.add(group.group_id)
+
+    def _schedule(self, at_ms: float, group_id: str) -> None:
+        heapq.heappush(self._deadlines, (int(at_ms), group_id))
+
+    def _reward_deadline(self, member: _Member) -> int:
+        return member.timestamp_ms + int(self.config.rewards.timeout_s * 1000)
+
+    def _rewarded(self, member: _Member) -> bool:
+        graders = self.config.rewards.graders
+        if graders:
+            return all(g in member.rewards for g in graders)
+        return bool(member.rewards)
+
+    # ---- decisions ---------------------------------------------------------------------------
+
+    def advance(self, now_ms: int, latest_policy: int | None) -> None:
+        """Decide every group that is complete or past a deadline at `now_ms`, then pack batches."""
+        due = self._dirty
+        self._dirty = set()
+        while self._deadlines and self._deadlines[0][0] <= now_ms:
+            due.add(heapq.heappop(self._deadlines)[1])
+        for group_id in sorted(due):
+            group = self.groups.get(group_id)
+            if group is not None:
+                self._evaluate(group, now_ms, latest_policy)
+        self._pack(now_ms, latest_policy)
+        self._expire_closed(now_ms)
+
+    def _evaluate(self, group: _Group, now_ms: int, latest_policy: int | None, force: bool = False) -> None:
+        if not group.members:
+            if force or now_ms >= (group.first_reward_ms or 0) + self.config.rewards.orphan_timeout_s * 1000:
+                self._finalize(group, now_ms, latest_policy)
+            return
+        complete = len(group.members) == self.config.groups.size and all(
+            self._rewarded(m) or now_ms >= self._reward_deadline(m) for m in group.members.values()
+        )
+        deadline = group.first_rollout_ms + self.config.groups.timeout_s * 1000
+        if force or complete or now_ms >= deadline:
+            self._finalize(group, now_ms, latest_policy)
+
+    def _filter(self, member: _Member, now_ms: int, latest_policy: int | None) -> tuple[str | None, dict]:
+        rollout, filters = member.rollout, self.config.filters
+        if filters.drop_empty and not rollout.loss_mask.any():
+            return "empty", {}
+        if rollout.finish_reason in filters.drop_finish_reasons:
+            return f"finish_{rollout.finish_reason}", {}
+        if rollout.num_tokens > filters.max_tokens:
+            return "overlong", {"max_tokens": filters.max_tokens}
+        if rollout.truncated and filters.truncated is TruncatedPolicy.DROP:
+            return "truncated", {}
+        lag, age_s = staleness(rollout.policy_version, latest_policy, rollout.created_at_us, now_ms * 1000)
+        if filters.max_policy_lag is not None and lag > filters.max_policy_lag:
+            return "stale", {"lag_versions": lag, "age_s": round(age_s, 3), "max_policy_lag": filters.max_policy_lag}
+        if not self._rewarded(member):
+            return "unrewarded", {"graders": sorted(member.rewards)}
+        return None, {}
+
+    def _reward_value(self, member: _Member) -> float:
+        holds = [member.rewards[g] for g in sorted(member.rewards)]
+        weights = self.config.rewards.weights
+        if weights:
+            components: dict[str, float] = {}
+            for hold in holds:
+                components.update(hold.reward.components)
+            value = combine_reward(components, weights)
+        else:
+            value = float(sum(h.reward.score for h in holds))
+        rollout = member.rollout
+        if rollout.truncated and self.config.filters.truncated is TruncatedPolicy.PENALIZE:
+            value += self.config.filters.truncated_penalty
+        penalty = self.config.advantages.length_penalty
+        if penalty is not None:
+            value += penalty.coefficient * overlong_penalty(rollout.num_tokens, penalty.max_tokens, penalty.cache_tokens)
+        return value
+
+    def _finalize(self, group: _Group, now_ms: int, latest_policy: int | None) -> None:
+        del self.groups[group.group_id]
+        outcomes: list[Outcome] = []
+        held = {ROLLOUTS: [], REWARDS: []}
+        valid: list[tuple[_Member, float]] = []
+        signature: tuple | None | str = "unset"
+        for member in group.members.values():
+            held[ROLLOUTS].append(member.offset)
+            held[REWARDS].extend(h.offset for h in member.rewards.values())
+            reason, detail = self._filter(member, now_ms, latest_policy)
+            value = 0.0
+            if reason is None:
+                try:
+                    value = self._reward_value(member)
+                except KeyError as exc:
+                    reason, detail = "reward_incomplete", {"error": str(exc)}
+            if reason is None:
+                mine = expert_signature(member.rollout)
+                if signature == "unset":
+                    signature = mine
+                elif mine != signature:
+                    reason, detail = "routed_experts_mismatch", {"expected": str(signature), "got": str(mine)}
+            if reason is None:
+                valid.append((member, value))
+            else:
+                outcomes.append(self._rollout_outcome(reason, member.rollout, member.offset, now_ms, **detail))
+        for holds in group.early.values():
+            for hold in holds.values():
+                held[REWARDS].append(hold.offset)
+                outcomes.append(self._reward_outcome("orphan_reward", hold.reward, hold.offset, now_ms))
+        sequences: list[PackedSequence] = []
+        if valid and len(valid) < self.config.groups.min_samples:
+            for member, _ in valid:
+                outcomes.append(
+                    self._rollout_outcome(
+                        "below_quorum", member.rollout, member.offset, now_ms,
+                        usable=len(valid), quorum=self.config.groups.min_samples,
+                    )
+                )
+        elif valid:
+            rewards = np.array([v for _, v in valid], dtype=np.float64)
+            settings = self.config.advantages
+            if settings.drop_zero_variance and is_zero_variance(rewards):
+                for member, value in valid:
+                    outcomes.append(
+                        self._rollout_outcome("zero_variance", member.rollout, member.offset, now_ms, reward=value)
+                    )
+            else:
+                advantages = group_advantages(rewards, settings.estimator, settings.epsilon)
+                sequences = [PackedSequence(m.rollout, float(a)) for (m, _), a in zip(valid, advantages)]
+                for (member, value), advantage in zip(valid, advantages):
+                    lag, age_s = staleness(member.rollout.policy_version, latest_policy, member.rollout.created_at_us, now_ms * 1000)
+                    self._out.observations += [
+                        ("reward", value),
+                        ("advantage", float(advantage)),
+                        ("staleness_versions", float(lag)),
+                        ("staleness_seconds", age_s),
+                    ]
+        if group.first_rollout_ms is not None:
+            self._out.observations.append(("group_completion_s", max(0, now_ms - group.first_rollout_ms) / 1e3))
+        kept = {s.rollout.rollout_id for s in sequences}
+        reward_times = [h.timestamp_ms for m in group.members.values() for h in m.rewards.values()]
+        finished = _Finished(
+            group_id=group.group_id,
+            sequences=sequences,
+            positions={
+                m.rollout.rollout_id: (m.offset, tuple(h.offset for h in m.rewards.values()))
+                for m in group.members.values()
+                if m.rollout.rollout_id in kept
+            },
+            outcomes=outcomes,
+            held=held,
+            rollout_ids=tuple(group.members),
+            finished_at_ms=now_ms,
+            last_reward_ms=max(reward_times, default=now_ms),
+            tokens=sum(s.rollout.num_tokens for s in sequences),
+            signature=None if signature == "unset" else signature,
+        )
+        if sequences:
+            self.finishing[group.group_id] = finished
+            self.ready.append(finished)
+        else:
+            self._close(finished, now_ms)
+
+    def _close(self, finished: _Finished, now_ms: int) -> None:
+        self._out.outcomes.extend(finished.outcomes)
+        for role, offsets in finished.held.items():
+            self.held[role].difference_update(offsets)
+        self.finishing.pop(finished.group_id, None)
+        if finished.rollout_ids:
+            closed = ClosedGroup(finished.group_id, now_ms, finished.rollout_ids)
+            self._remember_closed(closed)
+            self._closed_delta.append(closed)
+
+    def _remember_closed(self, closed: ClosedGroup) -> None:
+        self.closed.pop(closed.group_id, None)
+        self.closed[closed.group_id] = closed
+
+    def _expire_closed(self, now_ms: int) -> None:
+        horizon = now_ms - self.config.filters.dedup_window_s * 1000
+        while self.closed:
+            group_id, oldest = next(iter(self.closed.items()))
+            if oldest.closed_at_ms >= horizon:
+                break
+            del self.closed[group_id]
+
+    # ---- packing -----------------------------------------------------------------------------
+
+    def _pack(self, now_ms: int, latest_policy: int | None, force: bool = False) -> None:
+        if not self.ready:
+            return
+        settings = self.config.batches
+        flush = force or now_ms - self.ready[0].finished_at_ms >= settings.max_wait_s * 1000
+        emit, waiting = plan_batches(
+            [f.tokens for f in self.ready],
+            settings.token_budget,
+            min_fill=settings.min_fill,
+            flush=flush,
+            keys=[f.signature for f in self.ready],
+        )
+        for bin_ in emit:
+            groups = [self.ready[i] for i in bin_]
+            sequences = [s for g in groups for s in g.sequences]
+            positions = {k: v for g in groups for k, v in g.positions.items()}
+            chunks = split_by_budget([s.rollout.num_tokens for s in sequences], settings.token_budget)
+            for chunk in chunks:
+                chosen = [sequences[i] for i in chunk]
+                batch = build_train_batch(
+                    chosen,
+                    step=self.next_step,
+                    source_offsets=self._source_offsets([positions[s.rollout.rollout_id] for s in chosen]),
+                    created_at_us=now_ms * 1000,
+                )
+                self.next_step += 1
+                ids = {s.rollout.group_id for s in chosen}
+                self._out.batches.append(
+                    EmittedBatch(batch, tuple(sorted(ids)), max(g.last_reward_ms for g in groups if g.group_id in ids))
+                )
+                self._out.outcomes.append(self._batch_outcome(batch, sorted(ids), now_ms, latest_policy))
+            for group in groups:
+                self._close(group, now_ms)
+        self.ready = [self.ready[i] for i in waiting]
+
+    def _source_offsets(self, positions: list[tuple[int, tuple[int, ...]]]) -> list[SourceOffset]:
+        rollouts = [p[0] for p in positions]
+        rewards = [o for p in positions for o in p[1]]
+        spans = [SourceOffset(self.topics[ROLLOUTS], self.shard, min(rollouts), max(rollouts) + 1)]
+        if rewards:
+            spans.append(SourceOffset(self.topics[REWARDS], self.shard, min(rewards), max(rewards) + 1))
+        return spans
+
+    def _batch_outcome(self, batch: TrainBatch, group_ids: list[str], now_ms: int, latest_policy: int | None) -> Outcome:
+        versions = batch.policy_versions
+        return Outcome(
+            "batch",
+            "batched",
+            self.shard,
+            now_ms,
+            tokens=int(len(batch.tokens)),
+            detail={
+                "batch_id": batch.batch_id,
+                "step": batch.step,
+                "rollout_ids": list(batch.rollout_ids),
+                "group_ids": group_ids,
+                "policy_versions": [int(versions.min()), int(versions.max())],
+                "latest_policy": latest_policy,
+            },
+        )
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    def pending_offsets(self, role: str) -> set[int]:
+        pending = set(self.held[role])
+        replay = self._replay.get(role)
+        if replay is not None:
+            position = self.positions.get(role, -1)
+            pending |= {o for o in replay[1] if o >= position}
+        return pending
+
+    def watermarks(self) -> dict[str, int]:
+        """Offsets safe to commit: everything below is in committed output (or will be with this one)."""
+        marks = {}
+        for role, position in self.positions.items():
+            pending = self.pending_offsets(role)
+            marks[role] = min(pending) if pending else position
+        return marks
+
+    def has_output(self) -> bool:
+        return not self._out.empty()
+
+    def has_batches(self) -> bool:
+        return bool(self._out.batches)
+
+    def pending_count(self) -> int:
+        return sum(len(self.pending_offsets(role)) for role in (ROLLOUTS, REWARDS))
+
+    def checkpoint(self, etl_instance: str = "") -> tuple[ShardOutput, ShardSnapshot, dict[str, int]]:
+        """Hand over the outputs since the last checkpoint with the snapshot and offsets that go with them."""
+        output, self._out = self._out, ShardOutput()
+        positions = {}
+        for role, position in self.positions.items():
+            replay = self._replay.get(role)
+            positions[role] = max(position, replay[0]) if replay else position
+        snapshot = ShardSnapshot(
+            shard=self.shard,
+            positions=positions,
+            pending={role: offsets_to_ranges(list(self.pending_offsets(role))) for role in positions},
+            next_step=self.next_step,
+            closed=tuple(self._closed_delta),
+            etl_instance=etl_instance,
+        )
+        self._closed_delta = []
+        return output, snapshot, self.watermarks()
+
+    def flush_all(self, now_ms: int, latest_policy: int | None) -> None:
+        """Decide and pack everything as if every deadline had passed (the end of a replay)."""
+        for group_id in sorted(self.groups):
+            self._evaluate(self.groups[group_id], now_ms, latest_policy, force=True)
+        self._deadlines.clear()
+        self._dirty.clear()
+        self._pack(now_ms, latest_policy, force=True)

@@ -1,0 +1,488 @@
+"""`ember rollouts etl CONFIG`: the consumer-group service that turns rollouts and rewards into batches.
+
+One process per core, all in one consumer group; the unit of work is a shard (rollouts partition p
+with rewards partition p, kept together by `CopartitionedCooperativeAssignor`). Exactly-once:
+
+- every output (batches, ledger outcomes, dead letters), the shard's state snapshot and the input
+  offsets are committed in one Kafka transaction (`send_offsets_to_transaction` with the consumer's
+  group metadata, so a fenced zombie cannot commit);
+- the committed input offset of a partition is the oldest message still held in memory, and the
+  snapshot records which later offsets are already in committed output, so a restarted (or new)
+  owner re-reads from the committed offset, skips what is done and rebuilds exactly the pending state;
+- any Kafka error tears the clients down and rebuilds them and the state the same way, which is also
+  how a broker restart or a rebalance is survived.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.consumer.subscription_state import ConsumerRebalanceListener
+from kafka.errors import KafkaError
+from kafka.structs import OffsetAndMetadata
+
+from ember.rollouts.assignor import CopartitionedCooperativeAssignor
+from ember.rollouts.config import EtlConfig
+from ember.rollouts.engine import REWARDS, ROLLOUTS, InputMessage, ShardEngine, ShardOutput, StateMismatch
+from ember.rollouts.faults import crash_point
+from ember.rollouts.metrics import EtlMetrics
+from ember.rollouts.records import ClosedGroup, PolicyVersion, ShardSnapshot
+from ember.rollouts.topics import TopicSpec, default_topics, describe_topics, ensure_topics
+from ember.rollouts.transport import consumer_config, producer_config
+from ember.schemas import encode
+
+log = logging.getLogger("ember.etl")
+
+ETL_ROLES = ("rollouts", "rewards", "policy_versions", "train_batches", "dead_letter", "outcomes", "etl_state")
+
+
+class TopologyError(RuntimeError):
+    """The topics cannot carry the ETL (e.g. rollouts and rewards partition counts differ)."""
+
+
+def prepare_topics(config: EtlConfig) -> dict[str, str]:
+    """Create missing ETL topics and check co-partitioning; returns role -> topic name."""
+    kafka = config.kafka
+    specs = default_topics(kafka.topic_prefix, kafka.partitions)
+    ensure_topics(kafka.bootstrap, [specs[r] for r in ETL_ROLES if r != "etl_state"])
+    names = {role: specs[role].name for role in ETL_ROLES}
+    counts = {row["name"]: int(row["partitions"]) for row in describe_topics(kafka.bootstrap, [names["rollouts"], names["rewards"]])}
+    rollouts, rewards = counts[names["rollouts"]], counts[names["rewards"]]
+    if rollouts != rewards:
+        raise TopologyError(
+            f"{names['rollouts']} has {rollouts} partitions but {names['rewards']} has {rewards}: a group's rollouts "
+            "and rewards must share a partition index; give both topics the same partition count"
+        )
+    state = specs["etl_state"]
+    ensure_topics(kafka.bootstrap, [TopicSpec(state.name, rollouts, retention_ms=state.retention_ms)])
+    (row,) = describe_topics(kafka.bootstrap, [names["etl_state"]])
+    if int(row["partitions"]) < rollouts:
+        raise TopologyError(
+            f"{names['etl_state']} has {row['partitions']} partitions for {rollouts} rollout partitions; "
+            "add partitions to the state topic before running the ETL"
+        )
+    return names
+
+
+class PolicyWatcher:
+    """Follows the policy-versions topic; `latest` is the highest version any trainer announced."""
+
+    def __init__(self, bootstrap: str, topic: str):
+        self.consumer = KafkaConsumer(**consumer_config(bootstrap_servers=bootstrap, group_id=None))
+        self.tp = TopicPartition(topic, 0)
+        self.consumer.assign([self.tp])
+        self.consumer.seek_to_beginning(self.tp)
+        self.latest: int | None = None
+        self.invalid = 0
+
+    def poll(self, timeout_ms: int = 0) -> None:
+        for messages in self.consumer.poll(timeout_ms=timeout_ms).values():
+            for message in messages:
+                try:
+                    version = PolicyVersion.decode(message.value).policy_version
+                except ValueError as exc:
+                    self.invalid += 1
+                    log.warning("ignoring policy-version record %s@%d: %s", self.tp.topic, message.offset, exc)
+                    continue
+                self.latest = version if self.latest is None else max(self.latest, version)
+
+    def catch_up(self, timeout_s: float = 30.0) -> None:
+        end = self.consumer.end_offsets([self.tp])[self.tp]
+        deadline = time.monotonic() + timeout_s
+        while self.consumer.position(self.tp) < end:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"could not read {self.tp.topic} to offset {end} within {timeout_s}s")
+            self.poll(timeout_ms=200)
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+def read_shard_state(
+    consumer: KafkaConsumer, topic: str, shard: int, state_offset: int | None, since_ms: int, timeout_s: float = 60.0
+) -> tuple[ShardSnapshot | None, list[ClosedGroup]]:
+    """The snapshot at `state_offset` and every group closed since `since_ms` (the dedup window)."""
+    tp = TopicPartition(topic, shard)
+    consumer.assign([tp])
+    found = consumer.offsets_for_times({tp: max(0, since_ms)}).get(tp)
+    end = consumer.end_offsets([tp])[tp]
+    target = state_offset if state_offset is not None else end - 1
+    start = found.offset if found is not None else end
+    if state_offset is not None:
+        start = min(start, state_offset)
+    consumer.seek(tp, start)
+    closed: list[ClosedGroup] = []
+    snapshot: ShardSnapshot | None = None
+    deadline = time.monotonic() + timeout_s
+    while consumer.position(tp) <= target:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"could not read {topic}[{shard}] up to offset {target} within {timeout_s}s")
+        for messages in consumer.poll(timeout_ms=200).values():
+            for message in messages:
+                if message.offset > target:
+                    continue
+                record = ShardSnapshot.decode(message.value)
+                closed.extend(record.closed)
+                if message.offset == target or state_offset is None:
+                    snapshot = record
+    if state_offset is not None and snapshot is None:
+        raise StateMismatch(f"{topic}[{shard}] has no committed snapshot at offset {state_offset} (expired retention?)")
+    return (snapshot if state_offset is not None else None), closed
+
+
+class _Listener(ConsumerRebalanceListener):
+    """Runs inside poll(); only records what changed, the service acts on it after poll returns."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, set[int]]] = []
+
+    def on_partitions_revoked(self, revoked) -> None:
+        self.events.append(("revoked", {tp.partition for tp in revoked}))
+
+    def on_partitions_assigned(self, assigned) -> None:
+        self.events.append(("assigned", {tp.partition for tp in assigned}))
+
+    def on_partitions_lost(self, lost) -> None:
+        self.events.append(("revoked", {tp.partition for tp in lost}))
+
+
+@dataclass
+class _Clients:
+    producer: KafkaProducer
+    consumer: KafkaConsumer
+    state_reader: KafkaConsumer
+    policy: PolicyWatcher
+    listener: _Listener
+
+    def close(self) -> None:
+        for close in (
+            lambda: self.consumer.close(autocommit=False),
+            self.state_reader.close,
+            self.policy.close,
+            lambda: self.producer.close(timeout=5),
+        ):
+            try:
+                close()
+            except Exception as exc:  # closing after a failure must never mask the failure itself
+                log.debug("ignoring error while closing a client: %r", exc)
+
+
+class EtlService:
+    def __init__(self, config: EtlConfig, instance: str = "0", metrics: EtlMetrics | None = None):
+        self.config = config
+        self.instance = instance
+        self.metrics = metrics or EtlMetrics()
+        self.topics: dict[str, str] = {}
+        self.engines: dict[int, ShardEngine] = {}
+        self._clients: _Clients | None = None
+        self._touched: set[int] = set()
+        self._committed_marks: dict[int, dict[str, int]] = {}
+        self._last_commit = 0.0
+        self._last_lag = 0.0
+        self._last_message = time.monotonic()
+        self._last_timestamp: dict[TopicPartition, int] = {}
+        self._clocks: dict[int, int] = {}
+        self.transactions = 0
+
+    @property
+    def member_id(self) -> str:
+        return f"{self.config.kafka.group_id}-{self.instance}"
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event | None = None, *, until_idle_s: float | None = None) -> None:
+        """Process until `stop` is set, or (with `until_idle_s`) until nothing is pending and no input came for that long."""
+        stop = stop or threading.Event()
+        self.topics = prepare_topics(self.config)
+        failures = 0
+        try:
+            while not stop.is_set():
+                try:
+                    self._connect()
+                    failures = 0
+                    while not stop.is_set():
+                        self._step()
+                        if until_idle_s is not None and self._idle_for(until_idle_s):
+                            stop.set()
+                    self._commit(force=True)
+                except (KafkaError, OSError, TimeoutError) as exc:
+                    failures += 1
+                    self.metrics.recoveries.inc()
+                    log.warning(
+                        "ETL %s: %r; rebuilding clients and state from committed offsets (attempt %d)",
+                        self.member_id, exc, failures,
+                    )
+                    self._disconnect()
+                    stop.wait(min(0.5 * 2**failures, 10.0))
+        finally:
+            self._disconnect()
+
+    def _connect(self) -> None:
+        kafka = self.config.kafka
+        producer = KafkaProducer(
+            **producer_config(
+                bootstrap_servers=kafka.bootstrap,
+                transactional_id=self.member_id,
+                transaction_timeout_ms=kafka.transaction_timeout_ms,
+                client_id=f"{self.member_id}-producer",
+                linger_ms=0,
+            )
+        )
+        try:
+            producer.init_transactions()
+            listener = _Listener()
+            consumer = KafkaConsumer(
+                **consumer_config(
+                    bootstrap_servers=kafka.bootstrap,
+                    group_id=kafka.group_id,
+                    group_instance_id=self.member_id,
+                    client_id=f"{self.member_id}-consumer",
+                    partition_assignment_strategy=[CopartitionedCooperativeAssignor()],
+                    session_timeout_ms=kafka.session_timeout_ms,
+                    heartbeat_interval_ms=kafka.heartbeat_interval_ms,
+                    max_poll_records=kafka.max_poll_records,
+                )
+            )
+            consumer.subscribe([self.topics["rollouts"], self.topics["rewards"]], listener=listener)
+            state_reader = KafkaConsumer(**consumer_config(bootstrap_servers=kafka.bootstrap, group_id=None))
+            policy = PolicyWatcher(kafka.bootstrap, self.topics["policy_versions"])
+        except BaseException:
+            producer.close(timeout=5)
+            raise
+        self._clients = _Clients(producer, consumer, state_reader, policy, listener)
+        policy.catch_up()
+        self.engines = {}
+        self._touched = set()
+        self._committed_marks = {}
+        log.info("ETL %s connected to %s", self.member_id, kafka.bootstrap)
+
+    def _disconnect(self) -> None:
+        if self._clients is not None:
+            self._clients.close()
+        self._clients = None
+        self.engines = {}
+
+    def _idle_for(self, seconds: float) -> bool:
+        if time.monotonic() - self._last_message < seconds or not self.engines:
+            return False
+        return all(e.pending_count() == 0 and not e.groups and not e.ready for e in self.engines.values())
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    def _step(self) -> None:
+        clients = self._clients
+        assert clients is not None
+        records = clients.consumer.poll(timeout_ms=self.config.kafka.poll_timeout_ms)
+        loaded = self._apply_rebalance(clients)
+        clients.policy.poll()
+        now_ms = int(time.time() * 1000)
+        for tp, messages in records.items():
+            engine = self.engines.get(tp.partition)
+            if engine is None or tp.partition in loaded or not messages:
+                continue
+            for message in messages:
+                timestamp = message.timestamp if message.timestamp is not None and message.timestamp >= 0 else now_ms
+                engine.ingest(InputMessage(tp.topic, tp.partition, message.offset, timestamp, message.key, message.value), now_ms)
+                self._last_timestamp[tp] = timestamp
+            self.metrics.messages.labels(tp.topic).inc(len(messages))
+            self._touched.add(tp.partition)
+            self._last_message = time.monotonic()
+        latest = clients.policy.latest
+        if latest is not None:
+            self.metrics.policy_version.set(latest)
+        for shard, engine in self.engines.items():
+            engine.advance(self._clock(clients, shard, now_ms), latest)
+            self.metrics.pending.labels(str(shard)).set(engine.pending_count())
+            self.metrics.open_groups.labels(str(shard)).set(len(engine.groups))
+        self._commit()
+        self._update_lag(clients)
+
+    def _clock(self, clients: _Clients, shard: int, now_ms: int) -> int:
+        """Event time while catching up, wall time once caught up (so deadlines fire without new input).
+
+        A lagging ETL (after a restart, or behind a burst) must not declare rewards missing that are
+        simply not read yet, so while either partition has unread data the clock is the timestamp of
+        the last message read from the lagging partitions. It never goes backwards.
+        """
+        engine = self.engines[shard]
+        behind = []
+        for role in (ROLLOUTS, REWARDS):
+            tp = TopicPartition(self.topics[role], shard)
+            high = clients.consumer.highwater(tp)
+            position = engine.positions.get(role)
+            if high is None or position is None or position < high:
+                behind.append(self._last_timestamp.get(tp, 0))
+        clock = max(min(behind) if behind else now_ms, self._clocks.get(shard, 0))
+        self._clocks[shard] = clock
+        return clock
+
+    def _apply_rebalance(self, clients: _Clients) -> set[int]:
+        events, clients.listener.events = clients.listener.events, []
+        to_load: set[int] = set()
+        for kind, shards in events:
+            for shard in shards:
+                if kind == "revoked":
+                    self.engines.pop(shard, None)
+                    self._touched.discard(shard)
+                    self._committed_marks.pop(shard, None)
+                    to_load.discard(shard)
+                else:
+                    to_load.add(shard)
+        assignment = clients.consumer.assignment()
+        for shard in sorted(to_load):
+            pair = [TopicPartition(self.topics[r], shard) for r in (ROLLOUTS, REWARDS)]
+            if all(tp in assignment for tp in pair):
+                self._load_shard(clients, shard, pair)
+        if events:
+            log.info("ETL %s owns shards %s", self.member_id, sorted(self.engines))
+        return to_load
+
+    def _load_shard(self, clients: _Clients, shard: int, pair: list[TopicPartition]) -> None:
+        committed = {role: clients.consumer.committed(tp, metadata=True) for role, tp in zip((ROLLOUTS, REWARDS), pair)}
+        state_offset = None
+        meta = committed[ROLLOUTS].metadata if committed[ROLLOUTS] is not None else ""
+        if meta:
+            try:
+                state_offset = int(json.loads(meta)["state_offset"])
+            except (ValueError, KeyError, TypeError):
+                raise StateMismatch(f"{pair[0].topic}[{shard}] committed metadata {meta!r} is not an ember ETL state pointer") from None
+        now_ms = int(time.time() * 1000)
+        snapshot, closed = read_shard_state(
+            clients.state_reader,
+            self.topics["etl_state"],
+            shard,
+            state_offset,
+            now_ms - int(self.config.filters.dedup_window_s * 1000),
+        )
+        offsets = {role: c.offset for role, c in committed.items() if c is not None and c.offset >= 0}
+        starts = dict(offsets)
+        for role, tp in zip((ROLLOUTS, REWARDS), pair):
+            if role in offsets:
+                clients.consumer.seek(tp, offsets[role])
+            else:
+                clients.consumer.seek_to_beginning(tp)
+                starts[role] = clients.consumer.position(tp)
+        engine = ShardEngine(
+            self.config,
+            shard,
+            {ROLLOUTS: self.topics["rollouts"], REWARDS: self.topics["rewards"]},
+            snapshot=snapshot,
+            committed=starts,
+            closed=closed,
+            now_ms=now_ms,
+        )
+        self.engines[shard] = engine
+        self._committed_marks[shard] = dict(offsets)
+        self._clocks.pop(shard, None)
+        for tp in pair:
+            self._last_timestamp.pop(tp, None)
+        log.info("ETL %s loaded shard %d from offsets %s (%d pending to rebuild)", self.member_id, shard, offsets, engine.pending_count())
+
+    # ---- transactions ------------------------------------------------------------------------
+
+    def _commit(self, force: bool = False) -> None:
+        clients = self._clients
+        if clients is None or not self.engines:
+            return
+        ready = any(e.has_batches() for e in self.engines.values())
+        interval = self.config.commit.interval_ms / 1000
+        if not (force or ready or time.monotonic() - self._last_commit >= interval):
+            return
+        shards = sorted(s for s in self._touched | {s for s, e in self.engines.items() if e.has_output()} if s in self.engines)
+        prepared: list[tuple[int, ShardOutput, ShardSnapshot, dict[str, int]]] = []
+        for shard in shards:
+            output, snapshot, marks = self.engines[shard].checkpoint(self.member_id)
+            if output.empty() and not snapshot.closed and marks == self._committed_marks.get(shard):
+                self._count(output)
+                continue
+            prepared.append((shard, output, snapshot, marks))
+        self._touched.clear()
+        self._last_commit = time.monotonic()
+        if not prepared:
+            return
+        producer = clients.producer
+        producer.begin_transaction()
+        try:
+            state_futures = {}
+            for shard, output, snapshot, _marks in prepared:
+                self._send_output(producer, output)
+                state_futures[shard] = producer.send(
+                    self.topics["etl_state"], key=str(shard).encode(), value=snapshot.encode(), partition=shard
+                )
+            producer.flush()
+            offsets = {}
+            for shard, _output, _snapshot, marks in prepared:
+                pointer = json.dumps({"state_offset": state_futures[shard].get(timeout=30).offset, "etl": self.member_id})
+                for role, mark in marks.items():
+                    offsets[TopicPartition(self.topics[role], shard)] = OffsetAndMetadata(mark, pointer, -1)
+            crash_point("etl.before_send_offsets")
+            producer.send_offsets_to_transaction(offsets, clients.consumer.group_metadata())
+            crash_point("etl.before_commit")
+            producer.commit_transaction()
+            crash_point("etl.after_commit")
+        except BaseException:
+            self.metrics.transactions.labels("aborted").inc()
+            try:
+                producer.abort_transaction()
+            except Exception as exc:  # the original error decides what happens next
+                log.debug("abort after a failed transaction also failed: %r", exc)
+            raise
+        self.transactions += 1
+        self.metrics.transactions.labels("committed").inc()
+        for shard, output, _snapshot, marks in prepared:
+            self._committed_marks[shard] = marks
+            self._count(output)
+
+    def _send_output(self, producer: KafkaProducer, output: ShardOutput) -> None:
+        for emitted in output.batches:
+            batch = emitted.batch
+            producer.send(self.topics["train_batches"], key=batch.batch_id.encode(), value=encode(batch))
+        for outcome in output.outcomes:
+            producer.send(self.topics["outcomes"], key=(outcome.group_id or outcome.kind).encode(), value=outcome.encode())
+        for dead in output.dead_letters:
+            source = dead.source
+            headers = [
+                ("ember.reason", dead.reason.encode("utf-8", errors="replace")),
+                ("ember.source_topic", source.topic.encode()),
+                ("ember.source_partition", str(source.partition).encode()),
+                ("ember.source_offset", str(source.offset).encode()),
+                ("ember.source_timestamp_ms", str(source.timestamp_ms).encode()),
+                ("ember.payload_kept", b"1" if dead.payload_kept else b"0"),
+            ]
+            producer.send(
+                self.topics["dead_letter"],
+                key=source.key,
+                value=source.value if dead.payload_kept else None,
+                headers=headers,
+            )
+
+    def _count(self, output: ShardOutput) -> None:
+        now_ms = time.time() * 1000
+        m = self.metrics
+        for emitted in output.batches:
+            m.batches.inc()
+            m.batch_rollouts.inc(emitted.batch.num_sequences)
+            m.batch_tokens.inc(len(emitted.batch.tokens))
+            m.batch_latency.observe(max(0.0, now_ms - emitted.last_reward_ms) / 1e3)
+        for outcome in output.outcomes:
+            m.outcomes.labels(outcome.kind, outcome.reason).inc()
+            if outcome.kind == "rollout_dropped":
+                m.dropped_tokens.labels(outcome.reason).inc(outcome.tokens)
+        for name, value in output.observations:
+            m.observe(name, value)
+
+    def _update_lag(self, clients: _Clients) -> None:
+        if time.monotonic() - self._last_lag < 5.0 or not self.engines:
+            return
+        self._last_lag = time.monotonic()
+        tps = {TopicPartition(self.topics[r], s): (s, r) for s in self.engines for r in (ROLLOUTS, REWARDS)}
+        ends = clients.consumer.end_offsets(list(tps))
+        for tp, end in ends.items():
+            shard, role = tps[tp]
+            committed = self._committed_marks.get(shard, {}).get(role, 0)
+            self.metrics.lag.labels(tp.topic, str(tp.partition)).set(max(0, end - committed))

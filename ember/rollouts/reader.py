@@ -1,0 +1,143 @@
+"""`RolloutBatchReader`: the trainer's side of the train-batches topic.
+
+It reads only committed batches (`read_committed`, so an ETL transaction that aborted is never seen),
+yields ready-to-use tensors, and advances its position only when the trainer says the step is done
+(`commit()`). `state_dict()` is that position: store it in the trainer checkpoint and pass it back as
+`state=` on restart, and the trainer resumes on exactly the batch after the checkpointed step, even if
+it had stepped (and committed) further before it crashed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+from kafka import KafkaConsumer, TopicPartition
+from kafka.structs import OffsetAndMetadata
+
+from ember.rollouts.batching import position_ids
+from ember.rollouts.transport import consumer_config, kafka_bootstrap
+from ember.schemas import DecodeError, TrainBatch, decode_train_batch
+
+
+def batch_arrays(batch: TrainBatch) -> dict[str, np.ndarray]:
+    """The trainer's view of a batch as writable numpy arrays in training dtypes."""
+    arrays = {
+        "tokens": batch.tokens.astype(np.int64),
+        "loss_mask": batch.loss_mask.astype(np.float32),
+        "advantages": np.array(batch.advantages, dtype=np.float32),
+        "sampler_logprobs": np.array(batch.sampler_logprobs, dtype=np.float32),
+        "cu_seqlens": np.array(batch.cu_seqlens, dtype=np.int32),
+        "position_ids": position_ids(batch.cu_seqlens),
+        "policy_versions": np.array(batch.policy_versions, dtype=np.int64),
+    }
+    if batch.routed_experts is not None:
+        experts = batch.routed_experts
+        arrays["routed_experts"] = np.array(experts, dtype=np.uint8 if experts.dtype == np.uint8 else np.int32)
+    return arrays
+
+
+def batch_tensors(batch: TrainBatch, device: str | None = None) -> dict[str, Any]:
+    """Same as `batch_arrays` as torch tensors (uint16 expert ids widen to int32, which torch indexes with)."""
+    import torch
+
+    tensors = {name: torch.from_numpy(array) for name, array in batch_arrays(batch).items()}
+    if device is not None:
+        tensors = {name: t.to(device, non_blocking=True) for name, t in tensors.items()}
+    return tensors
+
+
+@dataclass
+class ReadBatch:
+    """One batch as the trainer gets it: the record (ids, offsets, step) and its tensors."""
+
+    batch: TrainBatch
+    tensors: dict[str, Any]
+    partition: int
+    offset: int
+
+    @property
+    def max_seqlen(self) -> int:
+        return int(np.diff(self.batch.cu_seqlens).max())
+
+
+class RolloutBatchReader:
+    def __init__(
+        self,
+        topic: str,
+        *,
+        group_id: str = "ember-trainer",
+        state: dict[str, Any] | None = None,
+        bootstrap: str | None = None,
+        backend: str = "torch",
+        device: str | None = None,
+        idle_timeout_s: float | None = None,
+    ):
+        """`state` is a previous `state_dict()`; without it the group's committed position is used."""
+        if backend not in ("torch", "numpy"):
+            raise ValueError(f"backend must be 'torch' or 'numpy', got {backend!r}")
+        self.topic = topic
+        self.backend = backend
+        self.device = device
+        self.idle_timeout_s = idle_timeout_s
+        self.consumer = KafkaConsumer(
+            **consumer_config(bootstrap_servers=bootstrap or kafka_bootstrap(), group_id=group_id, max_poll_records=1)
+        )
+        partitions = self.consumer.partitions_for_topic(topic)
+        if not partitions:
+            self.consumer.close()
+            raise ValueError(f"topic {topic} does not exist (is the ETL running with this topic prefix?)")
+        self.partitions = [TopicPartition(topic, p) for p in sorted(partitions)]
+        self.consumer.assign(self.partitions)
+        if state is not None:
+            if state.get("topic") != topic:
+                self.consumer.close()
+                raise ValueError(f"reader state is for topic {state.get('topic')!r}, not {topic!r}")
+            for tp in self.partitions:
+                offset = state["offsets"].get(str(tp.partition))
+                if offset is None:
+                    self.consumer.seek_to_beginning(tp)
+                else:
+                    self.consumer.seek(tp, int(offset))
+        self._stepped = {tp.partition: self.consumer.position(tp) for tp in self.partitions}
+        self._consumed = dict(self._stepped)
+        self._buffer: list = []
+
+    def __iter__(self) -> Iterator[ReadBatch]:
+        return self
+
+    def __next__(self) -> ReadBatch:
+        deadline = None if self.idle_timeout_s is None else time.monotonic() + self.idle_timeout_s
+        while not self._buffer:
+            for messages in self.consumer.poll(timeout_ms=500).values():
+                self._buffer.extend(messages)
+            if not self._buffer and deadline is not None and time.monotonic() > deadline:
+                raise StopIteration
+        message = self._buffer.pop(0)
+        try:
+            batch = decode_train_batch(message.value)
+        except DecodeError as exc:
+            raise DecodeError(f"{message.topic}[{message.partition}]@{message.offset}: {exc}") from None
+        self._consumed[message.partition] = message.offset + 1
+        tensors = batch_tensors(batch, self.device) if self.backend == "torch" else batch_arrays(batch)
+        return ReadBatch(batch, tensors, message.partition, message.offset)
+
+    def commit(self) -> None:
+        """The trainer finished the step on every batch yielded so far: advance and commit the position."""
+        self._stepped = dict(self._consumed)
+        self.consumer.commit({TopicPartition(self.topic, p): OffsetAndMetadata(o, "", -1) for p, o in self._stepped.items()})
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position after the last committed step, for the trainer checkpoint."""
+        return {"topic": self.topic, "offsets": {str(p): o for p, o in sorted(self._stepped.items())}}
+
+    def close(self) -> None:
+        self.consumer.close(autocommit=False)
+
+    def __enter__(self) -> "RolloutBatchReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

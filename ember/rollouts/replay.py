@@ -1,0 +1,240 @@
+"""`ember rollouts replay`: rebuild batches from the retained input log with different settings.
+
+The same `ShardEngine` as the live ETL runs over a range of the rollouts and rewards topics, driven by
+the log's own clock (message timestamps), with the policy version that was current at each
+timestamp, so timeouts and staleness behave as they did live. Groups still open at the end of the
+range are decided as if their deadlines had passed. Output goes to a topic or a directory
+(`batches.arrow` with TRAIN_BATCH_SCHEMA rows, `outcomes.jsonl`, `summary.json`); the live ETL's
+state, offsets and outputs are never touched.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+
+from ember.rollouts.config import EtlConfig
+from ember.rollouts.engine import REWARDS, ROLLOUTS, InputMessage, ShardEngine, ShardOutput
+from ember.rollouts.records import PolicyVersion
+from ember.rollouts.transport import consumer_config, producer_config
+from ember.schemas import TRAIN_BATCH_SCHEMA, TrainBatch, encode
+
+
+@dataclass(frozen=True)
+class ReplayStart:
+    """Where to start: `earliest`, a time, or explicit offsets like `rollouts:0=120,rewards:0=80`."""
+
+    earliest: bool = False
+    at_ms: int | None = None
+    offsets: dict[tuple[str, int], int] = field(default_factory=dict)
+
+
+def parse_start(text: str) -> ReplayStart:
+    text = text.strip()
+    if text == "earliest":
+        return ReplayStart(earliest=True)
+    if "=" in text:
+        offsets = {}
+        for part in text.split(","):
+            where, _, offset = part.partition("=")
+            role, _, partition = where.partition(":")
+            if role not in (ROLLOUTS, REWARDS) or not partition.isdigit() or not offset.strip().isdigit():
+                raise ValueError(f"bad offset spec {part!r}: expected rollouts:<partition>=<offset> or rewards:<partition>=<offset>")
+            offsets[(role, int(partition))] = int(offset)
+        return ReplayStart(offsets=offsets)
+    try:
+        return ReplayStart(at_ms=int(float(text) * 1000))
+    except ValueError:
+        pass
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError(
+            f"--from {text!r}: use 'earliest', an ISO time (2026-01-31T12:00:00+00:00), unix seconds, "
+            "or offsets like rollouts:0=120,rewards:0=80"
+        ) from None
+    if moment.tzinfo is None:
+        raise ValueError(f"--from {text!r}: give a timezone (e.g. +00:00) so the start is unambiguous")
+    return ReplayStart(at_ms=int(moment.timestamp() * 1000))
+
+
+def train_batches_to_table(batches: list[TrainBatch]) -> pa.Table:
+    """TrainBatches as TRAIN_BATCH_SCHEMA rows; list columns are built from one concatenate each."""
+
+    def lists(arrays: list[np.ndarray], arrow_type: pa.DataType, large: bool = True) -> pa.Array:
+        offsets = np.zeros(len(arrays) + 1, dtype=np.int64 if large else np.int32)
+        np.cumsum([len(a) for a in arrays], out=offsets[1:])
+        values = pa.array(np.concatenate(arrays) if arrays else np.zeros(0), arrow_type)
+        array_type = pa.LargeListArray if large else pa.ListArray
+        return array_type.from_arrays(pa.array(offsets), values)
+
+    experts = [b.routed_experts for b in batches]
+    return pa.Table.from_pydict(
+        {
+            "batch_id": [b.batch_id for b in batches],
+            "step": [b.step for b in batches],
+            "tokens": lists([b.tokens for b in batches], pa.uint32()),
+            "loss_mask": lists([b.loss_mask for b in batches], pa.uint8()),
+            "advantages": lists([b.advantages for b in batches], pa.float32()),
+            "sampler_logprobs": lists([b.sampler_logprobs for b in batches], pa.float32()),
+            "cu_seqlens": lists([b.cu_seqlens for b in batches], pa.int32(), large=False),
+            "policy_versions": lists([b.policy_versions for b in batches], pa.int64(), large=False),
+            "rollout_ids": [list(b.rollout_ids) for b in batches],
+            "source_offsets": [
+                [{"topic": o.topic, "partition": o.partition, "start": o.start, "end": o.end} for o in b.source_offsets]
+                for b in batches
+            ],
+            "routed_experts": [None if e is None else e.tobytes() for e in experts],
+            "routed_experts_shape": [None if e is None else list(e.shape) for e in experts],
+            "routed_experts_dtype": [None if e is None else e.dtype.name for e in experts],
+            "created_at": pa.array([b.created_at_us for b in batches], pa.int64()).cast(pa.timestamp("us", tz="UTC")),
+        },
+        schema=TRAIN_BATCH_SCHEMA,
+    )
+
+
+@dataclass
+class ReplaySummary:
+    batches: int = 0
+    rollouts: int = 0
+    tokens: int = 0
+    messages: int = 0
+    outcomes: Counter = field(default_factory=Counter)
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "batches": self.batches,
+            "rollouts": self.rollouts,
+            "tokens": self.tokens,
+            "messages": self.messages,
+            "outcomes": {f"{k}/{r}": n for (k, r), n in sorted(self.outcomes.items())},
+            "seconds": round(self.seconds, 3),
+        }
+
+
+class _Policy:
+    """Policy versions by publish time, so staleness is judged against what was current then."""
+
+    def __init__(self, records: list[tuple[int, int]]):
+        records.sort()
+        self.times = [t for t, _ in records]
+        self.best = list(np.maximum.accumulate([v for _, v in records])) if records else []
+
+    def at(self, ms: int) -> int | None:
+        i = bisect.bisect_right(self.times, ms)
+        return int(self.best[i - 1]) if i else None
+
+
+def _read_range(consumer: KafkaConsumer, starts: dict[TopicPartition, int], ends: dict[TopicPartition, int]) -> list:
+    live = {tp for tp in starts if starts[tp] < ends[tp]}
+    messages = []
+    if not live:
+        return messages
+    consumer.assign(sorted(live))
+    for tp in live:
+        consumer.seek(tp, starts[tp])
+    while live:
+        batch = consumer.poll(timeout_ms=1000)
+        for tp, records in batch.items():
+            messages.extend(r for r in records if r.offset < ends[tp])
+        for tp in list(live):
+            if consumer.position(tp) >= ends[tp]:
+                live.discard(tp)
+    return messages
+
+
+def replay(config: EtlConfig, start: ReplayStart, *, to_topic: str | None = None, to_dir: Path | None = None) -> ReplaySummary:
+    if (to_topic is None) == (to_dir is None):
+        raise ValueError("give exactly one of to_topic or to_dir")
+    kafka = config.kafka
+    names = {role: kafka.topic(role) for role in (ROLLOUTS, REWARDS, "policy_versions")}
+    consumer = KafkaConsumer(**consumer_config(bootstrap_servers=kafka.bootstrap, group_id=None))
+    producer = KafkaProducer(**producer_config(bootstrap_servers=kafka.bootstrap)) if to_topic else None
+    summary = ReplaySummary()
+    started = time.monotonic()
+    batches: list[TrainBatch] = []
+    outcome_lines: list[str] = []
+    try:
+        policy_tp = TopicPartition(names["policy_versions"], 0)
+        policy_records = []
+        for message in _read_range(consumer, {policy_tp: 0}, consumer.end_offsets([policy_tp])):
+            try:
+                policy_records.append((message.timestamp, PolicyVersion.decode(message.value).policy_version))
+            except ValueError:
+                continue
+        policy = _Policy(policy_records)
+        shards = sorted(consumer.partitions_for_topic(names[ROLLOUTS]) or [])
+        for shard in shards:
+            tps = {role: TopicPartition(names[role], shard) for role in (ROLLOUTS, REWARDS)}
+            ends = consumer.end_offsets(list(tps.values()))
+            starts = _start_offsets(consumer, start, tps)
+            messages = _read_range(consumer, starts, ends)
+            role_of = {names[ROLLOUTS]: 0, names[REWARDS]: 1}
+            messages.sort(key=lambda m: (m.timestamp, role_of[m.topic], m.offset))
+            engine = ShardEngine(config, shard, {ROLLOUTS: names[ROLLOUTS], REWARDS: names[REWARDS]})
+            now = 0
+            for message in messages:
+                now = max(now, message.timestamp)
+                engine.ingest(InputMessage(message.topic, shard, message.offset, message.timestamp, message.key, message.value), now)
+                engine.advance(now, policy.at(now))
+            engine.flush_all(now, policy.at(now))
+            output, _snapshot, _marks = engine.checkpoint("replay")
+            summary.messages += len(messages)
+            _collect(output, summary, batches, outcome_lines, producer, to_topic)
+        if producer is not None:
+            producer.flush()
+    finally:
+        consumer.close()
+        if producer is not None:
+            producer.close()
+    summary.seconds = time.monotonic() - started
+    if to_dir is not None:
+        _write_dir(to_dir, batches, outcome_lines, summary)
+    return summary
+
+
+def _start_offsets(consumer: KafkaConsumer, start: ReplayStart, tps: dict[str, TopicPartition]) -> dict[TopicPartition, int]:
+    beginnings = consumer.beginning_offsets(list(tps.values()))
+    if start.at_ms is not None:
+        found = consumer.offsets_for_times({tp: start.at_ms for tp in tps.values()})
+        ends = consumer.end_offsets(list(tps.values()))
+        return {tp: (found[tp].offset if found.get(tp) is not None else ends[tp]) for tp in tps.values()}
+    return {
+        tp: max(beginnings[tp], start.offsets.get((role, tp.partition), beginnings[tp])) for role, tp in tps.items()
+    }
+
+
+def _collect(output: ShardOutput, summary: ReplaySummary, batches: list, outcome_lines: list, producer, to_topic) -> None:
+    for emitted in output.batches:
+        batch = emitted.batch
+        summary.batches += 1
+        summary.rollouts += batch.num_sequences
+        summary.tokens += len(batch.tokens)
+        if producer is not None:
+            producer.send(to_topic, key=batch.batch_id.encode(), value=encode(batch))
+        else:
+            batches.append(batch)
+    for outcome in output.outcomes:
+        summary.outcomes[(outcome.kind, outcome.reason)] += 1
+        outcome_lines.append(outcome.encode().decode())
+
+
+def _write_dir(path: Path, batches: list[TrainBatch], outcome_lines: list[str], summary: ReplaySummary) -> None:
+    import pyarrow.ipc as ipc
+
+    path.mkdir(parents=True, exist_ok=True)
+    table = train_batches_to_table(batches)
+    with ipc.new_file(str(path / "batches.arrow"), table.schema) as writer:
+        writer.write_table(table)
+    (path / "outcomes.jsonl").write_text("".join(line + "\n" for line in outcome_lines))
+    (path / "summary.json").write_text(json.dumps(summary.as_dict(), indent=2) + "\n")

@@ -1,0 +1,120 @@
+"""Typed configuration of `ember corpus tokenize`: tokenizer, sources, packing and shards.
+
+Every model forbids unknown keys so a typo fails loudly; `load_config` turns pydantic's errors into
+one `ConfigError` whose lines name the bad key by its dotted path (`sources.1.weight: ...`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration file that cannot be used; the message names each bad key."""
+
+
+class TokenizerConfig(BaseModel):
+    """Which local tokenizer file to load and how documents are framed with BOS/EOS."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: Literal["huggingface", "tiktoken"]
+    path: Path = Field(description="tokenizer.json (huggingface) or a .tiktoken BPE ranks file")
+    name: str | None = Field(default=None, min_length=1, description="defaults to the file's stem")
+    pattern: str | None = Field(default=None, description="tiktoken only: the pre-tokenizer regex")
+    special_tokens: dict[str, int] = Field(default_factory=dict, description="tiktoken only: name -> id")
+    bos_token: str | None = Field(default=None, description="prepended to every document when set")
+    eos_token: str | None = Field(default=None, description="appended to every document when set")
+    pad_token: str | None = Field(default=None, description="fills the tail of a sequence; defaults to eos_token")
+    dtype: Literal["auto", "uint16", "uint32"] = "auto"
+
+    @model_validator(mode="after")
+    def _kind_specific(self) -> "TokenizerConfig":
+        if self.kind == "tiktoken" and not self.pattern:
+            raise ValueError("pattern is required for kind 'tiktoken' (the BPE file holds only the ranks)")
+        if self.kind == "huggingface" and (self.pattern or self.special_tokens):
+            raise ValueError("pattern and special_tokens apply to kind 'tiktoken' only; tokenizer.json holds its own")
+        if self.pad_token is None and self.eos_token is None:
+            raise ValueError("set pad_token (or eos_token, which padding then reuses)")
+        return self
+
+
+class SourceConfig(BaseModel):
+    """One deduplicated Parquet input of `Document` rows and its share of the mixture."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    path: str = Field(min_length=1, description="file or glob of Parquet files with DOCUMENT_SCHEMA rows")
+    weight: float = Field(default=1.0, ge=0)
+
+
+class TokenizeConfig(BaseModel):
+    """The whole build: one config hash covers everything that changes the bytes of the shards."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    output_dir: Path
+    tokenizer: TokenizerConfig
+    sources: list[SourceConfig] = Field(min_length=1)
+    seq_len: int = Field(default=8192, ge=2)
+    packing: Literal["best_fit", "concat_chunk"] = "best_fit"
+    window_documents: int = Field(
+        default=50_000, ge=1, description="documents per packing window (lengths only are held per window)"
+    )
+    sequences_per_shard: int = Field(default=1024, ge=1)
+    rows_per_batch: int = Field(default=16, ge=1, description="rows per zstd record batch (random-access unit)")
+    encode_batch_documents: int = Field(default=512, ge=1, description="documents per tokenizer batch call")
+    seed: int = Field(default=0, ge=0, lt=2**63)
+
+    @field_validator("sources")
+    @classmethod
+    def _unique_sources(cls, sources: list[SourceConfig]) -> list[SourceConfig]:
+        names = [s.name for s in sources]
+        duplicated = sorted({n for n in names if names.count(n) > 1})
+        if duplicated:
+            raise ValueError(f"source names must be unique; repeated: {duplicated}")
+        return sources
+
+    def config_hash(self, tokenizer_hash: str) -> str:
+        """Hash of what determines the output bytes; the output directory itself is left out."""
+        payload = self.model_dump(mode="json", exclude={"output_dir"})
+        payload["tokenizer"]["path"] = None
+        payload["tokenizer_hash"] = tokenizer_hash
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _error_lines(exc: ValidationError) -> list[str]:
+    return [f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in exc.errors()]
+
+
+def parse_config(data: object, where: str = "config") -> TokenizeConfig:
+    try:
+        return TokenizeConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{where} is invalid:\n  " + "\n  ".join(_error_lines(exc))) from None
+
+
+def load_config(path: str | Path) -> TokenizeConfig:
+    """Relative paths inside the file resolve against the file's own directory."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    config = parse_config(data, str(path))
+    base = path.resolve().parent
+    return config.model_copy(
+        update={
+            "output_dir": base / config.output_dir,
+            "tokenizer": config.tokenizer.model_copy(update={"path": base / config.tokenizer.path}),
+            "sources": [s.model_copy(update={"path": str(base / s.path)}) for s in config.sources],
+        }
+    )

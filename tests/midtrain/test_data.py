@@ -1,0 +1,153 @@
+"""The dataset over real shard sets: rows read back exactly, GPT sample fields, blend, validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ember.midtrain.data import (
+    DataError,
+    GlobalOrderSampler,
+    MidtrainDataset,
+    ShardSetSpec,
+    check_model_compatible,
+    gpt_sample,
+    open_manifests,
+    thd_cu_seqlens,
+)
+from .shardsets import TOKENIZER, packed_rows, write_shard_set
+
+SEQ = 32
+
+
+@pytest.fixture(scope="module")
+def shard_sets(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("shards")
+    code_rows = packed_rows(90, SEQ, seed=1, source="code", with_loss_mask=True)
+    web_rows = packed_rows(40, SEQ, seed=2, source="web") + packed_rows(10, SEQ, seed=3, source="docs")
+    code = write_shard_set(root / "code", code_rows, seq_len=SEQ, rows_per_shard=40, rows_per_batch=8)
+    # a writer without the rows-per-batch metadata: batch lengths come from the batch headers
+    web = write_shard_set(root / "web", web_rows, seq_len=SEQ, rows_per_shard=25, rows_per_batch=6, batch_metadata=False)
+    return {"code": (code, code_rows), "web": (web, web_rows)}
+
+
+def _dataset(shard_sets, **overrides) -> MidtrainDataset:
+    args = dict(num_samples=400, seed=7, blend_period=10, window_chunks=2, dense_attention_mask=True)
+    args.update(overrides)
+    specs = [ShardSetSpec(shard_sets["code"][0], 0.7), ShardSetSpec(shard_sets["web"][0], 0.3)]
+    return MidtrainDataset(specs, **args)
+
+
+def test_samples_are_the_rows_written(shard_sets):
+    ds = _dataset(shard_sets)
+    assert ds.source_names == ["code", "docs", "web"]
+    written = [shard_sets["code"][1], shard_sets["web"][1]]
+    masked_rows = 0
+    for position in range(0, 300, 7):
+        sample = ds[position]
+        set_index, epoch, row = ds.locate(position)
+        expected = written[set_index][row]
+        assert sample["tokens"].tolist() == expected["tokens"]
+        assert ds.source_names[int(sample["source_id"])] == expected["source"]
+        cu = sample["cu_seqlens"][sample["cu_seqlens"] >= 0].tolist()
+        assert cu[: len(expected["cu_seqlens"])] == expected["cu_seqlens"]
+        assert (int(sample["shard_set"]), int(sample["epoch"]), int(sample["row"])) == (set_index, epoch, row)
+        assert int(sample["sample_id"]) == position
+        if expected["loss_mask"] is not None:  # a target the row excludes is never trained
+            untrained = np.flatnonzero(np.asarray(expected["loss_mask"][1:]) == 0)
+            assert sample["loss_mask"][untrained].sum() == 0
+            masked_rows += 1
+    assert masked_rows > 0
+
+
+def test_blend_and_epochs_over_real_shard_sets(shard_sets):
+    ds = _dataset(shard_sets)
+    located = [ds.locate(p) for p in range(300)]
+    sets = np.array([s for s, _, _ in located])
+    for window in range(30):  # blend period 10: exactly 7 code + 3 web in every window
+        assert np.bincount(sets[window * 10 : (window + 1) * 10], minlength=2).tolist() == [7, 3]
+    code = [(e, r) for s, e, r in located if s == 0]  # 210 draws of 90 rows: epochs 0, 1 and part of 2
+    for epoch in (0, 1):
+        assert sorted(r for e, r in code if e == epoch) == list(range(90))
+    assert [r for e, r in code if e == 0] != [r for e, r in code if e == 1]
+
+
+def test_gpt_sample_masks_document_ends_padding_and_untrained_targets():
+    tokens = np.arange(10, 20, dtype=np.uint32)
+    cu = np.array([0, 3, 7, 8])  # documents [0,3) [3,7) [7,8), padding [8,10)
+    row_mask = np.array([1, 1, 0, 1, 1, 1, 1, 1, 1, 1], dtype=np.uint8)  # token 2 is not a target
+    s = gpt_sample(tokens, cu, row_mask, pad_token_id=0, dense_mask=True)
+    assert s["labels"].tolist() == [11, 12, 13, 14, 15, 16, 17, 18, 19, 0]
+    assert s["loss_mask"].tolist() == [1, 0, 0, 1, 1, 1, 0, 0, 0, 0]
+    assert s["position_ids"].tolist() == [0, 1, 2, 0, 1, 2, 3, 0, 0, 1]
+    assert s["cu_seqlens"].tolist() == [0, 3, 7, 8, 10] + [-1] * 6
+    assert int(s["max_seqlen"]) == 4
+    mask = s["attention_mask"][0]  # True = masked
+    segment = [0, 0, 0, 1, 1, 1, 1, 2, 3, 3]
+    for q in range(10):
+        for k in range(10):
+            assert mask[q, k] == (k > q or segment[q] != segment[k])
+
+
+def test_thd_cu_seqlens_flattens_the_micro_batch():
+    cu = torch.tensor([[0, 3, 8, -1, -1], [0, 8, -1, -1, -1]], dtype=torch.int32)
+    assert thd_cu_seqlens(cu, 8).tolist() == [0, 3, 8, 16]
+
+
+def test_rank_loaders_cover_each_global_micro_batch_once(shard_sets):
+    ds = _dataset(shard_sets, dense_attention_mask=False)
+    seen = []
+    for rank in range(2):
+        loader = torch.utils.data.DataLoader(ds, batch_sampler=GlobalOrderSampler(8, 40, 2, 2, rank))
+        batches = list(loader)
+        assert "attention_mask" not in batches[0]
+        assert batches[0]["tokens"].shape == (2, SEQ)
+        seen.append([b["sample_id"].tolist() for b in batches])
+    assert [i for step in zip(*seen) for ids in step for i in ids] == list(range(8, 40))
+
+
+def test_model_mismatch_is_reported_with_the_shard_set_and_key(shard_sets):
+    specs = [ShardSetSpec(shard_sets["code"][0], 1.0)]
+    manifests = open_manifests(specs)
+    check_model_compatible(specs, manifests, vocab_size=128, seq_len=SEQ, tokenizer_name=TOKENIZER["name"])
+    with pytest.raises(DataError) as exc:
+        check_model_compatible(specs, manifests, vocab_size=256, seq_len=64, tokenizer_name="other-bpe")
+    message = str(exc.value)
+    assert "tokenizer 'test-counting', model.tokenizer is 'other-bpe'" in message
+    assert "tokenizer vocab_size 128, model.vocab_size is 256" in message
+    assert f"seq_len {SEQ}, model.seq_len is 64" in message
+    assert str(shard_sets["code"][0]) in message
+
+
+def test_shard_sets_from_different_tokenizers_are_refused(tmp_path, shard_sets):
+    other = write_shard_set(
+        tmp_path / "other", packed_rows(4, SEQ, 5, "code"), seq_len=SEQ, rows_per_shard=4, rows_per_batch=4,
+        tokenizer={**TOKENIZER, "hash": "0123456789abcdef"},
+    )
+    specs = [ShardSetSpec(shard_sets["code"][0], 1.0), ShardSetSpec(other, 1.0)]
+    with pytest.raises(DataError, match="different tokenizers"):
+        check_model_compatible(specs, open_manifests(specs), vocab_size=128, seq_len=SEQ, tokenizer_name=TOKENIZER["name"])
+
+
+def test_missing_unfinished_and_incomplete_shard_sets_are_named(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        open_manifests([ShardSetSpec(tmp_path / "nope", 1.0)])
+    (tmp_path / "unfinished").mkdir()
+    with pytest.raises(DataError, match="not a finished shard set"):
+        open_manifests([ShardSetSpec(tmp_path / "unfinished", 1.0)])
+    done = write_shard_set(tmp_path / "done", packed_rows(6, SEQ, 4, "code"), seq_len=SEQ, rows_per_shard=3, rows_per_batch=2)
+    (done / "shard-000001.arrow").unlink()
+    with pytest.raises(DataError, match=r"incomplete: missing \['shard-000001.arrow'\]"):
+        open_manifests([ShardSetSpec(done, 1.0)])
+
+
+def test_a_row_of_the_wrong_length_is_refused(tmp_path):
+    rows = packed_rows(3, SEQ, 9, "code")
+    rows[1] = {**rows[1], "tokens": rows[1]["tokens"][:-1]}
+    path = write_shard_set(tmp_path / "set", rows, seq_len=SEQ, rows_per_shard=3, rows_per_batch=3)
+    ds = MidtrainDataset([ShardSetSpec(path, 1.0)], num_samples=3, seed=0, blend_period=1, window_chunks=1, dense_attention_mask=False)
+    with pytest.raises(DataError, match=f"a row holds {SEQ - 1} tokens, seq_len is {SEQ}"):
+        ds[0]

@@ -1,0 +1,113 @@
+"""`midtrain launch`: the rendered sbatch script and the errors a user can act on."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from ember.midtrain.cli import app
+from ember.midtrain.config import load_config
+from ember.midtrain.launch import LaunchRequest, render_sbatch
+
+from .configs import tiny_run
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def config_path(tmp_path_factory) -> Path:
+    return tiny_run(tmp_path_factory.mktemp("launch"), steps=4, save_interval=2)
+
+
+def _out(result) -> str:
+    return " ".join(result.output.split())
+
+
+def test_rendered_script_requeues_on_usr1_and_keys_logs_by_restart(config_path):
+    config = load_config(config_path)
+    request = LaunchRequest(config_path, nodes=2, gpus_per_node=8, procs_per_node=8, partition="gpu", time="04:00:00", signal_seconds=300)
+    script = render_sbatch(config, request)
+    for line in [
+        "#SBATCH --nodes=2",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --time=04:00:00",
+        "#SBATCH --signal=B:USR1@300",
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+        f"#SBATCH --output={config.run_dir}/logs/slurm-%j.out",
+        "RESTART=${SLURM_RESTART_COUNT:-0}",
+        f'TRAIN_LOG="{config.run_dir}/logs/train-${{SLURM_JOB_ID}}-${{RESTART}}.log"',
+        "trap 'forward USR1' USR1",
+        'scontrol requeue "$SLURM_JOB_ID"',
+        '--rdzv-backend c10d --rdzv-endpoint "$HEAD:$PORT" --rdzv-id "$SLURM_JOB_ID" \\',
+    ]:
+        assert line in script.splitlines() or line in script, line
+    assert "--nproc-per-node 8" in script
+    assert f"-m ember.midtrain.train {config_path.resolve()}" in script
+    assert "%%" not in script
+    check = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+
+
+def test_dry_run_prints_the_script_and_submits_nothing(config_path):
+    result = runner.invoke(app, ["launch", str(config_path), "--dry-run", "--procs-per-node", "2"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("#!/bin/bash")
+    assert "--nproc-per-node 2" in result.output
+    assert not (load_config(config_path).run_dir / "sbatch.sh").exists()
+
+
+def test_invalid_config_names_the_key(tmp_path, config_path):
+    data = yaml.safe_load(config_path.read_text())
+    data["moe"]["num_expert"] = 8
+    bad = config_path.parent / "bad.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    result = runner.invoke(app, ["launch", str(bad), "--dry-run"])
+    assert result.exit_code == 2
+    assert "moe.num_expert: Extra inputs are not permitted" in _out(result)
+
+
+def test_missing_and_incomplete_shard_sets_are_refused(tmp_path):
+    path = tiny_run(tmp_path, steps=4, save_interval=2)
+    (tmp_path / "web" / "manifest.json").unlink()
+    result = runner.invoke(app, ["launch", str(path), "--dry-run"])
+    assert result.exit_code == 1 and "not a finished shard set" in _out(result)
+    data = yaml.safe_load(path.read_text())
+    data["data"]["shard_sets"] = [{"path": "nowhere"}]
+    path.write_text(yaml.safe_dump(data))
+    result = runner.invoke(app, ["launch", str(path), "--dry-run"])
+    assert result.exit_code == 1 and "shard set" in _out(result) and "nowhere does not exist" in _out(result)
+
+
+def test_layouts_that_cannot_split_the_batch_are_refused(config_path):
+    result = runner.invoke(app, ["launch", str(config_path), "--dry-run", "--procs-per-node", "3"])
+    assert result.exit_code == 1
+    assert "global_batch_size 8 is not a multiple of micro_batch_size 2 x data-parallel size 3" in _out(result)
+
+
+def test_no_sbatch_on_path(config_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    result = runner.invoke(app, ["launch", str(config_path)])
+    assert result.exit_code == 1 and "sbatch is not on PATH" in _out(result)
+
+
+@pytest.mark.integration
+def test_partition_limits_come_from_the_real_cluster(config_path, slurm):
+    result = runner.invoke(app, ["launch", str(config_path), "--gpus-per-node", "1"])
+    assert result.exit_code == 1
+    assert "--gpus-per-node 1: partition 'debug' has 0 GPU(s) per node; use --gpus-per-node 0 for a CPU run" in _out(result)
+    result = runner.invoke(app, ["launch", str(config_path), "--nodes", "2", "--procs-per-node", "2"])
+    assert result.exit_code == 1 and "--nodes 2: partition 'debug' has 1 node(s)" in _out(result)
+    result = runner.invoke(app, ["launch", str(config_path), "--partition", "no-such-partition"])
+    assert result.exit_code == 1 and "partition 'no-such-partition' does not exist" in _out(result)
+
+
+@pytest.mark.integration
+def test_status_of_an_unknown_job(slurm):
+    result = runner.invoke(app, ["status", "999999"])
+    assert result.exit_code == 1 and "job 999999 is not known to slurmctld" in _out(result)

@@ -1,0 +1,95 @@
+"""`midtrain launch` on the real local Slurm: train, get preempted, requeue, resume, finish.
+
+The preemption is the real mechanism: `scancel --signal=USR1 --batch` delivers what
+`--signal=B:USR1@<s>` delivers before a time limit; the batch script forwards it, the trainer
+checkpoints, the script requeues the job and the second run resumes from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ember.midtrain.config import load_config
+
+from .configs import tiny_run
+
+pytestmark = pytest.mark.integration
+
+MIDTRAIN = [sys.executable, "-m", "ember.midtrain.cli"]
+STEPS = 16
+
+
+def _job(job_id: str) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return dict(re.findall(r"(\w+)=(\S*)", out.stdout))
+
+
+def _wait(what: str, predicate, timeout: float, job_id: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    pytest.fail(f"timed out waiting for {what}; job: {_job(job_id)}", pytrace=False)
+
+
+def test_launch_preempt_requeue_resume_without_repeating_or_skipping(tmp_path, slurm):
+    config_path = tiny_run(tmp_path, steps=STEPS, save_interval=4)
+    config = load_config(config_path)
+    submitted = subprocess.run(
+        [*MIDTRAIN, "launch", str(config_path), "--time", "00:20:00"], capture_output=True, text=True, timeout=120
+    )
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    job_id = re.search(r"submitted job (\d+)", submitted.stdout).group(1)
+    first_log = config.run_dir / "logs" / f"train-{job_id}-0.log"
+    try:
+        _wait("step 2 of the first run", lambda: first_log.exists() and "] step 2/" in first_log.read_text(), 400, job_id)
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True, timeout=30)
+        requeued = _wait(
+            "the requeue", lambda: (f := _job(job_id))["Restarts"] == "1" and f["JobState"] in {"PENDING", "RUNNING"} and f,
+            180, job_id,
+        )
+        if requeued["JobState"] == "PENDING":
+            # Slurm holds a requeued job back ~2 min. Release it early, but not within the second its
+            # previous credential was revoked (slurmd compares them at one-second resolution).
+            time.sleep(3)
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True, timeout=30)
+        done = _wait("completion", lambda: (f := _job(job_id))["JobState"] in {"COMPLETED", "FAILED", "CANCELLED"} and f, 400, job_id)
+    finally:
+        if _job(job_id)["JobState"] not in {"COMPLETED", "FAILED", "CANCELLED"}:
+            subprocess.run(["scancel", job_id], timeout=30)
+    slurm_log = (config.run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+    assert done["JobState"] == "COMPLETED" and done["ExitCode"] == "0:0", slurm_log
+
+    first = first_log.read_text()
+    assert "received SIGUSR1" in first and "stopped at step" in first
+    assert "requeueing job" in slurm_log and f"job {job_id} restart 1" in slurm_log
+    second = (config.run_dir / "logs" / f"train-{job_id}-1.log").read_text()
+    assert "resumed from" in second and f"finished at step {STEPS}" in second
+
+    records = [json.loads(line) for line in config.metrics_path.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    restarts = [r["restart"] for r in records]
+    assert restarts == sorted(restarts) and set(restarts) == {0, 1}
+    ids = [i for r in records for i in r["sample_ids"]]
+    assert ids == list(range(STEPS * 8)), "a sample was repeated or skipped across the restart"
+    rows = [tuple(row) for r in records for row in r["rows"]]
+    assert len(set(rows)) == len(rows), "a shard row was trained twice within its epoch"
+    assert records[-1]["loss"] < records[0]["loss"] - 0.3
+    assert (config.checkpoint_dir / "latest").read_text() == f"step_{STEPS:08d}"
+    assert config.complete_marker.exists()
+
+    status = subprocess.run([*MIDTRAIN, "status", job_id], capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0 and "COMPLETED" in status.stdout and re.search(r"Restarts: 1", status.stdout)
+    logs = subprocess.run([*MIDTRAIN, "logs", job_id], capture_output=True, text=True, timeout=60)
+    assert logs.returncode == 0
+    assert logs.stdout.index(f"train-{job_id}-0.log") < logs.stdout.index(f"train-{job_id}-1.log")

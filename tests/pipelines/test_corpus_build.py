@@ -1,0 +1,149 @@
+"""The whole corpus build on a mixed code + web sample: FnApiRunner (in-process and the multi-process
+default), the Flink runner (embedded Flink via the job-server jar), the CLI, the report and the demo."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from rich.console import Console
+from typer.testing import CliRunner
+
+from ember.dev import services
+from ember.pipelines import demo_stage
+from ember.pipelines.cli import app
+from ember.pipelines.corpus_config import parse_config
+from ember.pipelines.corpus_pipeline import CLUSTER_SCHEMA
+from ember.pipelines.corpus_report import read_stats
+from ember.pipelines.sample_corpus import SampleCorpus, write_sample_corpus
+from ember.schemas.documents import DOCUMENT_SCHEMA, REJECTED_SCHEMA
+from ember.schemas.versioning import schema_identity
+
+from .corpus_support import build, file_digests, rows
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory: pytest.TempPathFactory) -> SampleCorpus:
+    return write_sample_corpus(tmp_path_factory.mktemp("corpus-input"))
+
+
+@pytest.fixture(scope="module")
+def built(sample: SampleCorpus, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("corpus-out")
+    assert build(parse_config(sample.config(str(out)))) == "DONE"
+    return out
+
+
+def test_every_input_unit_is_kept_or_rejected_with_a_counted_reason(sample: SampleCorpus, built: Path) -> None:
+    stats = read_stats(str(built))
+    totals = stats["totals"]
+    assert totals["balanced"] and all(s["balanced"] for s in stats["sources"].values())
+    assert totals["docs_in"] == totals["kept"] + totals["rejected"] == 66
+    assert totals["rejected_by_reason"] == dict(sorted(sample.expected_reasons.items()))
+    assert len(rows(built, "documents")) == totals["kept"]
+    rejects = rows(built, "rejects")
+    assert len(rejects) == totals["rejected"]
+    assert all(r["location"].startswith(str(Path(sample.web_glob).parent.parent)) for r in rejects)
+    blank = [r for r in rejects if r["reason"] == "blank_line"]
+    assert [r["location"] for r in blank] == [f"{Path(sample.web_glob).parent}/part-0.jsonl:line=30"]
+
+
+def test_outputs_are_zstd_parquet_in_the_shared_schemas_sharded_by_source(built: Path) -> None:
+    assert sorted(p.name for p in (built / "documents").iterdir()) == ["code", "code_gz", "web", "web_zst"]
+    for name, schema in (("documents", DOCUMENT_SCHEMA), ("rejects", REJECTED_SCHEMA), ("clusters", CLUSTER_SCHEMA)):
+        for path in (built / name).rglob("*.parquet"):
+            table = pq.read_table(path)
+            assert schema_identity(table.schema) == schema_identity(schema) and table.schema.equals(schema)
+            assert pq.ParquetFile(path).metadata.row_group(0).column(0).compression == "ZSTD"
+            if name == "documents":
+                assert set(table.column("source").to_pylist()) == {path.parent.name}
+                ids = table.column("id").to_pylist()
+                assert ids == sorted(ids) and len(set(ids)) == len(ids)
+
+
+def test_secrets_are_replaced_by_typed_placeholders(built: Path) -> None:
+    texts = "\n".join(d["text"] for d in rows(built, "documents"))
+    for secret in ("AKIAIOSFODNN7EXAMPLE", "hunter2hunter2", "jane.doe@example.org", "93.184.216.34"):
+        assert secret not in texts
+    for placeholder in ("<KEY>", "<PASSWORD>", "<EMAIL>", "<IP_ADDRESS>"):
+        assert placeholder in texts
+    assert read_stats(str(built))["totals"]["redactions"] == {"aws_access_key": 1, "email": 1, "ip_address": 1, "password": 1}
+
+
+def test_cluster_ids_audit_the_representative_choice(built: Path) -> None:
+    docs = {d["id"]: d for d in rows(built, "documents")}
+    near = [c for c in rows(built, "clusters") if c["stage"] == "near_dedup"]
+    code_cluster = [c for c in near if c["source"] == "code"]
+    kept = [c for c in code_cluster if c["kept"]]
+    assert len(code_cluster) == 2 and len(kept) == 1
+    assert docs[kept[0]["cluster_id"]]["metadata"]["repo"] == "org/repo5", "the original (more stars) beats the fork"
+    removed = [r for r in rows(built, "rejects") if r["reason"] == "near_duplicate" and r["source"] == "code"]
+    assert removed[0]["detail"] == f"cluster={kept[0]['cluster_id']}"
+
+
+def test_rerun_writes_byte_identical_outputs(sample: SampleCorpus, built: Path) -> None:
+    before = file_digests(built)
+    (built / "documents" / "web" / "stale-from-an-old-run.parquet").write_bytes(b"stale")
+    assert build(parse_config(sample.config(str(built)))) == "DONE"
+    assert file_digests(built) == before
+
+
+@pytest.fixture(scope="module")
+def flink_args() -> list[str]:
+    try:
+        services.start("flink")
+    except services.ServiceError as exc:
+        pytest.fail(f"the Flink job-server jar could not be staged:\n{exc}")
+    jar = services.run_script("flink.sh", "path").stdout.strip()
+    return ["--runner=FlinkRunner", "--flink_master=[local]", "--flink_version=1.19",
+            f"--flink_job_server_jar={jar}", "--environment_type=LOOPBACK"]
+
+
+def test_flink_runner_keeps_the_same_documents_byte_for_byte(sample: SampleCorpus, built: Path, flink_args: list[str],
+                                                             tmp_path: Path) -> None:
+    assert build(parse_config(sample.config(str(tmp_path))), flink_args) == "DONE"
+    assert {d["id"] for d in rows(tmp_path, "documents")} == {d["id"] for d in rows(built, "documents")}
+    assert file_digests(tmp_path) == file_digests(built)
+
+
+def test_cli_build_on_the_default_multiprocess_runner(sample: SampleCorpus, built: Path, tmp_path: Path) -> None:
+    config = tmp_path / "corpus.yaml"
+    config.write_text(yaml.safe_dump(sample.config(str(tmp_path / "out"))))
+    result = CliRunner().invoke(app, ["build", str(config)])
+    assert result.exit_code == 0, result.output
+    assert "corpus build summary" in result.output and "balanced (in = kept + rejected)" in result.output
+    assert re.search(r"read\s*│\s*66\b", result.output), "worker progress files reached the live table"
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "## Rejects by stage and reason" in report and "near_duplicate" in report
+    outputs = {k: v for k, v in file_digests(tmp_path / "out").items() if k != "report.md"}
+    assert outputs == file_digests(built)
+
+
+def test_cli_reports_config_errors_with_the_key(tmp_path: Path) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text("sources: [{name: w, kind: web, inputs: ['*.jsonl'], format: csv}]\noutput: {directory: o}\n")
+    result = CliRunner().invoke(app, ["build", str(config), "--runner=FnApiRunner"])
+    assert result.exit_code == 2 and "sources.0.format" in result.output
+    missing = tmp_path / "missing.yaml"
+    missing.write_text(f"sources: [{{name: w, kind: web, inputs: ['{tmp_path}/none/*.jsonl']}}]\noutput: {{directory: o}}\n")
+    result = CliRunner().invoke(app, ["build", str(missing)])
+    assert result.exit_code == 2 and "matches no file" in result.output
+
+
+def test_report_command_renders_a_finished_build(built: Path) -> None:
+    result = CliRunner().invoke(app, ["report", str(built)])
+    assert result.exit_code == 0, result.output
+    assert (built / "report.md").read_text().startswith("# Corpus build report")
+    assert CliRunner().invoke(app, ["report", str(built / "nothing-here")]).exit_code == 2
+
+
+def test_demo_stage_builds_the_sample_and_hands_over_the_documents(tmp_path: Path) -> None:
+    summary, documents = demo_stage.run(Console(file=open("/dev/null", "w")), tmp_path)
+    values = dict(summary)
+    assert values["corpus documents in"] == "66" and values["corpus accounted (in = kept + rejected)"] == "yes"
+    assert values["corpus near duplicates removed"] == "2"
+    assert sorted(p.name for p in documents.iterdir()) == ["code", "code_gz", "web", "web_zst"]
+    assert all(pq.read_table(p).schema.equals(DOCUMENT_SCHEMA) for p in documents.rglob("*.parquet"))

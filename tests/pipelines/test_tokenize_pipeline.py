@@ -1,0 +1,211 @@
+"""The tokenize-and-pack pipeline end to end on Beam's FnApiRunner, checked against the tokenizer itself."""
+
+import json
+import re
+
+import numpy as np
+import pyarrow.ipc as ipc
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from tokenizers import Tokenizer as HFTokenizer
+from typer.testing import CliRunner
+
+from ember.cli import app
+from ember.schemas import read_manifest
+from ember.schemas.documents import Document
+from ember.schemas.shards import packed_sequence_issues
+from ember.tokenize.shardset import verify_shard_set
+from tests.tokenize.support import mixed_documents, write_documents
+
+SEQ_LEN = 256
+
+
+def invoke(*args):
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    return result.exit_code, " ".join(result.output.split())
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, hf_tokenizer_path):
+    """Mixed code + web Parquet, plus one empty document, one repeated id and one row in the wrong source."""
+    root = tmp_path_factory.mktemp("corpus")
+    docs = mixed_documents()
+    empty = Document(source="web", kind="web", text="")
+    stray = Document(source="web", kind="web", text="a web page filed under code")
+    write_documents(root / "code" / "part-0.parquet", [*docs["code"], stray])
+    write_documents(root / "web" / "part-0.parquet", docs["web"][:30])
+    write_documents(root / "web" / "part-1.parquet", [*docs["web"][30:], empty, docs["web"][3]])
+    return {"root": root, "docs": docs, "tokenizer": hf_tokenizer_path}
+
+
+def write_config(corpus, name: str, **overrides):
+    config = {
+        "output_dir": f"out-{name}",
+        "seq_len": SEQ_LEN,
+        "window_documents": 16,
+        "sequences_per_shard": 10,
+        "rows_per_batch": 4,
+        "seed": 11,
+        "tokenizer": {"kind": "huggingface", "path": str(corpus["tokenizer"]), "eos_token": "<|endoftext|>", "pad_token": "<|pad|>"},
+        "sources": [
+            {"name": "code", "path": "code/*.parquet", "weight": 0.7},
+            {"name": "web", "path": "web/*.parquet", "weight": 0.3},
+        ],
+        **overrides,
+    }
+    path = corpus["root"] / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def built(corpus):
+    code, output = invoke("corpus", "tokenize", write_config(corpus, "best"))
+    assert code == 0, output
+    return corpus["root"] / "out-best"
+
+
+def reference_tokens(corpus) -> dict[str, list[int]]:
+    """What the tokenizer library itself produces for every accepted document, plus the EOS policy."""
+    library = HFTokenizer.from_file(str(corpus["tokenizer"]))
+    library.encode_special_tokens = True
+    eos = library.token_to_id("<|endoftext|>")
+    docs = [d for source in corpus["docs"].values() for d in source]
+    return {d.id: [*library.encode(d.text, add_special_tokens=False).ids, eos] for d in docs}
+
+
+def read_rows(directory):
+    manifest = read_manifest(directory)
+    for entry in manifest.shards:
+        with ipc.open_file(directory / entry.path) as reader:
+            yield from reader.read_all().to_pylist()
+
+
+def test_every_document_token_lands_exactly_once(built, corpus):
+    assert verify_shard_set(built) == []
+    expected = reference_tokens(corpus)
+    rebuilt = {doc_id: np.full(len(ids), -1, dtype=np.int64) for doc_id, ids in expected.items()}
+    source_of = {d.id: s for s, docs in corpus["docs"].items() for d in docs}
+    for row in read_rows(built):
+        tokens = np.array(row["tokens"])
+        assert packed_sequence_issues(tokens, np.array(row["cu_seqlens"]), row["segments"], SEQ_LEN) == []
+        for lo, hi, segment in zip(row["cu_seqlens"], row["cu_seqlens"][1:], row["segments"]):
+            assert source_of[segment["document_id"]] == row["source"]  # packing is per source
+            target = rebuilt[segment["document_id"]][segment["doc_token_start"] : segment["doc_token_end"]]
+            assert np.all(target == -1), "a document token appears twice"
+            target[:] = tokens[lo:hi]
+        assert np.all(tokens[row["cu_seqlens"][-1] :] == 2)  # <|pad|>
+    for doc_id, ids in expected.items():
+        assert rebuilt[doc_id].tolist() == ids, doc_id
+
+
+def test_manifest_accounts_for_tokens_padding_and_rejects(built, corpus):
+    manifest = read_manifest(built)
+    expected = reference_tokens(corpus)
+    for source, docs in corpus["docs"].items():
+        stats = manifest.sources[source]
+        assert stats.documents == len(docs)
+        assert stats.tokens == sum(len(expected[d.id]) for d in docs)
+        assert stats.sequences * SEQ_LEN == stats.tokens + stats.padding_tokens
+        assert stats.split_documents == sum(1 for d in docs if len(expected[d.id]) > SEQ_LEN)  # only those
+    assert manifest.model_extra["rejected"] == {
+        "code": {"source_mismatch": 1},
+        "web": {"duplicate_document_id": 1, "empty_after_tokenization": 1},
+    }
+    rejected = pq.read_table(built / "rejected.parquet").to_pylist()
+    assert sorted(r["reason"] for r in rejected) == ["duplicate_document_id", "empty_after_tokenization", "source_mismatch"]
+    assert manifest.sources["code"].mixture_weight == 0.7
+    assert [s.rows for s in manifest.shards][:-1] == [10] * (len(manifest.shards) - 1)
+    assert manifest.tokenizer.vocab_size == 600 and manifest.dtype == "uint16"
+
+
+def test_rerun_with_other_parallelism_gives_identical_output(built, corpus):
+    code, output = invoke(
+        "corpus", "tokenize", write_config(corpus, "rerun"), "--direct_num_workers=2", "--direct_running_mode=multi_threading"
+    )
+    assert code == 0, output
+    first, second = (json.loads((d / "manifest.json").read_text()) for d in (built, corpus["root"] / "out-rerun"))
+    assert first.pop("created_at") and second.pop("created_at")
+    assert first == second
+    for entry in first["shards"]:
+        assert (built / entry["path"]).read_bytes() == (corpus["root"] / "out-rerun" / entry["path"]).read_bytes()
+
+
+def test_global_shuffle_mixes_sources_across_shards(built):
+    sources_per_shard = []
+    for entry in read_manifest(built).shards:
+        with ipc.open_file(built / entry.path) as reader:
+            sources_per_shard.append(set(reader.read_all().column("source").to_pylist()))
+    assert sum(1 for s in sources_per_shard if s == {"code", "web"}) >= len(sources_per_shard) // 2
+
+
+def test_locate_maps_a_training_token_to_its_document(built, corpus):
+    expected = reference_tokens(corpus)
+    shard = built / read_manifest(built).shards[1].path
+    with ipc.open_file(shard) as reader:
+        row = reader.read_all().slice(3, 1).to_pylist()[0]
+    position = row["cu_seqlens"][1] + 1 if len(row["cu_seqlens"]) > 2 else 5
+    code, output = invoke("corpus", "inspect", "--locate", shard, 3, position)
+    assert code == 0, output
+    doc_id, index = re.search(r"document (\S+) token (\d+)", output).groups()
+    assert expected[doc_id][int(index)] == row["tokens"][position]
+    if row["cu_seqlens"][-1] < SEQ_LEN:
+        code, output = invoke("corpus", "inspect", "--locate", shard, 3, SEQ_LEN - 1)
+        assert code == 0 and "padding" in output
+
+
+def test_export_of_the_build_reads_back_in_megatron(built, tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    code, output = invoke("export", "megatron", built, tmp_path / "corpus")
+    assert code == 0, output
+    dataset = IndexedDataset(str(tmp_path / "corpus"))
+    rows = list(read_rows(built))
+    assert len(dataset) == len(rows)
+    for i, row in enumerate(rows):
+        assert dataset[i].tolist() == row["tokens"]
+
+
+def test_concat_and_chunk_splits_more_documents(built, corpus):
+    code, output = invoke("corpus", "tokenize", write_config(corpus, "chunk", packing="concat_chunk"))
+    assert code == 0, output
+    chunk, best = read_manifest(corpus["root"] / "out-chunk"), read_manifest(built)
+    assert verify_shard_set(corpus["root"] / "out-chunk") == []
+    for source in ("code", "web"):
+        assert chunk.sources[source].tokens == best.sources[source].tokens
+        assert chunk.sources[source].split_documents >= best.sources[source].split_documents
+    # every code file is longer than L (both split all of them); short web pages show the difference
+    assert chunk.sources["web"].split_documents > best.sources["web"].split_documents
+
+
+def test_bad_input_gives_a_clear_error(corpus, tmp_path):
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    cases = [
+        ({"tokenizer": {"kind": "huggingface", "path": str(broken), "eos_token": "<|endoftext|>"}}, "not a loadable Hugging Face tokenizer.json"),
+        ({"tokenizer": {"kind": "huggingface", "path": str(corpus["tokenizer"]), "eos_token": "<|eos|>"}}, "tokenizer.eos_token: '<|eos|>' is not a token"),
+        ({"sources": [{"name": "code", "path": "nothing/*.parquet"}]}, "sources.0.path: no file matches"),
+        ({"output_dir": "out-best"}, "is not empty"),
+        ({"seq_len": 0}, "seq_len: Input should be greater than or equal to 2"),
+    ]
+    for number, (overrides, message) in enumerate(cases):
+        code, output = invoke("corpus", "tokenize", write_config(corpus, f"bad{number}", **overrides))
+        assert code == 2 and message in output, output
+
+
+def test_overwrite_clears_only_a_previous_build(tmp_path):
+    from ember.pipelines.tokenize_pipeline import prepare_output
+    from ember.tokenize.config import ConfigError
+
+    for name in ("manifest.json", "shard-000000.arrow", "rejected.parquet"):
+        (tmp_path / name).write_text("old")
+    with pytest.raises(ConfigError, match="not empty"):
+        prepare_output(tmp_path, overwrite=False)
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"did not write, refusing to clear it: \['notes.txt'\]"):
+        prepare_output(tmp_path, overwrite=True)
+    assert (tmp_path / "manifest.json").exists()  # nothing was removed
+    (tmp_path / "notes.txt").unlink()
+    prepare_output(tmp_path, overwrite=True)
+    assert list(tmp_path.iterdir()) == []

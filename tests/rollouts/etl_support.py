@@ -1,0 +1,256 @@
+"""Running real ETL processes against the real broker and checking the books afterwards."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from kafka import KafkaConsumer, TopicPartition
+
+from ember.rollouts.config import EtlConfig, parse_config
+from ember.rollouts.records import Outcome
+from ember.rollouts.simulate import Event, PublishStats, WorkloadSpec, plan_workload, publish_workload
+from ember.rollouts.topics import default_topics
+from ember.rollouts.transport import consumer_config
+from ember.schemas import Reward, Rollout, decode_train_batch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def etl_settings(prefix: str, *, partitions: int = 4, **sections) -> dict:
+    settings = {
+        "kafka": {
+            "topic_prefix": prefix,
+            "partitions": partitions,
+            "group_id": f"{prefix}-etl",
+            "session_timeout_ms": 6000,
+            "heartbeat_interval_ms": 1000,
+            "transaction_timeout_ms": 5000,
+        },
+        "groups": {"size": 4, "quorum": 2, "timeout_s": 10},
+        "rewards": {"graders": ["unit-tests"], "timeout_s": 6, "orphan_timeout_s": 8},
+        "filters": {"max_policy_lag": None, "max_tokens": 512, "truncated": "keep"},
+        "batches": {"token_budget": 512, "min_fill": 0.5, "max_wait_s": 0.3},
+        "commit": {"interval_ms": 100},
+    }
+    for name, values in sections.items():
+        settings[name] = {**settings.get(name, {}), **values}
+    return settings
+
+
+def write_config(path: Path, settings: dict) -> EtlConfig:
+    path.write_text(yaml.safe_dump(settings))
+    return parse_config(settings)
+
+
+class EtlProcess:
+    """`ember rollouts etl CONFIG` as a child process, killable with SIGKILL."""
+
+    def __init__(self, config_path: Path, instance: str, log_dir: Path, fault: str | None = None):
+        self.log = log_dir / f"etl-{instance}-{time.monotonic_ns()}.log"
+        env = dict(os.environ)
+        env.pop("EMBER_FAULT", None)
+        if fault:
+            env["EMBER_FAULT"] = fault
+        self._file = self.log.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ember.cli", "rollouts", "etl", str(config_path), "--instance", instance],
+            cwd=REPO,
+            env=env,
+            stdout=self._file,
+            stderr=subprocess.STDOUT,
+        )
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        self._file.close()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout=60)
+        finally:
+            self._file.close()
+        return code
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+
+def read_topic(topic: str, timeout_s: float = 60.0) -> list:
+    """Every committed record of a topic, up to its end at the time of the call."""
+    consumer = KafkaConsumer(**consumer_config(group_id=None))
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
+        if not tps:
+            return []
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        ends = consumer.end_offsets(tps)
+        records = []
+        deadline = time.monotonic() + timeout_s
+        while any(consumer.position(tp) < ends[tp] for tp in tps):
+            assert time.monotonic() < deadline, f"could not read {topic} to its end within {timeout_s}s"
+            for batch in consumer.poll(timeout_ms=500).values():
+                records += [r for r in batch if r.offset < ends[TopicPartition(r.topic, r.partition)]]
+        return records
+    finally:
+        consumer.close()
+
+
+@dataclass
+class Workload:
+    spec: WorkloadSpec
+    events: list[Event]
+
+    @property
+    def rollout_messages(self) -> int:
+        return sum(1 for e in self.events if isinstance(e.record, Rollout))
+
+    @property
+    def malformed(self) -> int:
+        return sum(1 for e in self.events if e.record is None)
+
+    def complete_groups(self, reward_timeout_s: float, margin_s: float = 2.0) -> set[str]:
+        """Rollouts of groups where every sample has an on-time reward: these must all be batched."""
+        published: dict[str, float] = {}
+        rewarded: dict[str, float] = {}
+        for e in self.events:
+            if isinstance(e.record, Rollout) and not e.note:
+                published[e.record.rollout_id] = e.at_s
+            if isinstance(e.record, Reward) and not e.note:
+                rewarded[e.record.rollout_id] = e.at_s
+        by_group: dict[str, list[str]] = {}
+        for rid in published:
+            by_group.setdefault(rid.rsplit("-", 1)[0], []).append(rid)
+        expected = set()
+        for ids in by_group.values():
+            if len(ids) == self.spec.group_size and all(
+                r in rewarded and rewarded[r] - published[r] < reward_timeout_s - margin_s for r in ids
+            ):
+                expected.update(ids)
+        return expected
+
+
+def workload(prefix: str, **overrides) -> Workload:
+    spec = WorkloadSpec(
+        **{
+            "groups": 30,
+            "group_size": 4,
+            "tokens": 48,
+            "length_sigma": 0.4,
+            "max_tokens": 128,
+            "layers": 2,
+            "top_k": 2,
+            "regions": {"us-east": 0.0, "eu-west": 0.3, "ap-south": 0.8},
+            "group_interval_s": 0.3,
+            "episode_s": 0.2,
+            "reward_delay_s": 0.3,
+            "p_missing_reward": 0.05,
+            "p_duplicate_reward": 0.1,
+            "p_duplicate_rollout": 0.1,
+            "p_malformed": 0.05,
+            "seed": 11,
+            "group_prefix": prefix,
+            **overrides,
+        }
+    )
+    return Workload(spec, plan_workload(spec))
+
+
+def topics_for(prefix: str, partitions: int) -> dict[str, str]:
+    return {role: spec.name for role, spec in default_topics(prefix, partitions).items()}
+
+
+def publish_in_background(work: Workload, topics: dict[str, str], time_scale: float = 1.0) -> tuple[threading.Thread, list]:
+    result: list[PublishStats] = []
+    thread = threading.Thread(target=lambda: result.append(publish_workload(work.events, topics, time_scale=time_scale)), daemon=True)
+    thread.start()
+    return thread, result
+
+
+@dataclass
+class Books:
+    batch_ids: list[str]
+    batched: list[str]
+    ledger_batched: list[str]
+    dropped: list[Outcome]
+    rewards_dropped: list[Outcome]
+    dead_letters: list[Outcome]
+    dead_letter_records: list
+
+    @property
+    def accounted(self) -> int:
+        return len(self.ledger_batched) + len(self.dropped)
+
+
+def books(topics: dict[str, str]) -> Books:
+    outcomes = [Outcome.decode(r.value) for r in read_topic(topics["outcomes"])]
+    batches = [decode_train_batch(r.value) for r in read_topic(topics["train_batches"])]
+    return Books(
+        batch_ids=[b.batch_id for b in batches],
+        batched=[rid for b in batches for rid in b.rollout_ids],
+        ledger_batched=[rid for o in outcomes if o.kind == "batch" for rid in o.detail["rollout_ids"]],
+        dropped=[o for o in outcomes if o.kind == "rollout_dropped"],
+        rewards_dropped=[o for o in outcomes if o.kind == "reward_dropped"],
+        dead_letters=[o for o in outcomes if o.kind == "dead_letter"],
+        dead_letter_records=read_topic(topics["dead_letter"]),
+    )
+
+
+def ledger_counts(topic: str) -> tuple[int, int]:
+    """(rollouts accounted for, dead letters) in the ledger so far."""
+    accounted = dead = 0
+    for record in read_topic(topic):
+        outcome = Outcome.decode(record.value)
+        if outcome.kind == "batch":
+            accounted += len(outcome.detail["rollout_ids"])
+        elif outcome.kind == "rollout_dropped":
+            accounted += 1
+        elif outcome.kind == "dead_letter":
+            dead += 1
+    return accounted, dead
+
+
+def wait_for_books(topics: dict[str, str], work: Workload, timeout_s: float, alive=lambda: True) -> None:
+    """Poll the ledger until every rollout message and malformed message is accounted for."""
+    deadline = time.monotonic() + timeout_s
+    seen = (0, 0)
+    while time.monotonic() < deadline:
+        assert alive(), "the ETL process died"
+        seen = ledger_counts(topics["outcomes"])
+        if seen[0] >= work.rollout_messages and seen[1] >= work.malformed:
+            return
+        time.sleep(1.0)
+    raise AssertionError(f"after {timeout_s}s the ledger accounts for {seen}, expected {(work.rollout_messages, work.malformed)}")
+
+
+def check_books(topics: dict[str, str], work: Workload, reward_timeout_s: float) -> Books:
+    found = books(topics)
+    duplicates = [b for b, n in Counter(found.batch_ids).items() if n > 1]
+    assert not duplicates, f"batch ids committed twice: {duplicates}"
+    twice = [r for r, n in Counter(found.batched).items() if n > 1]
+    assert not twice, f"rollouts in more than one committed batch: {twice}"
+    assert Counter(found.batched) == Counter(found.ledger_batched), "ledger and train-batches disagree"
+    positions = Counter((o.partition, o.offset) for o in found.dropped)
+    assert max(positions.values(), default=1) == 1, "a rollout message was dropped twice"
+    assert found.accounted == work.rollout_messages, (
+        f"{len(found.batched)} batched + {len(found.dropped)} dropped != {work.rollout_messages} published"
+    )
+    missing = work.complete_groups(reward_timeout_s) - set(found.batched)
+    assert not missing, f"rewarded rollouts of complete groups never batched: {sorted(missing)}"
+    assert len(found.dead_letters) == work.malformed == len(found.dead_letter_records), (
+        len(found.dead_letters), work.malformed, len(found.dead_letter_records)
+    )
+    return found

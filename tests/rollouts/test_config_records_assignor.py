@@ -1,0 +1,128 @@
+"""Config validation, control-record codecs and the co-partitioned cooperative assignor (pure parts)."""
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ember.rollouts.assignor import balance_shards
+from ember.rollouts.config import ConfigError, load_config, parse_config
+from ember.rollouts.replay import parse_start
+from ember.rollouts.records import (
+    ClosedGroup,
+    Outcome,
+    PolicyVersion,
+    ShardSnapshot,
+    offsets_to_ranges,
+    ranges_to_offsets,
+)
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "ember" / "rollouts" / "etl.example.yaml"
+
+
+def test_example_config_loads_with_its_documented_values():
+    config = load_config(EXAMPLE)
+    assert config.groups.size == 8 and config.groups.min_samples == 6
+    assert config.kafka.topic("rollouts") == "ember.rollouts"
+    assert config.rewards.graders == ["unit-tests"]
+
+
+@pytest.mark.parametrize(
+    "data, fragment",
+    [
+        ({"groups": {"sise": 8}}, "groups.sise: unknown key"),
+        ({"groups": {"size": 4, "quorum": 5}}, "quorum (5) cannot exceed size (4)"),
+        ({"filters": {"truncated": "maybe"}}, "filters.truncated"),
+        ({"advantages": {"estimator": "rloo"}, "groups": {"size": 1}}, "rloo needs groups.quorum"),
+        ({"filters": {"max_tokens": 100}, "batches": {"token_budget": 50}}, "could never be packed"),
+        ({"kafka": {"session_timeout_ms": 6000, "heartbeat_interval_ms": 3000}}, "at most a third"),
+        ({"batches": {"min_fill": 0}}, "batches.min_fill"),
+        ([1, 2], "must be a YAML mapping"),
+    ],
+)
+def test_config_errors_say_what_to_fix(data, fragment):
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    assert fragment in str(info.value)
+
+
+def test_missing_and_broken_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("groups: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_overrides_are_validated_again():
+    config = parse_config({})
+    assert config.with_overrides(advantages={"estimator": "rloo"}).advantages.estimator.value == "rloo"
+    with pytest.raises(ConfigError, match="quorum"):
+        config.with_overrides(groups={"size": 2, "quorum": 3})
+    with pytest.raises(ConfigError, match="section 'advantage' does not exist"):
+        config.with_overrides(advantage={"estimator": "rloo"})
+
+
+@given(st.sets(st.integers(0, 500), max_size=80))
+def test_offset_ranges_round_trip(offsets):
+    ranges = offsets_to_ranges(list(offsets))
+    assert ranges_to_offsets(ranges) == offsets
+    assert all(a < b for a, b in ranges)
+    assert all(ranges[i][1] < ranges[i + 1][0] for i in range(len(ranges) - 1))
+
+
+def test_control_records_round_trip_and_reject_garbage():
+    snapshot = ShardSnapshot(3, {"rollouts": 10, "rewards": 7}, {"rollouts": [[2, 4]], "rewards": []}, 5, (ClosedGroup("g", 9, ("a", "b")),), "etl-0")
+    assert ShardSnapshot.decode(snapshot.encode()) == snapshot
+    outcome = Outcome("rollout_dropped", "stale", 1, 2, group_id="g", rollout_id="r", offset=4, detail={"lag_versions": 9})
+    assert Outcome.decode(outcome.encode()) == outcome
+    assert PolicyVersion.decode(PolicyVersion(4, 99).encode()) == PolicyVersion(4, 99)
+    with pytest.raises(ValueError, match="policy_version"):
+        PolicyVersion.decode(b'{"policy_version": -1}')
+    with pytest.raises(ValueError, match="not valid JSON"):
+        ShardSnapshot.decode(b"\xff")
+    with pytest.raises(ValueError, match="malformed"):
+        ShardSnapshot.decode(b'{"shard": 1}')
+    with pytest.raises(ValueError, match="outcome kind"):
+        Outcome("exploded", "x", 0, 0)
+
+
+@given(
+    st.lists(st.sampled_from("abcdef"), min_size=1, max_size=6, unique=True),
+    st.integers(0, 24),
+    st.dictionaries(st.sampled_from("abcdefgh"), st.sets(st.integers(0, 30), max_size=8), max_size=8),
+)
+def test_balance_is_complete_fair_and_sticky(members, count, owned):
+    shards = list(range(count))
+    result = balance_shards(members, owned, shards)
+    assert set(result) == set(members)
+    assigned = [s for m in members for s in result[m]]
+    assert sorted(assigned) == shards, "every shard exactly once"
+    sizes = [len(result[m]) for m in members]
+    assert max(sizes) - min(sizes) <= 1
+    claimed: set[int] = set()
+    for member in sorted(members):
+        mine = (owned.get(member, set()) & set(shards)) - claimed
+        claimed |= mine
+        assert len(result[member] & mine) == min(len(mine), len(result[member])), "owners keep what fits their share"
+
+
+def test_balance_moves_only_what_it_must():
+    before = balance_shards(["a"], {}, list(range(6)))
+    after = balance_shards(["a", "b"], before, list(range(6)))
+    assert after["a"] <= before["a"] and len(after["a"]) == 3 and len(after["b"]) == 3
+    survivor = balance_shards(["b"], after, list(range(6)))
+    assert survivor["b"] == set(range(6))
+
+
+def test_start_specs():
+    assert parse_start("earliest").earliest
+    assert parse_start("rollouts:0=12,rewards:1=3").offsets == {("rollouts", 0): 12, ("rewards", 1): 3}
+    assert parse_start("2026-01-31T00:00:00+00:00").at_ms == 1769817600000
+    assert parse_start("1769817600").at_ms == 1769817600000
+    with pytest.raises(ValueError, match="give a timezone"):
+        parse_start("2026-01-31T00:00:00")
+    with pytest.raises(ValueError, match="bad offset spec"):
+        parse_start("bogus:0=1")

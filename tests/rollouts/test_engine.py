@@ -1,0 +1,367 @@
+"""The ETL core without Kafka: validation, filters, reward joins, groups, batches and crash recovery."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ember.rollouts.advantages import grpo_advantages, rloo_advantages
+from ember.rollouts.engine import REWARDS, ROLLOUTS, ShardEngine, StateMismatch
+from ember.rollouts.records import ShardSnapshot
+from ember.schemas import encode
+from tests.rollouts.helpers import TOPICS, Committed, Log, config, reward, rollout, run
+
+SCORES = [0.1, 0.9, 0.4, 0.7]
+
+
+def full_group(log: Log, group: str = "g", at_ms: int = 0, scores=SCORES, **rollout_kwargs):
+    rollouts = [rollout(group, i, **rollout_kwargs) for i in range(len(scores))]
+    for r in rollouts:
+        log.add(r, at_ms)
+    for r, s in zip(rollouts, scores):
+        log.add(reward(r, s), at_ms)
+    return rollouts
+
+
+def sequence_advantages(batch) -> dict[str, float]:
+    out = {}
+    for i, rid in enumerate(batch.rollout_ids):
+        lo, hi = batch.cu_seqlens[i], batch.cu_seqlens[i + 1]
+        trained = batch.advantages[lo:hi][batch.loss_mask[lo:hi] == 1]
+        out[rid] = float(trained[0])
+    return out
+
+
+def test_complete_group_becomes_one_batch_with_grpo_advantages():
+    log = Log()
+    rollouts = full_group(log)
+    done = run(config(), log.messages)
+    (batch,) = done.batches
+    batch.validate()
+    assert sorted(batch.rollout_ids) == sorted(r.rollout_id for r in rollouts)
+    expected = dict(zip([r.rollout_id for r in rollouts], grpo_advantages(SCORES)))
+    for rid, adv in sequence_advantages(batch).items():
+        assert adv == pytest.approx(expected[rid], rel=1e-5)
+    assert [o.kind for o in done.outcomes] == ["batch"]
+    assert done.marks == {ROLLOUTS: 4, REWARDS: 4}
+
+
+def test_rloo_estimator_is_applied():
+    log = Log()
+    rollouts = full_group(log)
+    (batch,) = run(config(advantages={"estimator": "rloo"}), log.messages).batches
+    expected = dict(zip([r.rollout_id for r in rollouts], rloo_advantages(SCORES)))
+    for rid, adv in sequence_advantages(batch).items():
+        assert adv == pytest.approx(expected[rid], rel=1e-5)
+
+
+@settings(max_examples=40, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(st.permutations(list(range(10))))
+def test_any_arrival_order_with_duplicates_gives_the_same_batch(order):
+    rollouts = [rollout("g", i) for i in range(4)]
+    records = rollouts + [reward(r, s) for r, s in zip(rollouts, SCORES)]
+    records += [rollouts[1], reward(rollouts[2], 0.4)]
+    log = Log()
+    for i in order:
+        log.add(records[i], 0)
+    done = run(config(), log.messages)
+    (batch,) = done.batches
+    assert sorted(batch.rollout_ids) == [f"g-{i}" for i in range(4)]
+    expected = dict(zip([r.rollout_id for r in rollouts], grpo_advantages(SCORES)))
+    assert sequence_advantages(batch) == pytest.approx(expected, rel=1e-5)
+    assert done.reasons() == {"duplicate": 1}
+    late = done.reasons("reward_dropped")
+    assert late in ({"duplicate_reward": 1}, {"late_reward": 1}), "after the group is emitted a repeat is late"
+
+
+def test_missing_reward_waits_then_quorum_decides():
+    log = Log()
+    rollouts = [rollout("g", i) for i in range(4)]
+    for r in rollouts:
+        log.add(r, 0)
+    for r, s in zip(rollouts[:3], SCORES):
+        log.add(reward(r, s), 1000)
+    waiting = run(config(groups={"quorum": 3}), log.messages, end_ms=4_999)
+    assert waiting.batches == [] and waiting.marks[ROLLOUTS] == 0, "the open group must hold back the commit"
+    decided = run(config(groups={"quorum": 3}), log.messages, end_ms=5_000)
+    (batch,) = decided.batches
+    assert sorted(batch.rollout_ids) == ["g-0", "g-1", "g-2"]
+    assert decided.reasons() == {"unrewarded": 1}
+    assert decided.marks == {ROLLOUTS: 4, REWARDS: 3}
+    below = run(config(groups={"quorum": 4}), log.messages, end_ms=5_000)
+    assert below.batches == [] and below.reasons() == {"unrewarded": 1, "below_quorum": 3}
+
+
+def test_group_timeout_cuts_a_group_missing_samples():
+    log = Log()
+    rollouts = [rollout("g", i) for i in range(3)]
+    for r, s in zip(rollouts, SCORES):
+        log.add(r, 0)
+        log.add(reward(r, s), 0)
+    assert run(config(groups={"quorum": 2}), log.messages, end_ms=9_999).batches == []
+    (batch,) = run(config(groups={"quorum": 2}), log.messages, end_ms=10_000).batches
+    assert len(batch.rollout_ids) == 3
+
+
+def test_reward_before_rollout_joins():
+    log = Log()
+    rollouts = [rollout("g", i) for i in range(4)]
+    for r, s in zip(rollouts, SCORES):
+        log.add(reward(r, s), 0)
+    for r in rollouts:
+        log.add(r, 100)
+    assert len(run(config(), log.messages).batched_ids) == 4
+
+
+def test_late_rewards_and_rollouts_after_the_group_was_emitted():
+    log = Log()
+    rollouts = full_group(log)
+    log.add(reward(rollouts[0], 0.3), 50)
+    log.add(rollouts[2], 60)
+    log.add(rollout("g", 99), 70)
+    done = run(config(), log.messages)
+    assert len(done.batched_ids) == 4
+    assert done.reasons("reward_dropped") == {"late_reward": 1}
+    assert done.reasons() == {"duplicate": 1, "late_rollout": 1}
+    assert done.marks == {ROLLOUTS: 6, REWARDS: 5}
+
+
+def test_reward_stamped_after_its_deadline_is_late_even_if_read_first():
+    log = Log()
+    rollouts = [rollout("g", i) for i in range(4)]
+    log.add(reward(rollouts[3], 0.5), 9_000)
+    for r in rollouts:
+        log.add(r, 0)
+    for r, s in zip(rollouts[:3], SCORES):
+        log.add(reward(r, s), 100)
+    done = run(config(groups={"quorum": 3}), log.messages, end_ms=9_500)
+    assert done.reasons("reward_dropped") == {"late_reward": 1}
+    assert done.reasons() == {"unrewarded": 1}
+    assert len(done.batched_ids) == 3
+
+
+def test_zero_variance_group_is_dropped_and_counted():
+    log = Log()
+    full_group(log, scores=[1.0, 1.0, 1.0, 1.0])
+    done = run(config(), log.messages)
+    assert done.batches == [] and done.reasons() == {"zero_variance": 4}
+    kept = run(config(advantages={"drop_zero_variance": False}), log.messages)
+    assert len(kept.batched_ids) == 4
+
+
+def test_stale_rollouts_are_dropped_with_their_lag():
+    log = Log()
+    rollouts = [rollout("g", i, policy_version=v) for i, v in enumerate([9, 9, 2, 9])]
+    for r, s in zip(rollouts, SCORES):
+        log.add(r, 0)
+        log.add(reward(r, s), 0)
+    done = run(config(filters={"max_policy_lag": 4}, groups={"quorum": 3}), log.messages, policy=10)
+    (stale,) = [o for o in done.outcomes if o.reason == "stale"]
+    assert stale.rollout_id == "g-2" and stale.detail["lag_versions"] == 8 and stale.tokens == 32
+    assert sorted(done.batched_ids) == ["g-0", "g-1", "g-3"]
+
+
+def test_filters_and_truncation_policies():
+    log = Log()
+    group = [
+        rollout("g", 0),
+        rollout("g", 1, finish_reason="tool_error"),
+        rollout("g", 2, finish_reason="length"),
+        rollout("g", 3, tokens=64),
+    ]
+    assert group[2].truncated
+    empty = rollout("h", 0)
+    empty.loss_mask = np.zeros_like(empty.loss_mask)
+    for r, s in zip(group, SCORES):
+        log.add(r, 0)
+        log.add(reward(r, s), 0)
+    log.add(empty, 0)
+    cfg = config(
+        groups={"quorum": 1},
+        filters={"max_tokens": 48, "truncated": "drop"},
+        advantages={"drop_zero_variance": False},
+    )
+    done = run(cfg, log.messages, end_ms=100_000)
+    assert done.reasons() == {"finish_tool_error": 1, "truncated": 1, "overlong": 1, "empty": 1}
+    assert done.batched_ids == ["g-0"]
+    penalize = config(
+        groups={"quorum": 2}, filters={"truncated": "penalize", "truncated_penalty": -5.0, "drop_finish_reasons": []}
+    )
+    (batch,) = run(penalize, log.messages[:8]).batches
+    advantages = sequence_advantages(batch)
+    assert len(advantages) == 4 and min(advantages, key=advantages.get) == "g-2"
+
+
+def test_dead_letters_name_the_problem_and_do_not_stop_the_shard():
+    log = Log()
+    r = rollout("g", 0)
+    log.add(r, 0, raw=encode(r)[:-8])
+    log.add(r, 0, raw=encode(reward(r, 1.0)))
+    log.add(r, 0, key=b"other-group")
+    log.add(r, 0, raw=b"x" * 2048)
+    cfg = config(dead_letter={"max_message_bytes": 1024}, filters={"max_tokens": 256}, batches={"token_budget": 256})
+    rollouts = full_group(log, group="ok")
+    done = run(cfg, log.messages)
+    reasons = [o.reason for o in done.outcomes if o.kind == "dead_letter"]
+    assert len(reasons) == 4
+    assert "length mismatch" in reasons[0]
+    assert reasons[1] == "Reward on the rollouts topic"
+    assert "is not the group_id" in reasons[2]
+    assert reasons[3].startswith("oversized: 2048 bytes")
+    assert [(o.topic, o.partition, o.offset) for o in done.outcomes if o.kind == "dead_letter"] == [
+        ("t.rollouts", 0, i) for i in range(4)
+    ]
+    assert sorted(done.batched_ids) == sorted(x.rollout_id for x in rollouts)
+
+
+def test_graders_weights_and_incomplete_rewards():
+    cfg = config(rewards={"graders": ["tests", "judge"], "weights": {"passed": 1.0, "style": 0.5}}, groups={"quorum": 2})
+    log = Log()
+    rollouts = [rollout("g", i) for i in range(4)]
+    for r in rollouts:
+        log.add(r, 0)
+    for i, r in enumerate(rollouts[:3]):
+        log.add(reward(r, 0.0, grader="tests", passed=float(i % 2)), 0)
+        log.add(reward(r, 0.0, grader="judge", style=0.2 * i), 0)
+    log.add(reward(rollouts[3], 0.0, grader="tests", passed=1.0), 0)
+    log.add(reward(rollouts[3], 0.0, grader="judge"), 0)
+    log.add(reward(rollouts[0], 0.0, grader="vibes"), 0)
+    done = run(cfg, log.messages)
+    assert done.reasons() == {"reward_incomplete": 1}
+    assert done.reasons("reward_dropped") == {"unknown_grader": 1}
+    (batch,) = done.batches
+    combined = [0.0, 1.0 + 0.1, 0.2]
+    expected = dict(zip(["g-0", "g-1", "g-2"], grpo_advantages(combined)))
+    assert sequence_advantages(batch) == pytest.approx(expected, rel=1e-5)
+
+
+def test_orphan_rewards_and_group_overflow():
+    log = Log()
+    log.add(reward(rollout("never", 0), 1.0), 0)
+    rollouts = full_group(log)
+    log.add(rollout("g", 7), 0)
+    done = run(config(), log.messages, end_ms=20_000)
+    assert done.reasons("reward_dropped") == {"orphan_reward": 1}
+    assert done.reasons() == {"late_rollout": 1}
+    assert len(done.batched_ids) == len(rollouts)
+    log2 = Log()
+    for i in range(5):
+        log2.add(rollout("big", i), 0)
+    assert run(config(), log2.messages).reasons() == {"group_overflow": 1}
+
+
+def test_restored_engine_skips_done_work_and_rebuilds_pending_groups():
+    log = Log()
+    pending = [rollout("slow", i) for i in range(4)]
+    log.add(pending[0], 0)
+    full_group(log, group="fast")
+    for r in pending[1:]:
+        log.add(r, 0)
+    cfg = config()
+    first = ShardEngine(cfg, 0, TOPICS)
+    done = Committed()
+    for m in log.messages:
+        first.ingest(m, 0)
+        first.advance(0, None)
+    done.commit(first)
+    assert len(done.batched_ids) == 4 and done.marks == {ROLLOUTS: 0, REWARDS: 4}
+    snapshot = ShardSnapshot.decode(done.snapshot.encode())
+    second = ShardEngine(cfg, 0, TOPICS, snapshot=snapshot, committed=done.marks, closed=done.closed)
+    for m in [m for m in log.messages if m.offset >= done.marks[ROLLOUTS if m.topic == TOPICS[ROLLOUTS] else REWARDS]]:
+        second.ingest(m, 0)
+        second.advance(0, None)
+    assert second.pending_count() == 4 and set(second.groups) == {"slow"}
+    for r, s in zip(pending, SCORES):
+        second.ingest(log.add(reward(r, s), 10), 10)
+    second.advance(10, None)
+    after = Committed()
+    after.commit(second)
+    assert sorted(after.batched_ids) == sorted(r.rollout_id for r in pending)
+    with pytest.raises(StateMismatch, match="reset the ETL group's offsets and state topic together"):
+        ShardEngine(cfg, 0, TOPICS, snapshot=snapshot, committed={ROLLOUTS: 9, REWARDS: 4})
+
+
+def _workload(draw_seed: int) -> list:
+    rng = np.random.default_rng(draw_seed)
+    log = Log()
+    events = []
+    for g in range(6):
+        start = g * 400
+        for i in range(4):
+            r = rollout(f"g{g}", i, tokens=int(rng.integers(16, 48)), seed=draw_seed)
+            events.append((start + int(rng.integers(0, 300)), r))
+            if rng.random() < 0.1:
+                events.append((start + int(rng.integers(300, 600)), r))
+            if rng.random() > 0.15:
+                score = float(rng.random())
+                events.append((start + int(rng.integers(0, 3000)), reward(r, score)))
+                if rng.random() < 0.1:
+                    events.append((start + int(rng.integers(0, 9000)), reward(r, score)))
+        if rng.random() < 0.3:
+            events.append((start + 50, reward(rollout(f"orphan{g}", 0), 1.0)))
+    events.sort(key=lambda e: e[0])
+    for at, record in events:
+        log.add(record, at)
+    return log.messages
+
+
+def _uninterrupted(cfg, messages, end):
+    engine = ShardEngine(cfg, 0, TOPICS)
+    done = Committed()
+    for m in messages:
+        engine.ingest(m, m.timestamp_ms)
+        engine.advance(m.timestamp_ms, None)
+    engine.advance(end, None)
+    engine.advance(end + 1000, None)
+    assert engine.pending_count() == 0
+    done.commit(engine)
+    return done
+
+
+@settings(max_examples=60, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(st.integers(0, 10_000), st.lists(st.integers(0, 200), min_size=1, max_size=4), st.data())
+def test_crashes_at_any_point_lose_and_double_nothing(seed, crash_points, data):
+    """Commit at random points, crash at random points (losing uncommitted work), restore from the
+    last commit and re-read from the committed offsets: the committed output equals an uninterrupted run."""
+    cfg = config(groups={"quorum": 2}, filters={"max_tokens": 256}, batches={"token_budget": 256, "min_fill": 0.5, "max_wait_s": 1})
+    messages = _workload(seed)
+    end = messages[-1].timestamp_ms + 60_000
+    expected = _uninterrupted(cfg, messages, end)
+
+    durable = Committed()
+    engine = ShardEngine(cfg, 0, TOPICS)
+    crashes = sorted(c % (len(messages) + 1) for c in crash_points)
+    position = 0
+    while True:
+        crash_at = crashes.pop(0) if crashes else None
+        while position < len(messages) and (crash_at is None or position < crash_at):
+            m = messages[position]
+            position += 1
+            engine.ingest(m, m.timestamp_ms)
+            engine.advance(m.timestamp_ms, None)
+            if data.draw(st.integers(0, 3), label="commit") == 0:
+                durable.commit(engine)
+        if crash_at is None:
+            break
+        engine = ShardEngine(cfg, 0, TOPICS, snapshot=durable.snapshot, committed=dict(durable.marks), closed=durable.closed)
+        marks = durable.marks
+        replay_from = [i for i, m in enumerate(messages) if m.offset >= marks.get(ROLLOUTS if m.topic == TOPICS[ROLLOUTS] else REWARDS, 0)]
+        redo = [messages[i] for i in replay_from if i < position]
+        for m in redo:
+            engine.ingest(m, m.timestamp_ms)
+            engine.advance(m.timestamp_ms, None)
+    engine.advance(end, None)
+    engine.advance(end + 1000, None)
+    assert engine.pending_count() == 0
+    durable.commit(engine)
+
+    assert len(durable.batched_ids) == len(set(durable.batched_ids)), "a rollout was batched twice"
+    assert sorted(durable.batched_ids) == sorted(expected.batched_ids)
+    key = lambda o: (o.kind, o.reason, o.topic, o.offset)  # noqa: E731
+    assert sorted(map(key, (o for o in durable.outcomes if o.kind != "batch"))) == sorted(
+        map(key, (o for o in expected.outcomes if o.kind != "batch"))
+    )
+    assert sorted(b.batch_id for b in durable.batches) == sorted(b.batch_id for b in expected.batches)
+    total = sum(1 for m in messages if m.topic == TOPICS[ROLLOUTS])
+    dropped = sum(1 for o in durable.outcomes if o.kind == "rollout_dropped")
+    assert len(durable.batched_ids) + dropped == total
