@@ -17,7 +17,7 @@ ALL = list(command_paths(get_command(app)))
 
 
 def test_command_tree():
-    assert {p for p in ALL if len(p) == 1} == {("dev",), ("demo",), ("rollouts",), ("corpus",)}
+    assert {p for p in ALL if len(p) == 1} == {("dev",), ("demo",), ("rollouts",), ("corpus",), ("export",)}
     assert ("dev", "status") in ALL and ("rollouts", "topics", "create") in ALL
 
 

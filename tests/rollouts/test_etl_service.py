@@ -5,7 +5,6 @@ import uuid
 import pyarrow.ipc as ipc
 import pytest
 import torch
-from kafka import KafkaProducer
 from rich.console import Console
 
 from ember.rollouts.config import parse_config
@@ -15,7 +14,6 @@ from ember.rollouts.reader import RolloutBatchReader
 from ember.rollouts.replay import parse_start, replay
 from ember.rollouts.stats import collect_stats, render_stats
 from ember.rollouts.topics import TopicSpec, ensure_topics
-from ember.rollouts.transport import producer_config
 from ember.schemas import TRAIN_BATCH_SCHEMA
 from tests.rollouts.etl_support import check_books, etl_settings, publish_in_background, workload
 
@@ -38,9 +36,6 @@ def pipeline(kafka):
     config = parse_config(settings)
     topics = prepare_topics(config)
     work = workload(prefix, groups=12, group_interval_s=0.1, p_late_reward=0.1, late_delay_s=4.0, p_malformed=0.1)
-    oversized = KafkaProducer(**producer_config())
-    oversized.send(topics["rollouts"], key=b"huge", value=b"\0" * 20_000)
-    oversized.close()
     work.events.append(type(work.events[0])(0.0, "rollouts", b"huge", raw=b"\0" * 20_000, note="oversized"))
     metrics = EtlMetrics()
     service = EtlService(config, "inproc", metrics)
