@@ -26,12 +26,15 @@ def build(
         "--direct_running_mode=multi_processing --direct_num_workers=<cores>.",
     ),
 ) -> None:
-    """Read, filter, redact and deduplicate code and web corpora into Parquet, with stats.json and a report."""
+    """Read, filter, redact and deduplicate code and web corpora into Parquet, with stats.json and a report;
+    with a `tokenize:` section, also tokenize and pack the kept documents into a verified shard set."""
     from ember.pipelines.corpus_build import BuildFailed, build_corpus
+    from ember.tokenize.config import ConfigError as TokenizeConfigError
+    from ember.tokenize.tokenizers import TokenizerLoadError
 
     try:
         build_corpus(load_config(str(config)), list(beam_args or []), console)
-    except ConfigError as exc:
+    except (ConfigError, TokenizeConfigError, TokenizerLoadError) as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2)
     except BuildFailed as exc:

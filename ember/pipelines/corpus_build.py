@@ -10,6 +10,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions
 from rich.console import Console
 from rich.table import Table
@@ -19,6 +20,9 @@ from ember.pipelines.corpus_config import ConfigError, CorpusConfig, check_input
 from ember.pipelines.corpus_report import read_stats, summary_rows, write_report
 from ember.pipelines.progress import watch
 from ember.pipelines.runners import dataflow_problems, runner_name, runs_locally, with_defaults
+from ember.schemas import Manifest
+from ember.tokenize.config import SourceConfig as ShardSource
+from ember.tokenize.config import TokenizeConfig
 
 
 class BuildFailed(RuntimeError):
@@ -31,6 +35,7 @@ class BuildOutcome:
     beam_args: list[str]
     stats: dict[str, Any]
     report: str
+    shards: Manifest | None = None
 
 
 def prepare_options(beam_args: list[str]) -> tuple[list[str], PipelineOptions]:
@@ -53,36 +58,67 @@ def summary_table(stats: dict[str, Any]) -> Table:
     return table
 
 
+def shards_config(config: CorpusConfig) -> TokenizeConfig:
+    """The tokenize stage's config: the kept documents of each source that kept any, at its weight."""
+    assert config.tokenize is not None and config.shards_directory is not None
+    documents = f"{config.output.directory.rstrip('/')}/documents"
+    sources = [
+        ShardSource(name=s.name, path=f"{documents}/{s.name}/*.parquet", weight=s.weight)
+        for s in config.sources
+        if FileSystems.match([f"{documents}/{s.name}/*.parquet"], limits=[1])[0].metadata_list
+    ]
+    if not sources:
+        raise ConfigError(f"tokenize: the build kept no document in any source (see {config.output.directory}/stats.json)")
+    settings = config.tokenize.model_dump(exclude={"output_dir"})
+    return TokenizeConfig(**settings, output_dir=config.shards_directory, sources=sources)
+
+
 def build_corpus(config: CorpusConfig, beam_args: list[str], console: Console | None = None) -> BuildOutcome:
     """Run the build to completion; with a console, local runs show live progress and a summary."""
     args, options = prepare_options(beam_args)
     check_inputs(config)
+    if config.tokenize is not None:
+        from ember.tokenize.tokenizers import load_tokenizer
+
+        load_tokenizer(config.tokenize.tokenizer)  # a tokenizer that does not load fails before the long part
     with tempfile.TemporaryDirectory(prefix="ember-progress-") as progress_dir:
+        # The job runs on this (main) thread: portable runners' job servers install signal handlers,
+        # which Python allows only there. The live progress table renders from a helper thread.
         show = console is not None and runs_locally(options)
-        outcome: dict[str, Any] = {}
-
-        def job() -> None:
-            try:
-                outcome["state"] = corpus_pipeline.run(config, options, progress_dir if show else None)
-            except BaseException as exc:  # re-raised on the calling thread below
-                outcome["error"] = exc
-            finally:
-                done.set()
-
         done = threading.Event()
-        worker = threading.Thread(target=job, name="corpus-build", daemon=True)
-        worker.start()
+        watcher = threading.Thread(target=watch, args=(progress_dir, done, console), name="corpus-progress", daemon=True)
         if show:
-            watch(progress_dir, done, console)
-        worker.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    if outcome["state"] != "DONE":
-        raise BuildFailed(f"the Beam job ended in state {outcome['state']}")
+            watcher.start()
+        try:
+            state = corpus_pipeline.run(config, options, progress_dir if show else None)
+        finally:
+            done.set()
+            if show:
+                watcher.join()
+    if state != "DONE":
+        raise BuildFailed(f"the Beam job ended in state {state}")
     directory = config.output.directory
     report = write_report(directory)
     stats = read_stats(directory)
     if console is not None:
         console.print(summary_table(stats))
         console.print(f"report: {report}")
-    return BuildOutcome(outcome["state"], args, stats, report)
+    shards = None
+    if config.tokenize is not None:
+        from ember.pipelines.tokenize_pipeline import run as tokenize
+
+        if console is not None:
+            console.print(f"tokenize + pack -> {config.shards_directory}")
+        shards = tokenize(shards_config(config), args, overwrite=True)
+        if console is not None:
+            console.print(shards_table(shards))
+    return BuildOutcome(state, args, stats, report, shards)
+
+
+def shards_table(manifest: Manifest) -> Table:
+    table = Table("source", "documents", "tokens", "sequences", "fill", "split", title="shard set")
+    for name, source in manifest.sources.items():
+        fill = source.tokens / max(1, source.sequences * manifest.seq_len)
+        table.add_row(name, f"{source.documents:,}", f"{source.tokens:,}", f"{source.sequences:,}", f"{fill:.2%}",
+                      f"{source.split_documents:,}")
+    return table

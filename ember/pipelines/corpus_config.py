@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import posixpath
+from pathlib import Path
 from typing import Any, Literal
 
 import yaml
@@ -17,6 +18,7 @@ from apache_beam.io.filesystems import FileSystems
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from ember.schemas.documents import METADATA_KEYS
+from ember.tokenize.config import PackSettings
 
 
 class ConfigError(ValueError):
@@ -215,12 +217,35 @@ class Output(_Strict):
     rows_per_shard: int = Field(default=50_000, ge=1, description="target rows per Parquet shard (shards per source follow)")
 
 
+class TokenizeStage(PackSettings):
+    """`tokenize:` makes the build the whole mid-training data prep: the kept documents of every
+    source are tokenized and packed into a verified shard set, weighted by the sources' weights."""
+
+    output_dir: str | None = Field(default=None, description="local shard directory; default <output.directory>/shards")
+
+
 class CorpusConfig(_Strict):
     sources: list[SourceConfig] = Field(min_length=1)
     filters: Filters = Field(default_factory=Filters)
     redaction: Redaction = Field(default_factory=Redaction)
     dedup: Dedup = Field(default_factory=Dedup)
     output: Output
+    tokenize: TokenizeStage | None = None
+
+    @model_validator(mode="after")
+    def _shards_are_local(self) -> "CorpusConfig":
+        if self.tokenize is not None and _is_url(self.shards_directory or ""):
+            raise ValueError(
+                "tokenize.output_dir: shard sets are written to a local (or mounted) path; "
+                f"got {self.shards_directory!r} - set tokenize.output_dir to a local directory"
+            )
+        return self
+
+    @property
+    def shards_directory(self) -> str | None:
+        if self.tokenize is None:
+            return None
+        return self.tokenize.output_dir or f"{self.output.directory.rstrip('/')}/shards"
 
     @field_validator("sources")
     @classmethod
@@ -269,10 +294,19 @@ def load_config(path: str) -> CorpusConfig:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     config = parse_config(data, path)
     base = posixpath.dirname(path) if _is_url(path) else posixpath.dirname(posixpath.abspath(path))
+    tokenize = config.tokenize
+    if tokenize is not None:
+        tokenize = tokenize.model_copy(
+            update={
+                "tokenizer": tokenize.tokenizer.model_copy(update={"path": Path(_resolve(base, str(tokenize.tokenizer.path)))}),
+                "output_dir": tokenize.output_dir and _resolve(base, tokenize.output_dir),
+            }
+        )
     return config.model_copy(
         update={
             "sources": [s.model_copy(update={"inputs": [_resolve(base, g) for g in s.inputs]}) for s in config.sources],
             "output": config.output.model_copy(update={"directory": _resolve(base, config.output.directory)}),
+            "tokenize": tokenize,
         }
     )
 

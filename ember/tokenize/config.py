@@ -53,13 +53,15 @@ class SourceConfig(BaseModel):
     weight: float = Field(default=1.0, ge=0)
 
 
-class TokenizeConfig(BaseModel):
-    """The whole build: one config hash covers everything that changes the bytes of the shards."""
+class PackSettings(BaseModel):
+    """How documents become shards: everything but where they come from and where shards go.
+
+    `ember corpus tokenize` takes these with its own `sources` and `output_dir`; `ember corpus build`
+    takes them under its `tokenize:` key and feeds them the documents it kept.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    output_dir: Path
     tokenizer: TokenizerConfig
-    sources: list[SourceConfig] = Field(min_length=1)
     seq_len: int = Field(default=8192, ge=2)
     packing: Literal["best_fit", "concat_chunk"] = "best_fit"
     window_documents: int = Field(
@@ -69,6 +71,13 @@ class TokenizeConfig(BaseModel):
     rows_per_batch: int = Field(default=16, ge=1, description="rows per zstd record batch (random-access unit)")
     encode_batch_documents: int = Field(default=512, ge=1, description="documents per tokenizer batch call")
     seed: int = Field(default=0, ge=0, lt=2**63)
+
+
+class TokenizeConfig(PackSettings):
+    """The whole build: one config hash covers everything that changes the bytes of the shards."""
+
+    output_dir: Path
+    sources: list[SourceConfig] = Field(min_length=1)
 
     @field_validator("sources")
     @classmethod

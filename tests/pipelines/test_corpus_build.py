@@ -15,12 +15,14 @@ from typer.testing import CliRunner
 from ember.dev import services
 from ember.pipelines import demo_stage
 from ember.pipelines.cli import app
-from ember.pipelines.corpus_config import parse_config
+from ember.pipelines.corpus_build import build_corpus
+from ember.pipelines.corpus_config import ConfigError, parse_config
 from ember.pipelines.corpus_pipeline import CLUSTER_SCHEMA
 from ember.pipelines.corpus_report import read_stats
 from ember.pipelines.sample_corpus import SampleCorpus, write_sample_corpus
 from ember.schemas.documents import DOCUMENT_SCHEMA, REJECTED_SCHEMA
 from ember.schemas.versioning import schema_identity
+from ember.tokenize.shardset import verify_shard_set
 
 from .corpus_support import build, file_digests, rows
 
@@ -147,3 +149,39 @@ def test_demo_stage_builds_the_sample_and_hands_over_the_documents(tmp_path: Pat
     assert values["corpus near duplicates removed"] == "2"
     assert sorted(p.name for p in documents.iterdir()) == ["code", "code_gz", "web", "web_zst"]
     assert all(pq.read_table(p).schema.equals(DOCUMENT_SCHEMA) for p in documents.rglob("*.parquet"))
+
+
+def with_tokenize(config: dict, tokenizer: Path) -> dict:
+    return {**config, "tokenize": {
+        "seq_len": 128, "window_documents": 8, "sequences_per_shard": 4, "rows_per_batch": 2, "seed": 3,
+        "tokenizer": {"kind": "huggingface", "path": str(tokenizer), "eos_token": "<|endoftext|>", "pad_token": "<|pad|>"},
+    }}
+
+
+def test_one_command_builds_a_verified_shard_set_identically_on_fnapi_and_flink(
+    sample: SampleCorpus, flink_args: list[str], hf_tokenizer_path: Path, tmp_path: Path
+) -> None:
+    outcomes = {}
+    for runner, args in {"fnapi": ["--runner=FnApiRunner"], "flink": flink_args}.items():
+        config = parse_config(with_tokenize(sample.config(str(tmp_path / runner)), hf_tokenizer_path))
+        outcomes[runner] = build_corpus(config, args)
+        shards = tmp_path / runner / "shards"
+        assert verify_shard_set(shards) == []
+    fnapi, flink = outcomes["fnapi"].shards, outcomes["flink"].shards
+    kept = {name: s["kept"] for name, s in outcomes["fnapi"].stats["sources"].items()}
+    assert {name: s.documents for name, s in fnapi.sources.items()} == {n: k for n, k in kept.items() if k}
+    differ = {"created_at", "config_hash"}  # the hash covers the source paths, which differ here
+    assert fnapi.model_dump(exclude=differ) == flink.model_dump(exclude=differ)
+    shard_files = [{k: v for k, v in file_digests(tmp_path / r / "shards").items() if k != "manifest.json"} for r in outcomes]
+    assert shard_files[0] == shard_files[1] and shard_files[0]
+
+
+def test_tokenize_stage_config_errors_are_named(sample: SampleCorpus, tmp_path: Path) -> None:
+    config = with_tokenize(sample.config(str(tmp_path)), tmp_path / "tokenizer.json")
+    with pytest.raises(ConfigError, match="tokenize.seq_len"):
+        parse_config({**config, "tokenize": {**config["tokenize"], "seq_len": 1}})
+    with pytest.raises(ConfigError, match="tokenize.output_dir: shard sets are written to a local"):
+        parse_config({**config, "tokenize": {**config["tokenize"], "output_dir": "gs://bucket/shards"}})
+    with pytest.raises(Exception, match="tokenizer.json"):
+        build_corpus(parse_config(config), ["--runner=FnApiRunner"])
+    assert not (tmp_path / "documents").exists(), "a tokenizer that does not load fails before the build runs"
