@@ -159,25 +159,18 @@ def run_demo(console: Console, *, rollouts: int, group_size: int, tokens: int, l
     from ember.midtrain import demo_stage as midtrain_demo
     from ember.pipelines import demo_stage as corpus_demo
     from ember.rollouts import demo_stage as rollouts_demo
-    from ember.tokenize import demo_stage as tokenize_demo
 
     sections: list[tuple[str, Rows]] = []
     context: dict[str, Path] = {}
 
     def corpus() -> Rows:
-        rows, documents = corpus_demo.run(console, workdir)
-        context["documents"] = documents
-        return rows
-
-    def shards() -> Rows:
-        rows, shards_dir = tokenize_demo.run(console, workdir, documents_dir=context["documents"])
+        rows, shards_dir = corpus_demo.run(console, workdir)
         context["shards"] = shards_dir
         return rows
 
     stages: list[tuple[str, Callable[[], Rows]]] = [
         ("wire codec through Kafka", lambda: wire_stage(console, rollouts=rollouts, group_size=group_size, tokens=tokens, layers=layers)),
-        ("corpus build (Beam)", corpus),
-        ("tokenize + pack (Beam)", shards),
+        ("corpus build: filter, redact, dedup, tokenize, pack (Beam)", corpus),
         ("mid-training (Megatron-core MoE, CPU)", lambda: midtrain_demo.run(console, context["shards"], workdir / "midtrain")),
         ("rollout ETL (Kafka)", lambda: rollouts_demo.run(console, f"{DEMO_PREFIX}-etl-{int(time.time())}", 48, group_size, 512)),
         ("slurm", lambda: slurm_stage(workdir)),

@@ -142,13 +142,19 @@ def test_report_command_renders_a_finished_build(built: Path) -> None:
     assert CliRunner().invoke(app, ["report", str(built / "nothing-here")]).exit_code == 2
 
 
-def test_demo_stage_builds_the_sample_and_hands_over_the_documents(tmp_path: Path) -> None:
-    summary, documents = demo_stage.run(Console(file=open("/dev/null", "w")), tmp_path)
+def test_demo_stage_builds_documents_and_a_verified_shard_set(tmp_path: Path) -> None:
+    summary, shards = demo_stage.run(Console(file=open("/dev/null", "w")), tmp_path)
     values = dict(summary)
-    assert values["corpus documents in"] == "66" and values["corpus accounted (in = kept + rejected)"] == "yes"
-    assert values["corpus near duplicates removed"] == "2"
-    assert sorted(p.name for p in documents.iterdir()) == ["code", "code_gz", "web", "web_zst"]
+    stats = read_stats(str(tmp_path / "corpus"))
+    assert values["corpus documents in"] == f"{stats['totals']['docs_in']:,}" and stats["totals"]["docs_in"] > 66
+    assert values["corpus accounted (in = kept + rejected)"] == "yes"
+    assert values["corpus near duplicates removed"] != "0" and values["verify"] == "OK"
+    assert values["tokenizer"].startswith("cl100k_base (vocab 100277")
+    assert {"stdlib tokens", "pages tokens", "stdlib fill ratio", "pages fill ratio"} <= set(values)
+    documents = tmp_path / "corpus" / "documents"
+    assert {"code", "web", "stdlib", "pages"} <= {p.name for p in documents.iterdir()}
     assert all(pq.read_table(p).schema.equals(DOCUMENT_SCHEMA) for p in documents.rglob("*.parquet"))
+    assert shards == tmp_path / "corpus" / "shards"
 
 
 def with_tokenize(config: dict, tokenizer: Path) -> dict:
