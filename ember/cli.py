@@ -7,6 +7,9 @@ from rich.console import Console
 from rich.table import Table
 
 from ember.dev import services
+from ember.pipelines.cli import BUILD_CONTEXT_SETTINGS
+from ember.pipelines.cli import build as corpus_build
+from ember.pipelines.cli import report as corpus_report
 from ember.rollouts.cli import app as rollouts_app
 from ember.tokenize.cli import corpus_app, export_app
 
@@ -14,6 +17,8 @@ app = typer.Typer(help="ember: the data plane for post-training a coding model."
 dev_app = typer.Typer(help="Local real services for development and tests (Kafka, Slurm, Flink job-server jar).", no_args_is_help=True)
 app.add_typer(dev_app, name="dev")
 app.add_typer(rollouts_app, name="rollouts")
+corpus_app.command("build", context_settings=BUILD_CONTEXT_SETTINGS)(corpus_build)
+corpus_app.command("report")(corpus_report)
 app.add_typer(corpus_app, name="corpus")
 app.add_typer(export_app, name="export")
 console = Console()

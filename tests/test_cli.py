@@ -19,6 +19,7 @@ ALL = list(command_paths(get_command(app)))
 def test_command_tree():
     assert {p for p in ALL if len(p) == 1} == {("dev",), ("demo",), ("rollouts",), ("corpus",), ("export",)}
     assert ("dev", "status") in ALL and ("rollouts", "topics", "create") in ALL
+    assert {("corpus", "build"), ("corpus", "tokenize"), ("corpus", "report"), ("export", "megatron")} <= set(ALL)
 
 
 @pytest.mark.parametrize("path", ALL, ids=lambda p: " ".join(p) or "ember")

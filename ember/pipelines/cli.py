@@ -1,8 +1,7 @@
-"""`ember corpus build CONFIG.yaml [Beam options...]`.
+"""`ember corpus build CONFIG.yaml [Beam options...]` and `ember corpus report DIR`.
 
-Mount with the context settings below so Beam's `--runner=...` style options reach `beam_args`
-untouched:  `corpus_app.command("build", context_settings=BUILD_CONTEXT_SETTINGS)(build)`, and
-`corpus_app.command("report")(report)` for re-rendering a finished (e.g. Dataflow) build's report.
+ember/cli.py mounts both under `ember corpus`; `build` takes BUILD_CONTEXT_SETTINGS so Beam's
+`--runner=...` style options reach `beam_args` untouched. `app` below is the same pair on its own.
 """
 
 from __future__ import annotations
