@@ -177,7 +177,7 @@ def main() -> None:
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     ratios = [r["etl_mb_s"] / r["plain_mb_s"] for r in runs]
     print(f"throughput: {args.groups * GROUP_SIZE} rollouts x {TOKENS} tokens, median of {args.repeats}")
-    print(f"| path | rollouts/s | tokens/s | MB/s |\n|---|---|---|---|")
+    print("| path | rollouts/s | tokens/s | MB/s |\n|---|---|---|---|")
     print(f"| ember ETL (validate, join, advantages, pack, transaction) -> trainer reader | {med['etl_rollouts_s']:.1f} | {med['etl_tokens_s']:,.0f} | {med['etl_mb_s']:.0f} |")
     print(f"| plain kafka-python consumer, no decode | {med['plain_rollouts_s']:.1f} | - | {med['plain_mb_s']:.0f} |")
     print(f"ETL / plain consumer (MB/s): median {statistics.median(ratios):.2f} (runs: {', '.join(f'{r:.2f}' for r in ratios)})")

@@ -10,11 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ember import configs
 
 
-class ConfigError(ValueError):
+class ConfigError(configs.ConfigError):
     """The config file is unreadable or invalid; the message names each bad key."""
 
 
@@ -196,25 +197,10 @@ def _resolve(data: dict, base: Path) -> dict:
 
 
 def parse_config(data: dict, base: Path, where: str = "config") -> MidtrainConfig:
-    try:
-        return MidtrainConfig.model_validate(_resolve(data, base))
-    except ValidationError as exc:
-        lines = []
-        for error in exc.errors():
-            key = ".".join(str(p) for p in error["loc"]) or "(top level)"
-            lines.append(f"  {key}: {error['msg']}")
-        raise ConfigError(f"{where} is invalid:\n" + "\n".join(lines)) from None
+    return configs.validate(MidtrainConfig, _resolve(data, base), where, ConfigError)
 
 
 def load_config(path: str | Path) -> MidtrainConfig:
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of sections (model, moe, data, ...), got {type(data).__name__}")
+    data = configs.read_yaml_mapping(path, ConfigError, sections="model, moe, data, ...")
     return parse_config(data, path.resolve().parent, str(path))
-

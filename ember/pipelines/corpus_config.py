@@ -13,15 +13,15 @@ import posixpath
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from apache_beam.io.filesystems import FileSystems
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
+from ember import configs
 from ember.schemas.documents import METADATA_KEYS
 from ember.tokenize.config import PackSettings
 
 
-class ConfigError(ValueError):
+class ConfigError(configs.ConfigError):
     """A configuration that cannot be used; the message names each bad key and why."""
 
 
@@ -257,17 +257,10 @@ class CorpusConfig(_Strict):
         return sources
 
 
-def _error_lines(exc: ValidationError) -> list[str]:
-    return [f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in exc.errors()]
-
-
 def parse_config(data: object, where: str = "config") -> CorpusConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping at the top level, got {type(data).__name__}")
-    try:
-        return CorpusConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(f"{where} is invalid:\n  " + "\n  ".join(_error_lines(exc))) from None
+    return configs.validate(CorpusConfig, data, where, ConfigError)
 
 
 def _is_url(path: str) -> bool:
@@ -288,11 +281,7 @@ def load_config(path: str) -> CorpusConfig:
             text = handle.read().decode("utf-8")
     except (OSError, Exception) as exc:  # Beam wraps every filesystem failure in its own BeamIOError
         raise ConfigError(f"{path}: cannot read the config file: {exc}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    config = parse_config(data, path)
+    config = parse_config(configs.parse_yaml_mapping(text, path, ConfigError), path)
     base = posixpath.dirname(path) if _is_url(path) else posixpath.dirname(posixpath.abspath(path))
     tokenize = config.tokenize
     if tokenize is not None:

@@ -10,9 +10,9 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ember import configs
 from ember.rollouts.advantages import Estimator
 from ember.rollouts.topics import default_topics
 from ember.rollouts.transport import kafka_bootstrap
@@ -158,40 +158,20 @@ class EtlConfig(_Section):
         return parse_config(data, "overridden config")
 
 
-class ConfigError(ValueError):
+class ConfigError(configs.ConfigError):
     """The config file is missing or invalid; the message names each bad key and what to fix."""
 
 
-def _format_errors(source: str, error: ValidationError) -> str:
-    lines = [f"{source} is not a valid ETL config:"]
-    for item in error.errors():
-        where = ".".join(str(p) for p in item["loc"]) or "<top level>"
-        if item["type"] == "extra_forbidden":
-            lines.append(f"  {where}: unknown key (check the spelling; see ember/rollouts/etl.example.yaml)")
-        elif isinstance(item.get("input"), dict):
-            lines.append(f"  {where}: {item['msg']}")
-        else:
-            lines.append(f"  {where}: {item['msg']} (got {item.get('input')!r})")
-    return "\n".join(lines)
+EXAMPLE_HINT = "check the spelling; see ember/rollouts/etl.example.yaml"
 
 
 def parse_config(data: Any, source: str = "config") -> EtlConfig:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{source} must be a YAML mapping of sections, got {type(data).__name__}")
-    try:
-        return EtlConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(_format_errors(source, exc)) from None
+        raise ConfigError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    return configs.validate(EtlConfig, data, source, ConfigError, hint_unknown=EXAMPLE_HINT)
 
 
 def load_config(path: str | Path) -> EtlConfig:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"ETL config {path} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
-    return parse_config(data, str(path))
+    return parse_config(configs.read_yaml_mapping(path, ConfigError), str(path))

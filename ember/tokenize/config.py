@@ -11,11 +11,12 @@ import json
 from pathlib import Path
 from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ember import configs
 
 
-class ConfigError(ValueError):
+class ConfigError(configs.ConfigError):
     """A configuration file that cannot be used; the message names each bad key."""
 
 
@@ -96,28 +97,14 @@ class TokenizeConfig(PackSettings):
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _error_lines(exc: ValidationError) -> list[str]:
-    return [f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in exc.errors()]
-
-
 def parse_config(data: object, where: str = "config") -> TokenizeConfig:
-    try:
-        return TokenizeConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(f"{where} is invalid:\n  " + "\n  ".join(_error_lines(exc))) from None
+    return configs.validate(TokenizeConfig, data, where, ConfigError)
 
 
 def load_config(path: str | Path) -> TokenizeConfig:
     """Relative paths inside the file resolve against the file's own directory."""
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    data = configs.read_yaml_mapping(path, ConfigError)
     config = parse_config(data, str(path))
     base = path.resolve().parent
     return config.model_copy(

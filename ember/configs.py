@@ -1,0 +1,67 @@
+"""Reading YAML configs at the edge: one way to say what is wrong with a file or a key.
+
+Each command's config module keeps its own `ConfigError` subclass (so a CLI catches exactly its
+own) and its own pydantic models; the file reading and the error wording live here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the file or each bad key, and why."""
+
+
+def error_lines(exc: ValidationError, hint_unknown: str = "") -> list[str]:
+    """`dotted.key: what is wrong` per problem; unknown keys get `hint_unknown` (e.g. where the example is)."""
+    lines = []
+    for item in exc.errors():
+        key = ".".join(str(p) for p in item["loc"]) or "(top level)"
+        if item["type"] == "extra_forbidden" and hint_unknown:
+            lines.append(f"{key}: unknown key ({hint_unknown})")
+        elif isinstance(item.get("input"), (dict, list)) or "input" not in item:
+            lines.append(f"{key}: {item['msg']}")
+        else:
+            lines.append(f"{key}: {item['msg']} (got {item['input']!r})")
+    return lines
+
+
+def validate(model: type[Model], data: Any, where: str, error: type[ConfigError], hint_unknown: str = "") -> Model:
+    """The validated model, or `error` listing every bad key of `data` (read from `where`)."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise error(f"{where} is invalid:\n  " + "\n  ".join(error_lines(exc, hint_unknown))) from None
+
+
+def parse_yaml_mapping(text: str, where: str, error: type[ConfigError], sections: str = "") -> dict:
+    """The top-level mapping of a YAML document; an empty document is an empty mapping."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise error(f"{where}: not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        expected = f"a mapping of sections ({sections})" if sections else "a mapping at the top level"
+        raise error(f"{where}: expected {expected}, got {type(data).__name__}")
+    return data
+
+
+def read_yaml_mapping(path: str | Path, error: type[ConfigError], sections: str = "") -> dict:
+    """`parse_yaml_mapping` of a local file, with a missing or unreadable file named as such."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise error(f"{path}: no such config file") from None
+    except OSError as exc:
+        raise error(f"{path}: cannot read the config file: {exc.strerror}") from None
+    return parse_yaml_mapping(text, str(path), error, sections)
