@@ -28,7 +28,8 @@ from ember.rollouts.simulate import synthetic_reward, synthetic_rollout
 from ember.rollouts.topics import default_topics, ensure_topics
 from ember.rollouts.transport import (
     BadMessage,
-    RecordWriter,
+    RewardWriter,
+    RolloutWriter,
     consumer_config,
     kafka_bootstrap,
     producer_config,
@@ -79,7 +80,7 @@ def wire_stage(console: Console, *, rollouts: int, group_size: int, tokens: int,
     sent: set[str] = set()
     started = time.perf_counter()
     with console.status(f"wire: publishing {rollouts} rollouts and rewards..."):
-        with RecordWriter(names[0]) as rollout_writer, RecordWriter(names[1]) as reward_writer:
+        with RolloutWriter(DEMO_PREFIX) as rollout_writer, RewardWriter(DEMO_PREFIX) as reward_writer:
             for i in range(rollouts):
                 rollout = synthetic_rollout(
                     rng,
@@ -117,7 +118,7 @@ def wire_stage(console: Console, *, rollouts: int, group_size: int, tokens: int,
     return [
         ("kafka", f"{kafka_bootstrap()}: {expected} messages this run"),
         ("rollouts published", f"{rollout_writer.records} ({rollout_writer.bytes / 1e6:.1f} MB, {publish_s:.1f}s)"),
-        ("wire bytes / token", f"{rollout_writer.bytes / (rollouts * tokens):.1f} (routed experts {layers} layers x top-8)"),
+        ("wire bytes / token", f"{rollout_writer.bytes_per_token:.1f} (routed experts {layers} layers x top-8)"),
         ("rewards published", str(reward_writer.records)),
         ("records read back equal", f"{equal} / {len(sent)}"),
         ("malformed message reported", "; ".join(str(b)[:100] for b in bad) or "NOT REPORTED"),

@@ -5,11 +5,13 @@ import pytest
 from kafka import KafkaConsumer, KafkaProducer
 
 from ember.rollouts.simulate import synthetic_reward, synthetic_rollout
-from ember.rollouts.topics import TopicSpec, ensure_topics
+from ember.rollouts.topics import TopicSpec, default_topics, ensure_topics
 from ember.rollouts.transport import (
     BadMessage,
     DecodedMessage,
     RecordWriter,
+    RewardWriter,
+    RolloutWriter,
     consumer_config,
     producer_config,
     read_messages,
@@ -65,6 +67,26 @@ def test_a_group_lives_in_one_partition(kafka, topic_prefix):
         partitions_by_group.setdefault(message.record.group_id, set()).add(message.partition)
     assert len(partitions_by_group) == 10
     assert all(len(p) == 1 for p in partitions_by_group.values())
+
+
+def test_worker_and_grader_writers_copartition_a_group_and_count_bytes_per_token(kafka, topic_prefix):
+    topics = default_topics(topic_prefix, partitions=4)
+    ensure_topics(kafka, [topics["rollouts"], topics["rewards"]])
+    rng = np.random.default_rng(3)
+    with RolloutWriter(topic_prefix) as rollouts, RewardWriter(topic_prefix) as rewards:
+        for i in range(40):
+            rollout = synthetic_rollout(rng, group_id=f"g{i % 8}", prompt_id="p", num_tokens=256, layers=61)
+            rollouts.write(rollout)
+            rewards.write(synthetic_reward(rng, rollout))
+        with pytest.raises(TypeError, match="RolloutWriter writes Rollout records"):
+            rollouts.write(synthetic_reward(rng, rollout))
+    assert rollouts.tokens == 40 * 256 and 488 < rollouts.bytes_per_token < 520
+    partition_of: dict[tuple[str, str], set[int]] = {}
+    for role in ("rollouts", "rewards"):
+        for message in consume_all(topics[role].name, limit=40):
+            partition_of.setdefault((role, message.record.group_id), set()).add(message.partition)
+    for g in range(8):
+        assert partition_of[("rollouts", f"g{g}")] == partition_of[("rewards", f"g{g}")] and len(partition_of[("rewards", f"g{g}")]) == 1
 
 
 def test_aborted_transaction_is_invisible_to_read_committed(kafka, topic_prefix):
