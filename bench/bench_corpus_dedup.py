@@ -11,7 +11,7 @@ precision and recall of each tool's clusters.
 Throughput: the same web input (several zstd Parquet files; datatrove's JSONL reader needs orjson, absent), the same stages on both sides: read ->
 Gopher repetition + Gopher quality + C4 + FineWeb filters (datatrove's classes, same word splitter)
 -> exact dedup -> MinHash near dedup -> write. ember runs on FnApiRunner (multi_processing, W
-workers), datatrove on its LocalPipelineExecutor (W workers). Each run is a fresh subprocess;
+workers; in-process for one), datatrove on its LocalPipelineExecutor (W workers). Each run is a fresh subprocess;
 reported: medians over --repeats of wall seconds and CPU seconds (user + sys of the whole process
 tree: the per-core figure that holds on a machine shared with other work), docs/s per core, peak RSS
 (sum over the run's processes, and the largest one), and ember / datatrove ratios. Redaction is off for ember (datatrove
@@ -278,6 +278,7 @@ def run_ember(input_dir: str, out: str, workers: int) -> int:
     from ember.pipelines.corpus_config import parse_config
     from ember.pipelines.corpus_pipeline import run
     from ember.pipelines.corpus_report import read_stats
+    from ember.pipelines.runners import local_args
 
     config = parse_config({
         "sources": [{"name": "web", "kind": "web", "inputs": [f"{input_dir}/*.parquet"], "format": "parquet"}],
@@ -285,8 +286,7 @@ def run_ember(input_dir: str, out: str, workers: int) -> int:
         "dedup": {"n_grams": N_GRAMS, "bands": BANDS, "rows_per_band": ROWS, "seed": SEED},
         "output": {"directory": out},
     })
-    args = ["--runner=FnApiRunner", "--direct_running_mode=multi_processing", f"--direct_num_workers={workers}"]
-    run(config, PipelineOptions(args))
+    run(config, PipelineOptions(local_args(workers)))
     return read_stats(out)["totals"]["kept"]
 
 
@@ -366,7 +366,10 @@ def throughput(docs: int, files: int, repeats: int, work: Path) -> None:
                 out = work / f"{tool}-{workers}-{r}"
                 cmd = [sys.executable, __file__, "_child", tool, str(input_dir), str(out), str(workers), str(files)]
                 before = resource.getrusage(resource.RUSAGE_CHILDREN)
-                line = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+                child = subprocess.run(cmd, capture_output=True, text=True)
+                if child.returncode != 0:
+                    raise RuntimeError(f"{tool} run failed (exit {child.returncode}):\n{child.stderr[-3000:]}")
+                line = child.stdout.strip().splitlines()[-1]
                 after = resource.getrusage(resource.RUSAGE_CHILDREN)
                 cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
                 runs.append({**json.loads(line), "cpu": cpu})

@@ -1,8 +1,9 @@
 """Beam pipeline options for `ember corpus build`: the local default, and checks before a Dataflow submit.
 
 The user's Beam options pass through unchanged. Only when no `--runner` is given does ember pick
-`FnApiRunner` in multi-processing mode with one worker per core: Beam's plain DirectRunner first tries
-to download the Prism runner from GitHub, which offline machines cannot reach.
+`FnApiRunner` in multi-processing mode with one worker per core (in-process on a one-core machine,
+where a worker process would only add serialisation): Beam's plain DirectRunner first tries to
+download the Prism runner from GitHub, which offline machines cannot reach.
 """
 
 from __future__ import annotations
@@ -21,8 +22,14 @@ from apache_beam.options.pipeline_options import (
 from apache_beam.options.pipeline_options_validator import PipelineOptionsValidator
 
 
+def local_args(workers: int) -> list[str]:
+    if workers <= 1:
+        return ["--runner=FnApiRunner"]
+    return ["--runner=FnApiRunner", "--direct_running_mode=multi_processing", f"--direct_num_workers={workers}"]
+
+
 def default_local_args() -> list[str]:
-    return ["--runner=FnApiRunner", "--direct_running_mode=multi_processing", f"--direct_num_workers={os.cpu_count() or 1}"]
+    return local_args(os.cpu_count() or 1)
 
 
 def with_defaults(beam_args: list[str]) -> list[str]:

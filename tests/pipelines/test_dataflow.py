@@ -16,7 +16,7 @@ from ember.pipelines import flex_main
 from ember.pipelines.corpus_build import prepare_options
 from ember.pipelines.corpus_config import ConfigError
 from ember.pipelines.corpus_report import read_stats
-from ember.pipelines.runners import default_local_args, with_defaults
+from ember.pipelines.runners import default_local_args, local_args, with_defaults
 from ember.pipelines.sample_corpus import write_sample_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +27,8 @@ GOOD = ["--runner=DataflowRunner", "--project=ember-prod", "--region=us-central1
 
 def test_no_runner_means_the_multiprocess_fnapi_default() -> None:
     assert with_defaults([]) == default_local_args()
-    assert default_local_args()[:2] == ["--runner=FnApiRunner", "--direct_running_mode=multi_processing"]
+    assert local_args(4) == ["--runner=FnApiRunner", "--direct_running_mode=multi_processing", "--direct_num_workers=4"]
+    assert local_args(1) == ["--runner=FnApiRunner"], "one core: in-process, no worker to serialise to"
     assert with_defaults(["--runner=FlinkRunner", "--flink_master=[local]"]) == ["--runner=FlinkRunner", "--flink_master=[local]"]
 
 
