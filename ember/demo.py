@@ -5,7 +5,8 @@ through the real broker (and that a malformed message is reported, not fatal); b
 code + web corpus with Beam (filters, redaction, exact + near dedup); tokenize and best-fit pack it
 into verified Arrow shards; run a few Megatron-core MoE mid-training steps on those shards; stream
 simulated RL rollouts and late rewards through the rollout ETL into training batches that a trainer
-reads; and run a job on the local Slurm. Each stage contributes rows to one summary table; the demo
+reads; run RL steps with router replay on rollouts a reference sampler produced, printing the
+trainer/sampler mismatch; and run a job on the local Slurm. Each stage contributes rows to one summary table; the demo
 fails when a stage raises or a stage's own check (records equal, books balance, shards verify) fails.
 """
 
@@ -158,6 +159,7 @@ def run_demo(console: Console, *, rollouts: int, group_size: int, tokens: int, l
     console.print(f"demo work directory: {workdir}")
 
     from ember.midtrain import demo_stage as midtrain_demo
+    from ember.midtrain import rl_demo_stage as rl_demo
     from ember.pipelines import demo_stage as corpus_demo
     from ember.rollouts import demo_stage as rollouts_demo
 
@@ -174,6 +176,7 @@ def run_demo(console: Console, *, rollouts: int, group_size: int, tokens: int, l
         ("corpus build: filter, redact, dedup, tokenize, pack (Beam)", corpus),
         ("mid-training (Megatron-core MoE, CPU)", lambda: midtrain_demo.run(console, context["shards"], workdir / "midtrain")),
         ("rollout ETL (Kafka)", lambda: rollouts_demo.run(console, f"{DEMO_PREFIX}-etl-{int(time.time())}", 48, group_size, 512)),
+        ("RL steps: sampler -> ETL -> trainer with router replay (Megatron-core MoE, CPU)", lambda: rl_demo.run(console, workdir / "rl")),
         ("slurm", lambda: slurm_stage(workdir)),
     ]
     ok = True

@@ -95,7 +95,10 @@ def latest_checkpoint(root: Path) -> Path | None:
     return path
 
 
-def save(root: Path, model, optimizer, state: TrainState, data_fingerprint: str, keep: int) -> Path:
+def save(
+    root: Path, model, optimizer, state: TrainState, data_fingerprint: str, keep: int, extra: dict | None = None
+) -> Path:
+    """`extra`: small picklable state saved beside the train state (the RL trainer's reader position)."""
     path = root / f"step_{state.step:08d}"
     if dist.get_rank() == 0:
         if path.exists():  # an interrupted save of this same step: nothing points at it
@@ -110,6 +113,7 @@ def save(root: Path, model, optimizer, state: TrainState, data_fingerprint: str,
             "rng": _rng_sharded(),
             "train": {"step": state.step, "consumed_samples": state.consumed_samples, "data_fingerprint": data_fingerprint},
             "layout": _layout(),
+            "extra": extra or {},
         },
         str(path),
     )
@@ -122,6 +126,17 @@ def save(root: Path, model, optimizer, state: TrainState, data_fingerprint: str,
             shutil.rmtree(old)
     dist.barrier()
     return path
+
+
+def load_extra(path: Path) -> dict:
+    """The `extra` state a checkpoint was saved with ({} for checkpoints written without one)."""
+    return dist_checkpointing.load_common_state_dict(str(path)).get("extra", {})
+
+
+def load_model_weights(path: Path, model) -> None:
+    """Only the model tensors of a checkpoint (a new run starting from another run's policy)."""
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path))
+    model.load_state_dict(loaded["model"])
 
 
 def load(path: Path, model, optimizer, data_fingerprint: str) -> tuple[TrainState, bool]:

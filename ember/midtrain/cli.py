@@ -46,6 +46,26 @@ def train(
     raise typer.Exit(main([str(config)]))
 
 
+def _load_rl(config: Path):
+    from ember.midtrain.config import ConfigError
+    from ember.midtrain.rl_config import load_rl_config
+
+    try:
+        return load_rl_config(config)
+    except ConfigError as exc:
+        err.print(f"[red]{exc}[/red]", highlight=False)
+        raise typer.Exit(2)
+
+
+@app.command()
+def rl(config: Path = typer.Argument(..., help="RL config YAML (see ember/midtrain/examples/rl_tiny_cpu.yaml).")) -> None:
+    """RL steps on rollout batches from Kafka in this process; resumes from the latest checkpoint."""
+    _load_rl(config)
+    from ember.midtrain.rl import main
+
+    raise typer.Exit(main([str(config)]))
+
+
 @app.command()
 def launch(
     config: Path = typer.Argument(..., help="Run config YAML."),
@@ -58,12 +78,16 @@ def launch(
     time: str = typer.Option("01:00:00", "--time", help="Slurm time limit."),
     signal_seconds: int = typer.Option(120, "--signal-seconds", min=1, help="USR1 this long before the time limit."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the sbatch script; submit nothing."),
+    mode: str = typer.Option("train", "--mode", help="train: mid-training; rl: the RL trainer on an RL config."),
 ) -> None:
     """Render the sbatch script for CONFIG, check data and partition, and submit it."""
     from ember.midtrain.data import DataError
     from ember.midtrain.launch import LaunchError, LaunchRequest, preflight, render_sbatch, submit
 
-    cfg = _load(config)
+    if mode not in ("train", "rl"):
+        err.print(f"[red]--mode must be train or rl, got {mode!r}[/red]", highlight=False)
+        raise typer.Exit(2)
+    cfg = _load_rl(config) if mode == "rl" else _load(config)
     request = LaunchRequest(
         config_path=config,
         nodes=nodes,
@@ -72,6 +96,7 @@ def launch(
         partition=partition,
         time=time,
         signal_seconds=signal_seconds,
+        mode=mode,
     )
     try:
         preflight(cfg, request, need_slurm=not dry_run)

@@ -85,7 +85,7 @@ srun --kill-on-bad-exit=1 --ntasks-per-node=1 \
   %%{python} -m ember.midtrain.torchrun \
     --nnodes "$SLURM_JOB_NUM_NODES" --nproc-per-node %%{procs_per_node} \
     --rdzv-backend c10d --rdzv-endpoint "$HEAD:$PORT" --rdzv-id "$SLURM_JOB_ID" \
-    -m ember.midtrain.train %%{config} >>"$TRAIN_LOG" 2>&1 &
+    -m %%{module} %%{config} >>"$TRAIN_LOG" 2>&1 &
 TRAIN_PID=$!
 wait "$TRAIN_PID"
 status=$?
@@ -104,6 +104,7 @@ class LaunchRequest:
     partition: str
     time: str
     signal_seconds: int
+    mode: str = "train"  # "rl": the RL trainer (`ember.midtrain.rl`, one rank) on an RLConfig
 
 
 def render_sbatch(config: MidtrainConfig, request: LaunchRequest) -> str:
@@ -124,6 +125,7 @@ def render_sbatch(config: MidtrainConfig, request: LaunchRequest) -> str:
         complete_marker=str(config.complete_marker),
         python=sys.executable,
         procs_per_node=request.procs_per_node,
+        module="ember.midtrain.rl" if request.mode == "rl" else "ember.midtrain.train",
     )
 
 
@@ -178,12 +180,17 @@ def partition_resources(partition: str) -> tuple[int, int]:
 
 
 def preflight(config: MidtrainConfig, request: LaunchRequest, *, need_slurm: bool) -> None:
-    problems = _world_size_problems(config, request.nodes * request.procs_per_node)
+    world = request.nodes * request.procs_per_node
+    if request.mode == "rl":  # an RLConfig: one rank, batches come from Kafka (no shard sets to check)
+        problems = [] if world == 1 else [f"the RL trainer runs as one rank, got {world} (use --nodes 1 --procs-per-node 1)"]
+    else:
+        problems = _world_size_problems(config, world)
     if request.gpus_per_node and request.procs_per_node != request.gpus_per_node:
         problems.append(f"--procs-per-node {request.procs_per_node} must equal --gpus-per-node {request.gpus_per_node}")
     if problems:
         raise LaunchError("the requested layout cannot run this config: " + "; ".join(problems))
-    check_data(config)
+    if request.mode != "rl":
+        check_data(config)
     if not need_slurm:
         return
     if shutil.which("sbatch") is None:

@@ -24,6 +24,16 @@ from ember.schemas.rollouts import Reward, Rollout, Turn, routed_experts_dtype
 REGIONS = ("us-east", "eu-west", "ap-south")
 
 
+def distinct_top_k(rng: np.random.Generator, shape: tuple[int, ...], top_k: int, num_experts: int) -> np.ndarray:
+    """Expert ids [*shape, top_k], distinct within each top-k set as a router's are: a random start
+    and a random odd stride modulo a power of two never repeat within top_k <= num_experts steps."""
+    if num_experts & (num_experts - 1) or top_k > num_experts:
+        raise ValueError(f"num_experts must be a power of two >= top_k, got {num_experts} experts, top-{top_k}")
+    start = rng.integers(0, num_experts, size=(*shape, 1))
+    stride = 2 * rng.integers(0, num_experts // 2, size=(*shape, 1)) + 1 if num_experts > 1 else np.zeros((*shape, 1), int)
+    return ((start + stride * np.arange(top_k)) % num_experts).astype(routed_experts_dtype(num_experts))
+
+
 def synthetic_rollout(
     rng: np.random.Generator,
     *,
@@ -56,9 +66,7 @@ def synthetic_rollout(
     logprobs = np.where(loss_mask == 1, -rng.exponential(0.7, num_tokens), 0.0).astype(np.float32)
     experts = None
     if layers:
-        experts = rng.integers(0, num_experts, size=(num_tokens, layers, top_k)).astype(
-            routed_experts_dtype(num_experts)
-        )
+        experts = distinct_top_k(rng, (num_tokens, layers), top_k, num_experts)
     finish = finish_reason or ("length" if rng.random() < 0.05 else "stop")
     return Rollout(
         rollout_id=rollout_id or uuid.uuid4().hex,

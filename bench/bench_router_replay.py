@@ -1,0 +1,129 @@
+"""Routed-experts overhead at a realistic routing shape: 61 MoE layers, top-8 of 256 experts.
+
+Measured: the routed experts' bytes per token on the wire (one Rollout, raw and zstd-compressed as the
+producers send it) and in the TrainBatch (encoded, and as the uint8 tensor the trainer gets); the
+decode time of a batch with and without them; and the RL step time (forward + backward + optimizer
+step of the megatron-core MoE on CPU) with router replay forcing the experts, with replay off (the
+experts only compared) and without experts in the batch. The model has the 61 x 256 x top-8 routing
+shape but a tiny hidden size, so the step times show the replay overhead, not a real step's cost.
+Timing never decides pass/fail.
+
+    .venv/bin/python bench/bench_router_replay.py [--tokens 1024] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import zstandard
+
+from ember.rollouts.batching import PackedSequence, build_train_batch
+from ember.rollouts.reader import batch_tensors
+from ember.rollouts.simulate import synthetic_rollout
+from ember.schemas import decode_train_batch, encode, encode_train_batch
+
+LAYERS, TOP_K, EXPERTS = 61, 8, 256
+
+
+def distinct_topk(rng: np.random.Generator, tokens: int) -> np.ndarray:
+    """[tokens, 61, 8] uint8: per token and layer, 8 distinct experts (what a router emits)."""
+    out = np.empty((tokens, LAYERS, TOP_K), dtype=np.uint8)
+    for layer in range(LAYERS):
+        out[:, layer] = rng.random((tokens, EXPERTS)).argpartition(TOP_K, axis=1)[:, :TOP_K]
+    return out
+
+
+def median_s(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def wire_and_batch(tokens: int, sequences: int, repeats: int):
+    rng = np.random.default_rng(0)
+    per_seq = tokens // sequences
+    rollouts = []
+    for i in range(sequences):
+        r = synthetic_rollout(rng, group_id="g", prompt_id="p", num_tokens=per_seq, prompt_tokens=per_seq // 4, layers=None, rollout_id=f"r{i}")
+        rollouts.append(dataclasses.replace(r, routed_experts=distinct_topk(rng, per_seq)))
+    zstd = zstandard.ZstdCompressor(level=3)
+    with_e, without_e = encode(rollouts[0]), encode(dataclasses.replace(rollouts[0], routed_experts=None))
+    wire = (len(with_e) - len(without_e)) / per_seq
+    wire_zstd = (len(zstd.compress(with_e)) - len(zstd.compress(without_e))) / per_seq
+
+    def batch(with_experts: bool):
+        chosen = [r if with_experts else dataclasses.replace(r, routed_experts=None) for r in rollouts]
+        return build_train_batch([PackedSequence(r, 1.0) for r in chosen], step=0, source_offsets=[], created_at_us=0)
+
+    encoded = {flag: encode_train_batch(batch(flag)) for flag in (True, False)}
+    in_batch = (len(encoded[True]) - len(encoded[False])) / (per_seq * sequences)
+    decode = {flag: median_s(lambda m=encoded[flag]: batch_tensors(decode_train_batch(m)), repeats * 5) for flag in (True, False)}
+    tensor_bytes = batch_tensors(decode_train_batch(encoded[True]))["routed_experts"].element_size() * LAYERS * TOP_K
+    return batch(True), wire, wire_zstd, in_batch, tensor_bytes, decode
+
+
+def step_times(batch, repeats: int) -> dict[str, float]:
+    from ember.midtrain.rl import RLTrainer
+    from ember.midtrain.rl_config import parse_rl_config
+
+    root = Path(tempfile.mkdtemp(prefix="bench-replay-"))
+    config = parse_rl_config(
+        {
+            "run_dir": str(root),
+            "model": {"tokenizer": "bench", "vocab_size": int(batch.tokens.max()) + 1, "seq_len": 4096,
+                      "num_layers": LAYERS, "hidden_size": 32, "num_attention_heads": 4},
+            "moe": {"num_experts": EXPERTS, "router_topk": TOP_K, "ffn_hidden_size": 16, "load_balancing": "none"},
+            "optimizer": {"lr": 1e-5},
+            "rollouts": {"topic_prefix": "bench"},
+            "rl": {"steps": 1000, "replay": "replay", "correction": "tis"},
+        },
+        root,
+    )
+    trainer = RLTrainer(config)
+    tensors = batch_tensors(batch)
+    no_experts = {k: v for k, v in tensors.items() if k != "routed_experts"}
+    off = trainer.config.model_copy(update={"rl": trainer.config.rl.model_copy(update={"replay": "off"})})
+    on = trainer.config
+    results: dict[str, list[float]] = {"replay": [], "off (compare only)": [], "no experts in batch": []}
+    trainer.train_step(batch, tensors)  # warm-up
+    for _ in range(repeats):
+        for name, cfg, t in (("replay", on, tensors), ("off (compare only)", off, tensors), ("no experts in batch", on, no_experts)):
+            trainer.config = cfg
+            record = trainer.train_step(batch, t)
+            results[name].append(record["step_seconds"])
+            if name == "replay":
+                assert record["routing_disagreement"] == 0.0
+    trainer.config = on
+    trainer.close()
+    return {name: statistics.median(v) for name, v in results.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=1024, help="tokens per batch")
+    parser.add_argument("--sequences", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    batch, wire, wire_zstd, in_batch, tensor_bytes, decode = wire_and_batch(args.tokens, args.sequences, args.repeats)
+    print(f"routing shape: {LAYERS} layers x top-{TOP_K} of {EXPERTS} experts (uint8); batch {args.tokens} tokens, {args.sequences} sequences")
+    print(f"routed experts on the wire (Rollout):     {wire:.1f} B/token raw, {wire_zstd:.1f} B/token zstd-3")
+    print(f"routed experts in the TrainBatch:         {in_batch:.1f} B/token encoded, {tensor_bytes} B/token as the trainer's tensor")
+    print(f"batch decode + tensors:                   {decode[True] * 1e3:.2f} ms with experts, {decode[False] * 1e3:.2f} ms without "
+          f"(+{(decode[True] - decode[False]) * 1e3:.2f} ms)")
+    steps = step_times(batch, args.repeats)
+    base = steps["no experts in batch"]
+    for name, seconds in steps.items():
+        print(f"RL step ({name}):{' ' * (24 - len(name))}{seconds:.3f} s  ({(seconds / base - 1) * 100:+.1f}% vs no experts)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""The `midtrain rl` run config: model sections shared with mid-training, plus rollouts and RL sections.
+
+Validated before anything is built, every section forbids unknown keys and errors name the dotted key.
+The model, moe and optimizer sections are the mid-training ones, so the policy checkpoint a
+mid-training run wrote loads into the RL trainer unchanged.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ember.midtrain.config import ConfigError, ModelConfig, MoEConfig, OptimizerConfig, ParallelConfig
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RolloutsConfig(_Section):
+    topic_prefix: str = Field(min_length=1, description="batches come from <prefix>.train-batches; versions go to <prefix>.policy-versions")
+    group_id: str = Field(default="ember-trainer", min_length=1, description="the trainer's consumer group")
+    bootstrap: str | None = Field(default=None, description="Kafka brokers; default: EMBER_KAFKA_BOOTSTRAP or 127.0.0.1:19092")
+    idle_timeout_s: float | None = Field(
+        default=None, gt=0, description="checkpoint and exit when no batch arrives for this long; null: wait forever"
+    )
+
+    @property
+    def batches_topic(self) -> str:
+        return f"{self.topic_prefix}.train-batches"
+
+    @property
+    def versions_topic(self) -> str:
+        return f"{self.topic_prefix}.policy-versions"
+
+
+class RLSettings(_Section):
+    steps: int = Field(gt=0, description="batches to train on (one optimizer step each, times updates_per_batch)")
+    replay: Literal["off", "replay"] = Field(default="replay", description="force the sampler's routed experts (router replay)")
+    correction: Literal["none", "tis", "mis", "seq_geo"] = Field(default="tis", description="train/inference mismatch correction")
+    tis_cap: float = Field(default=2.0, gt=0, description="C in min(rho, C)")
+    alpha: float = Field(default=0.5, gt=0, description="lower bound on rho for mis / seq_geo (and the reported fraction outside)")
+    beta: float = Field(default=2.0, gt=0, description="upper bound on rho for mis / seq_geo")
+    old_policy: Literal["sampler", "recompute"] = Field(
+        default="recompute", description="PPO ratio against the sampler's log-probs or the trainer's own before the update"
+    )
+    clip_low: float = Field(default=0.2, ge=0, lt=1, description="ratio clipped below at 1 - clip_low")
+    clip_high: float = Field(default=0.28, ge=0, description="ratio clipped above at 1 + clip_high")
+    aggregation: Literal["token_mean", "seq_mean"] = "token_mean"
+    updates_per_batch: int = Field(default=1, gt=0, description="optimizer updates on each batch (PPO epochs)")
+    seed: int = 1234
+    save_interval: int = Field(default=1, ge=0, description="steps between checkpoints; 0: only at the end and on signal")
+    keep_checkpoints: int = Field(default=2, gt=0)
+    initial_policy_version: int = Field(default=0, ge=0, description="the version of the starting weights; step k publishes this + k")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "RLSettings":
+        if self.alpha >= self.beta:
+            raise ValueError(f"alpha {self.alpha} must be below beta {self.beta}")
+        return self
+
+
+class RLConfig(_Section):
+    run_dir: Path = Field(description="checkpoints/, metrics.jsonl are written here")
+    init_checkpoint: Path | None = Field(
+        default=None, description="a midtrain/RL checkpoint directory (step_*) whose model weights start the run"
+    )
+    model: ModelConfig
+    moe: MoEConfig
+    parallel: ParallelConfig = ParallelConfig()
+    optimizer: OptimizerConfig
+    rollouts: RolloutsConfig
+    rl: RLSettings
+
+    @model_validator(mode="after")
+    def _single_rank(self) -> "RLConfig":
+        p = self.parallel
+        if (p.tensor, p.pipeline, p.expert) != (1, 1, 1):
+            raise ValueError("parallel: the RL trainer runs one rank per model replica for now (tensor, pipeline, expert = 1)")
+        return self
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.run_dir / "metrics.jsonl"
+
+    @property
+    def complete_marker(self) -> Path:
+        return self.run_dir / "COMPLETE"
+
+
+def parse_rl_config(data: dict, base: Path, where: str = "config") -> RLConfig:
+    data = dict(data)
+    for key in ("run_dir", "init_checkpoint"):
+        if isinstance(data.get(key), str):
+            data[key] = str((base / data[key]).resolve())
+    try:
+        return RLConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = [f"  {'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg']}" for e in exc.errors()]
+        raise ConfigError(f"{where} is invalid:\n" + "\n".join(lines)) from None
+
+
+def load_rl_config(path: str | Path) -> RLConfig:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections (model, moe, rollouts, rl, ...), got {type(data).__name__}")
+    return parse_rl_config(data, path.resolve().parent, str(path))

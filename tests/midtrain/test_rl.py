@@ -1,0 +1,179 @@
+"""`midtrain rl` on CPU against the real broker: router replay, mismatch reporting, the toy task, crash resume.
+
+Megatron-core keeps global parallel state, so every trainer or sampler runs in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ember.rollouts.etl import EtlService, prepare_topics
+from ember.rollouts.records import PolicyVersion
+from ember.schemas import decode_train_batch
+from tests.rollouts.etl_support import read_topic
+
+from .rl_support import etl_config, rl_config
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+GROUPS = 6
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _trainer_config(root: Path, name: str, prefix: str, init: Path, **rl) -> Path:
+    path = rl_config(root / f"{name}.yaml", root / name, prefix, **rl)
+    data = yaml.safe_load(path.read_text())
+    data["init_checkpoint"] = str(init)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _run(config: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "ember.midtrain.cli", "rl", str(config)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def batches(kafka, tmp_path_factory):
+    """Rollouts sampled by the tiny policy with perturbed router weights, through the ETL into batches."""
+    root = tmp_path_factory.mktemp("rl")
+    prefix = f"test-rl-{uuid.uuid4().hex[:8]}"
+    etl = etl_config(prefix, token_budget=64)
+    prepare_topics(etl)
+    policy = rl_config(root / "policy.yaml", root / "policy", prefix)
+    result = subprocess.run(
+        [sys.executable, "-m", "ember.midtrain.rl_sampler", str(policy), str(GROUPS), "0.01"],
+        cwd=REPO, capture_output=True, text=True, timeout=240,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    EtlService(etl, "rl-test").run(until_idle_s=2.0)
+    ids = [decode_train_batch(r.value).batch_id for r in read_topic(f"{prefix}.train-batches")]
+    assert len(ids) == GROUPS  # one group of 4 rollouts per 64-token batch
+    return root, prefix, root / "policy" / "checkpoints" / "step_00000000", ids
+
+
+def test_replay_forces_the_sampler_routing_and_off_reports_the_mismatch(batches):
+    root, prefix, init, ids = batches
+    runs = {
+        mode: _run(_trainer_config(root, mode, prefix, init, replay=mode, steps=3, correction="mis"))
+        for mode in ("replay", "off")
+    }
+    outputs = {mode: _finish(proc) for mode, proc in runs.items()}
+    replay, off = (_records(root / mode / "metrics.jsonl") for mode in ("replay", "off"))
+    assert [r["batch_id"] for r in replay] == [r["batch_id"] for r in off] == ids[:3]
+    for r in replay:
+        assert r["replayed"] and r["routing_disagreement_per_layer"] == [0.0, 0.0], "every token, every layer"
+    for r in off:
+        assert not r["replayed"] and r["routing_disagreement"] > 0
+    # same weights, same first batch: forcing the sampler's experts removes most of the log-prob gap
+    assert off[0]["mismatch"]["mean_abs_delta_logp"] > replay[0]["mismatch"]["mean_abs_delta_logp"] > 0
+    assert off[0]["mismatch"]["kl_mu_pi"] > 0 and 0 <= off[0]["correction_kept_frac"] <= 1
+    assert "routing-disagree" in outputs["off"] and "|dlogp|" in outputs["off"]
+    versions = [PolicyVersion.decode(r.value).policy_version for r in read_topic(f"{prefix}.policy-versions")]
+    assert sorted(versions) == [1, 1, 2, 2, 3, 3]
+    assert (root / "replay" / "checkpoints" / "latest").read_text() == "step_00000003"
+
+
+def test_kill_9_between_steps_resumes_on_the_next_unconsumed_batch(batches):
+    root, prefix, init, ids = batches
+    config = _trainer_config(root, "crash", prefix, init, save_interval=2, correction="tis")
+    metrics = root / "crash" / "metrics.jsonl"
+    proc = _run(config)
+    deadline = time.monotonic() + 120
+    while len(_records(metrics)) < 3:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the trainer died or stalled before step 3:\n{proc.communicate()[0][-4000:]}")
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    killed = _records(metrics)
+    _finish(_run(config))
+
+    records = _records(metrics)
+    resumed = [i for i, r in enumerate(records) if r.get("event") == "resumed"]
+    assert len(resumed) == 1
+    at = records[resumed[0]]["step"]
+    assert at == 2 and killed[-1]["step"] >= 3, "killed after the step-2 checkpoint, steps after it are redone"
+    after = records[resumed[0] + 1 :]
+    assert after[0]["step"] == at + 1 and after[0]["batch_id"] == ids[at], "resumes on the next unconsumed batch"
+    lineage = [r for r in records[: resumed[0]] if r["step"] <= at] + after
+    assert [r["step"] for r in lineage] == list(range(1, len(ids) + 1))
+    assert [r["batch_id"] for r in lineage] == ids, "every batch trained once, none skipped, in order"
+
+
+def test_toy_verifiable_task_mean_reward_increases(kafka, tmp_path):
+    prefix = f"test-rl-toy-{uuid.uuid4().hex[:8]}"
+    config = rl_config(tmp_path / "toy.yaml", tmp_path / "toy", prefix, correction="none", save_interval=0)
+    out = tmp_path / "toy.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.midtrain.rl_support", "toy", str(config), "5", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=240,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    found = json.loads(out.read_text())
+    rewards = found["mean_reward"]
+    assert len(found["batches"]) == len(set(found["batches"])) >= 5
+    assert rewards[-1] >= rewards[0] + 0.3 and max(rewards[:2]) < rewards[-1], rewards
+
+
+def test_example_config_loads_errors_name_the_key_and_launch_renders_rl(tmp_path):
+    from typer.testing import CliRunner
+
+    from ember.midtrain.cli import app
+    from ember.midtrain.config import ConfigError
+    from ember.midtrain.rl_config import load_rl_config, parse_rl_config
+
+    example = REPO / "ember" / "midtrain" / "examples" / "rl_tiny_cpu.yaml"
+    config = load_rl_config(example)
+    assert config.rl.replay == "replay" and config.rollouts.batches_topic == "ember.train-batches"
+    data = yaml.safe_load(example.read_text())
+    data["rl"] = {**data["rl"], "correction": "clip", "alpha": 3.0}
+    with pytest.raises(ConfigError) as info:
+        parse_rl_config(data, tmp_path)
+    assert "rl.correction" in str(info.value)
+    data["rl"]["correction"] = "mis"
+    with pytest.raises(ConfigError, match="alpha 3.0 must be below beta 2.0"):
+        parse_rl_config(data, tmp_path)
+    result = CliRunner().invoke(app, ["launch", str(example), "--mode", "rl", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert f"-m ember.midtrain.rl {example.resolve()}" in result.output
+    result = CliRunner().invoke(app, ["launch", str(example), "--mode", "rl", "--dry-run", "--procs-per-node", "2"])
+    assert result.exit_code == 1 and "one rank" in result.output
+
+
+def test_demo_steps_report_the_mismatch_per_step(batches, tmp_path):
+    from rich.console import Console
+
+    from ember.midtrain.rl_demo_stage import run_demo_steps
+
+    _root, prefix, _init, _ids = batches
+    rows = dict(run_demo_steps(Console(quiet=True), prefix, tmp_path, steps=2))
+    assert rows["rl router replay"].startswith("on:")
+    assert "2 MoE layers x 8 experts (top-2)" in rows["rl model"]
+    assert rows["rl routing vs sampler (tokens differing)"] == "0.000 -> 0.000"
+    deltas = [float(x) for x in rows["rl mean |delta logp| (trainer vs sampler)"].split(" -> ")]
+    assert len(deltas) == 2 and all(d > 0 for d in deltas)
+    assert rows["rl steps"].startswith("2 batches")
