@@ -18,11 +18,13 @@ console = Console()
 err = Console(stderr=True)
 
 
-def _load(config: Path):
+def _load(config: Path, rl: bool = False):
+    """The validated config, or its errors and exit code 2."""
     from ember.midtrain.config import ConfigError, load_config
+    from ember.midtrain.rl_config import load_rl_config
 
     try:
-        return load_config(config)
+        return (load_rl_config if rl else load_config)(config)
     except ConfigError as exc:
         err.print(f"[red]{exc}[/red]", highlight=False)
         raise typer.Exit(2)
@@ -46,21 +48,10 @@ def train(
     raise typer.Exit(main([str(config)]))
 
 
-def _load_rl(config: Path):
-    from ember.midtrain.config import ConfigError
-    from ember.midtrain.rl_config import load_rl_config
-
-    try:
-        return load_rl_config(config)
-    except ConfigError as exc:
-        err.print(f"[red]{exc}[/red]", highlight=False)
-        raise typer.Exit(2)
-
-
 @app.command()
 def rl(config: Path = typer.Argument(..., help="RL config YAML (see ember/midtrain/examples/rl_tiny_cpu.yaml).")) -> None:
     """RL steps on rollout batches from Kafka in this process; resumes from the latest checkpoint."""
-    _load_rl(config)
+    _load(config, rl=True)
     from ember.midtrain.rl import main
 
     raise typer.Exit(main([str(config)]))
@@ -87,7 +78,7 @@ def launch(
     if mode not in ("train", "rl"):
         err.print(f"[red]--mode must be train or rl, got {mode!r}[/red]", highlight=False)
         raise typer.Exit(2)
-    cfg = _load_rl(config) if mode == "rl" else _load(config)
+    cfg = _load(config, rl=True) if mode == "rl" else _load(config)
     request = LaunchRequest(
         config_path=config,
         nodes=nodes,

@@ -138,7 +138,25 @@ class TrainConfig(_Section):
         return self
 
 
-class MidtrainConfig(_Section):
+class RunDirectory:
+    """Where a run (mid-training or RL) keeps its checkpoints, metrics and completion marker
+    (mixed into configs that have a `run_dir`)."""
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.run_dir / "metrics.jsonl"
+
+    @property
+    def complete_marker(self) -> Path:
+        """Written when every step has run, so a requeue trap knows not to requeue."""
+        return self.run_dir / "COMPLETE"
+
+
+class MidtrainConfig(RunDirectory, _Section):
     run_dir: Path = Field(description="checkpoints/, metrics.jsonl and logs/ are written here")
     model: ModelConfig
     moe: MoEConfig
@@ -166,18 +184,6 @@ class MidtrainConfig(_Section):
             raise ValueError("; ".join(problems))
         return self
 
-    @property
-    def checkpoint_dir(self) -> Path:
-        return self.run_dir / "checkpoints"
-
-    @property
-    def metrics_path(self) -> Path:
-        return self.run_dir / "metrics.jsonl"
-
-    @property
-    def complete_marker(self) -> Path:
-        """Written when every step has run, so a requeue trap knows not to requeue."""
-        return self.run_dir / "COMPLETE"
 
 
 def _resolve(data: dict, base: Path) -> dict:

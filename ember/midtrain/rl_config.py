@@ -10,10 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ember.midtrain.config import ConfigError, ModelConfig, MoEConfig, OptimizerConfig, ParallelConfig
+from ember import configs
+from ember.midtrain.config import ConfigError, ModelConfig, RunDirectory, MoEConfig, OptimizerConfig, ParallelConfig
 
 
 class _Section(BaseModel):
@@ -63,7 +63,7 @@ class RLSettings(_Section):
         return self
 
 
-class RLConfig(_Section):
+class RLConfig(RunDirectory, _Section):
     run_dir: Path = Field(description="checkpoints/, metrics.jsonl are written here")
     init_checkpoint: Path | None = Field(
         default=None, description="a midtrain/RL checkpoint directory (step_*) whose model weights start the run"
@@ -82,39 +82,16 @@ class RLConfig(_Section):
             raise ValueError("parallel: the RL trainer runs one rank per model replica for now (tensor, pipeline, expert = 1)")
         return self
 
-    @property
-    def checkpoint_dir(self) -> Path:
-        return self.run_dir / "checkpoints"
-
-    @property
-    def metrics_path(self) -> Path:
-        return self.run_dir / "metrics.jsonl"
-
-    @property
-    def complete_marker(self) -> Path:
-        return self.run_dir / "COMPLETE"
-
 
 def parse_rl_config(data: dict, base: Path, where: str = "config") -> RLConfig:
     data = dict(data)
     for key in ("run_dir", "init_checkpoint"):
         if isinstance(data.get(key), str):
             data[key] = str((base / data[key]).resolve())
-    try:
-        return RLConfig.model_validate(data)
-    except ValidationError as exc:
-        lines = [f"  {'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg']}" for e in exc.errors()]
-        raise ConfigError(f"{where} is invalid:\n" + "\n".join(lines)) from None
+    return configs.validate(RLConfig, data, where, ConfigError)
 
 
 def load_rl_config(path: str | Path) -> RLConfig:
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of sections (model, moe, rollouts, rl, ...), got {type(data).__name__}")
+    data = configs.read_yaml_mapping(path, ConfigError, sections="model, moe, rollouts, rl, ...")
     return parse_rl_config(data, path.resolve().parent, str(path))
