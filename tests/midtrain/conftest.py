@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ember.dev import services
+from tests.tokenize.support import hf_tokenizer_path  # noqa: F401  (a fixture)
 
 
 @pytest.fixture(scope="session")

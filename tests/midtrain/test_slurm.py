@@ -1,4 +1,5 @@
-"""`midtrain launch` on the real local Slurm: train, get preempted, requeue, resume, finish.
+"""`midtrain launch` on the real local Slurm, on shards `ember corpus build` made from raw code + web
+input: train, get preempted, requeue, resume, finish.
 
 The preemption is the real mechanism: `scancel --signal=USR1 --batch` delivers what
 `--signal=B:USR1@<s>` delivers before a time limit; the batch script forwards it, the trainer
@@ -17,7 +18,7 @@ import pytest
 
 from ember.midtrain.config import load_config
 
-from .configs import tiny_run
+from .configs import corpus_run
 
 pytestmark = pytest.mark.integration
 
@@ -41,8 +42,8 @@ def _wait(what: str, predicate, timeout: float, job_id: str):
     pytest.fail(f"timed out waiting for {what}; job: {_job(job_id)}", pytrace=False)
 
 
-def test_launch_preempt_requeue_resume_without_repeating_or_skipping(tmp_path, slurm):
-    config_path = tiny_run(tmp_path, steps=STEPS, save_interval=4)
+def test_launch_preempt_requeue_resume_without_repeating_or_skipping(tmp_path, slurm, hf_tokenizer_path):
+    config_path = corpus_run(tmp_path, hf_tokenizer_path, steps=STEPS, save_interval=4)
     config = load_config(config_path)
     submitted = subprocess.run(
         [*MIDTRAIN, "launch", str(config_path), "--time", "00:20:00"], capture_output=True, text=True, timeout=120
