@@ -11,8 +11,6 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from ember.pipelines.corpus_config import ConfigError, load_config
-
 BUILD_CONTEXT_SETTINGS = {"allow_extra_args": True, "ignore_unknown_options": True}
 console = Console()
 
@@ -28,6 +26,7 @@ def build(
     """Read, filter, redact and deduplicate code and web corpora into Parquet, with stats.json and a report;
     with a `tokenize:` section, also tokenize and pack the kept documents into a verified shard set."""
     from ember.pipelines.corpus_build import BuildFailed, build_corpus
+    from ember.pipelines.corpus_config import ConfigError, load_config
     from ember.tokenize.config import ConfigError as TokenizeConfigError
     from ember.tokenize.tokenizers import TokenizerLoadError
 

@@ -142,7 +142,8 @@ def etl(
     from ember.rollouts.metrics import EtlMetrics
 
     settings = _etl_config(config)
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # force: an import may already have configured the root logger (Beam warns at import time)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     logging.getLogger("kafka").setLevel(logging.ERROR)
     metrics = EtlMetrics()
     if settings.metrics.port is not None:

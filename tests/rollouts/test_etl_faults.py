@@ -10,6 +10,8 @@ message dead-lettered once.
 from __future__ import annotations
 
 import random
+import signal
+import subprocess
 import time
 import uuid
 
@@ -44,38 +46,52 @@ def _finish(procs: list[EtlProcess]) -> None:
         assert code == 0, f"ETL exited with {code}:\n{proc.output()[-3000:]}"
 
 
-def test_kill_9_at_random_points_and_mid_transaction_loses_and_doubles_nothing(kafka, tmp_path):
+@pytest.fixture
+def processes():
+    """Every ETL process a test starts; whatever is still running at the end is killed."""
+    started: list[EtlProcess] = []
+    yield started
+    for proc in started:
+        if proc.proc.poll() is None:
+            proc.kill()
+
+
+def test_kill_9_at_random_points_and_mid_transaction_loses_and_doubles_nothing(kafka, tmp_path, processes):
     _prefix, _config, topics = _setup(tmp_path)
-    work = workload(_prefix, groups=30, group_interval_s=0.25)
+    work = workload(_prefix, groups=48, group_interval_s=0.25)
     thread, _ = publish_in_background(work, topics)
     rng = random.Random(7)
-    kills = 0
-    # Deterministic crash points first (inside the transaction, between offsets and commit, after it),
-    # then plain kill -9 at random moments while the workload streams in.
-    for fault in ["etl.before_commit:3", "etl.before_send_offsets:2", "etl.after_commit:4", None, None]:
+    # Crash points inside the transaction (before its offsets, before its commit) and right after it,
+    # early enough that the stream is still flowing; then plain kill -9 at random moments.
+    for fault in ["etl.before_commit:2", "etl.before_send_offsets:1", "etl.after_commit:2", None, None]:
         proc = EtlProcess(tmp_path / "etl.yaml", "0", tmp_path, fault=fault)
+        processes.append(proc)
         if fault:
-            proc.proc.wait(timeout=120)
-            assert proc.proc.returncode == -9, f"{fault} never fired:\n{proc.output()[-3000:]}"
+            try:
+                proc.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{fault} never fired within 120 s:\n{proc.output()[-3000:]}")
+            assert proc.proc.returncode == -signal.SIGKILL, f"{fault}: exit {proc.proc.returncode}\n{proc.output()[-3000:]}"
             proc.kill()
         else:
             time.sleep(rng.uniform(1.5, 3.5))
             assert proc.proc.poll() is None, proc.output()[-3000:]
             proc.kill()
-        kills += 1
     survivor = EtlProcess(tmp_path / "etl.yaml", "0", tmp_path)
+    processes.append(survivor)
     thread.join(timeout=120)
     wait_for_books(topics, work, timeout_s=120, alive=lambda: survivor.proc.poll() is None)
     _finish([survivor])
     found = check_books(topics, work, REWARD_TIMEOUT_S)
-    assert kills == 5 and found.batch_ids
+    assert found.batch_ids
 
 
-def test_second_process_takes_over_a_killed_ones_partitions(kafka, tmp_path):
+def test_second_process_takes_over_a_killed_ones_partitions(kafka, tmp_path, processes):
     _prefix, _config, topics = _setup(tmp_path)
     work = workload(_prefix, groups=30, group_interval_s=0.25)
     first = EtlProcess(tmp_path / "etl.yaml", "a", tmp_path)
     second = EtlProcess(tmp_path / "etl.yaml", "b", tmp_path)
+    processes.extend([first, second])
     thread, _ = publish_in_background(work, topics)
     time.sleep(4.0)
     assert first.proc.poll() is None and second.proc.poll() is None
@@ -87,7 +103,7 @@ def test_second_process_takes_over_a_killed_ones_partitions(kafka, tmp_path):
     assert "owns shards [0, 1, 2, 3]" in second.output(), "the survivor never took over every partition"
 
 
-def test_broker_restart_mid_stream_is_survived_without_help(kafka, tmp_path):
+def test_broker_restart_mid_stream_is_survived_without_help(kafka, tmp_path, processes):
     # While the broker is down the fleet cannot deliver either: rewards then really are late by the
     # outage, so the reward and group deadlines here outlast it (a shorter one would rightly drop them).
     _prefix, _config, topics = _setup(
@@ -97,6 +113,7 @@ def test_broker_restart_mid_stream_is_survived_without_help(kafka, tmp_path):
     )
     work = workload(_prefix, groups=30, group_interval_s=0.25)
     proc = EtlProcess(tmp_path / "etl.yaml", "0", tmp_path)
+    processes.append(proc)
     try:
         thread, _ = publish_in_background(work, topics)
         time.sleep(3.0)
@@ -111,4 +128,5 @@ def test_broker_restart_mid_stream_is_survived_without_help(kafka, tmp_path):
     check_books(topics, work, OUTAGE_TIMEOUT_S)
     output = proc.output()
     assert "KafkaConnectionError" in output, "the ETL saw no broker failure: the test injured nothing"
-    assert "Traceback" not in output, output[-3000:]
+    # kafka-python logs its own socket errors with tracebacks; none may come from ember's code
+    assert "ember/rollouts/" not in output, output[-3000:]
