@@ -70,7 +70,7 @@ class PackSettings(BaseModel):
     )
     sequences_per_shard: int = Field(default=1024, ge=1)
     rows_per_batch: int = Field(default=16, ge=1, description="rows per zstd record batch (random-access unit)")
-    encode_batch_documents: int = Field(default=512, ge=1, description="documents per tokenizer batch call")
+    encode_batch_documents: int = Field(default=2048, ge=1, description="documents per tokenizer batch call")
     seed: int = Field(default=0, ge=0, lt=2**63)
 
 

@@ -54,7 +54,9 @@ class _HuggingFaceBackend:
         self._tokenizer.encode_special_tokens = True
 
     def encode_ordinary_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+        # encode_batch, not encode_batch_fast: the same ids, and measured 15-20% faster single-threaded
+        # with tokenizers 0.23 (bench/bench_tokenize_pack.py).
+        return [e.ids for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
 
     def special_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)
