@@ -19,6 +19,15 @@ class ConfigError(ValueError):
     """A config that cannot be used; the message names the file or each bad key, and why."""
 
 
+def unique_names(items: list, what: str = "source names") -> list:
+    """`items` unchanged when their `.name`s are unique; else a ValueError naming the repeats."""
+    names = [item.name for item in items]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"{what} must be unique; repeated: {repeated}")
+    return items
+
+
 def error_lines(exc: ValidationError, hint_unknown: str = "") -> list[str]:
     """`dotted.key: what is wrong` per problem; unknown keys get `hint_unknown` (e.g. where the example is)."""
     lines = []

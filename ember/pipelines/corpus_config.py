@@ -250,11 +250,7 @@ class CorpusConfig(_Strict):
     @field_validator("sources")
     @classmethod
     def _unique_sources(cls, sources: list[SourceConfig]) -> list[SourceConfig]:
-        names = [s.name for s in sources]
-        repeated = sorted({n for n in names if names.count(n) > 1})
-        if repeated:
-            raise ValueError(f"source names must be unique; repeated: {repeated}")
-        return sources
+        return configs.unique_names(sources)
 
 
 def parse_config(data: object, where: str = "config") -> CorpusConfig:

@@ -83,11 +83,7 @@ class TokenizeConfig(PackSettings):
     @field_validator("sources")
     @classmethod
     def _unique_sources(cls, sources: list[SourceConfig]) -> list[SourceConfig]:
-        names = [s.name for s in sources]
-        duplicated = sorted({n for n in names if names.count(n) > 1})
-        if duplicated:
-            raise ValueError(f"source names must be unique; repeated: {duplicated}")
-        return sources
+        return configs.unique_names(sources)
 
     def config_hash(self, tokenizer_hash: str) -> str:
         """Hash of what determines the output bytes; the output directory itself is left out."""
