@@ -33,7 +33,7 @@ from ember.rollouts.config import EtlConfig, parse_config
 from ember.rollouts.etl import EtlService, prepare_topics
 from ember.rollouts.reader import RolloutBatchReader
 from ember.rollouts.simulate import synthetic_reward, synthetic_rollout
-from ember.rollouts.transport import RecordWriter, consumer_config
+from ember.rollouts.transport import RewardWriter, RolloutWriter, consumer_config
 
 GROUP_SIZE = 8
 TOKENS = 8192
@@ -89,7 +89,7 @@ def throughput_once(groups: int, seed: int) -> dict[str, float]:
     config = etl_config(prefix)
     topics = prepare_topics(config)
     rng = np.random.default_rng(seed)
-    with RecordWriter(topics["rollouts"]) as rollout_writer, RecordWriter(topics["rewards"]) as reward_writer:
+    with RolloutWriter(prefix) as rollout_writer, RewardWriter(prefix) as reward_writer:
         for g in range(groups):
             rollouts, rewards = make_group(rng, prefix, g)
             for r in rollouts:
@@ -130,7 +130,7 @@ def throughput_once(groups: int, seed: int) -> dict[str, float]:
         "etl_mb_s": input_bytes / etl_s / 1e6,
         "plain_rollouts_s": n / plain_s,
         "plain_mb_s": got / plain_s / 1e6,
-        "bytes_per_token": rollout_writer.bytes / (n * TOKENS),
+        "bytes_per_token": rollout_writer.bytes_per_token,
     }
 
 
@@ -146,7 +146,7 @@ def latency_once(groups: int, interval_s: float, seed: int) -> list[float]:
     time.sleep(3.0)  # joined the group and loaded its shard
     rng = np.random.default_rng(seed)
     last_reward: dict[str, float] = {}
-    with RecordWriter(topics["rollouts"]) as rollout_writer, RecordWriter(topics["rewards"]) as reward_writer:
+    with RolloutWriter(prefix) as rollout_writer, RewardWriter(prefix) as reward_writer:
         for g in range(groups):
             rollouts, rewards = make_group(rng, prefix, g)
             for r in rollouts:

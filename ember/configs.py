@@ -44,6 +44,8 @@ def error_lines(exc: ValidationError, hint_unknown: str = "") -> list[str]:
 
 def validate(model: type[Model], data: Any, where: str, error: type[ConfigError], hint_unknown: str = "") -> Model:
     """The validated model, or `error` listing every bad key of `data` (read from `where`)."""
+    if not isinstance(data, dict):
+        raise error(f"{where}: expected a mapping at the top level, got {type(data).__name__}")
     try:
         return model.model_validate(data)
     except ValidationError as exc:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import KafkaConsumer, KafkaProducer
 from rich.console import Console
 from rich.table import Table
 
@@ -32,6 +32,7 @@ from ember.rollouts.transport import (
     RewardWriter,
     RolloutWriter,
     consumer_config,
+    end_offsets,
     kafka_bootstrap,
     producer_config,
     read_messages,
@@ -62,21 +63,12 @@ def _fingerprint(record: Rollout | Reward) -> str:
     return f"{type(record).__name__}:{record.rollout_id}:{digest.hexdigest()}"
 
 
-def _end_offsets(topics: list[str]) -> dict[TopicPartition, int]:
-    consumer = KafkaConsumer(**consumer_config(group_id=None))
-    try:
-        partitions = [TopicPartition(t, p) for t in topics for p in sorted(consumer.partitions_for_topic(t) or [])]
-        return consumer.end_offsets(partitions)
-    finally:
-        consumer.close()
-
-
 def wire_stage(console: Console, *, rollouts: int, group_size: int, tokens: int, layers: int) -> Rows:
     """Rollouts and rewards through the broker with the codec; every record must come back equal."""
     topics = default_topics(DEMO_PREFIX)
     ensure_topics(kafka_bootstrap(), list(topics.values()))
     names = [topics["rollouts"].name, topics["rewards"].name]
-    start_offsets = _end_offsets(names)
+    start_offsets = end_offsets(names)
     rng = np.random.default_rng(int(time.time()))
     sent: set[str] = set()
     started = time.perf_counter()
@@ -100,11 +92,11 @@ def wire_stage(console: Console, *, rollouts: int, group_size: int, tokens: int,
         poison.close()
     publish_s = time.perf_counter() - started
 
-    end_offsets = _end_offsets(names)
-    expected = sum(end_offsets[tp] - start_offsets.get(tp, 0) for tp in end_offsets)
+    stop_offsets = end_offsets(names)
+    expected = sum(stop_offsets[tp] - start_offsets.get(tp, 0) for tp in stop_offsets)
     consumer = KafkaConsumer(**consumer_config(group_id=None))
-    consumer.assign(list(end_offsets))
-    for tp in end_offsets:
+    consumer.assign(list(stop_offsets))
+    for tp in stop_offsets:
         consumer.seek(tp, start_offsets.get(tp, 0))
     received: list[str] = []
     bad: list[BadMessage] = []

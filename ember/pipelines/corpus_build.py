@@ -77,23 +77,24 @@ def build_corpus(config: CorpusConfig, beam_args: list[str], console: Console | 
     """Run the build to completion; with a console, local runs show live progress and a summary."""
     args, options = prepare_options(beam_args)
     check_inputs(config)
+    tokenizer = None
     if config.tokenize is not None:
         from ember.tokenize.tokenizers import load_tokenizer
 
-        load_tokenizer(config.tokenize.tokenizer)  # a tokenizer that does not load fails before the long part
+        tokenizer = load_tokenizer(config.tokenize.tokenizer)  # one that does not load fails before the long part
     with tempfile.TemporaryDirectory(prefix="ember-progress-") as progress_dir:
         # The job runs on this (main) thread: portable runners' job servers install signal handlers,
         # which Python allows only there. The live progress table renders from a helper thread.
-        show = console is not None and runs_locally(options)
         done = threading.Event()
-        watcher = threading.Thread(target=watch, args=(progress_dir, done, console), name="corpus-progress", daemon=True)
-        if show:
+        watcher = None
+        if console is not None and runs_locally(options):
+            watcher = threading.Thread(target=watch, args=(progress_dir, done, console), name="corpus-progress", daemon=True)
             watcher.start()
         try:
-            state = corpus_pipeline.run(config, options, progress_dir if show else None)
+            state = corpus_pipeline.run(config, options, progress_dir if watcher else None)
         finally:
             done.set()
-            if show:
+            if watcher:
                 watcher.join()
     if state != "DONE":
         raise BuildFailed(f"the Beam job ended in state {state}")
@@ -109,7 +110,7 @@ def build_corpus(config: CorpusConfig, beam_args: list[str], console: Console | 
 
         if console is not None:
             console.print(f"tokenize + pack -> {config.shards_directory}")
-        shards = tokenize(shards_config(config), args, overwrite=True)
+        shards = tokenize(shards_config(config), args, overwrite=True, tokenizer=tokenizer)
         if console is not None:
             console.print(shards_table(shards))
     return BuildOutcome(state, args, stats, report, shards)

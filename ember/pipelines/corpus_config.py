@@ -254,8 +254,6 @@ class CorpusConfig(_Strict):
 
 
 def parse_config(data: object, where: str = "config") -> CorpusConfig:
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a mapping at the top level, got {type(data).__name__}")
     return configs.validate(CorpusConfig, data, where, ConfigError)
 
 

@@ -376,9 +376,10 @@ def pipeline_options(beam_args: list[str]) -> PipelineOptions:
     return PipelineOptions(args)
 
 
-def run(config: TokenizeConfig, beam_args: list[str] = (), overwrite: bool = False) -> Manifest:
-    """Validates everything that can be checked up front, runs the pipeline, returns the manifest."""
-    tokenizer = load_tokenizer(config.tokenizer)
+def run(config: TokenizeConfig, beam_args: list[str] = (), overwrite: bool = False, tokenizer: Tokenizer | None = None) -> Manifest:
+    """Validates everything that can be checked up front, runs the pipeline, returns the manifest.
+    `tokenizer`, when the caller has already loaded `config.tokenizer`, is used instead of loading it again."""
+    tokenizer = tokenizer or load_tokenizer(config.tokenizer)
     check_sources(config)
     prepare_output(config.output_dir, overwrite)
     with beam.Pipeline(options=pipeline_options(beam_args)) as pipeline:

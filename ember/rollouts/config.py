@@ -166,11 +166,7 @@ EXAMPLE_HINT = "check the spelling; see ember/rollouts/etl.example.yaml"
 
 
 def parse_config(data: Any, source: str = "config") -> EtlConfig:
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
-    return configs.validate(EtlConfig, data, source, ConfigError, hint_unknown=EXAMPLE_HINT)
+    return configs.validate(EtlConfig, {} if data is None else data, source, ConfigError, hint_unknown=EXAMPLE_HINT)
 
 
 def load_config(path: str | Path) -> EtlConfig:

@@ -19,16 +19,7 @@ from ember.rollouts.etl import EtlService, prepare_topics
 from ember.rollouts.reader import RolloutBatchReader
 from ember.rollouts.records import Outcome
 from ember.rollouts.simulate import WorkloadSpec, plan_workload, publish_workload
-from ember.rollouts.transport import consumer_config, kafka_bootstrap
-
-
-def _end_offsets(topic: str) -> dict[int, int]:
-    consumer = KafkaConsumer(**consumer_config(group_id=None))
-    try:
-        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
-        return {tp.partition: o for tp, o in consumer.end_offsets(tps).items()}
-    finally:
-        consumer.close()
+from ember.rollouts.transport import consumer_config, end_offsets, kafka_bootstrap
 
 
 def _outcomes_since(topic: str, start: int) -> list[Outcome]:
@@ -63,7 +54,7 @@ def run(console: Console, prefix: str, rollouts: int, group_size: int, tokens: i
         }
     )
     topics = prepare_topics(config)
-    before = {role: _end_offsets(topics[role]) for role in ("train_batches", "outcomes")}
+    before = {role: {tp.partition: o for tp, o in end_offsets([topics[role]]).items()} for role in ("train_batches", "outcomes")}
     spec = WorkloadSpec(
         groups=max(1, math.ceil(rollouts / group_size)),
         group_size=group_size,

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Iterator
 
-from kafka import KafkaConsumer, KafkaProducer
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
 
 from ember.schemas import DecodeError, Reward, Rollout, TrainBatch, decode, encode
@@ -49,6 +49,16 @@ def consumer_config(**overrides: object) -> dict[str, object]:
     }
     config.update(overrides)
     return config
+
+
+def end_offsets(topics: list[str]) -> dict[TopicPartition, int]:
+    """The current end (next offset) of every partition of `topics`: where "from now on" starts."""
+    consumer = KafkaConsumer(**consumer_config(group_id=None))
+    try:
+        partitions = [TopicPartition(t, p) for t in topics for p in sorted(consumer.partitions_for_topic(t) or [])]
+        return consumer.end_offsets(partitions)
+    finally:
+        consumer.close()
 
 
 class RecordWriter:
