@@ -254,7 +254,7 @@ def quality(families: int, work: Path) -> None:
 
 def web_corpus(directory: Path, docs: int, files: int, seed: int = 11) -> int:
     """Filter-passing web pages with ~10% planted near duplicates and ~3% exact ones; returns bytes."""
-    from ember.pipelines.sample_corpus import near_duplicate, prose
+    from ember.demo.sample_corpus import near_duplicate, prose
 
     rng = random.Random(seed)
     directory.mkdir(parents=True)

@@ -35,7 +35,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # 
 
 from ember.tokenize.config import parse_config  # noqa: E402
 from ember.tokenize.packing import best_fit_decreasing, concat_and_chunk  # noqa: E402
-from ember.tokenize.sample_corpus import code_documents, web_documents, write_source  # noqa: E402
+from ember.demo.sample_documents import code_documents, web_documents, write_source  # noqa: E402
 from ember.tokenize.tokenizers import load_tokenizer  # noqa: E402
 
 EOS = "<|endoftext|>"

@@ -71,7 +71,7 @@ def demo(
     layers: int = typer.Option(61, min=0, help="MoE layers whose routed experts each rollout records (0: none)."),
 ) -> None:
     """The main job on embedded defaults: bring services up and run every stage on a small real input."""
-    from ember.demo import run_demo
+    from ember.demo.run import run_demo
 
     raise typer.Exit(run_demo(console, rollouts=rollouts, group_size=group_size, tokens=tokens, layers=layers))
 

@@ -1,7 +1,8 @@
 """Reading YAML configs at the edge: one way to say what is wrong with a file or a key.
 
-Each command's config module keeps its own `ConfigError` subclass (so a CLI catches exactly its
-own) and its own pydantic models; the file reading and the error wording live here.
+The whole `ConfigError` hierarchy lives here: one subclass per config family, so a CLI catches exactly
+its own; each command's config module keeps only its pydantic models. File reading and error wording
+live here too.
 """
 
 from __future__ import annotations
@@ -17,6 +18,22 @@ Model = TypeVar("Model", bound=BaseModel)
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message names the file or each bad key, and why."""
+
+
+class CorpusConfigError(ConfigError):
+    """An `ember corpus build` config (sources, filters, dedup, output) that cannot be used."""
+
+
+class TokenizeConfigError(ConfigError):
+    """A tokenize + pack config (tokenizer, packing, shard sources) that cannot be used."""
+
+
+class MidtrainConfigError(ConfigError):
+    """A `midtrain train | launch | rl` config that cannot be used."""
+
+
+class EtlConfigError(ConfigError):
+    """A rollout ETL config that cannot be used."""
 
 
 def unique_names(items: list, what: str = "source names") -> list:

@@ -99,3 +99,10 @@ def build_model(config: MidtrainConfig, tconfig: TransformerConfig) -> GPTModel:
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def moe_routers(model) -> list:
+    """The model's TopKRouters in layer order (the order router replay indices are given in)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return sorted((m for m in model.modules() if isinstance(m, TopKRouter)), key=lambda r: r.layer_number)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ember.midtrain import cpu_compat, rl_math
 from ember.midtrain.rl_config import RLConfig
-from ember.midtrain.rl_sampler import moe_routers
+from ember.midtrain.model import moe_routers
 from ember.midtrain.train import MetricsLog, StopRequest, _init_distributed, _seed
 
 # How often the idle trainer wakes up to notice a stop signal or its idle timeout.
@@ -277,7 +277,8 @@ class PolicyVersionPublisher:
     def __init__(self, prefix: str, bootstrap: str):
         from kafka import KafkaProducer
 
-        from ember.rollouts.topics import default_topics, ensure_topics
+        from ember.rollouts.topics import default_topics
+        from ember.rollouts.admin import ensure_topics
         from ember.rollouts.transport import producer_config
 
         spec = default_topics(prefix)["policy_versions"]

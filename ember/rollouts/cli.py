@@ -23,7 +23,8 @@ def topics_create(
     partitions: int = typer.Option(6, min=1, help="Partitions for the rollouts and rewards topics."),
 ) -> None:
     """Create the rollouts, rewards, policy-versions, train-batches and dead-letter topics (idempotent)."""
-    from ember.rollouts.topics import default_topics, ensure_topics
+    from ember.rollouts.topics import default_topics
+    from ember.rollouts.admin import ensure_topics
     from ember.rollouts.transport import kafka_bootstrap
 
     outcome = ensure_topics(kafka_bootstrap(), list(default_topics(prefix, partitions).values()))
@@ -34,7 +35,8 @@ def topics_create(
 @topics_app.command("describe")
 def topics_describe(prefix: str = PrefixOption) -> None:
     """Show partitions of each ETL topic."""
-    from ember.rollouts.topics import default_topics, describe_topics
+    from ember.rollouts.topics import default_topics
+    from ember.rollouts.admin import describe_topics
     from ember.rollouts.transport import kafka_bootstrap
 
     table = Table("topic", "partitions", "error")
@@ -81,7 +83,8 @@ def simulate(
 ) -> None:
     """Publish a simulated fleet: rollouts from several regions, rewards, policy versions and faults."""
     from ember.rollouts.simulate import WorkloadSpec, plan_workload, publish_workload
-    from ember.rollouts.topics import default_topics, ensure_topics
+    from ember.rollouts.topics import default_topics
+    from ember.rollouts.admin import ensure_topics
     from ember.rollouts.transport import kafka_bootstrap
 
     topics = default_topics(prefix, partitions)
@@ -217,7 +220,8 @@ def publish_policy(
     from kafka import KafkaProducer
 
     from ember.rollouts.records import PolicyVersion
-    from ember.rollouts.topics import default_topics, ensure_topics
+    from ember.rollouts.topics import default_topics
+    from ember.rollouts.admin import ensure_topics
     from ember.rollouts.transport import kafka_bootstrap, producer_config
 
     spec = default_topics(prefix)["policy_versions"]

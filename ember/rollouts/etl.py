@@ -32,7 +32,8 @@ from ember.rollouts.engine import REWARDS, ROLLOUTS, InputMessage, ShardEngine, 
 from ember.rollouts.faults import crash_point
 from ember.rollouts.metrics import EtlMetrics
 from ember.rollouts.records import ClosedGroup, PolicyVersion, ShardSnapshot
-from ember.rollouts.topics import TopicSpec, default_topics, describe_topics, ensure_topics
+from ember.rollouts.topics import TopicSpec, default_topics
+from ember.rollouts.admin import describe_topics, ensure_topics
 from ember.rollouts.transport import consumer_config, producer_config
 from ember.schemas import encode
 

@@ -1,13 +1,15 @@
-"""The rollout ETL's Kafka topics, created idempotently with explicit settings."""
+"""The rollout ETL's topic names and settings: one rule, built from a prefix, no Kafka client here.
+
+`Topics(prefix)` is the only place a topic name is spelled; topics, writers, the ETL, the reader,
+replay, stats and the RL trainer's config all take their names from it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kafka.admin import KafkaAdminClient
-from kafka.errors import TopicAlreadyExistsError
-
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+DEFAULT_PARTITIONS = 6
 
 
 @dataclass(frozen=True)
@@ -28,62 +30,59 @@ class TopicSpec:
         }
 
 
-def default_topics(prefix: str = "ember", partitions: int = 6) -> dict[str, TopicSpec]:
-    """Rollouts and rewards share a partition count so a group's rollouts and rewards co-partition.
+@dataclass(frozen=True)
+class Topics:
+    """The names of one deployment's topics: `<prefix>.rollouts`, `<prefix>.rewards`, ..."""
 
-    `etl-state` has one partition per rollouts partition (the ETL's crash-recovery snapshots) and
-    `outcomes` is the ETL's ledger: one record per batch, per dropped rollout or reward, per dead letter.
-    """
-    return {
-        "rollouts": TopicSpec(f"{prefix}.rollouts", partitions),
-        "rewards": TopicSpec(f"{prefix}.rewards", partitions),
-        "policy_versions": TopicSpec(f"{prefix}.policy-versions", 1, retention_ms=-1),
-        "train_batches": TopicSpec(f"{prefix}.train-batches", 1),
-        "dead_letter": TopicSpec(f"{prefix}.dead-letter", 1, retention_ms=30 * 24 * 3600 * 1000),
-        "outcomes": TopicSpec(f"{prefix}.outcomes", 1, retention_ms=30 * 24 * 3600 * 1000),
-        "etl_state": TopicSpec(f"{prefix}.etl-state", partitions),
-    }
+    prefix: str = "ember"
+
+    @property
+    def rollouts(self) -> str:
+        return f"{self.prefix}.rollouts"
+
+    @property
+    def rewards(self) -> str:
+        return f"{self.prefix}.rewards"
+
+    @property
+    def policy_versions(self) -> str:
+        return f"{self.prefix}.policy-versions"
+
+    @property
+    def train_batches(self) -> str:
+        return f"{self.prefix}.train-batches"
+
+    @property
+    def dead_letter(self) -> str:
+        return f"{self.prefix}.dead-letter"
+
+    @property
+    def outcomes(self) -> str:
+        return f"{self.prefix}.outcomes"
+
+    @property
+    def etl_state(self) -> str:
+        return f"{self.prefix}.etl-state"
+
+    def specs(self, partitions: int = DEFAULT_PARTITIONS) -> dict[str, TopicSpec]:
+        """Every topic's settings by role.
+
+        Rollouts and rewards share a partition count so a group's rollouts and rewards co-partition.
+        `etl-state` has one partition per rollouts partition (the ETL's crash-recovery snapshots) and
+        `outcomes` is the ETL's ledger: one record per batch, per dropped rollout or reward, per dead letter.
+        """
+        month = 30 * 24 * 3600 * 1000
+        return {
+            "rollouts": TopicSpec(self.rollouts, partitions),
+            "rewards": TopicSpec(self.rewards, partitions),
+            "policy_versions": TopicSpec(self.policy_versions, 1, retention_ms=-1),
+            "train_batches": TopicSpec(self.train_batches, 1),
+            "dead_letter": TopicSpec(self.dead_letter, 1, retention_ms=month),
+            "outcomes": TopicSpec(self.outcomes, 1, retention_ms=month),
+            "etl_state": TopicSpec(self.etl_state, partitions),
+        }
 
 
-def ensure_topics(bootstrap: str, specs: list[TopicSpec]) -> dict[str, str]:
-    """Create what is missing; returns each topic's outcome ('created' or 'exists')."""
-    outcome: dict[str, str] = {}
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="ember-admin")
-    try:
-        existing = set(admin.list_topics())
-        missing = [s for s in specs if s.name not in existing]
-        for spec in specs:
-            outcome[spec.name] = "exists"
-        if missing:
-            request = {
-                s.name: {
-                    "num_partitions": s.partitions,
-                    "replication_factor": s.replication_factor,
-                    "configs": s.configs(),
-                }
-                for s in missing
-            }
-            try:
-                admin.create_topics(request, wait_for_metadata=True)
-            except TopicAlreadyExistsError:
-                pass
-            for spec in missing:
-                outcome[spec.name] = "created"
-        return outcome
-    finally:
-        admin.close()
-
-
-def describe_topics(bootstrap: str, names: list[str]) -> list[dict[str, object]]:
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="ember-admin")
-    try:
-        return [
-            {
-                "name": t["name"],
-                "partitions": len(t["partitions"]),
-                "error_code": t["error_code"],
-            }
-            for t in admin.describe_topics(names)
-        ]
-    finally:
-        admin.close()
+def default_topics(prefix: str = "ember", partitions: int = DEFAULT_PARTITIONS) -> dict[str, TopicSpec]:
+    """`Topics(prefix).specs(partitions)`: every topic's settings by role."""
+    return Topics(prefix).specs(partitions)

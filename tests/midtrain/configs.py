@@ -8,7 +8,7 @@ import yaml
 
 from ember.pipelines.corpus_build import build_corpus
 from ember.pipelines.corpus_config import parse_config
-from ember.pipelines.sample_corpus import write_sample_corpus
+from ember.demo.sample_corpus import write_sample_corpus
 from ember.schemas import read_manifest
 
 from .shardsets import TOKENIZER, packed_rows, write_shard_set

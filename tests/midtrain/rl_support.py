@@ -1,7 +1,7 @@
 """RL test helpers: tiny policy configs, and the megatron-side work that must run in a subprocess.
 
 `python -m tests.midtrain.rl_support toy CONFIG ITERATIONS OUT.json` runs the verifiable-task loop:
-sample from the trainer's own policy (ember.midtrain.rl_sampler), reward, publish, ETL, RL steps.
+sample from the trainer's own policy (ember.demo.sampler), reward, publish, ETL, RL steps.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import yaml
 
-from ember.midtrain.rl_sampler import make_rollouts, publish, toy_policy_config, toy_prompts
+from ember.demo.sampler import make_rollouts, publish, toy_policy_config, toy_prompts
 
 
 def rl_config(path: Path, run_dir: Path, prefix: str, *, replay: str = "replay", steps: int = 100, **rl) -> Path:

@@ -64,7 +64,7 @@ def batches(kafka, tmp_path_factory):
     prepare_topics(etl)
     policy = rl_config(root / "policy.yaml", root / "policy", prefix)
     result = subprocess.run(
-        [sys.executable, "-m", "ember.midtrain.rl_sampler", str(policy), str(GROUPS), "0.01"],
+        [sys.executable, "-m", "ember.demo.sampler", str(policy), str(GROUPS), "0.01"],
         cwd=REPO, capture_output=True, text=True, timeout=240,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -167,7 +167,7 @@ def test_example_config_loads_errors_name_the_key_and_launch_renders_rl(tmp_path
 def test_demo_steps_report_the_mismatch_per_step(batches, tmp_path):
     from rich.console import Console
 
-    from ember.midtrain.rl_demo_stage import run_demo_steps
+    from ember.demo.rl_stage import run_demo_steps
 
     _root, prefix, _init, _ids = batches
     rows = dict(run_demo_steps(Console(quiet=True), prefix, tmp_path, steps=2))

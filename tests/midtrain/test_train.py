@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ember.midtrain import demo_stage
+from ember.demo import midtrain_stage as demo_stage
 from ember.midtrain.config import load_config
 
 from .configs import SEQ, tiny_run

@@ -13,13 +13,13 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from ember.dev import services
-from ember.pipelines import demo_stage
+from ember.demo import corpus_stage as demo_stage
 from ember.pipelines.cli import app
 from ember.pipelines.corpus_build import build_corpus
 from ember.pipelines.corpus_config import ConfigError, parse_config
 from ember.pipelines.corpus_pipeline import CLUSTER_SCHEMA
 from ember.pipelines.corpus_report import read_stats
-from ember.pipelines.sample_corpus import SampleCorpus, write_sample_corpus
+from ember.demo.sample_corpus import SampleCorpus, write_sample_corpus
 from ember.schemas.documents import DOCUMENT_SCHEMA, REJECTED_SCHEMA
 from ember.schemas.versioning import schema_identity
 from ember.tokenize.shardset import verify_shard_set

@@ -8,7 +8,7 @@ import pytest
 
 from ember.pipelines.code_filters import check_code, language_from_path
 from ember.pipelines.corpus_config import CodeFilters, WebFilters
-from ember.pipelines.sample_corpus import code_file, prose
+from ember.demo.sample_corpus import code_file, prose
 from ember.pipelines.web_filters import RegexWordTokenizer, WebFilterStack
 
 ONLY = ("gopher_repetition", "gopher_quality", "c4_quality", "fineweb_quality")

@@ -15,7 +15,7 @@ from ember.pipelines.corpus_io import record_to_row
 from ember.pipelines.corpus_pipeline import (
     CLUSTERS, DOCUMENT_SCHEMA, REJECTS, STATS, ExactDedup, NearDedup, UniqueIds, WriteShards, node_key, rank_key, size_bin,
 )
-from ember.pipelines.sample_corpus import near_duplicate, prose
+from ember.demo.sample_corpus import near_duplicate, prose
 
 CODE = SourceConfig.model_validate({"name": "code", "kind": "code", "inputs": ["x"], "fields": {
     "id": "id", "metadata": {"license": "license", "stars": "stars", "path": "path"}}})

@@ -17,7 +17,7 @@ from ember.pipelines.corpus_build import prepare_options
 from ember.pipelines.corpus_config import ConfigError
 from ember.pipelines.corpus_report import read_stats
 from ember.pipelines.runners import default_local_args, local_args, with_defaults
-from ember.pipelines.sample_corpus import write_sample_corpus
+from ember.demo.sample_corpus import write_sample_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "infra" / "dataflow"

@@ -13,7 +13,8 @@ from ember.rollouts.metrics import EtlMetrics
 from ember.rollouts.reader import RolloutBatchReader
 from ember.rollouts.replay import parse_start, replay
 from ember.rollouts.stats import collect_stats, render_stats
-from ember.rollouts.topics import TopicSpec, ensure_topics
+from ember.rollouts.topics import TopicSpec
+from ember.rollouts.admin import ensure_topics
 from ember.schemas import TRAIN_BATCH_SCHEMA
 from tests.rollouts.etl_support import check_books, etl_settings, publish_in_background, workload
 

@@ -5,7 +5,8 @@ import pytest
 from kafka import KafkaConsumer, KafkaProducer
 
 from ember.rollouts.simulate import synthetic_reward, synthetic_rollout
-from ember.rollouts.topics import TopicSpec, default_topics, ensure_topics
+from ember.rollouts.topics import TopicSpec, default_topics
+from ember.rollouts.admin import ensure_topics
 from ember.rollouts.transport import (
     BadMessage,
     DecodedMessage,

@@ -4,7 +4,7 @@ import tiktoken
 
 import ember.tokenize
 from ember.tokenize.config import load_config
-from ember.tokenize.demo_stage import cl100k_tokenizer
+from ember.demo.tokenize_stage import cl100k_tokenizer
 
 EXAMPLE = Path(ember.tokenize.__file__).parent / "examples" / "tokenize.yaml"
 

@@ -22,7 +22,8 @@ import torch
 import yaml
 from rich.console import Console
 
-from ember.midtrain import rl_math, rl_sampler
+from ember.demo import sampler as rl_sampler
+from ember.midtrain import rl_math
 from ember.rollouts.reader import RolloutBatchReader
 
 
@@ -92,7 +93,7 @@ def run(console: Console, workdir: Path, groups: int = 6, steps: int = 3) -> lis
     policy = workdir / "policy.yaml"
     policy.write_text(yaml.safe_dump(rl_sampler.toy_policy_config(workdir / "policy", prefix)))
     with console.status(f"RL: the reference sampler generates {groups} groups with perturbed routers..."):
-        result = subprocess.run([sys.executable, "-m", "ember.midtrain.rl_sampler", str(policy), str(groups), "0.01"],
+        result = subprocess.run([sys.executable, "-m", "ember.demo.sampler", str(policy), str(groups), "0.01"],
                                 capture_output=True, text=True, timeout=900)
     if result.returncode != 0:
         raise RuntimeError(f"the reference sampler failed (exit {result.returncode}):\n{result.stderr[-3000:]}")

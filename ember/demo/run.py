@@ -12,35 +12,17 @@ fails when a stage raises or a stage's own check (records equal, books balance, 
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import time
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
-from kafka import KafkaConsumer, KafkaProducer
 from rich.console import Console
 from rich.table import Table
 
+from ember.demo.wire_stage import DEMO_PREFIX, Rows, wire_stage
 from ember.dev import services
-from ember.rollouts.simulate import synthetic_reward, synthetic_rollout
-from ember.rollouts.topics import default_topics, ensure_topics
-from ember.rollouts.transport import (
-    BadMessage,
-    RewardWriter,
-    RolloutWriter,
-    consumer_config,
-    end_offsets,
-    kafka_bootstrap,
-    producer_config,
-    read_messages,
-)
-from ember.schemas import Reward, Rollout
-
-DEMO_PREFIX = "ember-demo"
-Rows = list[tuple[str, str]]
 
 VERDICTS: dict[str, Callable[[str], bool]] = {
     "records read back equal": lambda v: v.split(" ")[0] == v.split(" ")[2],
@@ -49,73 +31,6 @@ VERDICTS: dict[str, Callable[[str], bool]] = {
     "verify": lambda v: v == "OK",
     "books balance": lambda v: v.startswith("yes"),
 }
-
-
-def _fingerprint(record: Rollout | Reward) -> str:
-    digest = hashlib.blake2b(digest_size=16)
-    if isinstance(record, Rollout):
-        for array in (record.tokens, record.loss_mask, record.sampler_logprobs, record.routed_experts):
-            if array is not None:
-                digest.update(np.ascontiguousarray(array).tobytes())
-        digest.update(f"{record.policy_version}/{record.turns}".encode())
-    else:
-        digest.update(f"{record.score!r}/{sorted(record.components.items())}".encode())
-    return f"{type(record).__name__}:{record.rollout_id}:{digest.hexdigest()}"
-
-
-def wire_stage(console: Console, *, rollouts: int, group_size: int, tokens: int, layers: int) -> Rows:
-    """Rollouts and rewards through the broker with the codec; every record must come back equal."""
-    topics = default_topics(DEMO_PREFIX)
-    ensure_topics(kafka_bootstrap(), list(topics.values()))
-    names = [topics["rollouts"].name, topics["rewards"].name]
-    start_offsets = end_offsets(names)
-    rng = np.random.default_rng(int(time.time()))
-    sent: set[str] = set()
-    started = time.perf_counter()
-    with console.status(f"wire: publishing {rollouts} rollouts and rewards..."):
-        with RolloutWriter(DEMO_PREFIX) as rollout_writer, RewardWriter(DEMO_PREFIX) as reward_writer:
-            for i in range(rollouts):
-                rollout = synthetic_rollout(
-                    rng,
-                    group_id=f"demo-{time.time_ns()}-{i // group_size}",
-                    prompt_id=f"prompt-{i // group_size}",
-                    num_tokens=tokens,
-                    layers=layers or None,
-                )
-                reward = synthetic_reward(rng, rollout)
-                rollout_writer.write(rollout)
-                reward_writer.write(reward)
-                sent |= {_fingerprint(rollout), _fingerprint(reward)}
-        poison = KafkaProducer(**producer_config())
-        poison.send(names[0], key=b"demo-poison", value=b"EMBR\x01\x01 this is not a rollout")
-        poison.flush()
-        poison.close()
-    publish_s = time.perf_counter() - started
-
-    stop_offsets = end_offsets(names)
-    expected = sum(stop_offsets[tp] - start_offsets.get(tp, 0) for tp in stop_offsets)
-    consumer = KafkaConsumer(**consumer_config(group_id=None))
-    consumer.assign(list(stop_offsets))
-    for tp in stop_offsets:
-        consumer.seek(tp, start_offsets.get(tp, 0))
-    received: list[str] = []
-    bad: list[BadMessage] = []
-    with console.status("wire: consuming read_committed and checking every record..."):
-        for item in read_messages(consumer, limit=expected, idle_timeout_s=15):
-            if isinstance(item, BadMessage):
-                bad.append(item)
-            else:
-                received.append(_fingerprint(item.record))
-    consumer.close()
-    equal = len(sent & set(received)) if len(received) == len(set(received)) else 0
-    return [
-        ("kafka", f"{kafka_bootstrap()}: {expected} messages this run"),
-        ("rollouts published", f"{rollout_writer.records} ({rollout_writer.bytes / 1e6:.1f} MB, {publish_s:.1f}s)"),
-        ("wire bytes / token", f"{rollout_writer.bytes_per_token:.1f} (routed experts {layers} layers x top-8)"),
-        ("rewards published", str(reward_writer.records)),
-        ("records read back equal", f"{equal} / {len(sent)}"),
-        ("malformed message reported", "; ".join(str(b)[:100] for b in bad) or "NOT REPORTED"),
-    ]
 
 
 def slurm_stage(workdir: Path) -> Rows:
@@ -150,10 +65,10 @@ def run_demo(console: Console, *, rollouts: int, group_size: int, tokens: int, l
     workdir.mkdir(parents=True, exist_ok=True)
     console.print(f"demo work directory: {workdir}")
 
-    from ember.midtrain import demo_stage as midtrain_demo
-    from ember.midtrain import rl_demo_stage as rl_demo
-    from ember.pipelines import demo_stage as corpus_demo
-    from ember.rollouts import demo_stage as rollouts_demo
+    from ember.demo import midtrain_stage as midtrain_demo
+    from ember.demo import rl_stage as rl_demo
+    from ember.demo import corpus_stage as corpus_demo
+    from ember.demo import etl_stage as rollouts_demo
 
     sections: list[tuple[str, Rows]] = []
     context: dict[str, Path] = {}

@@ -16,9 +16,9 @@ from rich.console import Console
 
 from ember.pipelines.corpus_build import build_corpus
 from ember.pipelines.corpus_config import parse_config
-from ember.pipelines.sample_corpus import write_sample_corpus
-from ember.tokenize.demo_stage import demo_pack_settings, shard_rows
-from ember.tokenize.sample_corpus import code_documents, web_documents
+from ember.demo.sample_corpus import write_sample_corpus
+from ember.demo.tokenize_stage import demo_pack_settings, shard_rows
+from ember.demo.sample_documents import code_documents, web_documents
 
 # In-process FnApiRunner: the demo's input is small, so worker processes would only add start-up time.
 DEMO_BEAM_ARGS = ["--runner=FnApiRunner"]

@@ -18,15 +18,9 @@ import numpy as np
 import torch
 
 from ember.midtrain import rl_math
+from ember.midtrain.model import moe_routers
 from ember.rollouts.transport import RewardWriter, RolloutWriter
 from ember.schemas import Reward, Rollout, Turn
-
-
-def moe_routers(model) -> list:
-    """The model's TopKRouters in layer order (the order router replay indices are given in)."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    return sorted((m for m in model.modules() if isinstance(m, TopKRouter)), key=lambda r: r.layer_number)
 
 
 @torch.no_grad()
@@ -174,5 +168,5 @@ def sample_and_publish(config_path: str | Path, groups: int, sigma: float, group
 
 if __name__ == "__main__":
     if len(sys.argv) != 4:
-        raise SystemExit("usage: python -m ember.midtrain.rl_sampler RL_CONFIG.yaml GROUPS ROUTER_SIGMA")
+        raise SystemExit("usage: python -m ember.demo.sampler RL_CONFIG.yaml GROUPS ROUTER_SIGMA")
     sample_and_publish(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]))
