@@ -4,6 +4,8 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 bash infra/setup-env.sh
+echo "==> checking the architecture (import-linter contracts in pyproject.toml)"
+.venv/bin/lint-imports --no-cache
 .venv/bin/ember dev up
 if [ -n "${CI:-}" ]; then
   trap '.venv/bin/ember dev down >/dev/null 2>&1 || true' EXIT
