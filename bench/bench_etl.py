@@ -100,7 +100,7 @@ def throughput_once(groups: int, seed: int) -> dict[str, float]:
     n = groups * GROUP_SIZE
 
     plain = KafkaConsumer(**consumer_config(group_id=None))
-    tps = [TopicPartition(topics["rollouts"], 0), TopicPartition(topics["rewards"], 0)]
+    tps = [TopicPartition(topics.rollouts, 0), TopicPartition(topics.rewards, 0)]
     plain.assign(tps)
     plain.seek_to_beginning(*tps)
     ends = plain.end_offsets(tps)
@@ -112,7 +112,7 @@ def throughput_once(groups: int, seed: int) -> dict[str, float]:
     plain_s = time.perf_counter() - started
     plain.close()
 
-    trainer = TrainerSide(topics["train_batches"], n)
+    trainer = TrainerSide(topics.train_batches, n)
     trainer.start()
     stop = threading.Event()
     service = EtlService(config, "bench")
@@ -138,7 +138,7 @@ def latency_once(groups: int, interval_s: float, seed: int) -> list[float]:
     prefix = f"bench-etl-lat-{uuid.uuid4().hex[:8]}"
     config = etl_config(prefix)
     topics = prepare_topics(config)
-    trainer = TrainerSide(topics["train_batches"], groups * GROUP_SIZE)
+    trainer = TrainerSide(topics.train_batches, groups * GROUP_SIZE)
     trainer.start()
     stop = threading.Event()
     etl = threading.Thread(target=EtlService(config, "bench-lat").run, args=(stop,), daemon=True)

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
-from ember.rollouts.batching import PackedSequence, build_train_batch
+from ember.rollouts.batching import ScoredRollout, build_train_batch
 from ember.rollouts.reader import batch_tensors
 from ember.rollouts.simulate import synthetic_rollout
 from ember.schemas import decode_train_batch, encode, encode_train_batch
@@ -62,7 +62,7 @@ def wire_and_batch(tokens: int, sequences: int, repeats: int):
 
     def batch(with_experts: bool):
         chosen = [r if with_experts else dataclasses.replace(r, routed_experts=None) for r in rollouts]
-        return build_train_batch([PackedSequence(r, 1.0) for r in chosen], step=0, source_offsets=[], created_at_us=0)
+        return build_train_batch([ScoredRollout(r, 1.0) for r in chosen], step=0, source_offsets=[], created_at_us=0)
 
     encoded = {flag: encode_train_batch(batch(flag)) for flag in (True, False)}
     in_batch = (len(encoded[True]) - len(encoded[False])) / (per_seq * sequences)

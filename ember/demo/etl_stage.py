@@ -14,12 +14,12 @@ from collections import Counter
 from kafka import KafkaConsumer, TopicPartition
 from rich.console import Console
 
-from ember.rollouts.config import parse_config
+from ember.rollouts.config import kafka_bootstrap, parse_config
 from ember.rollouts.etl import EtlService, prepare_topics
 from ember.rollouts.reader import RolloutBatchReader
 from ember.rollouts.records import Outcome
 from ember.rollouts.simulate import WorkloadSpec, plan_workload, publish_workload
-from ember.rollouts.transport import consumer_config, end_offsets, kafka_bootstrap
+from ember.rollouts.transport import consumer_config, end_offsets
 
 
 def _outcomes_since(topic: str, start: int) -> list[Outcome]:
@@ -54,7 +54,8 @@ def run(console: Console, prefix: str, rollouts: int, group_size: int, tokens: i
         }
     )
     topics = prepare_topics(config)
-    before = {role: {tp.partition: o for tp, o in end_offsets([topics[role]]).items()} for role in ("train_batches", "outcomes")}
+    batches_start = {tp.partition: o for tp, o in end_offsets([topics.train_batches]).items()}
+    outcomes_start = {tp.partition: o for tp, o in end_offsets([topics.outcomes]).items()}
     spec = WorkloadSpec(
         groups=max(1, math.ceil(rollouts / group_size)),
         group_size=group_size,
@@ -86,17 +87,17 @@ def run(console: Console, prefix: str, rollouts: int, group_size: int, tokens: i
         service.run(until_idle_s=1.5)
     etl_s = time.perf_counter() - started
 
-    outcomes = _outcomes_since(topics["outcomes"], before["outcomes"].get(0, 0))
+    outcomes = _outcomes_since(topics.outcomes, outcomes_start.get(0, 0))
     dropped = Counter(o.reason for o in outcomes if o.kind == "rollout_dropped")
     rewards_dropped = Counter(o.reason for o in outcomes if o.kind == "reward_dropped")
     dead = Counter(o.reason[:48] for o in outcomes if o.kind == "dead_letter")
     ledger_ids = Counter(r for o in outcomes if o.kind == "batch" for r in o.detail["rollout_ids"])
 
-    state = {"topic": topics["train_batches"], "offsets": {str(p): o for p, o in before["train_batches"].items()}}
+    state = {"topic": topics.train_batches, "offsets": {str(p): o for p, o in batches_start.items()}}
     read_ids: Counter = Counter()
     read_tokens = 0
     shapes = ""
-    with RolloutBatchReader(topics["train_batches"], group_id=f"{prefix}-trainer", state=state, idle_timeout_s=3) as reader:
+    with RolloutBatchReader(topics.train_batches, group_id=f"{prefix}-trainer", state=state, idle_timeout_s=3) as reader:
         for item in reader:
             read_ids.update(item.batch.rollout_ids)
             read_tokens += len(item.batch.tokens)

@@ -12,16 +12,16 @@ import numpy as np
 from kafka import KafkaConsumer, KafkaProducer
 from rich.console import Console
 
-from ember.rollouts.simulate import synthetic_reward, synthetic_rollout
-from ember.rollouts.topics import default_topics
 from ember.rollouts.admin import ensure_topics
+from ember.rollouts.config import kafka_bootstrap
+from ember.rollouts.simulate import synthetic_reward, synthetic_rollout
+from ember.rollouts.topics import Topics
 from ember.rollouts.transport import (
     BadMessage,
     RewardWriter,
     RolloutWriter,
     consumer_config,
     end_offsets,
-    kafka_bootstrap,
     producer_config,
     read_messages,
 )
@@ -45,9 +45,9 @@ def _fingerprint(record: Rollout | Reward) -> str:
 
 def wire_stage(console: Console, *, rollouts: int, group_size: int, tokens: int, layers: int) -> Rows:
     """Rollouts and rewards through the broker with the codec; every record must come back equal."""
-    topics = default_topics(DEMO_PREFIX)
-    ensure_topics(kafka_bootstrap(), list(topics.values()))
-    names = [topics["rollouts"].name, topics["rewards"].name]
+    topics = Topics(DEMO_PREFIX)
+    ensure_topics(kafka_bootstrap(), list(topics.specs().values()))
+    names = [topics.rollouts, topics.rewards]
     start_offsets = end_offsets(names)
     rng = np.random.default_rng(int(time.time()))
     sent: set[str] = set()
@@ -67,7 +67,7 @@ def wire_stage(console: Console, *, rollouts: int, group_size: int, tokens: int,
                 reward_writer.write(reward)
                 sent |= {_fingerprint(rollout), _fingerprint(reward)}
         poison = KafkaProducer(**producer_config())
-        poison.send(names[0], key=b"demo-poison", value=b"EMBR\x01\x01 this is not a rollout")
+        poison.send(topics.rollouts, key=b"demo-poison", value=b"EMBR\x01\x01 this is not a rollout")
         poison.flush()
         poison.close()
     publish_s = time.perf_counter() - started

@@ -18,7 +18,7 @@ from ember.schemas import Rollout, SourceOffset, TrainBatch
 
 
 @dataclass(frozen=True)
-class PackedSequence:
+class ScoredRollout:
     """A rollout that passed every filter, with its sequence-level advantage."""
 
     rollout: Rollout
@@ -99,7 +99,7 @@ def batch_id_for(rollout_ids: Sequence[str]) -> str:
 
 
 def build_train_batch(
-    sequences: Sequence[PackedSequence],
+    sequences: Sequence[ScoredRollout],
     *,
     step: int,
     source_offsets: list[SourceOffset],

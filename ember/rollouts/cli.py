@@ -23,11 +23,11 @@ def topics_create(
     partitions: int = typer.Option(6, min=1, help="Partitions for the rollouts and rewards topics."),
 ) -> None:
     """Create the rollouts, rewards, policy-versions, train-batches and dead-letter topics (idempotent)."""
-    from ember.rollouts.topics import default_topics
     from ember.rollouts.admin import ensure_topics
-    from ember.rollouts.transport import kafka_bootstrap
+    from ember.rollouts.config import kafka_bootstrap
+    from ember.rollouts.topics import Topics
 
-    outcome = ensure_topics(kafka_bootstrap(), list(default_topics(prefix, partitions).values()))
+    outcome = ensure_topics(kafka_bootstrap(), list(Topics(prefix).specs(partitions).values()))
     for name, state in outcome.items():
         console.print(f"{name}: {state}")
 
@@ -35,12 +35,12 @@ def topics_create(
 @topics_app.command("describe")
 def topics_describe(prefix: str = PrefixOption) -> None:
     """Show partitions of each ETL topic."""
-    from ember.rollouts.topics import default_topics
     from ember.rollouts.admin import describe_topics
-    from ember.rollouts.transport import kafka_bootstrap
+    from ember.rollouts.config import kafka_bootstrap
+    from ember.rollouts.topics import Topics
 
     table = Table("topic", "partitions", "error")
-    for row in describe_topics(kafka_bootstrap(), [s.name for s in default_topics(prefix).values()]):
+    for row in describe_topics(kafka_bootstrap(), [s.name for s in Topics(prefix).specs().values()]):
         table.add_row(str(row["name"]), str(row["partitions"]), str(row["error_code"]))
     console.print(table)
 
@@ -82,13 +82,13 @@ def simulate(
     seed: int = typer.Option(0, help="Random seed."),
 ) -> None:
     """Publish a simulated fleet: rollouts from several regions, rewards, policy versions and faults."""
-    from ember.rollouts.simulate import WorkloadSpec, plan_workload, publish_workload
-    from ember.rollouts.topics import default_topics
     from ember.rollouts.admin import ensure_topics
-    from ember.rollouts.transport import kafka_bootstrap
+    from ember.rollouts.config import kafka_bootstrap
+    from ember.rollouts.simulate import WorkloadSpec, plan_workload, publish_workload
+    from ember.rollouts.topics import Topics
 
-    topics = default_topics(prefix, partitions)
-    ensure_topics(kafka_bootstrap(), list(topics.values()))
+    topics = Topics(prefix)
+    ensure_topics(kafka_bootstrap(), list(topics.specs(partitions).values()))
     spec = WorkloadSpec(
         groups=groups,
         group_size=group_size,
@@ -111,7 +111,7 @@ def simulate(
         seed=seed,
     )
     events = plan_workload(spec)
-    stats = publish_workload(events, {role: t.name for role, t in topics.items()}, time_scale=time_scale)
+    stats = publish_workload(events, topics, time_scale=time_scale)
     rollout_bytes = stats.bytes.get("rollouts", 0)
     console.print(
         f"published {stats.counts} in {stats.seconds:.1f}s; rollouts {rollout_bytes / 1e6:.1f} MB on the wire, "
@@ -120,11 +120,12 @@ def simulate(
 
 
 def _etl_config(path: Path):
-    from ember.rollouts.config import ConfigError, load_config
+    from ember.configs import EtlConfigError
+    from ember.rollouts.config import load_config
 
     try:
         return load_config(path)
-    except ConfigError as exc:
+    except EtlConfigError as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from None
 
@@ -185,7 +186,7 @@ def replay(
 
     import yaml
 
-    from ember.rollouts.config import ConfigError
+    from ember.configs import EtlConfigError
     from ember.rollouts.replay import parse_start, replay as run_replay
 
     settings = _etl_config(config)
@@ -201,7 +202,7 @@ def replay(
     try:
         settings = settings.with_overrides(**sections)
         begin = parse_start(start)
-    except (ConfigError, ValueError) as exc:
+    except (EtlConfigError, ValueError) as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from None
     if to.startswith("topic:"):
@@ -219,12 +220,13 @@ def publish_policy(
     """Announce a new policy version (what the trainer does after each weight sync)."""
     from kafka import KafkaProducer
 
-    from ember.rollouts.records import PolicyVersion
-    from ember.rollouts.topics import default_topics
     from ember.rollouts.admin import ensure_topics
-    from ember.rollouts.transport import kafka_bootstrap, producer_config
+    from ember.rollouts.config import kafka_bootstrap
+    from ember.rollouts.records import PolicyVersion
+    from ember.rollouts.topics import Topics
+    from ember.rollouts.transport import producer_config
 
-    spec = default_topics(prefix)["policy_versions"]
+    spec = Topics(prefix).specs()["policy_versions"]
     ensure_topics(kafka_bootstrap(), [spec])
     producer = KafkaProducer(**producer_config())
     producer.send(spec.name, key=b"policy", value=PolicyVersion.now(version).encode())

@@ -1,11 +1,13 @@
-"""The ETL's YAML configuration: typed, validated, and loud about typos.
+"""The ETL's YAML configuration: typed, validated, and loud about typos; no Kafka client here.
 
 Every section forbids unknown keys, so a misspelt setting fails at start-up with the path of the key
-and what it should be, instead of silently running with a default.
+and what it should be, instead of silently running with a default. The engine reads these settings,
+so this module stays importable without kafka-python.
 """
 
 from __future__ import annotations
 
+import os
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -14,8 +16,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ember import configs
 from ember.rollouts.advantages import Estimator
-from ember.rollouts.topics import default_topics
-from ember.rollouts.transport import kafka_bootstrap
+from ember.rollouts.topics import Topics
+
+DEFAULT_BOOTSTRAP = "127.0.0.1:19092"
+
+
+def kafka_bootstrap() -> str:
+    """The brokers every client and config defaults to: $EMBER_KAFKA_BOOTSTRAP, else the local dev broker."""
+    return os.environ.get("EMBER_KAFKA_BOOTSTRAP", DEFAULT_BOOTSTRAP)
 
 
 class _Section(BaseModel):
@@ -42,8 +50,9 @@ class KafkaSettings(_Section):
             )
         return self
 
-    def topic(self, role: str) -> str:
-        return default_topics(self.topic_prefix, self.partitions)[role].name
+    @property
+    def topics(self) -> Topics:
+        return Topics(self.topic_prefix)
 
 
 class GroupSettings(_Section):
@@ -153,21 +162,17 @@ class EtlConfig(_Section):
         data = self.model_dump(mode="json")
         for section, values in sections.items():
             if section not in data:
-                raise ConfigError(f"override section '{section}' does not exist (sections: {', '.join(data)})")
+                raise configs.EtlConfigError(f"override section '{section}' does not exist (sections: {', '.join(data)})")
             data[section] = {**data[section], **values}
         return parse_config(data, "overridden config")
-
-
-class ConfigError(configs.ConfigError):
-    """The config file is missing or invalid; the message names each bad key and what to fix."""
 
 
 EXAMPLE_HINT = "check the spelling; see ember/rollouts/etl.example.yaml"
 
 
 def parse_config(data: Any, source: str = "config") -> EtlConfig:
-    return configs.validate(EtlConfig, {} if data is None else data, source, ConfigError, hint_unknown=EXAMPLE_HINT)
+    return configs.validate(EtlConfig, {} if data is None else data, source, configs.EtlConfigError, hint_unknown=EXAMPLE_HINT)
 
 
 def load_config(path: str | Path) -> EtlConfig:
-    return parse_config(configs.read_yaml_mapping(path, ConfigError), str(path))
+    return parse_config(configs.read_yaml_mapping(path, configs.EtlConfigError), str(path))

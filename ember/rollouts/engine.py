@@ -26,7 +26,7 @@ from ember.rollouts.advantages import (
     staleness,
 )
 from ember.rollouts.batching import (
-    PackedSequence,
+    ScoredRollout,
     build_train_batch,
     expert_signature,
     plan_batches,
@@ -34,9 +34,15 @@ from ember.rollouts.batching import (
 )
 from ember.rollouts.config import EtlConfig, TruncatedPolicy
 from ember.rollouts.records import ClosedGroup, Outcome, ShardSnapshot, offsets_to_ranges, ranges_to_offsets
+from ember.rollouts.topics import Topics
 from ember.schemas import DecodeError, Reward, Rollout, SourceOffset, TrainBatch, decode
 
 ROLLOUTS, REWARDS = "rollouts", "rewards"
+
+
+def input_topics(topics: Topics) -> dict[str, str]:
+    """A shard's two input topics by role; the roles key its positions, committed marks and snapshots."""
+    return {ROLLOUTS: topics.rollouts, REWARDS: topics.rewards}
 
 
 @dataclass(frozen=True)
@@ -87,7 +93,7 @@ class _Finished:
     """A group past its decision, waiting to be packed; its messages stay pending until then."""
 
     group_id: str
-    sequences: list[PackedSequence]
+    sequences: list[ScoredRollout]
     positions: dict[str, tuple[int, tuple[int, ...]]]
     outcomes: list[Outcome]
     held: dict[str, list[int]]
@@ -127,18 +133,18 @@ class ShardEngine:
         self,
         config: EtlConfig,
         shard: int,
-        topics: dict[str, str],
+        topics: Topics,
         *,
         snapshot: ShardSnapshot | None = None,
         committed: dict[str, int] | None = None,
         closed: list[ClosedGroup] = (),
         now_ms: int = 0,
     ):
-        """`topics` maps 'rollouts'/'rewards' to topic names; the rest restores a crashed shard."""
+        """`topics` names the shard's inputs (`rollouts`, `rewards`); the rest restores a crashed shard."""
         self.config = config
         self.shard = shard
         self.topics = topics
-        self._roles = {name: role for role, name in topics.items()}
+        self._roles = {name: role for role, name in input_topics(topics).items()}
         self.positions: dict[str, int] = {}
         self._replay: dict[str, tuple[int, set[int]]] = {}
         self.next_step = 0
@@ -245,7 +251,7 @@ class ShardEngine:
             at_ms,
             group_id=rollout.group_id,
             rollout_id=rollout.rollout_id,
-            topic=self.topics[ROLLOUTS],
+            topic=self.topics.rollouts,
             partition=self.shard,
             offset=offset,
             tokens=rollout.num_tokens,
@@ -260,7 +266,7 @@ class ShardEngine:
             at_ms,
             group_id=reward.group_id,
             rollout_id=reward.rollout_id,
-            topic=self.topics[REWARDS],
+            topic=self.topics.rewards,
             partition=self.shard,
             offset=offset,
             detail={"grader": reward.grader, **detail},
@@ -429,7 +435,7 @@ class ShardEngine:
             for hold in holds.values():
                 held[REWARDS].append(hold.offset)
                 outcomes.append(self._reward_outcome("orphan_reward", hold.reward, hold.offset, now_ms))
-        sequences: list[PackedSequence] = []
+        sequences: list[ScoredRollout] = []
         if valid and len(valid) < self.config.groups.min_samples:
             for member, _ in valid:
                 outcomes.append(
@@ -448,7 +454,7 @@ class ShardEngine:
                     )
             else:
                 advantages = group_advantages(rewards, settings.estimator, settings.epsilon)
-                sequences = [PackedSequence(m.rollout, float(a)) for (m, _), a in zip(valid, advantages)]
+                sequences = [ScoredRollout(m.rollout, float(a)) for (m, _), a in zip(valid, advantages)]
                 for (member, value), advantage in zip(valid, advantages):
                     lag, age_s = staleness(member.rollout.policy_version, latest_policy, member.rollout.created_at_us, now_ms * 1000)
                     self._out.observations += [
@@ -545,9 +551,9 @@ class ShardEngine:
     def _source_offsets(self, positions: list[tuple[int, tuple[int, ...]]]) -> list[SourceOffset]:
         rollouts = [p[0] for p in positions]
         rewards = [o for p in positions for o in p[1]]
-        spans = [SourceOffset(self.topics[ROLLOUTS], self.shard, min(rollouts), max(rollouts) + 1)]
+        spans = [SourceOffset(self.topics.rollouts, self.shard, min(rollouts), max(rollouts) + 1)]
         if rewards:
-            spans.append(SourceOffset(self.topics[REWARDS], self.shard, min(rewards), max(rewards) + 1))
+            spans.append(SourceOffset(self.topics.rewards, self.shard, min(rewards), max(rewards) + 1))
         return spans
 
     def _batch_outcome(self, batch: TrainBatch, group_ids: list[str], now_ms: int, latest_policy: int | None) -> Outcome:

@@ -19,7 +19,7 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
@@ -28,46 +28,44 @@ from kafka.structs import OffsetAndMetadata
 
 from ember.rollouts.assignor import CopartitionedCooperativeAssignor
 from ember.rollouts.config import EtlConfig
-from ember.rollouts.engine import REWARDS, ROLLOUTS, InputMessage, ShardEngine, ShardOutput, StateMismatch
+from ember.rollouts.engine import REWARDS, ROLLOUTS, InputMessage, ShardEngine, ShardOutput, StateMismatch, input_topics
 from ember.rollouts.faults import crash_point
 from ember.rollouts.metrics import EtlMetrics
 from ember.rollouts.records import ClosedGroup, PolicyVersion, ShardSnapshot
-from ember.rollouts.topics import TopicSpec, default_topics
+from ember.rollouts.topics import Topics
 from ember.rollouts.admin import describe_topics, ensure_topics
 from ember.rollouts.transport import consumer_config, producer_config
 from ember.schemas import encode
 
 log = logging.getLogger("ember.etl")
 
-ETL_ROLES = ("rollouts", "rewards", "policy_versions", "train_batches", "dead_letter", "outcomes", "etl_state")
-
 
 class TopologyError(RuntimeError):
     """The topics cannot carry the ETL (e.g. rollouts and rewards partition counts differ)."""
 
 
-def prepare_topics(config: EtlConfig) -> dict[str, str]:
-    """Create missing ETL topics and check co-partitioning; returns role -> topic name."""
+def prepare_topics(config: EtlConfig) -> Topics:
+    """Create missing ETL topics and check co-partitioning; the state topic is sized to the rollouts topic."""
     kafka = config.kafka
-    specs = default_topics(kafka.topic_prefix, kafka.partitions)
-    ensure_topics(kafka.bootstrap, [specs[r] for r in ETL_ROLES if r != "etl_state"])
-    names = {role: specs[role].name for role in ETL_ROLES}
-    counts = {row["name"]: int(row["partitions"]) for row in describe_topics(kafka.bootstrap, [names["rollouts"], names["rewards"]])}
-    rollouts, rewards = counts[names["rollouts"]], counts[names["rewards"]]
+    topics = kafka.topics
+    specs = topics.specs(kafka.partitions)
+    state = specs.pop("etl_state")
+    ensure_topics(kafka.bootstrap, list(specs.values()))
+    counts = {row["name"]: int(row["partitions"]) for row in describe_topics(kafka.bootstrap, [topics.rollouts, topics.rewards])}
+    rollouts, rewards = counts[topics.rollouts], counts[topics.rewards]
     if rollouts != rewards:
         raise TopologyError(
-            f"{names['rollouts']} has {rollouts} partitions but {names['rewards']} has {rewards}: a group's rollouts "
+            f"{topics.rollouts} has {rollouts} partitions but {topics.rewards} has {rewards}: a group's rollouts "
             "and rewards must share a partition index; give both topics the same partition count"
         )
-    state = specs["etl_state"]
-    ensure_topics(kafka.bootstrap, [TopicSpec(state.name, rollouts, retention_ms=state.retention_ms)])
-    (row,) = describe_topics(kafka.bootstrap, [names["etl_state"]])
+    ensure_topics(kafka.bootstrap, [replace(state, partitions=rollouts)])
+    (row,) = describe_topics(kafka.bootstrap, [topics.etl_state])
     if int(row["partitions"]) < rollouts:
         raise TopologyError(
-            f"{names['etl_state']} has {row['partitions']} partitions for {rollouts} rollout partitions; "
+            f"{topics.etl_state} has {row['partitions']} partitions for {rollouts} rollout partitions; "
             "add partitions to the state topic before running the ETL"
         )
-    return names
+    return topics
 
 
 class PolicyWatcher:
@@ -178,7 +176,8 @@ class EtlService:
         self.config = config
         self.instance = instance
         self.metrics = metrics or EtlMetrics()
-        self.topics: dict[str, str] = {}
+        self.topics = config.kafka.topics
+        self.inputs = input_topics(self.topics)
         self.engines: dict[int, ShardEngine] = {}
         self._clients: _Clients | None = None
         self._touched: set[int] = set()
@@ -199,7 +198,7 @@ class EtlService:
     def run(self, stop: threading.Event | None = None, *, until_idle_s: float | None = None) -> None:
         """Process until `stop` is set, or (with `until_idle_s`) until nothing is pending and no input came for that long."""
         stop = stop or threading.Event()
-        self.topics = prepare_topics(self.config)
+        prepare_topics(self.config)
         failures = 0
         try:
             while not stop.is_set():
@@ -249,9 +248,9 @@ class EtlService:
                     max_poll_records=kafka.max_poll_records,
                 )
             )
-            consumer.subscribe([self.topics["rollouts"], self.topics["rewards"]], listener=listener)
+            consumer.subscribe([self.topics.rollouts, self.topics.rewards], listener=listener)
             state_reader = KafkaConsumer(**consumer_config(bootstrap_servers=kafka.bootstrap, group_id=None))
-            policy = PolicyWatcher(kafka.bootstrap, self.topics["policy_versions"])
+            policy = PolicyWatcher(kafka.bootstrap, self.topics.policy_versions)
         except BaseException:
             producer.close(timeout=5)
             raise
@@ -312,8 +311,8 @@ class EtlService:
         """
         engine = self.engines[shard]
         behind = []
-        for role in (ROLLOUTS, REWARDS):
-            tp = TopicPartition(self.topics[role], shard)
+        for role, topic in self.inputs.items():
+            tp = TopicPartition(topic, shard)
             high = clients.consumer.highwater(tp)
             position = engine.positions.get(role)
             if high is None or position is None or position < high:
@@ -336,7 +335,7 @@ class EtlService:
                     to_load.add(shard)
         assignment = clients.consumer.assignment()
         for shard in sorted(to_load):
-            pair = [TopicPartition(self.topics[r], shard) for r in (ROLLOUTS, REWARDS)]
+            pair = [TopicPartition(self.inputs[r], shard) for r in (ROLLOUTS, REWARDS)]
             if all(tp in assignment for tp in pair):
                 self._load_shard(clients, shard, pair)
         if events:
@@ -355,7 +354,7 @@ class EtlService:
         now_ms = int(time.time() * 1000)
         snapshot, closed = read_shard_state(
             clients.state_reader,
-            self.topics["etl_state"],
+            self.topics.etl_state,
             shard,
             state_offset,
             now_ms - int(self.config.filters.dedup_window_s * 1000),
@@ -371,7 +370,7 @@ class EtlService:
         engine = ShardEngine(
             self.config,
             shard,
-            {ROLLOUTS: self.topics["rollouts"], REWARDS: self.topics["rewards"]},
+            self.topics,
             snapshot=snapshot,
             committed=starts,
             closed=closed,
@@ -413,14 +412,14 @@ class EtlService:
             for shard, output, snapshot, _marks in prepared:
                 self._send_output(producer, output)
                 state_futures[shard] = producer.send(
-                    self.topics["etl_state"], key=str(shard).encode(), value=snapshot.encode(), partition=shard
+                    self.topics.etl_state, key=str(shard).encode(), value=snapshot.encode(), partition=shard
                 )
             producer.flush()
             offsets = {}
             for shard, _output, _snapshot, marks in prepared:
                 pointer = json.dumps({"state_offset": state_futures[shard].get(timeout=30).offset, "etl": self.member_id})
                 for role, mark in marks.items():
-                    offsets[TopicPartition(self.topics[role], shard)] = OffsetAndMetadata(mark, pointer, -1)
+                    offsets[TopicPartition(self.inputs[role], shard)] = OffsetAndMetadata(mark, pointer, -1)
             crash_point("etl.before_send_offsets")
             producer.send_offsets_to_transaction(offsets, clients.consumer.group_metadata())
             crash_point("etl.before_commit")
@@ -442,9 +441,9 @@ class EtlService:
     def _send_output(self, producer: KafkaProducer, output: ShardOutput) -> None:
         for emitted in output.batches:
             batch = emitted.batch
-            producer.send(self.topics["train_batches"], key=batch.batch_id.encode(), value=encode(batch))
+            producer.send(self.topics.train_batches, key=batch.batch_id.encode(), value=encode(batch))
         for outcome in output.outcomes:
-            producer.send(self.topics["outcomes"], key=(outcome.group_id or outcome.kind).encode(), value=outcome.encode())
+            producer.send(self.topics.outcomes, key=(outcome.group_id or outcome.kind).encode(), value=outcome.encode())
         for dead in output.dead_letters:
             source = dead.source
             headers = [
@@ -456,7 +455,7 @@ class EtlService:
                 ("ember.payload_kept", b"1" if dead.payload_kept else b"0"),
             ]
             producer.send(
-                self.topics["dead_letter"],
+                self.topics.dead_letter,
                 key=source.key,
                 value=source.value if dead.payload_kept else None,
                 headers=headers,
@@ -481,7 +480,7 @@ class EtlService:
         if time.monotonic() - self._last_lag < 5.0 or not self.engines:
             return
         self._last_lag = time.monotonic()
-        tps = {TopicPartition(self.topics[r], s): (s, r) for s in self.engines for r in (ROLLOUTS, REWARDS)}
+        tps = {TopicPartition(topic, s): (s, role) for s in self.engines for role, topic in self.inputs.items()}
         ends = clients.consumer.end_offsets(list(tps))
         for tp, end in ends.items():
             shard, role = tps[tp]

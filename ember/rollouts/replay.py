@@ -23,7 +23,7 @@ import pyarrow as pa
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from ember.rollouts.config import EtlConfig
-from ember.rollouts.engine import REWARDS, ROLLOUTS, InputMessage, ShardEngine, ShardOutput
+from ember.rollouts.engine import REWARDS, ROLLOUTS, InputMessage, ShardEngine, ShardOutput, input_topics
 from ember.rollouts.records import PolicyVersion
 from ember.rollouts.transport import consumer_config, producer_config
 from ember.schemas import TRAIN_BATCH_SCHEMA, TrainBatch, encode
@@ -157,7 +157,7 @@ def replay(config: EtlConfig, start: ReplayStart, *, to_topic: str | None = None
     if (to_topic is None) == (to_dir is None):
         raise ValueError("give exactly one of to_topic or to_dir")
     kafka = config.kafka
-    names = {role: kafka.topic(role) for role in (ROLLOUTS, REWARDS, "policy_versions")}
+    topics = kafka.topics
     consumer = KafkaConsumer(**consumer_config(bootstrap_servers=kafka.bootstrap, group_id=None))
     producer = KafkaProducer(**producer_config(bootstrap_servers=kafka.bootstrap)) if to_topic else None
     summary = ReplaySummary()
@@ -165,7 +165,7 @@ def replay(config: EtlConfig, start: ReplayStart, *, to_topic: str | None = None
     batches: list[TrainBatch] = []
     outcome_lines: list[str] = []
     try:
-        policy_tp = TopicPartition(names["policy_versions"], 0)
+        policy_tp = TopicPartition(topics.policy_versions, 0)
         policy_records = []
         for message in _read_range(consumer, {policy_tp: 0}, consumer.end_offsets([policy_tp])):
             try:
@@ -173,15 +173,15 @@ def replay(config: EtlConfig, start: ReplayStart, *, to_topic: str | None = None
             except ValueError:
                 continue
         policy = _Policy(policy_records)
-        shards = sorted(consumer.partitions_for_topic(names[ROLLOUTS]) or [])
+        shards = sorted(consumer.partitions_for_topic(topics.rollouts) or [])
         for shard in shards:
-            tps = {role: TopicPartition(names[role], shard) for role in (ROLLOUTS, REWARDS)}
+            tps = {role: TopicPartition(topic, shard) for role, topic in input_topics(topics).items()}
             ends = consumer.end_offsets(list(tps.values()))
             starts = _start_offsets(consumer, start, tps)
             messages = _read_range(consumer, starts, ends)
-            role_of = {names[ROLLOUTS]: 0, names[REWARDS]: 1}
+            role_of = {topics.rollouts: 0, topics.rewards: 1}
             messages.sort(key=lambda m: (m.timestamp, role_of[m.topic], m.offset))
-            engine = ShardEngine(config, shard, {ROLLOUTS: names[ROLLOUTS], REWARDS: names[REWARDS]})
+            engine = ShardEngine(config, shard, topics)
             now = 0
             for message in messages:
                 now = max(now, message.timestamp)

@@ -17,6 +17,7 @@ import numpy as np
 from kafka import KafkaProducer
 
 from ember.rollouts.records import PolicyVersion
+from ember.rollouts.topics import Topics
 from ember.rollouts.transport import producer_config
 from ember.schemas.codec import encode
 from ember.schemas.rollouts import Reward, Rollout, Turn, routed_experts_dtype
@@ -132,7 +133,10 @@ class WorkloadSpec:
 
 @dataclass(frozen=True)
 class Event:
-    """One message the fleet publishes at simulated time `at_s`; `record` is None for malformed bytes."""
+    """One message the fleet publishes at simulated time `at_s`; `record` is None for malformed bytes.
+
+    `role` is the `Topics` attribute naming its topic (`rollouts`, `rewards`, `policy_versions`).
+    """
 
     at_s: float
     role: str
@@ -232,7 +236,7 @@ class PublishStats:
 
 def publish_workload(
     events: list[Event],
-    topics: dict[str, str],
+    topics: Topics,
     *,
     time_scale: float = 1.0,
     producer: KafkaProducer | None = None,
@@ -262,7 +266,7 @@ def publish_workload(
                 value = event.raw
             if isinstance(event.record, Rollout) and not event.note:
                 stats.tokens += event.record.num_tokens
-            producer.send(topics[event.role], key=event.key, value=value)
+            producer.send(getattr(topics, event.role), key=event.key, value=value)
             stats.add(event.role if not event.raw else "malformed", len(value))
         producer.flush()
     finally:

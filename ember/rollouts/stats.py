@@ -77,6 +77,7 @@ def _read_from(consumer: KafkaConsumer, tp: TopicPartition, start_ms: int | None
 def collect_stats(config: EtlConfig, window_s: float = 300.0) -> EtlStats:
     """Lag per input partition, and the ledger of the last `window_s` seconds (0: everything)."""
     kafka = config.kafka
+    topics = kafka.topics
     stats = EtlStats(window_s=window_s)
     now_ms = int(time.time() * 1000)
     start_ms = None if window_s <= 0 else now_ms - int(window_s * 1000)
@@ -84,13 +85,12 @@ def collect_stats(config: EtlConfig, window_s: float = 300.0) -> EtlStats:
     reader = KafkaConsumer(**consumer_config(bootstrap_servers=kafka.bootstrap, group_id=None))
     try:
         inputs = []
-        for role in ("rollouts", "rewards"):
-            topic = kafka.topic(role)
+        for topic in (topics.rollouts, topics.rewards):
             inputs += [TopicPartition(topic, p) for p in sorted(group.partitions_for_topic(topic) or [])]
         ends = group.end_offsets(inputs) if inputs else {}
         for tp in inputs:
             stats.partitions.append(PartitionLag(tp.topic, tp.partition, ends[tp], group.committed(tp)))
-        policy_tp = TopicPartition(kafka.topic("policy_versions"), 0)
+        policy_tp = TopicPartition(topics.policy_versions, 0)
         for message in _read_from(reader, policy_tp, None):
             try:
                 version = PolicyVersion.decode(message.value).policy_version
@@ -98,7 +98,7 @@ def collect_stats(config: EtlConfig, window_s: float = 300.0) -> EtlStats:
                 continue
             stats.latest_policy = version if stats.latest_policy is None else max(stats.latest_policy, version)
         last_batch_ms = None
-        for message in _read_from(reader, TopicPartition(kafka.topic("outcomes"), 0), start_ms):
+        for message in _read_from(reader, TopicPartition(topics.outcomes, 0), start_ms):
             try:
                 outcome = Outcome.decode(message.value)
             except ValueError:

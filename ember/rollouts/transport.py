@@ -7,21 +7,15 @@ topic/partition/offset and the reason, for the caller to dead-letter and count.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Iterator
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
 
+from ember.rollouts.config import kafka_bootstrap
+from ember.rollouts.topics import MAX_MESSAGE_BYTES, Topics
 from ember.schemas import DecodeError, Reward, Rollout, TrainBatch, decode, encode
-from ember.rollouts.topics import MAX_MESSAGE_BYTES
-
-DEFAULT_BOOTSTRAP = "127.0.0.1:19092"
-
-
-def kafka_bootstrap() -> str:
-    return os.environ.get("EMBER_KAFKA_BOOTSTRAP", DEFAULT_BOOTSTRAP)
 
 
 def producer_config(**overrides: object) -> dict[str, object]:
@@ -95,7 +89,7 @@ class RolloutWriter(RecordWriter):
     """What an inference worker holds: Rollouts to `<prefix>.rollouts`, keyed by group_id."""
 
     def __init__(self, prefix: str = "ember", producer: KafkaProducer | None = None, **producer_overrides: object):
-        super().__init__(f"{prefix}.rollouts", producer, **producer_overrides)
+        super().__init__(Topics(prefix).rollouts, producer, **producer_overrides)
         self.tokens = 0
 
     def write(self, record: Rollout):
@@ -114,7 +108,7 @@ class RewardWriter(RecordWriter):
     """What a grader holds: Rewards to `<prefix>.rewards`, keyed by group_id like their rollouts."""
 
     def __init__(self, prefix: str = "ember", producer: KafkaProducer | None = None, **producer_overrides: object):
-        super().__init__(f"{prefix}.rewards", producer, **producer_overrides)
+        super().__init__(Topics(prefix).rewards, producer, **producer_overrides)
 
     def write(self, record: Reward):
         if not isinstance(record, Reward):

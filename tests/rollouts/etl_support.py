@@ -18,7 +18,7 @@ from kafka import KafkaConsumer, TopicPartition
 from ember.rollouts.config import EtlConfig, parse_config
 from ember.rollouts.records import Outcome
 from ember.rollouts.simulate import Event, PublishStats, WorkloadSpec, plan_workload, publish_workload
-from ember.rollouts.topics import default_topics
+from ember.rollouts.topics import Topics
 from ember.rollouts.transport import consumer_config
 from ember.schemas import Reward, Rollout, decode_train_batch
 
@@ -169,11 +169,7 @@ def workload(prefix: str, **overrides) -> Workload:
     return Workload(spec, plan_workload(spec))
 
 
-def topics_for(prefix: str, partitions: int) -> dict[str, str]:
-    return {role: spec.name for role, spec in default_topics(prefix, partitions).items()}
-
-
-def publish_in_background(work: Workload, topics: dict[str, str], time_scale: float = 1.0) -> tuple[threading.Thread, list]:
+def publish_in_background(work: Workload, topics: Topics, time_scale: float = 1.0) -> tuple[threading.Thread, list]:
     result: list[PublishStats] = []
     thread = threading.Thread(target=lambda: result.append(publish_workload(work.events, topics, time_scale=time_scale)), daemon=True)
     thread.start()
@@ -195,9 +191,9 @@ class Books:
         return len(self.ledger_batched) + len(self.dropped)
 
 
-def books(topics: dict[str, str]) -> Books:
-    outcomes = [Outcome.decode(r.value) for r in read_topic(topics["outcomes"])]
-    batches = [decode_train_batch(r.value) for r in read_topic(topics["train_batches"])]
+def books(topics: Topics) -> Books:
+    outcomes = [Outcome.decode(r.value) for r in read_topic(topics.outcomes)]
+    batches = [decode_train_batch(r.value) for r in read_topic(topics.train_batches)]
     return Books(
         batch_ids=[b.batch_id for b in batches],
         batched=[rid for b in batches for rid in b.rollout_ids],
@@ -205,7 +201,7 @@ def books(topics: dict[str, str]) -> Books:
         dropped=[o for o in outcomes if o.kind == "rollout_dropped"],
         rewards_dropped=[o for o in outcomes if o.kind == "reward_dropped"],
         dead_letters=[o for o in outcomes if o.kind == "dead_letter"],
-        dead_letter_records=read_topic(topics["dead_letter"]),
+        dead_letter_records=read_topic(topics.dead_letter),
     )
 
 
@@ -223,20 +219,20 @@ def ledger_counts(topic: str) -> tuple[int, int]:
     return accounted, dead
 
 
-def wait_for_books(topics: dict[str, str], work: Workload, timeout_s: float, alive=lambda: True) -> None:
+def wait_for_books(topics: Topics, work: Workload, timeout_s: float, alive=lambda: True) -> None:
     """Poll the ledger until every rollout message and malformed message is accounted for."""
     deadline = time.monotonic() + timeout_s
     seen = (0, 0)
     while time.monotonic() < deadline:
         assert alive(), "the ETL process died"
-        seen = ledger_counts(topics["outcomes"])
+        seen = ledger_counts(topics.outcomes)
         if seen[0] >= work.rollout_messages and seen[1] >= work.malformed:
             return
         time.sleep(1.0)
     raise AssertionError(f"after {timeout_s}s the ledger accounts for {seen}, expected {(work.rollout_messages, work.malformed)}")
 
 
-def check_books(topics: dict[str, str], work: Workload, reward_timeout_s: float) -> Books:
+def check_books(topics: Topics, work: Workload, reward_timeout_s: float) -> Books:
     found = books(topics)
     duplicates = [b for b, n in Counter(found.batch_ids).items() if n > 1]
     assert not duplicates, f"batch ids committed twice: {duplicates}"

@@ -7,12 +7,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ember.rollouts.config import EtlConfig, parse_config
-from ember.rollouts.engine import REWARDS, ROLLOUTS, InputMessage, ShardEngine
+from ember.rollouts.engine import REWARDS, ROLLOUTS, InputMessage, ShardEngine, input_topics
 from ember.rollouts.records import Outcome
 from ember.rollouts.simulate import synthetic_rollout
+from ember.rollouts.topics import Topics
 from ember.schemas import Reward, Rollout, encode
 
-TOPICS = {ROLLOUTS: "t.rollouts", REWARDS: "t.rewards"}
+TOPICS = Topics("t")
 
 
 def config(**sections) -> EtlConfig:
@@ -52,7 +53,7 @@ class Log:
         offset = self.next_offset[role]
         self.next_offset[role] += 1
         message = InputMessage(
-            TOPICS[role], 0, offset, at_ms, key if key is not None else record.group_id.encode(), raw if raw is not None else encode(record)
+            input_topics(TOPICS)[role], 0, offset, at_ms, key if key is not None else record.group_id.encode(), raw if raw is not None else encode(record)
         )
         self.messages.append(message)
         return message

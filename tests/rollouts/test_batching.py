@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ember.rollouts.batching import (
-    PackedSequence,
+    ScoredRollout,
     batch_id_for,
     build_train_batch,
     plan_batches,
@@ -70,7 +70,7 @@ def test_split_rejects_a_sequence_over_budget():
 def _sequences(lengths, layers=2):
     rng = np.random.default_rng(7)
     return [
-        PackedSequence(
+        ScoredRollout(
             synthetic_rollout(rng, group_id="g", prompt_id="p", num_tokens=n, prompt_tokens=4, layers=layers, top_k=2, policy_version=3 + i),
             advantage=float(i) - 1.0,
         )

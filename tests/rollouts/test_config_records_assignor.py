@@ -7,7 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ember.rollouts.assignor import balance_shards
-from ember.rollouts.config import ConfigError, load_config, parse_config
+from ember.configs import EtlConfigError
+from ember.rollouts.config import load_config, parse_config
 from ember.rollouts.replay import parse_start
 from ember.rollouts.records import (
     ClosedGroup,
@@ -24,7 +25,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "ember" / "rollouts" / "etl.exam
 def test_example_config_loads_with_its_documented_values():
     config = load_config(EXAMPLE)
     assert config.groups.size == 8 and config.groups.min_samples == 6
-    assert config.kafka.topic("rollouts") == "ember.rollouts"
+    assert config.kafka.topics.rollouts == "ember.rollouts"
     assert config.rewards.graders == ["unit-tests"]
 
 
@@ -42,26 +43,26 @@ def test_example_config_loads_with_its_documented_values():
     ],
 )
 def test_config_errors_say_what_to_fix(data, fragment):
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(EtlConfigError) as info:
         parse_config(data)
     assert fragment in str(info.value)
 
 
 def test_missing_and_broken_files(tmp_path):
-    with pytest.raises(ConfigError, match="no such config file"):
+    with pytest.raises(EtlConfigError, match="no such config file"):
         load_config(tmp_path / "nope.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("groups: [unclosed\n")
-    with pytest.raises(ConfigError, match="not valid YAML"):
+    with pytest.raises(EtlConfigError, match="not valid YAML"):
         load_config(bad)
 
 
 def test_overrides_are_validated_again():
     config = parse_config({})
     assert config.with_overrides(advantages={"estimator": "rloo"}).advantages.estimator.value == "rloo"
-    with pytest.raises(ConfigError, match="quorum"):
+    with pytest.raises(EtlConfigError, match="quorum"):
         config.with_overrides(groups={"size": 2, "quorum": 3})
-    with pytest.raises(ConfigError, match="section 'advantage' does not exist"):
+    with pytest.raises(EtlConfigError, match="section 'advantage' does not exist"):
         config.with_overrides(advantage={"estimator": "rloo"})
 
 

@@ -267,7 +267,7 @@ def test_restored_engine_skips_done_work_and_rebuilds_pending_groups():
     assert len(done.batched_ids) == 4 and done.marks == {ROLLOUTS: 0, REWARDS: 4}
     snapshot = ShardSnapshot.decode(done.snapshot.encode())
     second = ShardEngine(cfg, 0, TOPICS, snapshot=snapshot, committed=done.marks, closed=done.closed)
-    for m in [m for m in log.messages if m.offset >= done.marks[ROLLOUTS if m.topic == TOPICS[ROLLOUTS] else REWARDS]]:
+    for m in [m for m in log.messages if m.offset >= done.marks[ROLLOUTS if m.topic == TOPICS.rollouts else REWARDS]]:
         second.ingest(m, 0)
         second.advance(0, None)
     assert second.pending_count() == 4 and set(second.groups) == {"slow"}
@@ -345,7 +345,7 @@ def test_crashes_at_any_point_lose_and_double_nothing(seed, crash_points, data):
             break
         engine = ShardEngine(cfg, 0, TOPICS, snapshot=durable.snapshot, committed=dict(durable.marks), closed=durable.closed)
         marks = durable.marks
-        replay_from = [i for i, m in enumerate(messages) if m.offset >= marks.get(ROLLOUTS if m.topic == TOPICS[ROLLOUTS] else REWARDS, 0)]
+        replay_from = [i for i, m in enumerate(messages) if m.offset >= marks.get(ROLLOUTS if m.topic == TOPICS.rollouts else REWARDS, 0)]
         redo = [messages[i] for i in replay_from if i < position]
         for m in redo:
             engine.ingest(m, m.timestamp_ms)
@@ -362,6 +362,6 @@ def test_crashes_at_any_point_lose_and_double_nothing(seed, crash_points, data):
         map(key, (o for o in expected.outcomes if o.kind != "batch"))
     )
     assert sorted(b.batch_id for b in durable.batches) == sorted(b.batch_id for b in expected.batches)
-    total = sum(1 for m in messages if m.topic == TOPICS[ROLLOUTS])
+    total = sum(1 for m in messages if m.topic == TOPICS.rollouts)
     dropped = sum(1 for o in durable.outcomes if o.kind == "rollout_dropped")
     assert len(durable.batched_ids) + dropped == total

@@ -13,7 +13,7 @@ from ember.rollouts.metrics import EtlMetrics
 from ember.rollouts.reader import RolloutBatchReader
 from ember.rollouts.replay import parse_start, replay
 from ember.rollouts.stats import collect_stats, render_stats
-from ember.rollouts.topics import TopicSpec
+from ember.rollouts.topics import Topics, TopicSpec
 from ember.rollouts.admin import ensure_topics
 from ember.schemas import TRAIN_BATCH_SCHEMA
 from tests.rollouts.etl_support import check_books, etl_settings, publish_in_background, workload
@@ -59,7 +59,7 @@ def test_malformed_and_oversized_messages_are_dead_lettered_with_their_source(pi
     _config, topics, work, _service, _ = pipeline
     records = check_books(topics, work, REWARD_TIMEOUT_S).dead_letter_records
     headers = [dict(r.headers) for r in records]
-    assert all(h["ember.source_topic"] == topics["rollouts"].encode() for h in headers)
+    assert all(h["ember.source_topic"] == topics.rollouts.encode() for h in headers)
     assert len({(h["ember.source_partition"], h["ember.source_offset"]) for h in headers}) == len(records)
     oversized = [r for r, h in zip(records, headers) if h["ember.reason"].startswith(b"oversized: 20000 bytes")]
     assert len(oversized) == 1 and oversized[0].value is None and dict(oversized[0].headers)["ember.payload_kept"] == b"0"
@@ -96,7 +96,7 @@ def test_stats_summarise_the_ledger_and_lag(pipeline, capsys):
 def test_reader_resumes_exactly_from_a_checkpoint(pipeline):
     _config, topics, _work, _service, _ = pipeline
     group = f"trainer-{uuid.uuid4().hex[:6]}"
-    with RolloutBatchReader(topics["train_batches"], group_id=group, idle_timeout_s=5, backend="numpy") as reader:
+    with RolloutBatchReader(topics.train_batches, group_id=group, idle_timeout_s=5, backend="numpy") as reader:
         first = next(reader)
         reader.commit()
         second = next(reader)
@@ -104,17 +104,17 @@ def test_reader_resumes_exactly_from_a_checkpoint(pipeline):
         checkpoint = reader.state_dict()
         third = next(reader)
     assert len({first.batch.batch_id, second.batch.batch_id, third.batch.batch_id}) == 3
-    with RolloutBatchReader(topics["train_batches"], group_id=f"other-{group}", state=checkpoint, idle_timeout_s=5) as resumed:
+    with RolloutBatchReader(topics.train_batches, group_id=f"other-{group}", state=checkpoint, idle_timeout_s=5) as resumed:
         again = next(resumed)
         assert again.batch.batch_id == third.batch.batch_id
         t = again.tensors
         assert t["tokens"].dtype == torch.int64 and t["loss_mask"].dtype == torch.float32
         assert t["routed_experts"].dtype == torch.uint8 and t["routed_experts"].shape[0] == t["tokens"].shape[0]
         assert torch.equal(t["position_ids"][: int(t["cu_seqlens"][1])], torch.arange(int(t["cu_seqlens"][1])))
-    with RolloutBatchReader(topics["train_batches"], group_id=group, idle_timeout_s=5, backend="numpy") as committed:
+    with RolloutBatchReader(topics.train_batches, group_id=group, idle_timeout_s=5, backend="numpy") as committed:
         assert next(committed).batch.batch_id == third.batch.batch_id, "the group resumes after the last commit"
     with pytest.raises(ValueError, match="reader state is for topic"):
-        RolloutBatchReader(topics["outcomes"], state=checkpoint)
+        RolloutBatchReader(topics.outcomes, state=checkpoint)
 
 
 def test_replay_rebuilds_batches_with_another_estimator(pipeline, tmp_path):
@@ -136,6 +136,7 @@ def test_replay_rebuilds_batches_with_another_estimator(pipeline, tmp_path):
 
 def test_topology_errors_are_explained(kafka):
     prefix = f"test-topo-{uuid.uuid4().hex[:8]}"
-    ensure_topics(kafka, [TopicSpec(f"{prefix}.rollouts", 2), TopicSpec(f"{prefix}.rewards", 3)])
+    topics = Topics(prefix)
+    ensure_topics(kafka, [TopicSpec(topics.rollouts, 2), TopicSpec(topics.rewards, 3)])
     with pytest.raises(TopologyError, match="same partition count"):
         prepare_topics(parse_config(etl_settings(prefix)))

@@ -5,7 +5,7 @@ import pytest
 from kafka import KafkaConsumer, KafkaProducer
 
 from ember.rollouts.simulate import synthetic_reward, synthetic_rollout
-from ember.rollouts.topics import TopicSpec, default_topics
+from ember.rollouts.topics import Topics, TopicSpec
 from ember.rollouts.admin import ensure_topics
 from ember.rollouts.transport import (
     BadMessage,
@@ -37,7 +37,7 @@ def consume_all(topic: str, limit: int) -> list:
 
 
 def test_10k_rollouts_round_trip_exactly_through_the_broker(kafka, topic_prefix):
-    topic = make_topic(kafka, f"{topic_prefix}.rollouts")
+    topic = make_topic(kafka, Topics(topic_prefix).rollouts)
     rng = np.random.default_rng(0)
     sent = {}
     with RecordWriter(topic) as writer:
@@ -57,7 +57,7 @@ def test_10k_rollouts_round_trip_exactly_through_the_broker(kafka, topic_prefix)
 
 
 def test_a_group_lives_in_one_partition(kafka, topic_prefix):
-    topic = make_topic(kafka, f"{topic_prefix}.rewards", partitions=6)
+    topic = make_topic(kafka, Topics(topic_prefix).rewards, partitions=6)
     rng = np.random.default_rng(1)
     with RecordWriter(topic) as writer:
         for i in range(120):
@@ -71,8 +71,8 @@ def test_a_group_lives_in_one_partition(kafka, topic_prefix):
 
 
 def test_worker_and_grader_writers_copartition_a_group_and_count_bytes_per_token(kafka, topic_prefix):
-    topics = default_topics(topic_prefix, partitions=4)
-    ensure_topics(kafka, [topics["rollouts"], topics["rewards"]])
+    topics = Topics(topic_prefix)
+    ensure_topics(kafka, [TopicSpec(topics.rollouts, 4), TopicSpec(topics.rewards, 4)])
     rng = np.random.default_rng(3)
     with RolloutWriter(topic_prefix) as rollouts, RewardWriter(topic_prefix) as rewards:
         for i in range(40):
@@ -83,8 +83,8 @@ def test_worker_and_grader_writers_copartition_a_group_and_count_bytes_per_token
             rollouts.write(synthetic_reward(rng, rollout))
     assert rollouts.tokens == 40 * 256 and 488 < rollouts.bytes_per_token < 520
     partition_of: dict[tuple[str, str], set[int]] = {}
-    for role in ("rollouts", "rewards"):
-        for message in consume_all(topics[role].name, limit=40):
+    for role, topic in (("rollouts", topics.rollouts), ("rewards", topics.rewards)):
+        for message in consume_all(topic, limit=40):
             partition_of.setdefault((role, message.record.group_id), set()).add(message.partition)
     for g in range(8):
         assert partition_of[("rollouts", f"g{g}")] == partition_of[("rewards", f"g{g}")] and len(partition_of[("rewards", f"g{g}")]) == 1
