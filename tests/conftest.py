@@ -17,7 +17,7 @@ def kafka() -> str:
         services.start("kafka")
     except services.ServiceError as exc:
         pytest.fail(f"the Kafka broker could not be started:\n{exc}")
-    from ember.rollouts.transport import kafka_bootstrap
+    from ember.rollouts.config import kafka_bootstrap
 
     return kafka_bootstrap()
 
