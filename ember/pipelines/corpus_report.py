@@ -13,10 +13,8 @@ import pyarrow.parquet as pq
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 
-from ember.pipelines.corpus_pipeline import CLUSTER_SCHEMA, STATS_FILE
-from ember.schemas.documents import DOCUMENT_SCHEMA, REJECTED_SCHEMA
+from ember.schemas.documents import CORPUS_TABLES, REPORT_FILE, STATS_FILE
 
-REPORT_FILE = "report.md"
 BAR_WIDTH = 30
 
 
@@ -27,7 +25,7 @@ def read_stats(directory: str) -> dict[str, Any]:
 
 def read_output(directory: str, name: str) -> pl.DataFrame:
     """All shards of one output (documents, rejects, clusters) as one frame; empty with the schema when none."""
-    schema = {"documents": DOCUMENT_SCHEMA, "rejects": REJECTED_SCHEMA, "clusters": CLUSTER_SCHEMA}[name]
+    schema = CORPUS_TABLES[name]
     pattern = f"{directory.rstrip('/')}/{name}/**.parquet"
     paths = sorted(m.path for m in FileSystems.match([pattern])[0].metadata_list)
     tables = []
