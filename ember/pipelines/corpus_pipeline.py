@@ -12,7 +12,9 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from ember.pipelines.corpus_config import CorpusConfig
 from ember.pipelines.corpus_outputs import clear_outputs, write_outputs
-from ember.pipelines.corpus_stages import ExactDedup, Filter, NearDedup, ReadSources, Redact, StageOutput, UniqueIds
+from ember.pipelines.corpus_stages import (
+    ExactDedup, FilterDocuments, NearDedup, PerDocument, ReadSources, RedactDocuments, StageOutput, UniqueIds,
+)
 
 
 def corpus_stages(config: CorpusConfig, progress_dir: str | None = None) -> list[beam.PTransform]:
@@ -21,7 +23,10 @@ def corpus_stages(config: CorpusConfig, progress_dir: str | None = None) -> list
     id_sources = frozenset(s.name for s in config.sources if s.fields.id is not None)
     if id_sources:
         stages.append(UniqueIds(id_sources))
-    stages += [Filter(config.filters, progress_dir), Redact(config.redaction, progress_dir)]
+    stages += [
+        PerDocument(FilterDocuments(config.filters, progress_dir), counted=True),
+        PerDocument(RedactDocuments(config.redaction, progress_dir), counted=False),
+    ]
     if config.dedup.exact:
         stages.append(ExactDedup(config.dedup, progress_dir))
     if config.dedup.near:

@@ -71,6 +71,52 @@ def summary_rows(stats: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+def _duplicates(stats: dict[str, Any], clusters: pl.DataFrame) -> list[str]:
+    out = ["\n\n## Duplicates\n"]
+    near = stats["dedup"]["near_dedup"]
+    out.append(
+        f"Near-duplicate threshold (LSH): Jaccard ≈ {near['jaccard_threshold']}; connected components "
+        f"ran {near['cc_max_rounds']} large/small-star rounds, unconverged edges: {near['cc_unconverged_edges']}.\n"
+    )
+    rows = []
+    for stage in ("exact_dedup", "near_dedup"):
+        d = stats["dedup"][stage]
+        rows.append([stage, d["clusters"], d["removed"], ", ".join(f"{k}: {v}" for k, v in d["cluster_sizes"].items())])
+    out.append(_table(["stage", "clusters", "removed", "cluster sizes"], rows))
+    if clusters.height:
+        largest_clusters = (
+            clusters.group_by("stage", "cluster_id").agg(pl.len().alias("members"))
+            .sort(["members", "cluster_id"], descending=[True, False]).head(10)
+        )
+        out.append("\n\nLargest clusters (the cluster id is the kept representative's document id):\n")
+        out.append(_table(["stage", "cluster id", "members"], [list(r) for r in largest_clusters.iter_rows()]))
+    return out
+
+
+def _kept_documents(documents: pl.DataFrame) -> list[str]:
+    out = ["\n\n## Kept documents\n"]
+    if not documents.height:
+        return out + ["No document was kept."]
+    lengths = (
+        documents.with_columns(pl.col("text").str.len_chars().alias("chars"))
+        .group_by("source", "kind")
+        .agg(pl.len().alias("docs"), pl.col("chars").median().alias("median chars"),
+             pl.col("chars").quantile(0.9).alias("p90 chars"))
+        .sort("source")
+    )
+    out.append(_table(["source", "kind", "docs", "median chars", "p90 chars"], [list(r) for r in lengths.iter_rows()]))
+    code = documents.filter(pl.col("kind") == "code")
+    if code.height:
+        languages = (
+            code.select(pl.col("metadata").struct.field("language").fill_null("unknown").alias("language"))
+            .group_by("language").agg(pl.len().alias("n")).sort(["n", "language"], descending=[True, False])
+        )
+        largest = int(languages["n"].max())
+        out.append("\n\nCode languages:\n")
+        out.append(_table(["language", "n", ""], [[lang, n, _bar(n, largest)] for lang, n in languages.iter_rows()]))
+    return out
+
+
 def render_report(directory: str) -> str:
     stats = read_stats(directory)
     documents = read_output(directory, "documents")
@@ -121,46 +167,8 @@ def render_report(directory: str) -> str:
     else:
         out.append("None.")
 
-    out.append("\n\n## Duplicates\n")
-    near = stats["dedup"]["near_dedup"]
-    out.append(
-        f"Near-duplicate threshold (LSH): Jaccard ≈ {near['jaccard_threshold']}; connected components "
-        f"ran {near['cc_max_rounds']} large/small-star rounds, unconverged edges: {near['cc_unconverged_edges']}.\n"
-    )
-    rows = []
-    for stage in ("exact_dedup", "near_dedup"):
-        d = stats["dedup"][stage]
-        rows.append([stage, d["clusters"], d["removed"], ", ".join(f"{k}: {v}" for k, v in d["cluster_sizes"].items())])
-    out.append(_table(["stage", "clusters", "removed", "cluster sizes"], rows))
-    if clusters.height:
-        largest_clusters = (
-            clusters.group_by("stage", "cluster_id").agg(pl.len().alias("members"))
-            .sort(["members", "cluster_id"], descending=[True, False]).head(10)
-        )
-        out.append("\n\nLargest clusters (the cluster id is the kept representative's document id):\n")
-        out.append(_table(["stage", "cluster id", "members"], [list(r) for r in largest_clusters.iter_rows()]))
-
-    out.append("\n\n## Kept documents\n")
-    if documents.height:
-        lengths = (
-            documents.with_columns(pl.col("text").str.len_chars().alias("chars"))
-            .group_by("source", "kind")
-            .agg(pl.len().alias("docs"), pl.col("chars").median().alias("median chars"),
-                 pl.col("chars").quantile(0.9).alias("p90 chars"))
-            .sort("source")
-        )
-        out.append(_table(["source", "kind", "docs", "median chars", "p90 chars"], [list(r) for r in lengths.iter_rows()]))
-        code = documents.filter(pl.col("kind") == "code")
-        if code.height:
-            languages = (
-                code.select(pl.col("metadata").struct.field("language").fill_null("unknown").alias("language"))
-                .group_by("language").agg(pl.len().alias("n")).sort(["n", "language"], descending=[True, False])
-            )
-            largest = int(languages["n"].max())
-            out.append("\n\nCode languages:\n")
-            out.append(_table(["language", "n", ""], [[lang, n, _bar(n, largest)] for lang, n in languages.iter_rows()]))
-    else:
-        out.append("No document was kept.")
+    out += _duplicates(stats, clusters)
+    out += _kept_documents(documents)
     return "\n".join(out) + "\n"
 
 

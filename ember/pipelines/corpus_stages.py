@@ -75,7 +75,7 @@ def document_events(row: Row, stage: str) -> Iterator[Event]:
     yield (row["source"], stage, "bytes_out"), text_bytes(row)
 
 
-def counted(documents: PCollection, stage: str) -> PCollection:
+def count_documents(documents: PCollection, stage: str) -> PCollection:
     return documents | "Count" >> beam.FlatMap(document_events, stage)
 
 
@@ -152,7 +152,7 @@ class ReadSources(beam.PTransform):
                 REJECTS, main="docs"
             )
         )
-        return stage_output(read.docs, rejects=[read[REJECTS]], stats=[counted(read.docs, READ_STAGE)])
+        return stage_output(read.docs, rejects=[read[REJECTS]], stats=[count_documents(read.docs, READ_STAGE)])
 
 
 class KeepFirstId(CorpusFn):
@@ -214,16 +214,6 @@ class FilterDocuments(CorpusFn):
         yield self.reject(row, reason, detail) if reason else row
 
 
-class Filter(beam.PTransform):
-    def __init__(self, filters: Filters, progress_dir: str | None):
-        super().__init__()
-        self._fn = FilterDocuments(filters, progress_dir)
-
-    def expand(self, docs) -> StageOutput:
-        filtered = docs | "Filter" >> beam.ParDo(self._fn).with_outputs(REJECTS, main="docs")
-        return stage_output(filtered.docs, rejects=[filtered[REJECTS]], stats=[counted(filtered.docs, "filter")])
-
-
 class RedactDocuments(CorpusFn):
     """Typed placeholders for secrets/PII, counts per type on the stats output; the content hash is
     recomputed here because filters (C4's line removal) and redaction both change the text."""
@@ -246,14 +236,21 @@ class RedactDocuments(CorpusFn):
         yield {**row, "text": text, "content_hash": content_hash(text)}
 
 
-class Redact(beam.PTransform):
-    def __init__(self, redaction: Redaction, progress_dir: str | None):
-        super().__init__()
-        self._fn = RedactDocuments(redaction, progress_dir)
+class PerDocument(beam.PTransform):
+    """A stage that decides each document on its own (filter, redact): one `CorpusFn` over the rows.
+
+    `counted` adds the stage's docs_out/bytes_out to stats.json, as the report's per-stage table shows.
+    """
+
+    def __init__(self, fn: CorpusFn, counted: bool):
+        super().__init__(label=fn.STAGE.title())
+        self._fn = fn
+        self._counted = counted
 
     def expand(self, docs) -> StageOutput:
-        redacted = docs | "Redact" >> beam.ParDo(self._fn).with_outputs(STATS, main="docs")
-        return stage_output(redacted.docs, stats=[redacted[STATS]])
+        out = docs | self.label >> beam.ParDo(self._fn).with_outputs(REJECTS, STATS, main="docs")
+        stats = [out[STATS], count_documents(out.docs, self._fn.STAGE)] if self._counted else [out[STATS]]
+        return stage_output(out.docs, rejects=[out[REJECTS]], stats=stats)
 
 
 # ---------------------------------------------------------------- dedup
@@ -349,7 +346,7 @@ class ExactDedup(beam.PTransform):
             resolved.docs,
             rejects=[resolved[REJECTS]],
             clusters=[resolved[CLUSTERS]],
-            stats=[resolved[STATS], counted(resolved.docs, "exact_dedup")],
+            stats=[resolved[STATS], count_documents(resolved.docs, "exact_dedup")],
         )
 
 
