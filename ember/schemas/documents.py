@@ -174,7 +174,9 @@ class Rejected:
         }
 
 
-def reject_row(source: str, location: str, stage: str, reason: str, detail: str = "", document_id: str | None = None) -> dict[str, object]:
+def reject_row(
+    source: str, location: str, stage: str, reason: str, detail: str = "", document_id: str | None = None
+) -> dict[str, object]:
     """A `REJECTED_SCHEMA` row: the one way every stage of every pipeline says why a unit was dropped."""
     return Rejected(source, location, stage, reason, detail, document_id).to_row()
 

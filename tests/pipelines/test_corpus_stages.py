@@ -10,9 +10,10 @@ import pyarrow.parquet as pq
 import pytest
 from apache_beam.testing.util import assert_that, equal_to
 
-from ember.pipelines.corpus_config import CorpusSource, Dedup
+from ember.pipelines.corpus_config import CorpusSource, Dedup, parse_config
 from ember.pipelines.corpus_io import record_to_row
 from ember.pipelines.corpus_outputs import WriteShards
+from ember.pipelines.corpus_pipeline import corpus_stages
 from ember.pipelines.corpus_stages import ExactDedup, NearDedup, StageOutput, UniqueIds, node_key, rank_key, size_bin, text_bytes
 from ember.demo.sample_corpus import near_duplicate, prose
 from ember.schemas.documents import DOCUMENT_SCHEMA
@@ -35,6 +36,14 @@ def test_rank_key_orders_by_preference_then_id() -> None:
     by_length = Dedup(prefer=["longest"])
     assert rank_key(_row("x", "longer text"), by_length) < rank_key(_row("y", "short"), by_length)
     assert rank_key(_row("x", "t"), Dedup(prefer=[])) == ""
+
+
+def test_the_graph_is_the_list_of_stages_the_config_asks_for() -> None:
+    with_ids = {"sources": [{"name": "code", "kind": "code", "inputs": ["x"], "fields": {"id": "id"}}], "output": {"directory": "o"}}
+    assert [s.label for s in corpus_stages(parse_config(with_ids))] == [
+        "ReadSources", "UniqueIds", "Filter", "Redact", "ExactDedup", "NearDedup"]
+    plain = {**with_ids, "sources": [{"name": "web", "kind": "web", "inputs": ["x"]}], "dedup": {"exact": False, "near": False}}
+    assert [s.label for s in corpus_stages(parse_config(plain))] == ["ReadSources", "Filter", "Redact"]
 
 
 def test_size_bins() -> None:
