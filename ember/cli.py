@@ -7,18 +7,14 @@ from rich.console import Console
 from rich.table import Table
 
 from ember.dev import services
-from ember.pipelines.cli import BUILD_CONTEXT_SETTINGS
-from ember.pipelines.cli import build as corpus_build
-from ember.pipelines.cli import report as corpus_report
+from ember.pipelines.cli import app as corpus_app
+from ember.pipelines.export_cli import app as export_app
 from ember.rollouts.cli import app as rollouts_app
-from ember.tokenize.cli import corpus_app, export_app
 
 app = typer.Typer(help="ember: the data plane for post-training a coding model.", no_args_is_help=True)
 dev_app = typer.Typer(help="Local real services for development and tests (Kafka, Slurm, Flink job-server jar).", no_args_is_help=True)
 app.add_typer(dev_app, name="dev")
 app.add_typer(rollouts_app, name="rollouts")
-corpus_app.command("build", context_settings=BUILD_CONTEXT_SETTINGS)(corpus_build)
-corpus_app.command("report")(corpus_report)
 app.add_typer(corpus_app, name="corpus")
 app.add_typer(export_app, name="export")
 console = Console()

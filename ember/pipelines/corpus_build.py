@@ -15,14 +15,14 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from rich.console import Console
 from rich.table import Table
 
+from ember.configs import CorpusConfigError
 from ember.pipelines import corpus_pipeline
-from ember.pipelines.corpus_config import ConfigError, CorpusConfig, check_inputs
+from ember.pipelines.corpus_config import CorpusConfig, check_inputs
 from ember.pipelines.corpus_report import read_stats, summary_rows, write_report
 from ember.pipelines.progress import watch
 from ember.pipelines.runners import dataflow_problems, runner_name, runs_locally, with_defaults
 from ember.schemas import Manifest
-from ember.tokenize.config import SourceConfig as ShardSource
-from ember.tokenize.config import TokenizeConfig
+from ember.tokenize.config import ShardSource, TokenizeConfig
 
 
 class BuildFailed(RuntimeError):
@@ -45,7 +45,7 @@ def prepare_options(beam_args: list[str]) -> tuple[list[str], PipelineOptions]:
     if runner_name(options) == "DataflowRunner":
         problems = dataflow_problems(options)
         if problems:
-            raise ConfigError("Dataflow options are unusable:\n  " + "\n  ".join(problems))
+            raise CorpusConfigError("Dataflow options are unusable:\n  " + "\n  ".join(problems))
     return args, options
 
 
@@ -68,7 +68,7 @@ def shards_config(config: CorpusConfig) -> TokenizeConfig:
         if FileSystems.match([f"{documents}/{s.name}/*.parquet"], limits=[1])[0].metadata_list
     ]
     if not sources:
-        raise ConfigError(f"tokenize: the build kept no document in any source (see {config.output.directory}/stats.json)")
+        raise CorpusConfigError(f"tokenize: the build kept no document in any source (see {config.output.directory}/stats.json)")
     settings = config.tokenize.model_dump(exclude={"output_dir"})
     return TokenizeConfig(**settings, output_dir=config.shards_directory, sources=sources)
 

@@ -1,7 +1,7 @@
 """Typed configuration of `ember corpus build`: sources, filters, redaction, dedup and outputs.
 
 Every model forbids unknown keys so a typo fails loudly; `load_config` turns pydantic's errors into
-one `ConfigError` whose lines name the bad key by its dotted path (`sources.1.format: ...`). The
+one `CorpusConfigError` whose lines name the bad key by its dotted path (`sources.1.format: ...`). The
 datatrove web filters take exactly the keyword arguments of their datatrove constructors: their
 models are generated from those signatures, so a threshold datatrove does not have is an error here.
 """
@@ -17,12 +17,9 @@ from apache_beam.io.filesystems import FileSystems
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from ember import configs
+from ember.configs import CorpusConfigError
 from ember.schemas.documents import METADATA_KEYS
 from ember.tokenize.config import PackSettings
-
-
-class ConfigError(configs.ConfigError):
-    """A configuration that cannot be used; the message names each bad key and why."""
 
 
 PERMISSIVE_LICENSES = (
@@ -62,7 +59,7 @@ class FieldMapping(_Strict):
         return mapping
 
 
-class SourceConfig(_Strict):
+class CorpusSource(_Strict):
     """One corpus: its inputs on any Beam filesystem, their format, field mapping and mixture weight."""
 
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
@@ -225,7 +222,7 @@ class TokenizeStage(PackSettings):
 
 
 class CorpusConfig(_Strict):
-    sources: list[SourceConfig] = Field(min_length=1)
+    sources: list[CorpusSource] = Field(min_length=1)
     filters: Filters = Field(default_factory=Filters)
     redaction: Redaction = Field(default_factory=Redaction)
     dedup: Dedup = Field(default_factory=Dedup)
@@ -249,12 +246,12 @@ class CorpusConfig(_Strict):
 
     @field_validator("sources")
     @classmethod
-    def _unique_sources(cls, sources: list[SourceConfig]) -> list[SourceConfig]:
+    def _unique_sources(cls, sources: list[CorpusSource]) -> list[CorpusSource]:
         return configs.unique_names(sources)
 
 
 def parse_config(data: object, where: str = "config") -> CorpusConfig:
-    return configs.validate(CorpusConfig, data, where, ConfigError)
+    return configs.validate(CorpusConfig, data, where, CorpusConfigError)
 
 
 def _is_url(path: str) -> bool:
@@ -274,8 +271,8 @@ def load_config(path: str) -> CorpusConfig:
         with FileSystems.open(path) as handle:
             text = handle.read().decode("utf-8")
     except (OSError, Exception) as exc:  # Beam wraps every filesystem failure in its own BeamIOError
-        raise ConfigError(f"{path}: cannot read the config file: {exc}") from None
-    config = parse_config(configs.parse_yaml_mapping(text, path, ConfigError), path)
+        raise CorpusConfigError(f"{path}: cannot read the config file: {exc}") from None
+    config = parse_config(configs.parse_yaml_mapping(text, path, CorpusConfigError), path)
     base = posixpath.dirname(path) if _is_url(path) else posixpath.dirname(posixpath.abspath(path))
     tokenize = config.tokenize
     if tokenize is not None:
@@ -307,4 +304,4 @@ def check_inputs(config: CorpusConfig) -> None:
             if not matched:
                 problems.append(f"sources.{i}.inputs.{j}: '{pattern}' matches no file")
     if problems:
-        raise ConfigError("inputs are unusable:\n  " + "\n  ".join(problems))
+        raise CorpusConfigError("inputs are unusable:\n  " + "\n  ".join(problems))

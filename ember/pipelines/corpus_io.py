@@ -21,17 +21,13 @@ from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 
 from ember.pipelines.code_filters import language_from_path
-from ember.pipelines.corpus_config import SourceConfig
-from ember.schemas.documents import METADATA_KEYS, Rejected, content_hash, make_document_id
+from ember.pipelines.corpus_config import CorpusSource
+from ember.schemas.documents import METADATA_KEYS, content_hash, make_document_id, reject_row
 
 READ_STAGE = "read"
 PARQUET_BATCH_ROWS = 1024
 
 Row = dict[str, Any]
-
-
-def reject(source: str, location: str, stage: str, reason: str, detail: str = "", document_id: str | None = None) -> Row:
-    return Rejected(source, location, stage, reason, detail, document_id).to_row()
 
 
 def _lookup(record: dict[str, Any], dotted: str) -> tuple[bool, Any]:
@@ -51,7 +47,7 @@ def _encodable(value: str) -> bool:
     return True
 
 
-def _metadata(record: dict[str, Any], source: SourceConfig) -> tuple[dict[str, Any], str]:
+def _metadata(record: dict[str, Any], source: CorpusSource) -> tuple[dict[str, Any], str]:
     """Mapped metadata with ember's types, or ({}, problem) naming the first field that does not fit."""
     metadata: dict[str, Any] = {}
     for key, field in source.fields.metadata.items():
@@ -76,12 +72,12 @@ def _metadata(record: dict[str, Any], source: SourceConfig) -> tuple[dict[str, A
     return metadata, ""
 
 
-def record_to_row(record: Any, source: SourceConfig, location: str) -> tuple[Row | None, Row | None]:
+def record_to_row(record: Any, source: CorpusSource, location: str) -> tuple[Row | None, Row | None]:
     """(document row, None) or (None, reject row) for one decoded record."""
     name = source.name
 
     def bad(reason: str, detail: str = "") -> tuple[None, Row]:
-        return None, reject(name, location, READ_STAGE, reason, detail)
+        return None, reject_row(name, location, READ_STAGE, reason, detail)
 
     if not isinstance(record, dict):
         return bad("not_an_object", f"got {type(record).__name__}")
@@ -126,7 +122,7 @@ def _decompressed(raw: Any, fmt: str) -> io.BufferedIOBase:
     return raw
 
 
-def _jsonl_rows(path: str, source: SourceConfig) -> Iterator[tuple[Row | None, Row | None]]:
+def _jsonl_rows(path: str, source: CorpusSource) -> Iterator[tuple[Row | None, Row | None]]:
     line_no = 0
     name = source.name
     try:
@@ -136,27 +132,27 @@ def _jsonl_rows(path: str, source: SourceConfig) -> Iterator[tuple[Row | None, R
                 location = f"{path}:line={line_no}"
                 line = line.rstrip(b"\r\n")
                 if not line.strip():
-                    yield None, reject(name, location, READ_STAGE, "blank_line")
+                    yield None, reject_row(name, location, READ_STAGE, "blank_line")
                     continue
                 try:
                     decoded = line.decode("utf-8")
                 except UnicodeDecodeError as exc:
-                    yield None, reject(name, location, READ_STAGE, "invalid_utf8", f"byte {exc.start}: {exc.reason}")
+                    yield None, reject_row(name, location, READ_STAGE, "invalid_utf8", f"byte {exc.start}: {exc.reason}")
                     continue
                 try:
                     record = json.loads(decoded)
                 except json.JSONDecodeError as exc:
-                    yield None, reject(name, location, READ_STAGE, "invalid_json", f"column {exc.colno}: {exc.msg}")
+                    yield None, reject_row(name, location, READ_STAGE, "invalid_json", f"column {exc.colno}: {exc.msg}")
                     continue
                 yield record_to_row(record, source, location)
     except Exception as exc:  # corrupt gzip/zstd streams, vanished or unreadable files: the rest of the file is lost
-        yield None, reject(name, f"{path}:line={line_no + 1}", READ_STAGE, "unreadable_file", f"{type(exc).__name__}: {exc}")
+        yield None, reject_row(name, f"{path}:line={line_no + 1}", READ_STAGE, "unreadable_file", f"{type(exc).__name__}: {exc}")
         return
     if line_no == 0:
-        yield None, reject(name, path, READ_STAGE, "empty_file")
+        yield None, reject_row(name, path, READ_STAGE, "empty_file")
 
 
-def _parquet_rows(path: str, source: SourceConfig) -> Iterator[tuple[Row | None, Row | None]]:
+def _parquet_rows(path: str, source: CorpusSource) -> Iterator[tuple[Row | None, Row | None]]:
     row_no = 0
     name = source.name
     try:
@@ -167,13 +163,13 @@ def _parquet_rows(path: str, source: SourceConfig) -> Iterator[tuple[Row | None,
                     row_no += 1
                     yield record_to_row(record, source, f"{path}:row={row_no}")
     except Exception as exc:  # not Parquet, truncated footer, unreadable
-        yield None, reject(name, f"{path}:row={row_no + 1}", READ_STAGE, "unreadable_file", f"{type(exc).__name__}: {exc}")
+        yield None, reject_row(name, f"{path}:row={row_no + 1}", READ_STAGE, "unreadable_file", f"{type(exc).__name__}: {exc}")
         return
     if row_no == 0:
-        yield None, reject(name, path, READ_STAGE, "empty_file")
+        yield None, reject_row(name, path, READ_STAGE, "empty_file")
 
 
-def read_file(path: str, source: SourceConfig) -> Iterator[tuple[Row | None, Row | None]]:
+def read_file(path: str, source: CorpusSource) -> Iterator[tuple[Row | None, Row | None]]:
     """Every input unit of one file, in file order, as (row, None) or (None, reject)."""
     if source.format == "parquet":
         return _parquet_rows(path, source)

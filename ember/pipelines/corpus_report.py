@@ -13,10 +13,8 @@ import pyarrow.parquet as pq
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 
-from ember.pipelines.corpus_pipeline import CLUSTER_SCHEMA, STATS_FILE
-from ember.schemas.documents import DOCUMENT_SCHEMA, REJECTED_SCHEMA
+from ember.schemas.documents import CORPUS_TABLES, REPORT_FILE, STATS_FILE
 
-REPORT_FILE = "report.md"
 BAR_WIDTH = 30
 
 
@@ -27,7 +25,7 @@ def read_stats(directory: str) -> dict[str, Any]:
 
 def read_output(directory: str, name: str) -> pl.DataFrame:
     """All shards of one output (documents, rejects, clusters) as one frame; empty with the schema when none."""
-    schema = {"documents": DOCUMENT_SCHEMA, "rejects": REJECTED_SCHEMA, "clusters": CLUSTER_SCHEMA}[name]
+    schema = CORPUS_TABLES[name]
     pattern = f"{directory.rstrip('/')}/{name}/**.parquet"
     paths = sorted(m.path for m in FileSystems.match([pattern])[0].metadata_list)
     tables = []
@@ -71,6 +69,52 @@ def summary_rows(stats: dict[str, Any]) -> list[tuple[str, str]]:
     rows.append(("redactions", ", ".join(f"{k}={v}" for k, v in sorted(totals["redactions"].items())) or "none"))
     rows.append(("balanced (in = kept + rejected)", "yes" if totals["balanced"] else "NO"))
     return rows
+
+
+def _duplicates(stats: dict[str, Any], clusters: pl.DataFrame) -> list[str]:
+    out = ["\n\n## Duplicates\n"]
+    near = stats["dedup"]["near_dedup"]
+    out.append(
+        f"Near-duplicate threshold (LSH): Jaccard ≈ {near['jaccard_threshold']}; connected components "
+        f"ran {near['cc_max_rounds']} large/small-star rounds, unconverged edges: {near['cc_unconverged_edges']}.\n"
+    )
+    rows = []
+    for stage in ("exact_dedup", "near_dedup"):
+        d = stats["dedup"][stage]
+        rows.append([stage, d["clusters"], d["removed"], ", ".join(f"{k}: {v}" for k, v in d["cluster_sizes"].items())])
+    out.append(_table(["stage", "clusters", "removed", "cluster sizes"], rows))
+    if clusters.height:
+        largest_clusters = (
+            clusters.group_by("stage", "cluster_id").agg(pl.len().alias("members"))
+            .sort(["members", "cluster_id"], descending=[True, False]).head(10)
+        )
+        out.append("\n\nLargest clusters (the cluster id is the kept representative's document id):\n")
+        out.append(_table(["stage", "cluster id", "members"], [list(r) for r in largest_clusters.iter_rows()]))
+    return out
+
+
+def _kept_documents(documents: pl.DataFrame) -> list[str]:
+    out = ["\n\n## Kept documents\n"]
+    if not documents.height:
+        return out + ["No document was kept."]
+    lengths = (
+        documents.with_columns(pl.col("text").str.len_chars().alias("chars"))
+        .group_by("source", "kind")
+        .agg(pl.len().alias("docs"), pl.col("chars").median().alias("median chars"),
+             pl.col("chars").quantile(0.9).alias("p90 chars"))
+        .sort("source")
+    )
+    out.append(_table(["source", "kind", "docs", "median chars", "p90 chars"], [list(r) for r in lengths.iter_rows()]))
+    code = documents.filter(pl.col("kind") == "code")
+    if code.height:
+        languages = (
+            code.select(pl.col("metadata").struct.field("language").fill_null("unknown").alias("language"))
+            .group_by("language").agg(pl.len().alias("n")).sort(["n", "language"], descending=[True, False])
+        )
+        largest = int(languages["n"].max())
+        out.append("\n\nCode languages:\n")
+        out.append(_table(["language", "n", ""], [[lang, n, _bar(n, largest)] for lang, n in languages.iter_rows()]))
+    return out
 
 
 def render_report(directory: str) -> str:
@@ -123,46 +167,8 @@ def render_report(directory: str) -> str:
     else:
         out.append("None.")
 
-    out.append("\n\n## Duplicates\n")
-    near = stats["dedup"]["near_dedup"]
-    out.append(
-        f"Near-duplicate threshold (LSH): Jaccard ≈ {near['jaccard_threshold']}; connected components "
-        f"ran {near['cc_max_rounds']} large/small-star rounds, unconverged edges: {near['cc_unconverged_edges']}.\n"
-    )
-    rows = []
-    for stage in ("exact_dedup", "near_dedup"):
-        d = stats["dedup"][stage]
-        rows.append([stage, d["clusters"], d["removed"], ", ".join(f"{k}: {v}" for k, v in d["cluster_sizes"].items())])
-    out.append(_table(["stage", "clusters", "removed", "cluster sizes"], rows))
-    if clusters.height:
-        largest_clusters = (
-            clusters.group_by("stage", "cluster_id").agg(pl.len().alias("members"))
-            .sort(["members", "cluster_id"], descending=[True, False]).head(10)
-        )
-        out.append("\n\nLargest clusters (the cluster id is the kept representative's document id):\n")
-        out.append(_table(["stage", "cluster id", "members"], [list(r) for r in largest_clusters.iter_rows()]))
-
-    out.append("\n\n## Kept documents\n")
-    if documents.height:
-        lengths = (
-            documents.with_columns(pl.col("text").str.len_chars().alias("chars"))
-            .group_by("source", "kind")
-            .agg(pl.len().alias("docs"), pl.col("chars").median().alias("median chars"),
-                 pl.col("chars").quantile(0.9).alias("p90 chars"))
-            .sort("source")
-        )
-        out.append(_table(["source", "kind", "docs", "median chars", "p90 chars"], [list(r) for r in lengths.iter_rows()]))
-        code = documents.filter(pl.col("kind") == "code")
-        if code.height:
-            languages = (
-                code.select(pl.col("metadata").struct.field("language").fill_null("unknown").alias("language"))
-                .group_by("language").agg(pl.len().alias("n")).sort(["n", "language"], descending=[True, False])
-            )
-            largest = int(languages["n"].max())
-            out.append("\n\nCode languages:\n")
-            out.append(_table(["language", "n", ""], [[lang, n, _bar(n, largest)] for lang, n in languages.iter_rows()]))
-    else:
-        out.append("No document was kept.")
+    out += _duplicates(stats, clusters)
+    out += _kept_documents(documents)
     return "\n".join(out) + "\n"
 
 

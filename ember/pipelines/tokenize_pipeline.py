@@ -30,9 +30,10 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from ember.schemas import REJECTED_SCHEMA, Rejected
+from ember.configs import TokenizeConfigError
+from ember.schemas.documents import REJECTED_SCHEMA, reject_row
 from ember.schemas.shards import MANIFEST_FILENAME, Manifest, read_manifest, write_manifest
-from ember.tokenize.config import ConfigError, SourceConfig, TokenizeConfig, TokenizerConfig
+from ember.tokenize.config import ShardSource, TokenizeConfig, TokenizerConfig
 from ember.tokenize.packing import Segment, assemble, pack, window_count, window_of
 from ember.tokenize.shards import ShardRow, write_shard
 from ember.tokenize.shuffle import FeistelPermutation
@@ -50,7 +51,7 @@ class TokenizeDocuments(beam.DoFn):
 
     REJECTS = "rejects"
 
-    def __init__(self, tokenizer: TokenizerConfig, source: SourceConfig, batch_documents: int):
+    def __init__(self, tokenizer: TokenizerConfig, source: ShardSource, batch_documents: int):
         self._tokenizer_config = tokenizer
         self._source = source
         self._batch = batch_documents
@@ -63,7 +64,7 @@ class TokenizeDocuments(beam.DoFn):
 
     def _reject(self, document_id: str | None, reason: str, detail: str = "") -> beam.pvalue.TaggedOutput:
         self._rejected.inc()
-        row = Rejected(self._source.name, self._source.path, STAGE, reason, detail, document_id).to_row()
+        row = reject_row(self._source.name, self._source.path, STAGE, reason, detail, document_id)
         return beam.pvalue.TaggedOutput(self.REJECTS, row)
 
     def process(self, table) -> Iterator:
@@ -124,8 +125,8 @@ class PackWindow(beam.DoFn):
         for doc_id, group in itertools.groupby(sorted(lengths), key=lambda kv: kv[0]):
             docs.append(next(group))
             for _duplicate in group:
-                row = Rejected(source, self._source_paths[source], STAGE, "duplicate_document_id", "", doc_id)
-                yield beam.pvalue.TaggedOutput(self.REJECTS, row.to_row())
+                row = reject_row(source, self._source_paths[source], STAGE, "duplicate_document_id", "", doc_id)
+                yield beam.pvalue.TaggedOutput(self.REJECTS, row)
         packing = pack([n for _, n in docs], self._seq_len, self._strategy)
         for bin_index, pieces in enumerate(packing.bins):
             for slot, piece in enumerate(pieces):
@@ -300,7 +301,11 @@ def build(pipeline: beam.Pipeline, config: TokenizeConfig, tokenizer: Tokenizer)
         )
     )
     stats = packed[PackWindow.STATS] | "Stats per source" >> beam.CombinePerKey(_sum_stats)
-    all_rejects = rejects | "All rejects" >> beam.Flatten()
+    _rejects_and_manifest(pipeline, config, tokenizer, entries, stats, rejects | "All rejects" >> beam.Flatten())
+
+
+def _rejects_and_manifest(pipeline: beam.Pipeline, config: TokenizeConfig, tokenizer: Tokenizer, entries, stats, all_rejects) -> None:
+    """rejected.parquet, then - once every shard is written - the manifest."""
     reject_counts = (
         all_rejects
         | "Reject key" >> beam.Map(lambda r: ((r["source"], r["reason"]), 1))
@@ -346,7 +351,7 @@ def check_sources(config: TokenizeConfig) -> None:
             if missing:
                 problems.append(f"sources.{i}.path: {path} lacks Document columns {missing}")
     if problems:
-        raise ConfigError("input is not usable:\n  " + "\n  ".join(problems))
+        raise TokenizeConfigError("input is not usable:\n  " + "\n  ".join(problems))
 
 
 OWNED = ("shard-*.arrow", ".shard-*.tmp", MANIFEST_FILENAME, ".manifest.*.tmp", REJECTED_FILE, "beam-temp-*")
@@ -359,10 +364,10 @@ def prepare_output(directory: Path, overwrite: bool) -> None:
     if not present:
         return
     if not overwrite:
-        raise ConfigError(f"output_dir: {directory} is not empty ({present[:3]}...); pass --overwrite to replace it")
+        raise TokenizeConfigError(f"output_dir: {directory} is not empty ({present[:3]}...); pass --overwrite to replace it")
     foreign = [name for name in present if not any(fnmatch.fnmatch(name, pattern) for pattern in OWNED)]
     if foreign:
-        raise ConfigError(f"output_dir: {directory} holds files ember did not write, refusing to clear it: {foreign[:5]}")
+        raise TokenizeConfigError(f"output_dir: {directory} holds files ember did not write, refusing to clear it: {foreign[:5]}")
     (directory / MANIFEST_FILENAME).unlink(missing_ok=True)  # from here on it is not a finished set
     for name in present:
         path = directory / name

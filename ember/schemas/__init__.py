@@ -11,6 +11,7 @@ from ember.schemas.codec import (
     encode_train_batch,
 )
 from ember.schemas.documents import (
+    CLUSTER_SCHEMA,
     DOCUMENT_SCHEMA,
     REJECTED_SCHEMA,
     Document,
@@ -34,6 +35,7 @@ from ember.schemas.shards import PACKED_SEQUENCE_SCHEMA, Manifest, read_manifest
 from ember.schemas.versioning import conform
 
 __all__ = [
+    "CLUSTER_SCHEMA",
     "DOCUMENT_SCHEMA",
     "PACKED_SEQUENCE_SCHEMA",
     "REJECTED_SCHEMA",

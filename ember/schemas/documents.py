@@ -1,4 +1,6 @@
-"""Corpus rows: `Document` (a normalized input record) and `Rejected` (why one was dropped)."""
+"""Corpus rows: `Document` (a normalized input record), `Rejected` (why one was dropped) and
+`DuplicateCluster` (who a dedup stage grouped together), and where a corpus build keeps them.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from ember.schemas.versioning import versioned_schema
 
 DOCUMENT_SCHEMA_VERSION = 1
 REJECTED_SCHEMA_VERSION = 1
+CLUSTER_SCHEMA_VERSION = 1
 
 DocumentKind = Literal["code", "web"]
 DOCUMENT_KINDS: tuple[str, ...] = ("code", "web")
@@ -55,6 +58,24 @@ REJECTED_SCHEMA = versioned_schema(
         pa.field("detail", pa.string()),
     ],
 )
+
+CLUSTER_SCHEMA = versioned_schema(
+    "DuplicateCluster",
+    CLUSTER_SCHEMA_VERSION,
+    [
+        pa.field("document_id", pa.string(), nullable=False),
+        pa.field("source", pa.string(), nullable=False),
+        pa.field("location", pa.string(), nullable=False),
+        pa.field("stage", pa.string(), nullable=False),
+        pa.field("cluster_id", pa.string(), nullable=False),
+        pa.field("kept", pa.bool_(), nullable=False),
+    ],
+)
+
+# A corpus build's output directory, shared by the job that writes it and the report that reads it back.
+CORPUS_TABLES = {"documents": DOCUMENT_SCHEMA, "rejects": REJECTED_SCHEMA, "clusters": CLUSTER_SCHEMA}
+STATS_FILE = "stats.json"
+REPORT_FILE = "report.md"
 
 
 def normalize_for_hash(text: str) -> str:
@@ -151,6 +172,25 @@ class Rejected:
             "reason": self.reason,
             "detail": self.detail,
         }
+
+
+def reject_row(
+    source: str, location: str, stage: str, reason: str, detail: str = "", document_id: str | None = None
+) -> dict[str, object]:
+    """A `REJECTED_SCHEMA` row: the one way every stage of every pipeline says why a unit was dropped."""
+    return Rejected(source, location, stage, reason, detail, document_id).to_row()
+
+
+def cluster_row(row: dict, stage: str, cluster_id: str, kept: bool) -> dict[str, object]:
+    """A `CLUSTER_SCHEMA` row for one member (a corpus row with its `location`) of a duplicate cluster."""
+    return {
+        "document_id": row["id"],
+        "source": row["source"],
+        "location": row["location"],
+        "stage": stage,
+        "cluster_id": cluster_id,
+        "kept": kept,
+    }
 
 
 def documents_to_table(documents: list[Document]) -> pa.Table:

@@ -1,7 +1,7 @@
 """Typed configuration of `ember corpus tokenize`: tokenizer, sources, packing and shards.
 
 Every model forbids unknown keys so a typo fails loudly; `load_config` turns pydantic's errors into
-one `ConfigError` whose lines name the bad key by its dotted path (`sources.1.weight: ...`).
+one `TokenizeConfigError` whose lines name the bad key by its dotted path (`sources.1.weight: ...`).
 """
 
 from __future__ import annotations
@@ -14,10 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ember import configs
-
-
-class ConfigError(configs.ConfigError):
-    """A configuration file that cannot be used; the message names each bad key."""
+from ember.configs import TokenizeConfigError
 
 
 class TokenizerConfig(BaseModel):
@@ -45,7 +42,7 @@ class TokenizerConfig(BaseModel):
         return self
 
 
-class SourceConfig(BaseModel):
+class ShardSource(BaseModel):
     """One deduplicated Parquet input of `Document` rows and its share of the mixture."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -78,11 +75,11 @@ class TokenizeConfig(PackSettings):
     """The whole build: one config hash covers everything that changes the bytes of the shards."""
 
     output_dir: Path
-    sources: list[SourceConfig] = Field(min_length=1)
+    sources: list[ShardSource] = Field(min_length=1)
 
     @field_validator("sources")
     @classmethod
-    def _unique_sources(cls, sources: list[SourceConfig]) -> list[SourceConfig]:
+    def _unique_sources(cls, sources: list[ShardSource]) -> list[ShardSource]:
         return configs.unique_names(sources)
 
     def config_hash(self, tokenizer_hash: str) -> str:
@@ -94,13 +91,13 @@ class TokenizeConfig(PackSettings):
 
 
 def parse_config(data: object, where: str = "config") -> TokenizeConfig:
-    return configs.validate(TokenizeConfig, data, where, ConfigError)
+    return configs.validate(TokenizeConfig, data, where, TokenizeConfigError)
 
 
 def load_config(path: str | Path) -> TokenizeConfig:
     """Relative paths inside the file resolve against the file's own directory."""
     path = Path(path)
-    data = configs.read_yaml_mapping(path, ConfigError)
+    data = configs.read_yaml_mapping(path, TokenizeConfigError)
     config = parse_config(data, str(path))
     base = path.resolve().parent
     return config.model_copy(

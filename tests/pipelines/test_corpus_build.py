@@ -12,15 +12,15 @@ import yaml
 from rich.console import Console
 from typer.testing import CliRunner
 
+from ember.configs import CorpusConfigError
 from ember.dev import services
 from ember.demo import corpus_stage as demo_stage
 from ember.pipelines.cli import app
 from ember.pipelines.corpus_build import build_corpus
-from ember.pipelines.corpus_config import ConfigError, parse_config
-from ember.pipelines.corpus_pipeline import CLUSTER_SCHEMA
+from ember.pipelines.corpus_config import parse_config
 from ember.pipelines.corpus_report import read_stats
 from ember.demo.sample_corpus import SampleCorpus, write_sample_corpus
-from ember.schemas.documents import DOCUMENT_SCHEMA, REJECTED_SCHEMA
+from ember.schemas.documents import CLUSTER_SCHEMA, DOCUMENT_SCHEMA, REJECTED_SCHEMA
 from ember.schemas.versioning import schema_identity
 from ember.tokenize.shardset import verify_shard_set
 
@@ -184,9 +184,9 @@ def test_one_command_builds_a_verified_shard_set_identically_on_fnapi_and_flink(
 
 def test_tokenize_stage_config_errors_are_named(sample: SampleCorpus, tmp_path: Path) -> None:
     config = with_tokenize(sample.config(str(tmp_path)), tmp_path / "tokenizer.json")
-    with pytest.raises(ConfigError, match="tokenize.seq_len"):
+    with pytest.raises(CorpusConfigError, match="tokenize.seq_len"):
         parse_config({**config, "tokenize": {**config["tokenize"], "seq_len": 1}})
-    with pytest.raises(ConfigError, match="tokenize.output_dir: shard sets are written to a local"):
+    with pytest.raises(CorpusConfigError, match="tokenize.output_dir: shard sets are written to a local"):
         parse_config({**config, "tokenize": {**config["tokenize"], "output_dir": "gs://bucket/shards"}})
     with pytest.raises(Exception, match="tokenizer.json"):
         build_corpus(parse_config(config), ["--runner=FnApiRunner"])

@@ -6,13 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from ember.pipelines.corpus_config import ConfigError, check_inputs, load_config, parse_config
+from ember.configs import CorpusConfigError
+from ember.pipelines.corpus_config import check_inputs, load_config, parse_config
 
 BASE = {"sources": [{"name": "web", "kind": "web", "inputs": ["in/*.jsonl"]}], "output": {"directory": "out"}}
 
 
 def _error(data: dict) -> str:
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(CorpusConfigError) as info:
         parse_config(data)
     return str(info.value)
 
@@ -61,13 +62,13 @@ def test_load_resolves_paths_against_the_file(tmp_path: Path) -> None:
 
 
 def test_load_reports_missing_file_and_bad_yaml(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="cannot read the config file"):
+    with pytest.raises(CorpusConfigError, match="cannot read the config file"):
         load_config(str(tmp_path / "missing.yaml"))
     (tmp_path / "bad.yaml").write_text("sources: [unclosed\n")
-    with pytest.raises(ConfigError, match="not valid YAML"):
+    with pytest.raises(CorpusConfigError, match="not valid YAML"):
         load_config(str(tmp_path / "bad.yaml"))
     (tmp_path / "list.yaml").write_text("- a\n")
-    with pytest.raises(ConfigError, match="expected a mapping"):
+    with pytest.raises(CorpusConfigError, match="expected a mapping"):
         load_config(str(tmp_path / "list.yaml"))
 
 
@@ -77,7 +78,7 @@ def test_glob_matching_nothing_is_a_config_error_naming_it(tmp_path: Path) -> No
         "sources": [{"name": "w", "kind": "web", "inputs": [str(tmp_path / "*.jsonl"), str(tmp_path / "none/*.jsonl")]}],
         "output": {"directory": str(tmp_path / "out")},
     })
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(CorpusConfigError) as info:
         check_inputs(config)
     assert f"sources.0.inputs.1: '{tmp_path}/none/*.jsonl' matches no file" in str(info.value)
     assert "inputs.0" not in str(info.value)

@@ -10,16 +10,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import zstandard
 
-from ember.pipelines.corpus_config import SourceConfig
+from ember.pipelines.corpus_config import CorpusSource
 from ember.pipelines.corpus_io import read_file
 from ember.schemas.documents import content_hash, make_document_id
 
 
-def _source(fmt: str = "jsonl", **fields) -> SourceConfig:
-    return SourceConfig.model_validate({"name": "s", "kind": "code", "inputs": ["x"], "format": fmt, "fields": fields})
+def _source(fmt: str = "jsonl", **fields) -> CorpusSource:
+    return CorpusSource.model_validate({"name": "s", "kind": "code", "inputs": ["x"], "format": fmt, "fields": fields})
 
 
-def _outcomes(path: Path, source: SourceConfig) -> list[tuple[str, str]]:
+def _outcomes(path: Path, source: CorpusSource) -> list[tuple[str, str]]:
     """(location, 'doc' or reason) per input unit, in file order."""
     return [(r["location"], "doc") if r else (j["location"], j["reason"]) for r, j in read_file(str(path), source)]
 

@@ -10,14 +10,15 @@ import pyarrow.parquet as pq
 import pytest
 from apache_beam.testing.util import assert_that, equal_to
 
-from ember.pipelines.corpus_config import Dedup, SourceConfig
+from ember.pipelines.corpus_config import CorpusSource, Dedup, parse_config
 from ember.pipelines.corpus_io import record_to_row
-from ember.pipelines.corpus_pipeline import (
-    CLUSTERS, DOCUMENT_SCHEMA, REJECTS, STATS, ExactDedup, NearDedup, UniqueIds, WriteShards, node_key, rank_key, size_bin,
-)
+from ember.pipelines.corpus_outputs import WriteShards
+from ember.pipelines.corpus_pipeline import corpus_stages
+from ember.pipelines.corpus_stages import ExactDedup, NearDedup, StageOutput, UniqueIds, node_key, rank_key, size_bin, text_bytes
 from ember.demo.sample_corpus import near_duplicate, prose
+from ember.schemas.documents import DOCUMENT_SCHEMA
 
-CODE = SourceConfig.model_validate({"name": "code", "kind": "code", "inputs": ["x"], "fields": {
+CODE = CorpusSource.model_validate({"name": "code", "kind": "code", "inputs": ["x"], "fields": {
     "id": "id", "metadata": {"license": "license", "stars": "stars", "path": "path"}}})
 
 
@@ -37,6 +38,14 @@ def test_rank_key_orders_by_preference_then_id() -> None:
     assert rank_key(_row("x", "t"), Dedup(prefer=[])) == ""
 
 
+def test_the_graph_is_the_list_of_stages_the_config_asks_for() -> None:
+    with_ids = {"sources": [{"name": "code", "kind": "code", "inputs": ["x"], "fields": {"id": "id"}}], "output": {"directory": "o"}}
+    assert [s.label for s in corpus_stages(parse_config(with_ids))] == [
+        "ReadSources", "UniqueIds", "Filter", "Redact", "ExactDedup", "NearDedup"]
+    plain = {**with_ids, "sources": [{"name": "web", "kind": "web", "inputs": ["x"]}], "dedup": {"exact": False, "near": False}}
+    assert [s.label for s in corpus_stages(parse_config(plain))] == ["ReadSources", "Filter", "Redact"]
+
+
 def test_size_bins() -> None:
     assert [size_bin(n) for n in (2, 3, 4, 5, 8, 9, 100)] == ["2", "3-4", "3-4", "5-8", "5-8", "9-16", "65-128"]
 
@@ -47,13 +56,17 @@ def test_exact_dedup_keeps_the_preferred_copy_and_records_the_cluster() -> None:
             _row("other", "def other():\n    return 42\n", "mit", 1, 4)]
     with beam.Pipeline(runner="FnApiRunner") as p:
         out = p | beam.Create(rows) | ExactDedup(Dedup(), None)
-        assert_that(out.docs | beam.Map(lambda d: d["id"]), equal_to(["code:many", "code:other"]), label="docs")
-        assert_that(out[REJECTS] | beam.Map(lambda r: (r["document_id"], r["stage"], r["reason"], r["detail"])), equal_to([
+        assert isinstance(out, StageOutput)
+        assert_that(out.documents | beam.Map(lambda d: d["id"]), equal_to(["code:many", "code:other"]), label="docs")
+        assert_that(out.rejects | beam.Map(lambda r: (r["document_id"], r["stage"], r["reason"], r["detail"])), equal_to([
             ("code:few", "exact_dedup", "exact_duplicate", "cluster=code:many"),
             ("code:gpl", "exact_dedup", "exact_duplicate", "cluster=code:many")]), label="rejects")
-        assert_that(out[CLUSTERS] | beam.Map(lambda c: (c["document_id"], c["cluster_id"], c["kept"])), equal_to([
+        assert_that(out.clusters | beam.Map(lambda c: (c["document_id"], c["cluster_id"], c["kept"])), equal_to([
             ("code:few", "code:many", False), ("code:gpl", "code:many", False), ("code:many", "code:many", True)]), label="clusters")
-        assert_that(out[STATS], equal_to([(("*", "exact_dedup", "cluster_size.3-4"), 1), (("*", "exact_dedup", "clusters"), 1)]), label="stats")
+        kept_bytes = text_bytes(rows[2]) + text_bytes(rows[3])
+        assert_that(out.stats | beam.CombinePerKey(sum), equal_to([
+            (("*", "exact_dedup", "cluster_size.3-4"), 1), (("*", "exact_dedup", "clusters"), 1),
+            (("code", "exact_dedup", "docs_out"), 2), (("code", "exact_dedup", "bytes_out"), kept_bytes)]), label="stats")
 
 
 def test_near_dedup_clusters_planted_variants_and_keeps_the_representative() -> None:
@@ -78,10 +91,12 @@ def test_near_dedup_clusters_planted_variants_and_keeps_the_representative() -> 
 def test_unique_ids_keeps_one_row_per_id() -> None:
     rows = [_row("same", "a = 1", line=1), _row("same", "b = 2", line=2), _row("solo", "c = 3", line=3)]
     with beam.Pipeline(runner="FnApiRunner") as p:
-        docs, rejects = p | beam.Create(rows) | UniqueIds(frozenset({"code"}))
+        docs, rejects, clusters, stats = p | beam.Create(rows) | UniqueIds(frozenset({"code"}))
         kept_first = min(rows[:2], key=lambda r: r["content_hash"])
         assert_that(docs | beam.Map(lambda r: r["location"]), equal_to([kept_first["location"], "in.jsonl:line=3"]), label="docs")
         assert_that(rejects | beam.Map(lambda r: (r["stage"], r["reason"])), equal_to([("unique_ids", "duplicate_id")]), label="rejects")
+        assert_that(clusters, equal_to([]), label="clusters")
+        assert_that(stats, equal_to([]), label="stats")
 
 
 @pytest.mark.parametrize("per_shard", [2, 100])

@@ -12,9 +12,9 @@ import apache_beam
 import pytest
 import yaml
 
+from ember.configs import CorpusConfigError
 from ember.pipelines import flex_main
 from ember.pipelines.corpus_build import prepare_options
-from ember.pipelines.corpus_config import ConfigError
 from ember.pipelines.corpus_report import read_stats
 from ember.pipelines.runners import default_local_args, local_args, with_defaults
 from ember.demo.sample_corpus import write_sample_corpus
@@ -51,7 +51,7 @@ def test_complete_dataflow_options_pass() -> None:
 )
 def test_each_bad_dataflow_option_is_named(drop: str, replace: str | None, expected: str) -> None:
     args = [a for a in GOOD if a != drop] + ([replace] if replace else [])
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(CorpusConfigError) as info:
         prepare_options(args)
     assert expected in str(info.value)
 

@@ -196,14 +196,14 @@ def test_bad_input_gives_a_clear_error(corpus, tmp_path):
 
 def test_overwrite_clears_only_a_previous_build(tmp_path):
     from ember.pipelines.tokenize_pipeline import prepare_output
-    from ember.tokenize.config import ConfigError
+    from ember.configs import TokenizeConfigError
 
     for name in ("manifest.json", "shard-000000.arrow", "rejected.parquet"):
         (tmp_path / name).write_text("old")
-    with pytest.raises(ConfigError, match="not empty"):
+    with pytest.raises(TokenizeConfigError, match="not empty"):
         prepare_output(tmp_path, overwrite=False)
     (tmp_path / "notes.txt").write_text("mine")
-    with pytest.raises(ConfigError, match=r"did not write, refusing to clear it: \['notes.txt'\]"):
+    with pytest.raises(TokenizeConfigError, match=r"did not write, refusing to clear it: \['notes.txt'\]"):
         prepare_output(tmp_path, overwrite=True)
     assert (tmp_path / "manifest.json").exists()  # nothing was removed
     (tmp_path / "notes.txt").unlink()

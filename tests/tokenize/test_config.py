@@ -1,6 +1,7 @@
 import pytest
 
-from ember.tokenize.config import ConfigError, load_config, parse_config
+from ember.configs import TokenizeConfigError
+from ember.tokenize.config import load_config, parse_config
 
 VALID = {
     "output_dir": "out",
@@ -27,7 +28,7 @@ def with_(**changes):
     ],
 )
 def test_bad_keys_are_named(data, named):
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(TokenizeConfigError) as info:
         parse_config(data)
     assert named in str(info.value)
 
@@ -51,8 +52,8 @@ def test_config_hash_ignores_the_output_dir_but_not_packing():
 
 
 def test_unreadable_config_files(tmp_path):
-    with pytest.raises(ConfigError, match="no such config file"):
+    with pytest.raises(TokenizeConfigError, match="no such config file"):
         load_config(tmp_path / "missing.yaml")
     (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
-    with pytest.raises(ConfigError, match="expected a mapping"):
+    with pytest.raises(TokenizeConfigError, match="expected a mapping"):
         load_config(tmp_path / "list.yaml")

@@ -1,0 +1,215 @@
+"""What a corpus build writes under `output.directory`, from the stages' flattened `StageOutput`:
+
+  documents/<source>/part-SSSSS-of-NNNNN.parquet  kept rows (DOCUMENT_SCHEMA), zstd, sorted by id
+  rejects/part-...parquet                         REJECTED_SCHEMA, sorted by (source, location, stage)
+  clusters/part-...parquet                        CLUSTER_SCHEMA: every member of every duplicate cluster
+  stats.json                                      per-source, per-stage counts (see `assemble_stats`)
+
+Shard assignment hashes the row key and shard counts follow the row counts, so a rerun on the same
+input writes byte-identical files on any runner.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import apache_beam as beam
+import pyarrow as pa
+from apache_beam.io.filesystem import CompressionTypes
+from apache_beam.io.filesystems import FileSystems
+from apache_beam.pvalue import AsDict
+
+from ember.pipelines.corpus_config import CorpusConfig
+from ember.pipelines.corpus_io import READ_STAGE, Row, write_parquet
+from ember.pipelines.corpus_stages import ALL_SOURCES, CorpusFn, Event, StageOutput, document_events
+from ember.schemas.documents import CLUSTER_SCHEMA, CORPUS_TABLES, DOCUMENT_SCHEMA, REJECTED_SCHEMA, REPORT_FILE, STATS_FILE
+
+STATS_SCHEMA = "ember.corpus_stats"
+STATS_VERSION = 1
+DEDUP_STAGES = ("exact_dedup", "near_dedup")
+
+
+def stable_shard(key: str, shards: int) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest(), "little") % shards
+
+
+class WriteShard(CorpusFn):
+    """(path, rows) -> that one Parquet file, its rows sorted by `sort_fields`."""
+
+    STAGE = "write"
+
+    def __init__(self, schema: pa.Schema, sort_fields: tuple[str, ...], progress_dir: str | None):
+        super().__init__(progress_dir)
+        self._schema = schema
+        self._sort_fields = sort_fields
+
+    def process(self, element: tuple[str, Iterable[Row]]) -> Iterator[str]:
+        path, rows = element
+        ordered = sorted(rows, key=lambda r: tuple(r.get(f) or "" for f in self._sort_fields))
+        write_parquet(path, ordered, self._schema)
+        self.advance(len(ordered))
+        yield path
+
+
+def _shard_path(row: Row, counts: dict[str, int], prefix: str, group_field: str | None, key_field: str, per_shard: int) -> tuple[str, Row]:
+    group = row[group_field] if group_field else ""
+    shards = max(1, math.ceil(counts[group] / per_shard))
+    shard = stable_shard(f"{row[key_field]}\x00{row.get('location', '')}", shards)
+    folder = f"{prefix}/{group}" if group_field else prefix
+    return f"{folder}/part-{shard:05d}-of-{shards:05d}.parquet", row
+
+
+class WriteShards(beam.PTransform):
+    """Rows -> `prefix[/group]/part-SSSSS-of-NNNNN.parquet`, shard count from the group's row count."""
+
+    def __init__(self, prefix: str, schema: pa.Schema, group_field: str | None, key_field: str,
+                 sort_fields: tuple[str, ...], rows_per_shard: int, progress_dir: str | None):
+        super().__init__()
+        self._args = (prefix, group_field, key_field, rows_per_shard)
+        self._fn = WriteShard(schema, sort_fields, progress_dir)
+
+    def expand(self, rows):
+        prefix, group_field, key_field, per_shard = self._args
+        counts = (
+            rows
+            | "Group" >> beam.Map(lambda r: (r[group_field] if group_field else "", 1))
+            | "Count" >> beam.CombinePerKey(sum)
+        )
+        return (
+            rows
+            | "AssignShard" >> beam.Map(_shard_path, AsDict(counts), prefix, group_field, key_field, per_shard)
+            | "GroupShard" >> beam.GroupByKey()
+            | "Write" >> beam.ParDo(self._fn)
+        )
+
+
+def _empty_stats(config: CorpusConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    sources = {
+        s.name: {"kind": s.kind, "weight": s.weight, "docs_in": 0, "bytes_in": 0, "kept": 0, "bytes_kept": 0,
+                 "stages": {}, "rejected": {}, "redactions": {}}
+        for s in config.sources
+    }
+    dedup = {stage: {"clusters": 0, "removed": 0, "cluster_sizes": {}} for stage in DEDUP_STAGES}
+    dedup["near_dedup"].update(cc_max_rounds=config.dedup.max_cc_rounds, cc_unconverged_edges=0,
+                               jaccard_threshold=round(config.dedup.threshold, 4))
+    return sources, dedup
+
+
+def _add_event(sources: dict[str, Any], dedup: dict[str, Any], key: tuple[str, str, str], value: int) -> None:
+    source, stage, metric = key
+    if source == ALL_SOURCES:
+        if metric.startswith("cluster_size."):
+            dedup[stage]["cluster_sizes"][metric.split(".", 1)[1]] = value
+        else:
+            dedup[stage][metric] = value
+        return
+    entry = sources[source]
+    if metric.startswith("rejected."):
+        reason = metric.split(".", 1)[1]
+        entry["stages"].setdefault(stage, {}).setdefault("rejected", {})[reason] = value
+        entry["rejected"][f"{stage}:{reason}"] = value
+        entry["docs_in"] += value if stage == READ_STAGE else 0
+        if stage in dedup:
+            dedup[stage]["removed"] += value
+    elif metric.startswith("redactions."):
+        entry["redactions"][metric.split(".", 1)[1]] = value
+    else:
+        entry["stages"].setdefault(stage, {})[metric] = value
+
+
+def _finish_source(entry: dict[str, Any]) -> None:
+    read = entry["stages"].get(READ_STAGE, {})
+    entry["docs_in"] += read.get("docs_out", 0)
+    entry["bytes_in"] = read.get("bytes_out", 0)
+    final = entry["stages"].get("output", {})
+    entry["kept"] = final.get("docs_out", 0)
+    entry["bytes_kept"] = final.get("bytes_out", 0)
+    entry["rejected_total"] = sum(entry["rejected"].values())
+    entry["balanced"] = entry["docs_in"] == entry["kept"] + entry["rejected_total"]
+
+
+def _totals(sources: dict[str, Any]) -> dict[str, Any]:
+    rejected_by_reason: dict[str, int] = {}
+    redactions: dict[str, int] = {}
+    for entry in sources.values():
+        for reason, n in entry["rejected"].items():
+            rejected_by_reason[reason] = rejected_by_reason.get(reason, 0) + n
+        for kind, n in entry["redactions"].items():
+            redactions[kind] = redactions.get(kind, 0) + n
+    totals = {
+        "docs_in": sum(e["docs_in"] for e in sources.values()),
+        "bytes_in": sum(e["bytes_in"] for e in sources.values()),
+        "kept": sum(e["kept"] for e in sources.values()),
+        "bytes_kept": sum(e["bytes_kept"] for e in sources.values()),
+        "rejected": sum(e["rejected_total"] for e in sources.values()),
+        "rejected_by_reason": dict(sorted(rejected_by_reason.items())),
+        "redactions": redactions,
+    }
+    totals["balanced"] = totals["docs_in"] == totals["kept"] + totals["rejected"]
+    return totals
+
+
+def assemble_stats(pairs: Iterable[Event], config: CorpusConfig) -> dict[str, Any]:
+    """stats.json from summed ((source, stage, metric), value) events: per source, per stage, and totals."""
+    sources, dedup = _empty_stats(config)
+    for key, value in sorted(pairs):
+        _add_event(sources, dedup, key, value)
+    for entry in sources.values():
+        _finish_source(entry)
+    for stage in dedup.values():
+        stage["cluster_sizes"] = dict(sorted(stage["cluster_sizes"].items(), key=lambda kv: int(kv[0].split("-")[0])))
+    return {"schema": STATS_SCHEMA, "version": STATS_VERSION, "totals": _totals(sources), "sources": sources, "dedup": dedup}
+
+
+def _reject_event(row: Row) -> Event:
+    return (row["source"], row["stage"], f"rejected.{row['reason']}"), 1
+
+
+def _write_stats(pairs: list[Event], path: str, config: CorpusConfig) -> str:
+    stats = assemble_stats(pairs, config)
+    with FileSystems.create(path, compression_type=CompressionTypes.UNCOMPRESSED) as out:
+        out.write(json.dumps(stats, indent=2, sort_keys=False).encode("utf-8") + b"\n")
+    return path
+
+
+def write_outputs(outputs: StageOutput, config: CorpusConfig, progress_dir: str | None) -> None:
+    """The three Parquet outputs and stats.json; kept documents count as stage `output`, rejects by reason."""
+    out = config.output.directory.rstrip("/")
+    per_shard = config.output.rows_per_shard
+    _ = outputs.documents | "WriteDocuments" >> WriteShards(
+        f"{out}/documents", DOCUMENT_SCHEMA, "source", "id", ("id", "location"), per_shard, progress_dir
+    )
+    _ = outputs.rejects | "WriteRejects" >> WriteShards(
+        f"{out}/rejects", REJECTED_SCHEMA, None, "location",
+        ("source", "location", "stage", "reason", "document_id"), per_shard, progress_dir,
+    )
+    _ = outputs.clusters | "WriteClusters" >> WriteShards(
+        f"{out}/clusters", CLUSTER_SCHEMA, None, "document_id",
+        ("cluster_id", "stage", "document_id", "location"), per_shard, progress_dir,
+    )
+    events = (
+        outputs.stats,
+        outputs.documents | "OutputEvents" >> beam.FlatMap(document_events, "output"),
+        outputs.rejects | "RejectEvents" >> beam.Map(_reject_event),
+    )
+    _ = (
+        events
+        | "AllEvents" >> beam.Flatten()
+        | "SumEvents" >> beam.CombinePerKey(sum)
+        | "CollectEvents" >> beam.combiners.ToList()
+        | "WriteStats" >> beam.Map(_write_stats, f"{out}/{STATS_FILE}", config)
+    )
+
+
+def clear_outputs(directory: str) -> None:
+    """Remove what a previous build wrote, so stale shards never mix with a rerun's."""
+    directory = directory.rstrip("/")
+    patterns = [f"{directory}/{d}/**" for d in CORPUS_TABLES] + [f"{directory}/{STATS_FILE}", f"{directory}/{REPORT_FILE}"]
+    for result in FileSystems.match(patterns):
+        paths = [m.path for m in result.metadata_list]
+        if paths:
+            FileSystems.delete(paths)

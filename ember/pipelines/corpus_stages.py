@@ -1,0 +1,430 @@
+"""The stages of `ember corpus build`, each a composite transform with one output shape, `StageOutput`.
+
+A stage takes document rows and returns the rows it keeps plus its rejects, duplicate-cluster rows
+and stats events, so every document that enters leaves as exactly one kept row or one reject with its
+stage and reason. `CorpusFn`, the base of the stages' DoFns, owns the live-progress counters and the
+shape of those tagged outputs; each subclass holds only its decision.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+import apache_beam as beam
+from apache_beam.io.filesystems import FileSystems
+from apache_beam.pvalue import PCollection, TaggedOutput
+
+from ember.pipelines import minhash
+from ember.pipelines.code_filters import check_code
+from ember.pipelines.components import ConnectedComponents, Unconverged
+from ember.pipelines.corpus_config import CorpusSource, Dedup, Filters, Redaction
+from ember.pipelines.corpus_io import READ_STAGE, Row, read_file
+from ember.pipelines.progress import ProgressWriter
+from ember.pipelines.redaction import redact
+from ember.pipelines.web_filters import WebFilterStack
+from ember.schemas.documents import cluster_row, content_hash, reject_row
+
+ALL_SOURCES = "*"
+REJECTS = "rejects"
+CLUSTERS = "clusters"
+STATS = "stats"
+
+_STARS_WIDTH = 18
+_LENGTH_WIDTH = 15
+
+Event = tuple[tuple[str, str, str], int]
+
+
+class StageOutput(NamedTuple):
+    """What every corpus stage returns: four PCollections, an empty one where the stage has none."""
+
+    documents: PCollection
+    rejects: PCollection
+    clusters: PCollection
+    stats: PCollection  # ((source, stage, metric), value) events, summed into stats.json
+
+
+def _one(pipeline: beam.Pipeline, label: str, parts: Sequence[PCollection]) -> PCollection:
+    if len(parts) == 1:
+        return parts[0]
+    if not parts:
+        return pipeline | f"No{label}" >> beam.Create([])
+    return parts | label >> beam.Flatten()
+
+
+def stage_output(
+    documents: PCollection,
+    rejects: Sequence[PCollection] = (),
+    clusters: Sequence[PCollection] = (),
+    stats: Sequence[PCollection] = (),
+) -> StageOutput:
+    """A stage's outputs as one `StageOutput`: several PCollections of a kind are flattened, none is empty."""
+    p = documents.pipeline
+    return StageOutput(documents, _one(p, "Rejects", rejects), _one(p, "Clusters", clusters), _one(p, "Stats", stats))
+
+
+def text_bytes(row: Row) -> int:
+    return len(row["text"].encode("utf-8"))
+
+
+def document_events(row: Row, stage: str) -> Iterator[Event]:
+    """The per-stage counts of stats.json: documents and bytes that leave `stage`."""
+    yield (row["source"], stage, "docs_out"), 1
+    yield (row["source"], stage, "bytes_out"), text_bytes(row)
+
+
+def count_documents(documents: PCollection, stage: str) -> PCollection:
+    return documents | "Count" >> beam.FlatMap(document_events, stage)
+
+
+class CorpusFn(beam.DoFn):
+    """Base of the corpus DoFns: progress counters and the tagged reject, cluster and stats outputs."""
+
+    STAGE = ""
+
+    def __init__(self, progress_dir: str | None = None):
+        self._progress_dir = progress_dir
+
+    def setup(self) -> None:
+        self._progress = ProgressWriter(self._progress_dir)
+
+    def finish_bundle(self) -> None:
+        self._progress.flush()
+
+    def advance(self, n: int = 1) -> None:
+        self._progress.add(self.STAGE, n)
+
+    def reject(self, row: Row, reason: str, detail: str = "") -> TaggedOutput:
+        return TaggedOutput(REJECTS, reject_row(row["source"], row["location"], self.STAGE, reason, detail, row["id"]))
+
+    def cluster(self, row: Row, cluster_id: str, kept: bool) -> TaggedOutput:
+        return TaggedOutput(CLUSTERS, cluster_row(row, self.STAGE, cluster_id, kept))
+
+    def stat(self, source: str, metric: str, value: int = 1) -> TaggedOutput:
+        return TaggedOutput(STATS, ((source, self.STAGE, metric), value))
+
+
+# ---------------------------------------------------------------- read
+
+
+class ExpandInputs(beam.DoFn):
+    """(source, glob) -> (source, path) for every matched file, in sorted order."""
+
+    def process(self, element: tuple[str, str]) -> Iterator[tuple[str, str]]:
+        source, pattern = element
+        for path in sorted(m.path for m in FileSystems.match([pattern])[0].metadata_list):
+            yield source, path
+
+
+class ReadFiles(CorpusFn):
+    """(source, path) -> document rows; every malformed unit goes to the rejects output."""
+
+    STAGE = READ_STAGE
+
+    def __init__(self, sources: dict[str, CorpusSource], progress_dir: str | None):
+        super().__init__(progress_dir)
+        self._sources = sources
+
+    def process(self, element: tuple[str, str]) -> Iterator[Any]:
+        source, path = element
+        for row, rejected in read_file(path, self._sources[source]):
+            self.advance()
+            yield row if row is not None else TaggedOutput(REJECTS, rejected)
+
+
+class ReadSources(beam.PTransform):
+    """The pipeline's root: every file of every source's globs, spread over the workers and read."""
+
+    def __init__(self, sources: list[CorpusSource], progress_dir: str | None):
+        super().__init__()
+        self._sources = sources
+        self._progress_dir = progress_dir
+
+    def expand(self, root) -> StageOutput:
+        read = (
+            root
+            | "Globs" >> beam.Create([(s.name, g) for s in self._sources for g in s.inputs])
+            | "ExpandGlobs" >> beam.ParDo(ExpandInputs())
+            | "SpreadFiles" >> beam.Reshuffle()
+            | "Read" >> beam.ParDo(ReadFiles({s.name: s for s in self._sources}, self._progress_dir)).with_outputs(
+                REJECTS, main="docs"
+            )
+        )
+        return stage_output(read.docs, rejects=[read[REJECTS]], stats=[count_documents(read.docs, READ_STAGE)])
+
+
+class KeepFirstId(CorpusFn):
+    """All rows sharing an id: the first by (content hash, location) keeps it, the others are rejected."""
+
+    STAGE = "unique_ids"
+
+    def process(self, element: tuple[str, Iterable[Row]]) -> Iterator[Any]:
+        _, rows = element
+        ordered = sorted(rows, key=lambda r: (r["content_hash"], r["location"]))
+        yield ordered[0]
+        for row in ordered[1:]:
+            yield self.reject(row, "duplicate_id", f"id already used by {ordered[0]['location']}")
+
+
+class UniqueIds(beam.PTransform):
+    """Ids taken from a record field may repeat; ids made from content cannot, so only the former are checked."""
+
+    def __init__(self, id_sources: frozenset[str]):
+        super().__init__()
+        self._id_sources = id_sources
+
+    def expand(self, docs) -> StageOutput:
+        id_sources = self._id_sources
+        mapped = docs | "FromIdField" >> beam.Filter(lambda r: r["source"] in id_sources)
+        others = docs | "ContentIds" >> beam.Filter(lambda r: r["source"] not in id_sources)
+        checked = (
+            mapped
+            | "ById" >> beam.Map(lambda r: (r["id"], r))
+            | "GroupById" >> beam.GroupByKey()
+            | "KeepFirst" >> beam.ParDo(KeepFirstId()).with_outputs(REJECTS, main="docs")
+        )
+        return stage_output((checked.docs, others) | "Merge" >> beam.Flatten(), rejects=[checked[REJECTS]])
+
+
+# ---------------------------------------------------------------- filter + redact
+
+
+class FilterDocuments(CorpusFn):
+    """datatrove's web filters (built once per worker in setup) or the code heuristics, by document kind."""
+
+    STAGE = "filter"
+
+    def __init__(self, filters: Filters, progress_dir: str | None):
+        super().__init__(progress_dir)
+        self._filters = filters
+
+    def setup(self) -> None:
+        super().setup()
+        self._web = WebFilterStack(self._filters.web)
+
+    def process(self, row: Row) -> Iterator[Any]:
+        self.advance()
+        if row["kind"] == "web":
+            text, reason, detail = self._web.apply(row["text"])
+            row = {**row, "text": text}
+        else:
+            reason, detail = check_code(row["text"], row["metadata"] or {}, self._filters.code)
+        yield self.reject(row, reason, detail) if reason else row
+
+
+class RedactDocuments(CorpusFn):
+    """Typed placeholders for secrets/PII, counts per type on the stats output; the content hash is
+    recomputed here because filters (C4's line removal) and redaction both change the text."""
+
+    STAGE = "redact"
+
+    def __init__(self, redaction: Redaction, progress_dir: str | None):
+        super().__init__(progress_dir)
+        self._redaction = redaction
+
+    def process(self, row: Row) -> Iterator[Any]:
+        self.advance()
+        text = row["text"]
+        if self._redaction.enabled:
+            text, counts = redact(text, self._redaction)
+            for kind, n in counts.items():
+                yield self.stat(row["source"], f"redactions.{kind}", n)
+            if counts:
+                yield self.stat(row["source"], "docs_redacted")
+        yield {**row, "text": text, "content_hash": content_hash(text)}
+
+
+class PerDocument(beam.PTransform):
+    """A stage that decides each document on its own (filter, redact): one `CorpusFn` over the rows.
+
+    `counted` adds the stage's docs_out/bytes_out to stats.json, as the report's per-stage table shows.
+    """
+
+    def __init__(self, fn: CorpusFn, counted: bool):
+        super().__init__(label=fn.STAGE.title())
+        self._fn = fn
+        self._counted = counted
+
+    def expand(self, docs) -> StageOutput:
+        out = docs | self.label >> beam.ParDo(self._fn).with_outputs(REJECTS, STATS, main="docs")
+        stats = [out[STATS], count_documents(out.docs, self._fn.STAGE)] if self._counted else [out[STATS]]
+        return stage_output(out.docs, rejects=[out[REJECTS]], stats=stats)
+
+
+# ---------------------------------------------------------------- dedup
+
+
+def rank_key(row: Row, dedup: Dedup) -> str:
+    """Sorts a cluster's preferred representative first: `dedup.prefer` in order, then the smallest id.
+
+    Fixed-width fields, so plain string order is preference order for every kind of document.
+    """
+    metadata = row["metadata"] or {}
+    parts = []
+    for preference in dedup.prefer:
+        if preference == "permissive_license":
+            parts.append("0" if (metadata.get("license") or "") in dedup.permissive_licenses else "1")
+        elif preference == "stars":
+            stars = min(max(int(metadata.get("stars") or 0), 0), 10**_STARS_WIDTH - 1)
+            parts.append(f"{10**_STARS_WIDTH - 1 - stars:0{_STARS_WIDTH}d}")
+        else:  # longest
+            parts.append(f"{10**_LENGTH_WIDTH - 1 - min(len(row['text']), 10**_LENGTH_WIDTH - 1):0{_LENGTH_WIDTH}d}")
+    return "".join(parts)
+
+
+def node_key(row: Row, dedup: Dedup) -> str:
+    """A unique graph node per document whose order is representative order (location breaks id ties)."""
+    return f"{rank_key(row, dedup)}\x00{row['id']}\x00{row['location']}"
+
+
+def node_document_id(node: str) -> str:
+    return node.split("\x00")[1]
+
+
+def size_bin(size: int) -> str:
+    """Cluster-size histogram bins: 2, 3-4, 5-8, 9-16, ..."""
+    if size <= 2:
+        return "2"
+    upper = 1 << math.ceil(math.log2(size))
+    return f"{upper // 2 + 1}-{upper}"
+
+
+class ResolveCluster(CorpusFn):
+    """A dedup stage's verdicts: a duplicate is rejected into its cluster, a representative records it."""
+
+    REASON = ""
+
+    def duplicate(self, row: Row, cluster_id: str) -> Iterator[TaggedOutput]:
+        yield self.reject(row, self.REASON, f"cluster={cluster_id}")
+        yield self.cluster(row, cluster_id, False)
+
+    def representative(self, row: Row, size: int) -> Iterator[TaggedOutput]:
+        yield self.cluster(row, row["id"], True)
+        yield self.stat(ALL_SOURCES, "clusters")
+        yield self.stat(ALL_SOURCES, f"cluster_size.{size_bin(size)}")
+
+
+class ResolveExact(ResolveCluster):
+    STAGE = "exact_dedup"
+    REASON = "exact_duplicate"
+
+    def __init__(self, dedup: Dedup, progress_dir: str | None):
+        super().__init__(progress_dir)
+        self._dedup = dedup
+
+    def process(self, element: tuple[str, Iterable[Row]]) -> Iterator[Any]:
+        _, rows = element
+        best_key, best = min(((node_key(r, self._dedup), r) for r in rows), key=lambda kv: kv[0])
+        size = 0
+        for row in rows:  # a second pass: Beam's grouped values are re-iterable (paged on Dataflow/Flink)
+            size += 1
+            if node_key(row, self._dedup) != best_key:
+                yield from self.duplicate(row, best["id"])
+        self.advance(size)
+        if size > 1:
+            yield from self.representative(best, size)
+        yield best
+
+
+class ExactDedup(beam.PTransform):
+    """Group by normalized content hash; the preferred member of each group survives."""
+
+    def __init__(self, dedup: Dedup, progress_dir: str | None):
+        super().__init__()
+        self._fn = ResolveExact(dedup, progress_dir)
+
+    def expand(self, docs) -> StageOutput:
+        resolved = (
+            docs
+            | "ByContentHash" >> beam.Map(lambda r: (r["content_hash"], r))
+            | "GroupByHash" >> beam.GroupByKey()
+            | "Resolve" >> beam.ParDo(self._fn).with_outputs(REJECTS, CLUSTERS, STATS, main="docs")
+        )
+        return stage_output(
+            resolved.docs,
+            rejects=[resolved[REJECTS]],
+            clusters=[resolved[CLUSTERS]],
+            stats=[resolved[STATS], count_documents(resolved.docs, "exact_dedup")],
+        )
+
+
+class BandKeys(beam.DoFn):
+    """Document row -> (LSH bucket key, node) for each band; documents shorter than one n-gram get none."""
+
+    def __init__(self, dedup: Dedup):
+        self._dedup = dedup
+
+    def process(self, row: Row) -> Iterator[tuple[bytes, str]]:
+        d = self._dedup
+        hashes = minhash.shingles(row["text"], d.n_grams, d.shingle)
+        if hashes.size == 0:
+            return
+        sig = minhash.signature(hashes, d.bands * d.rows_per_band, d.seed)
+        node = node_key(row, d)
+        for key in minhash.band_keys(sig, d.bands, d.rows_per_band):
+            yield key, node
+
+
+def bucket_edges(element: tuple[bytes, Iterable[str]]) -> Iterator[tuple[str, str]]:
+    """A bucket's members as a star around its smallest node: k - 1 edges, never k^2."""
+    _, nodes = element
+    distinct = set(nodes)
+    if len(distinct) < 2:
+        return
+    smallest = min(distinct)
+    for node in sorted(distinct):
+        if node != smallest:
+            yield node, smallest
+
+
+class ResolveNear(ResolveCluster):
+    STAGE = "near_dedup"
+    REASON = "near_duplicate"
+
+    def process(self, element: tuple[str, dict[str, list]]) -> Iterator[Any]:
+        _, sides = element
+        parents, members = sides["parent"], sides["members"]
+        for row in sides["doc"]:
+            self.advance()
+            if parents:
+                yield from self.duplicate(row, node_document_id(parents[0]))
+                continue
+            if members:
+                yield from self.representative(row, sum(members) + 1)
+            yield row
+
+
+class NearDedup(beam.PTransform):
+    """MinHash LSH buckets -> star edges -> distributed connected components -> keep each component's root."""
+
+    def __init__(self, dedup: Dedup, progress_dir: str | None):
+        super().__init__()
+        self._dedup = dedup
+        self._progress_dir = progress_dir
+
+    def expand(self, docs) -> StageOutput:
+        dedup = self._dedup
+        keyed = docs | "ByNode" >> beam.Map(lambda r: (node_key(r, dedup), r))
+        edges = (
+            docs
+            | "BandKeys" >> beam.ParDo(BandKeys(dedup))
+            | "GroupBuckets" >> beam.GroupByKey()
+            | "BucketEdges" >> beam.FlatMap(bucket_edges)
+        )
+        labels = edges | "Components" >> ConnectedComponents(dedup.max_cc_rounds)
+        unconverged = (
+            labels
+            | "Unconverged" >> Unconverged()
+            | "UnconvergedStat" >> beam.Map(lambda n: ((ALL_SOURCES, ResolveNear.STAGE, "cc_unconverged_edges"), n))
+        )
+        members = labels | "CountMembers" >> beam.Map(lambda e: (e[1], 1)) | "SumMembers" >> beam.CombinePerKey(sum)
+        resolved = (
+            {"doc": keyed, "parent": labels, "members": members}
+            | "JoinLabels" >> beam.CoGroupByKey()
+            | "Resolve" >> beam.ParDo(ResolveNear(self._progress_dir)).with_outputs(REJECTS, CLUSTERS, STATS, main="docs")
+        )
+        return stage_output(
+            resolved.docs, rejects=[resolved[REJECTS]], clusters=[resolved[CLUSTERS]], stats=[resolved[STATS], unconverged]
+        )
