@@ -73,7 +73,7 @@ class TrainerSide(threading.Thread):
         self.done = threading.Event()
 
     def run(self) -> None:
-        with RolloutBatchReader(self.topic, group_id=f"{self.topic}-trainer", backend="numpy", idle_timeout_s=600) as reader:
+        with RolloutBatchReader(self.topic, group_id=f"{self.topic}-trainer", idle_timeout_s=600) as reader:
             for read in reader:
                 now = time.monotonic()
                 for rid in read.batch.rollout_ids:

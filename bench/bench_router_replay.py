@@ -2,9 +2,10 @@
 
 Measured: the routed experts' bytes per token on the wire (one Rollout, raw and zstd-compressed as the
 producers send it) and in the TrainBatch (encoded, and as the uint8 tensor the trainer gets); the
-decode time of a batch with and without them; and the RL step time (forward + backward + optimizer
-step of the megatron-core MoE on CPU) with router replay forcing the experts, with replay off (the
-experts only compared) and without experts in the batch. The model has the 61 x 256 x top-8 routing
+decode time of a batch (into the trainer's `RLBatch` tensors) with and without them; and the RL step
+time (forward + backward + optimizer step of the megatron-core MoE on CPU, on in-memory batches, no
+broker) with router replay forcing the experts, with replay off (the experts only compared) and
+without experts in the batch. The model has the 61 x 256 x top-8 routing
 shape but a tiny hidden size, so the step times show the replay overhead, not a real step's cost.
 Timing never decides pass/fail.
 
@@ -23,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
+from ember.midtrain.rl_batch import rl_batch
 from ember.rollouts.batching import ScoredRollout, build_train_batch
-from ember.rollouts.reader import batch_tensors
 from ember.rollouts.simulate import synthetic_rollout
 from ember.schemas import decode_train_batch, encode, encode_train_batch
 
@@ -66,14 +67,14 @@ def wire_and_batch(tokens: int, sequences: int, repeats: int):
 
     encoded = {flag: encode_train_batch(batch(flag)) for flag in (True, False)}
     in_batch = (len(encoded[True]) - len(encoded[False])) / (per_seq * sequences)
-    decode = {flag: median_s(lambda m=encoded[flag]: batch_tensors(decode_train_batch(m)), repeats * 5) for flag in (True, False)}
-    tensor_bytes = batch_tensors(decode_train_batch(encoded[True]))["routed_experts"].element_size() * LAYERS * TOP_K
+    decode = {flag: median_s(lambda m=encoded[flag]: rl_batch(decode_train_batch(m)), repeats * 5) for flag in (True, False)}
+    tensor_bytes = rl_batch(decode_train_batch(encoded[True])).routed_experts.element_size() * LAYERS * TOP_K
     return batch(True), wire, wire_zstd, in_batch, tensor_bytes, decode
 
 
 def step_times(batch, repeats: int) -> dict[str, float]:
-    from ember.midtrain.rl import RLTrainer
     from ember.midtrain.rl_config import parse_rl_config
+    from ember.midtrain.rl_trainer import RLTrainer
 
     root = Path(tempfile.mkdtemp(prefix="bench-replay-"))
     config = parse_rl_config(
@@ -89,16 +90,16 @@ def step_times(batch, repeats: int) -> dict[str, float]:
         root,
     )
     trainer = RLTrainer(config)
-    tensors = batch_tensors(batch)
-    no_experts = {k: v for k, v in tensors.items() if k != "routed_experts"}
+    with_experts = rl_batch(batch)
+    no_experts = with_experts.without_routed_experts()
     off = trainer.config.model_copy(update={"rl": trainer.config.rl.model_copy(update={"replay": "off"})})
     on = trainer.config
     results: dict[str, list[float]] = {"replay": [], "off (compare only)": [], "no experts in batch": []}
-    trainer.train_step(batch, tensors)  # warm-up
+    trainer.train_step(with_experts)  # warm-up
     for _ in range(repeats):
-        for name, cfg, t in (("replay", on, tensors), ("off (compare only)", off, tensors), ("no experts in batch", on, no_experts)):
+        for name, cfg, b in (("replay", on, with_experts), ("off (compare only)", off, with_experts), ("no experts in batch", on, no_experts)):
             trainer.config = cfg
-            record = trainer.train_step(batch, t)
+            record = trainer.train_step(b)
             results[name].append(record["step_seconds"])
             if name == "replay":
                 assert record["routing_disagreement"] == 0.0

@@ -101,7 +101,7 @@ def run(console: Console, prefix: str, rollouts: int, group_size: int, tokens: i
         for item in reader:
             read_ids.update(item.batch.rollout_ids)
             read_tokens += len(item.batch.tokens)
-            shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in list(item.tensors.items())[:3])
+            shapes = ", ".join(f"{k} {getattr(item.batch, k).shape}" for k in ("tokens", "loss_mask", "advantages"))
             reader.commit()
     rollout_messages = published.counts.get("rollouts", 0)
     accounted = sum(read_ids.values()) + sum(dropped.values())

@@ -25,13 +25,14 @@ from rich.console import Console
 from ember.demo import sampler as rl_sampler
 from ember.midtrain import rl_math
 from ember.rollouts.reader import RolloutBatchReader
+from ember.rollouts.topics import Topics
 
 
 def _shape(topic: str, group_id: str, batches: int) -> tuple[int, tuple[int, int, int] | None, bool]:
     """(largest token id, (MoE layers, top_k, largest expert id) or None, whether some token's
     top-k repeats an expert) over the first batches."""
     max_token, experts, repeats = 0, None, False
-    with RolloutBatchReader(topic, group_id=group_id, idle_timeout_s=10, backend="numpy") as reader:
+    with RolloutBatchReader(topic, group_id=group_id, idle_timeout_s=10) as reader:
         for i, read in enumerate(reader):
             max_token = max(max_token, int(read.batch.tokens.max()))
             routed = read.batch.routed_experts
@@ -48,7 +49,7 @@ def _shape(topic: str, group_id: str, batches: int) -> tuple[int, tuple[int, int
 
 def demo_config(topic_prefix: str, workdir: Path, steps: int) -> tuple[Path, str]:
     """The RL config for the batches, and why router replay is on or off."""
-    max_token, experts, repeats = _shape(f"{topic_prefix}.train-batches", f"{topic_prefix}-rl-demo-peek", steps)
+    max_token, experts, repeats = _shape(Topics(topic_prefix).train_batches, f"{topic_prefix}-rl-demo-peek", steps)
     layers, top_k, max_expert = experts or (2, 2, 3)
     num_experts = max(top_k, 2 ** math.ceil(math.log2(max_expert + 1)))
     config = {
@@ -109,7 +110,7 @@ def run(console: Console, workdir: Path, groups: int = 6, steps: int = 3) -> lis
 
 
 def run_demo_steps(console: Console, topic_prefix: str, workdir: Path, steps: int = 3) -> list[tuple[str, str]]:
-    """Trains up to `steps` RL steps on `<topic_prefix>.train-batches` and returns summary rows,
+    """Trains up to `steps` RL steps on the prefix's train-batches topic and returns summary rows,
     the mismatch metrics of every step among them."""
     config_path, replay_note = demo_config(topic_prefix, Path(workdir), steps)
     return _train(console, config_path, replay_note)
@@ -118,7 +119,7 @@ def run_demo_steps(console: Console, topic_prefix: str, workdir: Path, steps: in
 def _train(console: Console, config_path: Path, replay_note: str) -> list[tuple[str, str]]:
     config = yaml.safe_load(config_path.read_text())
     steps, topic_prefix = config["rl"]["steps"], config["rollouts"]["topic_prefix"]
-    with console.status(f"RL: {steps} megatron-core MoE steps on {topic_prefix}.train-batches..."):
+    with console.status(f"RL: {steps} megatron-core MoE steps on {Topics(topic_prefix).train_batches}..."):
         result = subprocess.run(
             [sys.executable, "-m", "ember.midtrain.rl", str(config_path)], capture_output=True, text=True, timeout=900
         )

@@ -149,12 +149,12 @@ def publish(prefix: str, rollouts: list[Rollout], rewards: list[Reward]) -> None
 def sample_and_publish(config_path: str | Path, groups: int, sigma: float, group_size: int = 4, new_tokens: int = 8) -> None:
     """Saves the initial policy (step 0 in the config's run_dir), then samples `groups` groups with
     router weights perturbed by `sigma` and publishes them with their rewards, as a fleet would."""
-    from ember.midtrain.rl import RLTrainer
     from ember.midtrain.rl_config import load_rl_config
+    from ember.midtrain.rl_trainer import RLTrainer
 
     config = load_rl_config(config_path)
     trainer = RLTrainer(config)
-    trainer.save({})
+    trainer.save()
     perturb_routers(trainer.model, sigma, seed=5)
     generator = torch.Generator().manual_seed(3)
     prefix = config.rollouts.topic_prefix

@@ -20,12 +20,13 @@ err = Console(stderr=True)
 
 def _load(config: Path, rl: bool = False):
     """The validated config, or its errors and exit code 2."""
-    from ember.midtrain.config import ConfigError, load_config
+    from ember.configs import MidtrainConfigError
+    from ember.midtrain.config import load_config
     from ember.midtrain.rl_config import load_rl_config
 
     try:
         return (load_rl_config if rl else load_config)(config)
-    except ConfigError as exc:
+    except MidtrainConfigError as exc:
         err.print(f"[red]{exc}[/red]", highlight=False)
         raise typer.Exit(2)
 

@@ -13,10 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ember import configs
-
-
-class ConfigError(configs.ConfigError):
-    """The config file is unreadable or invalid; the message names each bad key."""
+from ember.configs import MidtrainConfigError
 
 
 class _Section(BaseModel):
@@ -203,10 +200,10 @@ def _resolve(data: dict, base: Path) -> dict:
 
 
 def parse_config(data: dict, base: Path, where: str = "config") -> MidtrainConfig:
-    return configs.validate(MidtrainConfig, _resolve(data, base), where, ConfigError)
+    return configs.validate(MidtrainConfig, _resolve(data, base), where, MidtrainConfigError)
 
 
 def load_config(path: str | Path) -> MidtrainConfig:
     path = Path(path)
-    data = configs.read_yaml_mapping(path, ConfigError, sections="model, moe, data, ...")
+    data = configs.read_yaml_mapping(path, MidtrainConfigError, sections="model, moe, data, ...")
     return parse_config(data, path.resolve().parent, str(path))

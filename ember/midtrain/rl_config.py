@@ -13,7 +13,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ember import configs
-from ember.midtrain.config import ConfigError, ModelConfig, RunDirectory, MoEConfig, OptimizerConfig, ParallelConfig
+from ember.configs import MidtrainConfigError
+from ember.midtrain.config import ModelConfig, MoEConfig, OptimizerConfig, ParallelConfig, RunDirectory
+from ember.rollouts.topics import Topics
 
 
 class _Section(BaseModel):
@@ -29,12 +31,12 @@ class RolloutsConfig(_Section):
     )
 
     @property
-    def batches_topic(self) -> str:
-        return f"{self.topic_prefix}.train-batches"
+    def topics(self) -> Topics:
+        return Topics(self.topic_prefix)
 
     @property
-    def versions_topic(self) -> str:
-        return f"{self.topic_prefix}.policy-versions"
+    def batches_topic(self) -> str:
+        return self.topics.train_batches
 
 
 class RLSettings(_Section):
@@ -88,10 +90,10 @@ def parse_rl_config(data: dict, base: Path, where: str = "config") -> RLConfig:
     for key in ("run_dir", "init_checkpoint"):
         if isinstance(data.get(key), str):
             data[key] = str((base / data[key]).resolve())
-    return configs.validate(RLConfig, data, where, ConfigError)
+    return configs.validate(RLConfig, data, where, MidtrainConfigError)
 
 
 def load_rl_config(path: str | Path) -> RLConfig:
     path = Path(path)
-    data = configs.read_yaml_mapping(path, ConfigError, sections="model, moe, rollouts, rl, ...")
+    data = configs.read_yaml_mapping(path, MidtrainConfigError, sections="model, moe, rollouts, rl, ...")
     return parse_rl_config(data, path.resolve().parent, str(path))

@@ -9,23 +9,20 @@ sample position.
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
-import random
-import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ember.midtrain import cpu_compat
-from ember.midtrain.config import MidtrainConfig
+from ember.midtrain import runtime
+from ember.midtrain.config import MidtrainConfig, load_config
 from ember.midtrain.data import (
     GlobalOrderSampler,
     MidtrainDataset,
@@ -34,28 +31,9 @@ from ember.midtrain.data import (
     open_manifests,
     thd_cu_seqlens,
 )
+from ember.midtrain.runtime import MetricsLog, StopRequest
 from ember.midtrain.sampling import num_microbatches
 from ember.midtrain.schedule import wsd_lr
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-
-class StopRequest:
-    """Remembers a SIGTERM/SIGUSR1 so the step in flight completes before the checkpoint."""
-
-    def __init__(self) -> None:
-        self.signal: int | None = None
-        self._pid = os.getpid()
-
-    def install(self) -> None:
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        if os.getpid() != self._pid:  # a forked data-loader worker: the trainer decides
-            return
-        self.signal = signum
-        print(f"[midtrain] received {signal.Signals(signum).name}: checkpointing after this step", flush=True)
 
 
 @dataclass
@@ -74,181 +52,133 @@ class StepAccumulator:
         self.expert_tokens = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64)
 
 
-def _init_distributed(on_gpu: bool) -> None:
-    if "RANK" not in os.environ:  # a plain `midtrain train`: a group of one
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if on_gpu:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if on_gpu else "gloo", timeout=datetime.timedelta(minutes=10))
+@dataclass
+class StepResult:
+    """One finished optimizer step, before the cross-rank reduction."""
+
+    step: int
+    lr: float
+    grad_norm: float | None
+    seconds: float
 
 
-def _seed(seed: int) -> None:
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+@dataclass
+class ReducedStep:
+    """A step's accumulators summed over ranks, and whether any rank was asked to stop."""
 
-    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
+    loss_sum: torch.Tensor  # [sources]
+    tokens: torch.Tensor  # [sources]
+    expert_tokens: torch.Tensor  # [layers, experts]
+    seen: list[tuple[int, list[int], list[list[int]]]]  # per rank: (dp rank, sample ids, rows)
+    stop: bool
 
 
-def _apply_lr(optimizer, config: MidtrainConfig, step: int) -> float:
-    """Sets lr (WSD, per group max/min lr) and weight decay (x the group's wd_mult) for update `step`."""
-    lr = 0.0
-    for group in optimizer.param_groups:
-        lr = wsd_lr(
-            step,
-            lr=group.get("max_lr", config.optimizer.lr),
-            min_lr=group.get("min_lr", config.optimizer.min_lr),
-            total_steps=config.train.steps,
-            warmup_steps=config.schedule.warmup_steps,
-            decay_steps=config.schedule.decay_steps,
-            decay_style=config.schedule.decay_style,
+class Trainer:
+    """One rank of mid-training: model, optimizer, data loader and checkpoints, built from the config.
+
+    A new Trainer resumes from the run's latest checkpoint when there is one; `train` runs steps until
+    `train.steps` or a stop request, checkpointing on `save_interval`, at the end and on the signal.
+    """
+
+    def __init__(self, config: MidtrainConfig, stop: StopRequest):
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from ember.midtrain import checkpoint
+        from ember.midtrain.model import moe_routers, transformer_engine_usable
+
+        self.config = config
+        self.stop = stop
+        self.on_gpu = torch.cuda.is_available()
+        self.cpu_patched = runtime.start(config.parallel, config.train.seed)
+        self.rank = dist.get_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.microbatches = num_microbatches(config.train.global_batch_size, config.train.micro_batch_size, self.dp_size)
+        self.use_thd = transformer_engine_usable()
+        bf16 = config.train.precision == "bf16" or (config.train.precision == "auto" and self.on_gpu)
+        self.dataset = self._build_dataset()
+        parts = runtime.build_model_and_optimizer(config, bf16=bf16, cpu_patched=self.cpu_patched)
+        self.model, self.ddp, self.optimizer = parts.model, parts.ddp, parts.optimizer
+        checkpoint.start_writer_helper()
+        self.state = checkpoint.TrainState()
+        latest = checkpoint.latest_checkpoint(config.checkpoint_dir)
+        if latest is not None:
+            self.load_checkpoint(latest)
+        if self.rank == 0 and self.cpu_patched:
+            print("[midtrain] no GPU: CPU compatibility patches active, gloo backend, fp32, grad clipping off", flush=True)
+        self._batches = self._build_loader()
+        self._acc = self._new_accumulator()
+        for router in moe_routers(self.model):
+            router.register_forward_hook(self._count_routed_tokens)
+        self._forward_backward = get_forward_backward_func()
+        self.device = runtime.compute_device()
+        self.metrics = MetricsLog(config.metrics_path, enabled=self.rank == 0)
+        self.counts_experts = parallel_state.get_tensor_model_parallel_rank() == 0
+        self.counts_metrics = parallel_state.is_pipeline_last_stage() and self.counts_experts
+        self.restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+
+    def _build_dataset(self) -> MidtrainDataset:
+        """The blended dataset, after checking the shard sets' manifests against the model."""
+        config = self.config
+        specs = [ShardSetSpec(s.path, s.weight) for s in config.data.shard_sets]
+        manifests = open_manifests(specs)
+        check_model_compatible(
+            specs, manifests, vocab_size=config.model.vocab_size, seq_len=config.model.seq_len,
+            tokenizer_name=config.model.tokenizer,
         )
-        group["lr"] = lr
-        group["weight_decay"] = config.optimizer.weight_decay * group.get("wd_mult", 1.0)
-    return lr
+        return MidtrainDataset(
+            specs,
+            num_samples=config.train.steps * config.train.global_batch_size,
+            seed=config.data.seed,
+            blend_period=config.data.blend_period,
+            window_chunks=config.data.shuffle_window_chunks,
+            dense_attention_mask=not self.use_thd,
+            manifests=manifests,
+        )
 
+    def _build_loader(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Micro-batches of this data-parallel rank, from the consumed-samples position on."""
+        config = self.config
+        sampler = GlobalOrderSampler(
+            self.state.consumed_samples, len(self.dataset), config.train.micro_batch_size, self.dp_size, self.dp_rank
+        )
+        loader = torch.utils.data.DataLoader(
+            self.dataset, batch_sampler=sampler, num_workers=config.data.num_workers, pin_memory=self.on_gpu
+        )
+        return iter(loader)
 
-def _count_routed_tokens(model, acc_ref: list[StepAccumulator]) -> None:
-    """Forward hooks on every router: tokens routed to each expert, per (global) layer."""
-    from megatron.core.transformer.moe.router import TopKRouter
+    def _new_accumulator(self) -> StepAccumulator:
+        return StepAccumulator(len(self.dataset.source_names), self.config.model.num_layers, self.config.moe.num_experts)
 
-    def hook(module, inputs, output):
+    def _count_routed_tokens(self, router: Any, inputs: Any, output: Any) -> None:
+        """Forward hook on every router: tokens routed to each expert, per (global) layer."""
         routing_map = output[1]
-        acc_ref[0].expert_tokens[module.layer_number - 1] += routing_map.sum(dim=0).detach().double().cpu()
+        self._acc.expert_tokens[router.layer_number - 1] += routing_map.sum(dim=0).detach().double().cpu()
 
-    for module in model.modules():
-        if isinstance(module, TopKRouter):
-            module.register_forward_hook(hook)
+    def _scheduled_lr(self, step: int, group: dict) -> float:
+        """WSD for update `step`, between the group's own max/min lr when it has them."""
+        c = self.config
+        return wsd_lr(
+            step,
+            lr=group.get("max_lr", c.optimizer.lr),
+            min_lr=group.get("min_lr", c.optimizer.min_lr),
+            total_steps=c.train.steps,
+            warmup_steps=c.schedule.warmup_steps,
+            decay_steps=c.schedule.decay_steps,
+            decay_style=c.schedule.decay_style,
+        )
 
+    def _forward_step(self, data_iterator: Iterator[dict[str, torch.Tensor]], model_chunk: Any) -> tuple[Any, partial]:
+        """megatron's forward step: one micro-batch through the model, packed (THD) when TE is usable."""
+        from megatron.core.packed_seq_params import PackedSeqParams
 
-class MetricsLog:
-    """Rank 0 appends one JSON line per step (append mode: a resumed run continues the file)."""
-
-    def __init__(self, path: Path, enabled: bool):
-        self.enabled = enabled
-        if enabled:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "a", buffering=1)
-
-    def write(self, record: dict) -> None:
-        if self.enabled:
-            self._file.write(json.dumps(record) + "\n")
-
-
-def train(config: MidtrainConfig, stop: StopRequest) -> int:
-    from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.packed_seq_params import PackedSeqParams
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from ember.midtrain import checkpoint
-    from ember.midtrain.model import build_model, transformer_config, transformer_engine_usable
-
-    on_gpu = torch.cuda.is_available()
-    _init_distributed(on_gpu)
-    cpu_patched = cpu_compat.apply()
-    p = config.parallel
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=p.tensor, pipeline_model_parallel_size=p.pipeline, expert_model_parallel_size=p.expert
-    )
-    _seed(config.train.seed)
-    rank = dist.get_rank()
-    dp_size = parallel_state.get_data_parallel_world_size()
-    dp_rank = parallel_state.get_data_parallel_rank()
-    microbatches = num_microbatches(config.train.global_batch_size, config.train.micro_batch_size, dp_size)
-    use_thd = transformer_engine_usable()
-    bf16 = config.train.precision == "bf16" or (config.train.precision == "auto" and on_gpu)
-
-    specs = [ShardSetSpec(s.path, s.weight) for s in config.data.shard_sets]
-    manifests = open_manifests(specs)
-    check_model_compatible(
-        specs, manifests, vocab_size=config.model.vocab_size, seq_len=config.model.seq_len, tokenizer_name=config.model.tokenizer
-    )
-    total_samples = config.train.steps * config.train.global_batch_size
-    dataset = MidtrainDataset(
-        specs,
-        num_samples=total_samples,
-        seed=config.data.seed,
-        blend_period=config.data.blend_period,
-        window_chunks=config.data.shuffle_window_chunks,
-        dense_attention_mask=not use_thd,
-        manifests=manifests,
-    )
-
-    tconfig = transformer_config(config, bf16=bf16)
-    model = build_model(config, tconfig)
-    ddp = DistributedDataParallel(tconfig, DistributedDataParallelConfig(grad_reduce_in_fp32=bf16), model)
-    tconfig.finalize_model_grads_func = finalize_model_grads
-    clip_grad = 0.0 if cpu_patched else config.optimizer.clip_grad
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=config.optimizer.lr,
-            min_lr=config.optimizer.min_lr,
-            weight_decay=config.optimizer.weight_decay,
-            adam_beta1=config.optimizer.adam_beta1,
-            adam_beta2=config.optimizer.adam_beta2,
-            adam_eps=config.optimizer.adam_eps,
-            clip_grad=clip_grad,
-            bf16=bf16,
-            params_dtype=tconfig.params_dtype,
-        ),
-        [ddp],
-    )
-
-    checkpoint.start_writer_helper()
-    state = checkpoint.TrainState()
-    latest = checkpoint.latest_checkpoint(config.checkpoint_dir)
-    if latest is not None:
-        state, rng_restored = checkpoint.load(latest, model, optimizer, dataset.fingerprint)
-        if not rng_restored:
-            _seed(config.train.seed + state.step)
-        if rank == 0:
-            print(
-                f"[midtrain] resumed from {latest} at step {state.step}, sample {state.consumed_samples} "
-                f"(dp {dp_size}{'' if rng_restored else ', new parallel layout: RNG re-seeded'})",
-                flush=True,
-            )
-    if rank == 0 and cpu_patched:
-        print("[midtrain] no GPU: CPU compatibility patches active, gloo backend, fp32, grad clipping off", flush=True)
-
-    loader = torch.utils.data.DataLoader(
-        dataset,
-        batch_sampler=GlobalOrderSampler(
-            state.consumed_samples, total_samples, config.train.micro_batch_size, dp_size, dp_rank
-        ),
-        num_workers=config.data.num_workers,
-        pin_memory=on_gpu,
-    )
-    batches = iter(loader)
-    acc_ref: list[StepAccumulator] = []
-    _count_routed_tokens(model, acc_ref)
-    forward_backward = get_forward_backward_func()
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    seq_len = config.model.seq_len
-    metrics = MetricsLog(config.metrics_path, enabled=rank == 0)
-    is_last_stage = parallel_state.is_pipeline_last_stage()
-    counts_metrics = is_last_stage and parallel_state.get_tensor_model_parallel_rank() == 0
-    counts_experts = parallel_state.get_tensor_model_parallel_rank() == 0
-    restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
-
-    def forward_step(data_iterator, model_chunk):
-        acc = acc_ref[0]
         batch = next(data_iterator)
-        acc.sample_ids.extend(batch["sample_id"].tolist())
-        acc.rows.extend(torch.stack([batch["shard_set"], batch["epoch"], batch["row"]], dim=1).tolist())
-        source_ids = batch["source_id"]
-        loss_mask = batch["loss_mask"]
-        inputs = {k: batch[k].to(device, non_blocking=True) for k in ("tokens", "labels", "position_ids")}
-        if use_thd:  # the micro-batch as one token stream with every document boundary
-            cu = thd_cu_seqlens(batch["cu_seqlens"], seq_len).to(device)
+        self._acc.sample_ids.extend(batch["sample_id"].tolist())
+        self._acc.rows.extend(torch.stack([batch["shard_set"], batch["epoch"], batch["row"]], dim=1).tolist())
+        inputs = {k: batch[k].to(self.device, non_blocking=True) for k in ("tokens", "labels", "position_ids")}
+        if self.use_thd:  # the micro-batch as one token stream with every document boundary
+            cu = thd_cu_seqlens(batch["cu_seqlens"], self.config.model.seq_len).to(self.device)
             max_len = int(batch["max_seqlen"].max())
             packed = PackedSeqParams(
                 qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len, max_seqlen_kv=max_len
@@ -256,127 +186,160 @@ def train(config: MidtrainConfig, stop: StopRequest) -> int:
             inputs = {k: v.reshape(1, -1) for k, v in inputs.items()}
             output = model_chunk(inputs["tokens"], inputs["position_ids"], None, labels=inputs["labels"], packed_seq_params=packed)
         else:
-            mask = batch["attention_mask"].to(device, non_blocking=True)
+            mask = batch["attention_mask"].to(self.device, non_blocking=True)
             output = model_chunk(inputs["tokens"], inputs["position_ids"], mask, labels=inputs["labels"])
+        return output, partial(self._loss, batch["loss_mask"], batch["source_id"])
 
-        def loss_func(per_token_loss):
-            mask = loss_mask.to(per_token_loss.device).reshape(per_token_loss.shape).float()
-            masked = per_token_loss.float() * mask
-            per_sample = masked.reshape(len(source_ids), -1).sum(dim=1).detach().double().cpu()
-            tokens = mask.reshape(len(source_ids), -1).sum(dim=1).detach().double().cpu()
-            acc.loss_sum.index_add_(0, source_ids, per_sample)
-            acc.tokens.index_add_(0, source_ids, tokens)
-            total = mask.sum()
-            return masked.sum(), total.int(), {"lm loss": masked.sum().detach()}
+    def _loss(self, loss_mask: torch.Tensor, source_ids: torch.Tensor, per_token_loss: torch.Tensor) -> tuple:
+        """megatron's loss function: masked token loss, accumulated per source for the metrics line."""
+        mask = loss_mask.to(per_token_loss.device).reshape(per_token_loss.shape).float()
+        masked = per_token_loss.float() * mask
+        per_sample = masked.reshape(len(source_ids), -1).sum(dim=1).detach().double().cpu()
+        tokens = mask.reshape(len(source_ids), -1).sum(dim=1).detach().double().cpu()
+        self._acc.loss_sum.index_add_(0, source_ids, per_sample)
+        self._acc.tokens.index_add_(0, source_ids, tokens)
+        return masked.sum(), mask.sum().int(), {"lm loss": masked.sum().detach()}
 
-        return output, loss_func
-
-    start_step = state.step
-    t_start = time.perf_counter()
-    while state.step < config.train.steps:
-        step = state.step + 1
-        lr = _apply_lr(optimizer, config, step)
-        acc_ref[:] = [StepAccumulator(len(dataset.source_names), config.model.num_layers, config.moe.num_experts)]
+    def train_step(self) -> StepResult:
+        """One optimizer step over this rank's share of the global batch."""
+        config = self.config
+        step = self.state.step + 1
+        lr = runtime.set_learning_rate(self.optimizer, config.optimizer.weight_decay, partial(self._scheduled_lr, step))
+        self._acc = self._new_accumulator()
         t0 = time.perf_counter()
-        ddp.zero_grad_buffer()
-        optimizer.zero_grad()
-        forward_backward(
-            forward_step_func=forward_step,
-            data_iterator=batches,
-            model=[ddp],
-            num_microbatches=microbatches,
-            seq_length=seq_len,
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._forward_backward(
+            forward_step_func=self._forward_step,
+            data_iterator=self._batches,
+            model=[self.ddp],
+            num_microbatches=self.microbatches,
+            seq_length=config.model.seq_len,
             micro_batch_size=config.train.micro_batch_size,
             forward_only=False,
         )
-        _, grad_norm, _ = optimizer.step()
-        if on_gpu:
+        _, grad_norm, _ = self.optimizer.step()
+        if self.on_gpu:
             torch.cuda.synchronize()
-        elapsed = time.perf_counter() - t0
-        state.step = step
-        state.consumed_samples += config.train.global_batch_size
+        self.state.step = step
+        self.state.consumed_samples += config.train.global_batch_size
+        return StepResult(step, lr, float(grad_norm) if grad_norm is not None else None, time.perf_counter() - t0)
 
-        acc = acc_ref[0]
-        n_src = len(dataset.source_names)
+    def _reduce(self) -> ReducedStep:
+        """Sums the step's accumulators over ranks (each counted once: last stage, TP rank 0) and gathers sample ids."""
+        acc, n_src = self._acc, len(self.dataset.source_names)
         vector = torch.cat(
             [
-                acc.loss_sum if counts_metrics else torch.zeros(n_src, dtype=torch.float64),
-                acc.tokens if counts_metrics else torch.zeros(n_src, dtype=torch.float64),
-                (acc.expert_tokens if counts_experts else torch.zeros_like(acc.expert_tokens)).flatten(),
-                torch.tensor([float(stop.signal is not None)], dtype=torch.float64),
+                acc.loss_sum if self.counts_metrics else torch.zeros(n_src, dtype=torch.float64),
+                acc.tokens if self.counts_metrics else torch.zeros(n_src, dtype=torch.float64),
+                (acc.expert_tokens if self.counts_experts else torch.zeros_like(acc.expert_tokens)).flatten(),
+                torch.tensor([float(self.stop.signal is not None)], dtype=torch.float64),
             ]
-        ).to(device)
+        ).to(self.device)
         dist.all_reduce(vector)
         vector = vector.cpu()
         seen: list = [None] * dist.get_world_size()
-        dist.all_gather_object(seen, (dp_rank, acc.sample_ids, acc.rows))
-        stop_now = bool(vector[-1] > 0)
+        dist.all_gather_object(seen, (self.dp_rank, acc.sample_ids, acc.rows))
+        experts = vector[2 * n_src : -1].reshape(self.config.model.num_layers, self.config.moe.num_experts)
+        return ReducedStep(vector[:n_src], vector[n_src : 2 * n_src], experts, seen, bool(vector[-1] > 0))
 
-        if rank == 0 and step % config.train.log_interval == 0:
-            loss_sum, tokens = vector[:n_src], vector[n_src : 2 * n_src]
-            per_dp = {d: (ids, rows) for d, ids, rows in seen}
-            ids = [i for d in sorted(per_dp) for i in per_dp[d][0]]
-            rows = [r for d in sorted(per_dp) for r in per_dp[d][1]]
-            order = np.argsort(ids, kind="stable")
-            experts = vector[2 * n_src : -1].reshape(config.model.num_layers, config.moe.num_experts)
-            record = {
-                "step": step,
-                "loss": float(loss_sum.sum() / tokens.sum().clamp(min=1)),
-                "source_loss": {
-                    name: float(loss_sum[i] / tokens[i]) for i, name in enumerate(dataset.source_names) if tokens[i] > 0
-                },
-                "lr": lr,
-                "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                "tokens_per_s": config.train.global_batch_size * seq_len / elapsed,
-                "trained_tokens": int(tokens.sum()),
-                "step_seconds": elapsed,
-                "tokens_per_expert": experts.long().tolist(),
-                "consumed_samples": state.consumed_samples,
-                "sample_ids": [ids[i] for i in order],
-                "rows": [rows[i] for i in order],
-                "restart": restart,
-                "dp_size": dp_size,
-            }
-            metrics.write(record)
+    def _record(self, result: StepResult, reduced: ReducedStep) -> dict[str, Any]:
+        """The step's metrics line; sample ids and rows in global order across data-parallel ranks."""
+        config, loss_sum, tokens = self.config, reduced.loss_sum, reduced.tokens
+        per_dp = {d: (ids, rows) for d, ids, rows in reduced.seen}
+        ids = [i for d in sorted(per_dp) for i in per_dp[d][0]]
+        rows = [r for d in sorted(per_dp) for r in per_dp[d][1]]
+        order = np.argsort(ids, kind="stable")
+        return {
+            "step": result.step,
+            "loss": float(loss_sum.sum() / tokens.sum().clamp(min=1)),
+            "source_loss": {
+                name: float(loss_sum[i] / tokens[i]) for i, name in enumerate(self.dataset.source_names) if tokens[i] > 0
+            },
+            "lr": result.lr,
+            "grad_norm": result.grad_norm,
+            "tokens_per_s": config.train.global_batch_size * config.model.seq_len / result.seconds,
+            "trained_tokens": int(tokens.sum()),
+            "step_seconds": result.seconds,
+            "tokens_per_expert": reduced.expert_tokens.long().tolist(),
+            "consumed_samples": self.state.consumed_samples,
+            "sample_ids": [ids[i] for i in order],
+            "rows": [rows[i] for i in order],
+            "restart": self.restart,
+            "dp_size": self.dp_size,
+        }
+
+    def _log(self, result: StepResult, reduced: ReducedStep) -> None:
+        record = self._record(result, reduced)
+        self.metrics.write(record)
+        print(
+            f"[midtrain] step {result.step}/{self.config.train.steps} loss {record['loss']:.4f} lr {result.lr:.2e} "
+            f"{record['tokens_per_s']:.0f} tok/s experts/layer {record['tokens_per_expert']}",
+            flush=True,
+        )
+
+    def train(self) -> None:
+        """Steps until `train.steps` or a stop request (any rank's), then the final checkpoint."""
+        steps, interval = self.config.train.steps, self.config.train.save_interval
+        start_step, t_start = self.state.step, time.perf_counter()
+        while self.state.step < steps:
+            result = self.train_step()
+            reduced = self._reduce()
+            if self.rank == 0 and result.step % self.config.train.log_interval == 0:
+                self._log(result, reduced)
+            if reduced.stop or result.step == steps or (interval and result.step % interval == 0):
+                self.save_checkpoint()
+            if reduced.stop:
+                break
+        if self.rank == 0:
+            done = self.state.step == steps
+            if done:
+                self.config.complete_marker.write_text(f"{self.state.step}\n")
+            print(f"[midtrain] {'finished' if done else 'stopped'} at step {self.state.step} "
+                  f"({self.state.step - start_step} steps in {time.perf_counter() - t_start:.1f}s)", flush=True)
+
+    def save_checkpoint(self) -> Path:
+        from ember.midtrain import checkpoint
+
+        path = checkpoint.save(
+            self.config.checkpoint_dir, self.model, self.optimizer, self.state, self.dataset.fingerprint,
+            self.config.train.keep_checkpoints,
+        )
+        if self.rank == 0:
+            print(f"[midtrain] checkpoint {path} (step {self.state.step}, sample {self.state.consumed_samples})", flush=True)
+        return path
+
+    def load_checkpoint(self, path: Path) -> None:
+        """Model, optimizer, step and sample position; RNG too unless the parallel layout changed (then re-seeded)."""
+        from ember.midtrain import checkpoint
+
+        self.state, rng_restored = checkpoint.load(path, self.model, self.optimizer, self.dataset.fingerprint)
+        if not rng_restored:
+            runtime.seed_everything(self.config.train.seed + self.state.step)
+        if self.rank == 0:
             print(
-                f"[midtrain] step {step}/{config.train.steps} loss {record['loss']:.4f} lr {lr:.2e} "
-                f"{record['tokens_per_s']:.0f} tok/s experts/layer {record['tokens_per_expert']}",
+                f"[midtrain] resumed from {path} at step {self.state.step}, sample {self.state.consumed_samples} "
+                f"(dp {self.dp_size}{'' if rng_restored else ', new parallel layout: RNG re-seeded'})",
                 flush=True,
             )
 
-        interval = config.train.save_interval
-        if stop_now or state.step == config.train.steps or (interval and state.step % interval == 0):
-            path = checkpoint.save(
-                config.checkpoint_dir, model, optimizer, state, dataset.fingerprint, config.train.keep_checkpoints
-            )
-            if rank == 0:
-                print(f"[midtrain] checkpoint {path} (step {state.step}, sample {state.consumed_samples})", flush=True)
-        if stop_now:
-            break
-
-    if rank == 0:
-        if state.step == config.train.steps:
-            config.complete_marker.write_text(f"{state.step}\n")
-        steps_run = state.step - start_step
-        print(f"[midtrain] {'finished' if state.step == config.train.steps else 'stopped'} at step {state.step} "
-              f"({steps_run} steps in {time.perf_counter() - t_start:.1f}s)", flush=True)
-    dist.barrier()
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
-    return 0
+    def close(self) -> None:
+        dist.barrier()
+        runtime.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point for `python -m ember.midtrain.train CONFIG` (what torchrun runs per rank)."""
-    from ember.midtrain.config import load_config
-
     stop = StopRequest()
     stop.install()  # before the slow imports, so an early preemption signal is not fatal
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print("usage: python -m ember.midtrain.train CONFIG.yaml", file=sys.stderr)
         return 2
-    return train(load_config(args[0]), stop)
+    trainer = Trainer(load_config(args[0]), stop)
+    trainer.train()
+    trainer.close()
+    return 0
 
 
 if __name__ == "__main__":

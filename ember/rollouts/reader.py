@@ -1,10 +1,11 @@
 """`RolloutBatchReader`: the trainer's side of the train-batches topic.
 
 It reads only committed batches (`read_committed`, so an ETL transaction that aborted is never seen),
-yields ready-to-use tensors, and advances its position only when the trainer says the step is done
-(`commit()`). `state_dict()` is that position: store it in the trainer checkpoint and pass it back as
-`state=` on restart, and the trainer resumes on exactly the batch after the checkpointed step, even if
-it had stepped (and committed) further before it crashed.
+yields schema `TrainBatch`es with where they were read, and advances its position only when the
+trainer says the step is done (`commit()`). `state_dict()` is that position: store it in the trainer
+checkpoint and pass it back as `state=` on restart, and the trainer resumes on exactly the batch after
+the checkpointed step, even if it had stepped (and committed) further before it crashed. Each batch
+also carries `position`, the `state_dict()` the reader will have once that batch is committed.
 """
 
 from __future__ import annotations
@@ -17,46 +18,19 @@ import numpy as np
 from kafka import KafkaConsumer, TopicPartition
 from kafka.structs import OffsetAndMetadata
 
-from ember.rollouts.batching import position_ids
-from ember.rollouts.transport import consumer_config, kafka_bootstrap
+from ember.rollouts.config import kafka_bootstrap
+from ember.rollouts.transport import consumer_config
 from ember.schemas import DecodeError, TrainBatch, decode_train_batch
-
-
-def batch_arrays(batch: TrainBatch) -> dict[str, np.ndarray]:
-    """The trainer's view of a batch as writable numpy arrays in training dtypes."""
-    arrays = {
-        "tokens": batch.tokens.astype(np.int64),
-        "loss_mask": batch.loss_mask.astype(np.float32),
-        "advantages": np.array(batch.advantages, dtype=np.float32),
-        "sampler_logprobs": np.array(batch.sampler_logprobs, dtype=np.float32),
-        "cu_seqlens": np.array(batch.cu_seqlens, dtype=np.int32),
-        "position_ids": position_ids(batch.cu_seqlens),
-        "policy_versions": np.array(batch.policy_versions, dtype=np.int64),
-    }
-    if batch.routed_experts is not None:
-        experts = batch.routed_experts
-        arrays["routed_experts"] = np.array(experts, dtype=np.uint8 if experts.dtype == np.uint8 else np.int32)
-    return arrays
-
-
-def batch_tensors(batch: TrainBatch, device: str | None = None) -> dict[str, Any]:
-    """Same as `batch_arrays` as torch tensors (uint16 expert ids widen to int32, which torch indexes with)."""
-    import torch
-
-    tensors = {name: torch.from_numpy(array) for name, array in batch_arrays(batch).items()}
-    if device is not None:
-        tensors = {name: t.to(device, non_blocking=True) for name, t in tensors.items()}
-    return tensors
 
 
 @dataclass
 class ReadBatch:
-    """One batch as the trainer gets it: the record (ids, offsets, step) and its tensors."""
+    """One batch as the trainer gets it: the record (ids, offsets, step, arrays) and where it was read."""
 
     batch: TrainBatch
-    tensors: dict[str, Any]
     partition: int
     offset: int
+    position: dict[str, Any]
 
     @property
     def max_seqlen(self) -> int:
@@ -71,16 +45,10 @@ class RolloutBatchReader:
         group_id: str = "ember-trainer",
         state: dict[str, Any] | None = None,
         bootstrap: str | None = None,
-        backend: str = "torch",
-        device: str | None = None,
         idle_timeout_s: float | None = None,
     ):
         """`state` is a previous `state_dict()`; without it the group's committed position is used."""
-        if backend not in ("torch", "numpy"):
-            raise ValueError(f"backend must be 'torch' or 'numpy', got {backend!r}")
         self.topic = topic
-        self.backend = backend
-        self.device = device
         self.idle_timeout_s = idle_timeout_s
         self.consumer = KafkaConsumer(
             **consumer_config(bootstrap_servers=bootstrap or kafka_bootstrap(), group_id=group_id, max_poll_records=1)
@@ -121,8 +89,7 @@ class RolloutBatchReader:
         except DecodeError as exc:
             raise DecodeError(f"{message.topic}[{message.partition}]@{message.offset}: {exc}") from None
         self._consumed[message.partition] = message.offset + 1
-        tensors = batch_tensors(batch, self.device) if self.backend == "torch" else batch_arrays(batch)
-        return ReadBatch(batch, tensors, message.partition, message.offset)
+        return ReadBatch(batch, message.partition, message.offset, self._position(self._consumed))
 
     def commit(self) -> None:
         """The trainer finished the step on every batch yielded so far: advance and commit the position."""
@@ -131,7 +98,10 @@ class RolloutBatchReader:
 
     def state_dict(self) -> dict[str, Any]:
         """Position after the last committed step, for the trainer checkpoint."""
-        return {"topic": self.topic, "offsets": {str(p): o for p, o in sorted(self._stepped.items())}}
+        return self._position(self._stepped)
+
+    def _position(self, offsets: dict[int, int]) -> dict[str, Any]:
+        return {"topic": self.topic, "offsets": {str(p): o for p, o in sorted(offsets.items())}}
 
     def close(self) -> None:
         self.consumer.close(autocommit=False)

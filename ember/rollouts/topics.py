@@ -81,8 +81,3 @@ class Topics:
             "outcomes": TopicSpec(self.outcomes, 1, retention_ms=month),
             "etl_state": TopicSpec(self.etl_state, partitions),
         }
-
-
-def default_topics(prefix: str = "ember", partitions: int = DEFAULT_PARTITIONS) -> dict[str, TopicSpec]:
-    """`Topics(prefix).specs(partitions)`: every topic's settings by role."""
-    return Topics(prefix).specs(partitions)

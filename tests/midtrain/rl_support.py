@@ -1,7 +1,10 @@
-"""RL test helpers: tiny policy configs, and the megatron-side work that must run in a subprocess.
+"""RL test helpers: tiny policy configs, in-memory batches, and the megatron-side work that must run
+in a subprocess.
 
 `python -m tests.midtrain.rl_support toy CONFIG ITERATIONS OUT.json` runs the verifiable-task loop:
 sample from the trainer's own policy (ember.demo.sampler), reward, publish, ETL, RL steps.
+`python -m tests.midtrain.rl_support sample CONFIG GROUPS DIR` writes batches sampled by the reference
+sampler (router weights perturbed); `... memory CONFIG DIR OUT.json` runs `run_rl` on them, no broker.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import numpy as np
 import torch
 import yaml
 
-from ember.demo.sampler import make_rollouts, publish, toy_policy_config, toy_prompts
+from ember.demo.sampler import make_rollouts, perturb_routers, publish, toy_policy_config, toy_prompts
+from ember.schemas import Reward, Rollout, TrainBatch, decode_train_batch, encode_train_batch
 
 
 def rl_config(path: Path, run_dir: Path, prefix: str, *, replay: str = "replay", steps: int = 100, **rl) -> Path:
@@ -39,10 +43,65 @@ def etl_config(prefix: str, *, token_budget: int):
     )
 
 
+def train_batch(rollouts: list[Rollout], rewards: list[Reward], step: int) -> TrainBatch:
+    """One group's rollouts packed as the ETL would, advantages = reward - group mean on policy tokens."""
+    scores = np.array([r.score for r in rewards], dtype=np.float32)
+    advantages = scores - scores.mean()
+    cu = np.zeros(len(rollouts) + 1, dtype=np.int32)
+    cu[1:] = np.cumsum([len(r.tokens) for r in rollouts])
+    return TrainBatch(
+        batch_id=f"memory-{step}",
+        step=step,
+        tokens=np.concatenate([r.tokens for r in rollouts]),
+        loss_mask=np.concatenate([r.loss_mask for r in rollouts]),
+        advantages=np.concatenate([np.where(r.loss_mask == 1, a, 0).astype(np.float32) for r, a in zip(rollouts, advantages)]),
+        sampler_logprobs=np.concatenate([r.sampler_logprobs for r in rollouts]),
+        cu_seqlens=cu,
+        policy_versions=np.array([r.policy_version for r in rollouts], dtype=np.int64),
+        rollout_ids=[r.rollout_id for r in rollouts],
+        routed_experts=np.concatenate([r.routed_experts for r in rollouts]),
+    ).validate()
+
+
+def sample_main(config_path: str, groups: int, out_dir: str) -> None:
+    """Saves the initial policy (step 0 in the config's run_dir), samples `groups` groups with perturbed
+    routers and writes one encoded batch per group to `out_dir`, as the ETL would publish them."""
+    from ember.midtrain.rl_config import load_rl_config
+    from ember.midtrain.rl_trainer import RLTrainer
+
+    trainer = RLTrainer(load_rl_config(config_path))
+    trainer.save()
+    perturb_routers(trainer.model, 0.01, seed=5)
+    generator = torch.Generator().manual_seed(3)
+    rollouts, rewards = make_rollouts(
+        trainer.model, toy_prompts(groups, 4, generator), 8, generator, tag="memory", version=0, group_size=4
+    )
+    trainer.close()
+    for g in range(groups):
+        batch = train_batch(rollouts[g * 4 : g * 4 + 4], rewards[g * 4 : g * 4 + 4], g)
+        (Path(out_dir) / f"{g:04d}.batch").write_bytes(encode_train_batch(batch))
+
+
+def memory_main(config_path: str, batch_dir: str, out: str) -> None:
+    """`run_rl` on the batches in `batch_dir`, no broker; writes the policy versions it published."""
+    from ember.midtrain.rl_batch import rl_batch
+    from ember.midtrain.rl_config import load_rl_config
+    from ember.midtrain.rl_trainer import RLTrainer, run_rl
+    from ember.midtrain.runtime import StopRequest
+
+    trainer = RLTrainer(load_rl_config(config_path))
+    batches = [rl_batch(decode_train_batch(p.read_bytes())) for p in sorted(Path(batch_dir).glob("*.batch"))]
+    published: list[int] = []
+    run_rl(trainer, batches, published.append, StopRequest())
+    trainer.close()
+    Path(out).write_text(json.dumps({"published": published, "batch_ids": [b.batch_id for b in batches]}))
+
+
 def toy_main(config_path: str, iterations: int, out: str) -> None:
     """On-policy loop through the real data path; writes the mean reward of every iteration."""
-    from ember.midtrain.rl import RLTrainer
+    from ember.midtrain.rl_batch import rl_batch
     from ember.midtrain.rl_config import load_rl_config
+    from ember.midtrain.rl_trainer import RLTrainer
     from ember.rollouts.etl import EtlService, prepare_topics
     from ember.rollouts.reader import RolloutBatchReader
 
@@ -69,7 +128,7 @@ def toy_main(config_path: str, iterations: int, out: str) -> None:
             while waiting:
                 read = next(reader)
                 waiting -= set(read.batch.rollout_ids)
-                trainer.train_step(read.batch, read.tensors)
+                trainer.train_step(rl_batch(read.batch))
                 reader.commit()
                 steps.append(read.batch.batch_id)
     finally:
@@ -84,5 +143,9 @@ if __name__ == "__main__":
     mode, *args = sys.argv[1:]
     if mode == "toy":
         toy_main(args[0], int(args[1]), args[2])
+    elif mode == "sample":
+        sample_main(args[0], int(args[1]), args[2])
+    elif mode == "memory":
+        memory_main(args[0], args[1], args[2])
     else:
         raise SystemExit(f"unknown mode {mode}")

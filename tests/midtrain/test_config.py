@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ember.midtrain.config import ConfigError, load_config
+from ember.configs import MidtrainConfigError
+from ember.midtrain.config import load_config
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "ember" / "midtrain" / "examples"
 
@@ -61,19 +62,19 @@ def test_relative_paths_resolve_against_the_config_file(tmp_path):
     ],
 )
 def test_errors_name_the_bad_key(tmp_path, data, expected):
-    with pytest.raises(ConfigError) as exc:
+    with pytest.raises(MidtrainConfigError) as exc:
         load_config(_write(tmp_path, data))
     assert expected in str(exc.value)
     assert "run.yaml is invalid" in str(exc.value)
 
 
 def test_unreadable_files_are_reported(tmp_path):
-    with pytest.raises(ConfigError, match="no such config file"):
+    with pytest.raises(MidtrainConfigError, match="no such config file"):
         load_config(tmp_path / "missing.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [unclosed")
-    with pytest.raises(ConfigError, match="not valid YAML"):
+    with pytest.raises(MidtrainConfigError, match="not valid YAML"):
         load_config(bad)
     bad.write_text("- a list\n")
-    with pytest.raises(ConfigError, match="expected a mapping of sections"):
+    with pytest.raises(MidtrainConfigError, match="expected a mapping of sections"):
         load_config(bad)

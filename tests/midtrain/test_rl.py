@@ -19,6 +19,7 @@ import yaml
 
 from ember.rollouts.etl import EtlService, prepare_topics
 from ember.rollouts.records import PolicyVersion
+from ember.rollouts.topics import Topics
 from ember.schemas import decode_train_batch
 from tests.rollouts.etl_support import read_topic
 
@@ -69,7 +70,7 @@ def batches(kafka, tmp_path_factory):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     EtlService(etl, "rl-test").run(until_idle_s=2.0)
-    ids = [decode_train_batch(r.value).batch_id for r in read_topic(f"{prefix}.train-batches")]
+    ids = [decode_train_batch(r.value).batch_id for r in read_topic(Topics(prefix).train_batches)]
     assert len(ids) == GROUPS  # one group of 4 rollouts per 64-token batch
     return root, prefix, root / "policy" / "checkpoints" / "step_00000000", ids
 
@@ -91,7 +92,7 @@ def test_replay_forces_the_sampler_routing_and_off_reports_the_mismatch(batches)
     assert off[0]["mismatch"]["mean_abs_delta_logp"] > replay[0]["mismatch"]["mean_abs_delta_logp"] > 0
     assert off[0]["mismatch"]["kl_mu_pi"] > 0 and 0 <= off[0]["correction_kept_frac"] <= 1
     assert "routing-disagree" in outputs["off"] and "|dlogp|" in outputs["off"]
-    versions = [PolicyVersion.decode(r.value).policy_version for r in read_topic(f"{prefix}.policy-versions")]
+    versions = [PolicyVersion.decode(r.value).policy_version for r in read_topic(Topics(prefix).policy_versions)]
     assert sorted(versions) == [1, 1, 2, 2, 3, 3]
     assert (root / "replay" / "checkpoints" / "latest").read_text() == "step_00000003"
 
@@ -143,19 +144,19 @@ def test_example_config_loads_errors_name_the_key_and_launch_renders_rl(tmp_path
     from typer.testing import CliRunner
 
     from ember.midtrain.cli import app
-    from ember.midtrain.config import ConfigError
+    from ember.configs import MidtrainConfigError
     from ember.midtrain.rl_config import load_rl_config, parse_rl_config
 
     example = REPO / "ember" / "midtrain" / "examples" / "rl_tiny_cpu.yaml"
     config = load_rl_config(example)
-    assert config.rl.replay == "replay" and config.rollouts.batches_topic == "ember.train-batches"
+    assert config.rl.replay == "replay" and config.rollouts.batches_topic == Topics("ember").train_batches
     data = yaml.safe_load(example.read_text())
     data["rl"] = {**data["rl"], "correction": "clip", "alpha": 3.0}
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(MidtrainConfigError) as info:
         parse_rl_config(data, tmp_path)
     assert "rl.correction" in str(info.value)
     data["rl"]["correction"] = "mis"
-    with pytest.raises(ConfigError, match="alpha 3.0 must be below beta 2.0"):
+    with pytest.raises(MidtrainConfigError, match="alpha 3.0 must be below beta 2.0"):
         parse_rl_config(data, tmp_path)
     result = CliRunner().invoke(app, ["launch", str(example), "--mode", "rl", "--dry-run"])
     assert result.exit_code == 0, result.output

@@ -1,0 +1,318 @@
+"""The RL trainer: the megatron-core MoE policy trained one `RLBatch` at a time, and its run loop.
+
+Per batch: the trainer's per-token log-probs, with the sampler's routed experts forced through
+megatron-core router replay when configured; the train/inference mismatch measured (|delta logp|,
+KL(mu||pi), routing disagreement) and corrected (TIS, MIS or sequence-level geometric masking); a PPO
+clipped policy-gradient loss on the batch's advantages, masked to policy tokens; an optimizer step.
+
+The trainer never owns the transport: `run_rl` takes an iterable of batches and a callback that
+announces each new policy version (Kafka in `midtrain rl`, a list in the tests and benchmarks). A
+checkpoint holds the transport position of the last trained batch, so a restart resumes on the
+batch after it. One JSON line per step in metrics.jsonl; a restart appends
+{"event": "resumed", "step": S}: lines of steps after S before it were redone.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ember.midtrain import rl_math, runtime
+from ember.midtrain.model import moe_routers
+from ember.midtrain.rl_batch import RLBatch
+from ember.midtrain.rl_config import RLConfig, RLSettings
+from ember.midtrain.runtime import MetricsLog, StopRequest
+
+
+def policy_model_config(config: RLConfig) -> RLConfig:
+    """The config the model is built from: megatron's routing replay on exactly when rl.replay is."""
+    return config.model_copy(update={"moe": config.moe.model_copy(update={"routing_replay": config.rl.replay == "replay"})})
+
+
+@dataclass
+class _Inputs:
+    tokens: torch.Tensor  # [T] int64
+    labels: torch.Tensor
+    positions: torch.Tensor
+    attention_mask: torch.Tensor  # [1, 1, T, T] bool, True = masked
+    cu_seqlens: torch.Tensor
+    mask: torch.Tensor  # [T] float, policy tokens with a log-prob
+    advantages: torch.Tensor
+    sampler_logp: torch.Tensor
+    replay: list[torch.Tensor] | None  # per MoE layer [T, top_k] int64, layer order
+
+
+class _PolicyLoss:
+    """The PPO loss of one batch over its updates. The first call sees the policy before any update
+    (pi_old): it fixes the correction weights, the clip fraction and, for "recompute", the old log-probs."""
+
+    def __init__(self, rl: RLSettings, inputs: _Inputs):
+        self.rl = rl
+        self.inputs = inputs
+        self.first_logp: torch.Tensor | None = None
+        self.weights = torch.empty(0)
+        self.clip_frac = 0.0
+        self.losses: list[float] = []
+
+    def __call__(self, logp: torch.Tensor) -> torch.Tensor:
+        rl, x = self.rl, self.inputs
+        first = self.first_logp is None
+        if first:
+            self.first_logp = logp.detach()
+            self.weights = rl_math.correction_weights(
+                rl.correction, self.first_logp - x.sampler_logp, x.mask, x.cu_seqlens, cap=rl.tis_cap, alpha=rl.alpha,
+                beta=rl.beta,
+            )
+        old = x.sampler_logp if rl.old_policy == "sampler" else self.first_logp
+        per_token, clipped = rl_math.ppo_clipped_loss(logp, old, x.advantages, rl.clip_low, rl.clip_high)
+        if first:
+            self.clip_frac = float((clipped * x.mask).sum() / x.mask.sum().clamp(min=1))
+        loss = rl_math.aggregate(per_token * self.weights, x.mask, x.cu_seqlens, rl.aggregation)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+
+class RLTrainer:
+    """Model, optimizer and one RL step per batch; `run_rl` feeds it. One rank (see RLConfig).
+
+    A new RLTrainer resumes from the run's latest checkpoint (`resumed_from`, `data_position`), or
+    starts from `init_checkpoint`'s weights.
+    """
+
+    def __init__(self, config: RLConfig):
+        from ember.midtrain import checkpoint
+
+        self.config = config
+        self.cpu_patched = runtime.start(config.parallel, config.rl.seed)
+        if dist.get_world_size() != 1:
+            raise ValueError(f"the RL trainer runs as one rank, got world size {dist.get_world_size()}")
+        self.device = runtime.compute_device()
+        parts = runtime.build_model_and_optimizer(policy_model_config(config), bf16=False, cpu_patched=self.cpu_patched)
+        self.model, self.ddp, self.optimizer = parts.model, parts.ddp, parts.optimizer
+        # constant lr: RL runs as long as rollouts come
+        runtime.set_learning_rate(self.optimizer, config.optimizer.weight_decay, lambda group: config.optimizer.lr)
+        self.routers = moe_routers(self.model)
+        self._maps: list[torch.Tensor] | None = None
+        for router in self.routers:
+            router.register_forward_hook(self._capture_routing)
+        checkpoint.start_writer_helper()
+        self.state = checkpoint.TrainState()
+        self.data_position: dict[str, Any] | None = None
+        self.resumed_from = checkpoint.latest_checkpoint(config.checkpoint_dir)
+        if self.resumed_from is not None:
+            self.load_checkpoint(self.resumed_from)
+        elif config.init_checkpoint is not None:
+            checkpoint.load_model_weights(config.init_checkpoint, self.model)
+
+    @property
+    def policy_version(self) -> int:
+        return self.config.rl.initial_policy_version + self.state.step
+
+    def _capture_routing(self, module: Any, inputs: Any, output: Any) -> None:
+        if self._maps is not None:
+            self._maps.append(output[1].detach())
+
+    def _replay_indices(self, experts: torch.Tensor | None) -> list[torch.Tensor] | None:
+        """The sampler's experts per MoE layer when replay is on, after checking they fit this model."""
+        if self.config.rl.replay != "replay" or experts is None:
+            return None
+        moe = self.config.moe
+        layers, top_k = experts.shape[1], experts.shape[2]
+        if (layers, top_k) != (len(self.routers), moe.router_topk):
+            raise ValueError(
+                f"the batch's routed experts are [T, {layers}, {top_k}], the model has {len(self.routers)} MoE "
+                f"layers with top-{moe.router_topk}: the rollouts came from another model"
+            )
+        if int(experts.max()) >= moe.num_experts:
+            raise ValueError(f"routed expert id {int(experts.max())} >= moe.num_experts {moe.num_experts}")
+        if rl_math.repeats_an_expert(experts):
+            raise ValueError("the batch's routed experts repeat an expert within a token's top-k: not a router's output")
+        return [experts[:, layer, :].long() for layer in range(layers)]
+
+    def _inputs(self, batch: RLBatch) -> _Inputs:
+        b = batch.to(self.device)
+        cu = b.cu_seqlens
+        replay = self._replay_indices(b.routed_experts)
+        if int(b.tokens.max()) >= self.model.vocab_size:
+            raise ValueError(f"token id {int(b.tokens.max())} is outside the model's {self.model.vocab_size}-row vocabulary")
+        return _Inputs(
+            tokens=b.tokens,
+            labels=rl_math.next_token_labels(b.tokens, cu),
+            positions=b.position_ids,
+            attention_mask=rl_math.block_diagonal_causal_mask(cu),
+            cu_seqlens=cu,
+            mask=rl_math.trainable_mask(b.loss_mask, cu),
+            advantages=b.advantages.float(),
+            sampler_logp=b.sampler_logprobs.float(),
+            replay=replay,
+        )
+
+    def _set_replay(self, action: Any, indices: list[torch.Tensor] | None = None) -> None:
+        for layer, router in enumerate(self.routers):
+            if indices is not None:
+                router.router_replay.clear_indices()
+                router.router_replay.set_target_indices(indices[layer])
+            router.router_replay.set_router_replay_action(action)
+
+    def _clear_replay(self) -> None:
+        for router in self.routers:
+            router.router_replay.clear_router_replay_action()
+            router.router_replay.clear_indices()
+
+    def _forward_step(self, inputs: _Inputs, loss_fn: _PolicyLoss, data_iterator: Iterator, model_chunk: Any) -> tuple:
+        """megatron's forward step: the packed batch through the model, the sampler's experts forced on replay."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        next(data_iterator)
+        if inputs.replay is not None:
+            self._set_replay(RouterReplayAction.REPLAY_FORWARD, inputs.replay)
+        output = model_chunk(inputs.tokens[None], inputs.positions[None], inputs.attention_mask, labels=inputs.labels[None])
+        return output, partial(self._loss, inputs, loss_fn)
+
+    def _loss(self, inputs: _Inputs, loss_fn: _PolicyLoss, per_token_loss: torch.Tensor) -> tuple:
+        """megatron's loss function: token log-probs from the per-token loss, then the policy loss."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        if inputs.replay is not None:
+            self._set_replay(RouterReplayAction.REPLAY_BACKWARD)
+        token_logp = rl_math.token_logprobs(-per_token_loss[0].float(), inputs.cu_seqlens)
+        loss = loss_fn(token_logp)
+        return loss, torch.tensor(1, dtype=torch.int), {"rl loss": loss.detach()}
+
+    def _forward_backward(self, inputs: _Inputs, loss_fn: _PolicyLoss) -> None:
+        """One forward + backward through megatron's schedule.
+
+        With replay the routers take the sampler's indices in the forward (REPLAY_FORWARD) and the
+        same ones if activation recompute re-runs the router during backward (REPLAY_BACKWARD); the
+        router's own scores are gathered at those indices, so the router still gets gradients.
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        try:
+            get_forward_backward_func()(
+                forward_step_func=partial(self._forward_step, inputs, loss_fn),
+                data_iterator=iter([None]),
+                model=[self.ddp],
+                num_microbatches=1,
+                seq_length=len(inputs.tokens),
+                micro_batch_size=1,
+                forward_only=False,
+            )
+        finally:
+            if inputs.replay is not None:
+                self._clear_replay()
+
+    def train_step(self, batch: RLBatch) -> dict[str, Any]:
+        """Trains on one batch (`updates_per_batch` optimizer updates); returns its metrics line."""
+        started = time.perf_counter()
+        inputs = self._inputs(batch)
+        loss = _PolicyLoss(self.config.rl, inputs)
+        maps: list[torch.Tensor] = []  # the routing of the first update's forward
+        forward_s = 0.0
+        for update in range(self.config.rl.updates_per_batch):
+            self._maps = maps if update == 0 else None
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            t0 = time.perf_counter()
+            self._forward_backward(inputs, loss)
+            forward_s += time.perf_counter() - t0
+            self.optimizer.step()
+        self._maps = None
+        self.state.step += 1
+        self.state.consumed_samples += batch.num_sequences
+        self.data_position = batch.position
+        record = self._record(batch, inputs, loss, maps)
+        record.update(step_seconds=time.perf_counter() - started, forward_backward_seconds=forward_s)
+        if batch.routed_experts is not None:
+            per_layer = [rl_math.routing_disagreement(m.cpu(), batch.routed_experts[:, layer, :]) for layer, m in enumerate(maps)]
+            record["routing_disagreement"] = float(np.mean(per_layer))
+            record["routing_disagreement_per_layer"] = per_layer
+        return record
+
+    def _record(self, batch: RLBatch, inputs: _Inputs, loss: _PolicyLoss, maps: list[torch.Tensor]) -> dict[str, Any]:
+        rl, mask = self.config.rl, inputs.mask
+        policy_tokens = mask.sum().clamp(min=1)
+        return {
+            "step": self.state.step,
+            "batch_id": batch.batch_id,
+            "batch_step": batch.step,
+            "sequences": batch.num_sequences,
+            "tokens": int(len(inputs.tokens)),
+            "policy_tokens": int(mask.sum()),
+            "loss": loss.losses[0],
+            "loss_last_update": loss.losses[-1],
+            "clip_frac": loss.clip_frac,
+            "correction": rl.correction,
+            "correction_mean_weight": float((loss.weights * mask).sum() / policy_tokens),
+            "correction_kept_frac": float(((loss.weights > 0).float() * mask).sum() / policy_tokens),
+            "mismatch": rl_math.mismatch_metrics(loss.first_logp, inputs.sampler_logp, mask, rl.alpha, rl.beta),
+            "replayed": inputs.replay is not None,
+            "policy_version": self.policy_version,
+            "max_policy_lag": int(self.policy_version - 1 - int(batch.policy_versions.min())),
+        }
+
+    def save(self) -> Path:
+        """A checkpoint of the model, optimizer, step and the position of the last trained batch."""
+        from ember.midtrain import checkpoint
+
+        return checkpoint.save(
+            self.config.checkpoint_dir, self.model, self.optimizer, self.state, self.config.rollouts.batches_topic,
+            self.config.rl.keep_checkpoints, extra={"reader": self.data_position},
+        )
+
+    def load_checkpoint(self, path: Path) -> None:
+        from ember.midtrain import checkpoint
+
+        self.state, _ = checkpoint.load(path, self.model, self.optimizer, self.config.rollouts.batches_topic)
+        self.data_position = checkpoint.load_extra(path).get("reader")
+
+    def close(self) -> None:
+        runtime.shutdown()
+
+
+def _print_step(record: dict[str, Any], steps: int) -> None:
+    m = record["mismatch"]
+    print(
+        f"[rl] step {record['step']}/{steps} batch {record['batch_id']} loss {record['loss']:.4f} "
+        f"|dlogp| {m['mean_abs_delta_logp']:.4f} kl {m['kl_mu_pi']:.2e} outside {m['frac_outside']:.3f} "
+        f"routing-disagree {record.get('routing_disagreement', float('nan')):.3f} {record['step_seconds']:.2f}s",
+        flush=True,
+    )
+
+
+def run_rl(trainer: RLTrainer, batches: Iterable[RLBatch], publish: Callable[[int], None], stop: StopRequest) -> None:
+    """Trains until rl.steps, a stop request or the end of `batches`; after every step, `publish(version)`
+    announces the new policy. Checkpoints every save_interval steps and once at the end."""
+    config, rl = trainer.config, trainer.config.rl
+    metrics = MetricsLog(config.metrics_path, enabled=True)
+    if trainer.resumed_from is not None:
+        metrics.write({"event": "resumed", "step": trainer.state.step, "checkpoint": str(trainer.resumed_from)})
+        print(f"[rl] resumed from {trainer.resumed_from} at step {trainer.state.step}", flush=True)
+    if trainer.cpu_patched:
+        print("[rl] no GPU: CPU compatibility patches active, gloo backend, fp32, grad clipping off", flush=True)
+    saved_step = trainer.state.step if trainer.resumed_from is not None else None
+    pending = iter(batches)
+    while trainer.state.step < rl.steps and stop.signal is None:
+        batch = next(pending, None)
+        if batch is None:
+            break
+        record = trainer.train_step(batch)
+        record["offset"] = batch.offset
+        if rl.save_interval and trainer.state.step % rl.save_interval == 0:
+            trainer.save()
+            saved_step = trainer.state.step
+        metrics.write(record)
+        publish(trainer.policy_version)
+        _print_step(record, rl.steps)
+    if saved_step != trainer.state.step:
+        trainer.save()
+    if trainer.state.step >= rl.steps:
+        config.complete_marker.write_text(f"{trainer.state.step}\n")
+    print(f"[rl] {'finished' if trainer.state.step >= rl.steps else 'stopped'} at step {trainer.state.step}", flush=True)
