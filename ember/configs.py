@@ -11,13 +11,19 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 Model = TypeVar("Model", bound=BaseModel)
 
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message names the file or each bad key, and why."""
+
+
+class StrictModel(BaseModel):
+    """The base of every config section: unknown keys are errors (a typo never passes silently), values are frozen."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class CorpusConfigError(ConfigError):

@@ -10,17 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from ember import configs
-from ember.configs import MidtrainConfigError
+from ember.configs import MidtrainConfigError, StrictModel
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ModelConfig(_Section):
+class ModelConfig(StrictModel):
     tokenizer: str = Field(min_length=1, description="tokenizer name every shard set's manifest must carry")
     vocab_size: int = Field(gt=0, description="must equal the manifests' tokenizer vocab_size")
     seq_len: int = Field(gt=1, description="must equal the manifests' seq_len")
@@ -46,7 +42,7 @@ class ModelConfig(_Section):
         return self
 
 
-class MoEConfig(_Section):
+class MoEConfig(StrictModel):
     num_experts: int = Field(gt=1)
     router_topk: int = Field(gt=0)
     ffn_hidden_size: int = Field(gt=0, description="hidden size of each routed expert")
@@ -71,13 +67,13 @@ class MoEConfig(_Section):
         return self
 
 
-class ParallelConfig(_Section):
+class ParallelConfig(StrictModel):
     tensor: int = Field(default=1, gt=0)
     pipeline: int = Field(default=1, gt=0)
     expert: int = Field(default=1, gt=0)
 
 
-class OptimizerConfig(_Section):
+class OptimizerConfig(StrictModel):
     lr: float = Field(gt=0)
     min_lr: float = Field(default=0.0, ge=0)
     weight_decay: float = Field(default=0.1, ge=0)
@@ -93,7 +89,7 @@ class OptimizerConfig(_Section):
         return self
 
 
-class ScheduleConfig(_Section):
+class ScheduleConfig(StrictModel):
     """Warmup-stable-decay: linear warmup, constant, then decay to min_lr over the last steps."""
 
     warmup_steps: int = Field(default=0, ge=0)
@@ -101,12 +97,12 @@ class ScheduleConfig(_Section):
     decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "linear"
 
 
-class ShardSetConfig(_Section):
+class ShardSetConfig(StrictModel):
     path: Path
     weight: float = Field(default=1.0, gt=0)
 
 
-class DataConfig(_Section):
+class DataConfig(StrictModel):
     shard_sets: list[ShardSetConfig] = Field(min_length=1)
     seed: int = 1234
     blend_period: int = Field(default=1000, gt=0, description="positions per exact blend cycle")
@@ -116,7 +112,7 @@ class DataConfig(_Section):
     num_workers: int = Field(default=2, ge=0)
 
 
-class TrainConfig(_Section):
+class TrainConfig(StrictModel):
     steps: int = Field(gt=0)
     micro_batch_size: int = Field(gt=0)
     global_batch_size: int = Field(gt=0)
@@ -153,7 +149,7 @@ class RunDirectory:
         return self.run_dir / "COMPLETE"
 
 
-class MidtrainConfig(RunDirectory, _Section):
+class MidtrainConfig(RunDirectory, StrictModel):
     run_dir: Path = Field(description="checkpoints/, metrics.jsonl and logs/ are written here")
     model: ModelConfig
     moe: MoEConfig

@@ -10,19 +10,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from ember import configs
-from ember.configs import MidtrainConfigError
+from ember.configs import MidtrainConfigError, StrictModel
 from ember.midtrain.config import ModelConfig, MoEConfig, OptimizerConfig, ParallelConfig, RunDirectory
 from ember.rollouts.topics import Topics
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class RolloutsConfig(_Section):
+class RolloutsConfig(StrictModel):
     topic_prefix: str = Field(min_length=1, description="batches come from <prefix>.train-batches; versions go to <prefix>.policy-versions")
     group_id: str = Field(default="ember-trainer", min_length=1, description="the trainer's consumer group")
     bootstrap: str | None = Field(default=None, description="Kafka brokers; default: EMBER_KAFKA_BOOTSTRAP or 127.0.0.1:19092")
@@ -39,7 +35,7 @@ class RolloutsConfig(_Section):
         return self.topics.train_batches
 
 
-class RLSettings(_Section):
+class RLSettings(StrictModel):
     steps: int = Field(gt=0, description="batches to train on (one optimizer step each, times updates_per_batch)")
     replay: Literal["off", "replay"] = Field(default="replay", description="force the sampler's routed experts (router replay)")
     correction: Literal["none", "tis", "mis", "seq_geo"] = Field(default="tis", description="train/inference mismatch correction")
@@ -65,7 +61,7 @@ class RLSettings(_Section):
         return self
 
 
-class RLConfig(RunDirectory, _Section):
+class RLConfig(RunDirectory, StrictModel):
     run_dir: Path = Field(description="checkpoints/, metrics.jsonl are written here")
     init_checkpoint: Path | None = Field(
         default=None, description="a midtrain/RL checkpoint directory (step_*) whose model weights start the run"

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from apache_beam.io.filesystems import FileSystems
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, create_model, field_validator, model_validator
 
 from ember import configs
-from ember.configs import CorpusConfigError
+from ember.configs import CorpusConfigError, StrictModel
 from ember.schemas.documents import METADATA_KEYS
 from ember.tokenize.config import PackSettings
 
@@ -39,11 +39,7 @@ PERMISSIVE_LICENSES = (
 )
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class FieldMapping(_Strict):
+class FieldMapping(StrictModel):
     """Where a record keeps its text, its own id and the metadata ember knows (dotted paths reach nested objects)."""
 
     text: str = Field(default="text", min_length=1)
@@ -59,7 +55,7 @@ class FieldMapping(_Strict):
         return mapping
 
 
-class CorpusSource(_Strict):
+class CorpusSource(StrictModel):
     """One corpus: its inputs on any Beam filesystem, their format, field mapping and mixture weight."""
 
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
@@ -77,7 +73,7 @@ def _datatrove_params_model(name: str, cls: type) -> type[BaseModel]:
         if param.name in ("self", "exclusion_writer", "language") or param.default is param.empty:
             continue
         fields[param.name] = (param.annotation if param.annotation is not param.empty else Any, param.default)
-    return create_model(name, __config__=ConfigDict(extra="forbid", frozen=True), **fields)
+    return create_model(name, __base__=StrictModel, **fields)
 
 
 def _web_filter_models() -> dict[str, type[BaseModel]]:
@@ -97,14 +93,14 @@ WEB_FILTER_ORDER = ("gopher_repetition", "gopher_quality", "c4_quality", "finewe
 WEB_FILTER_DEFAULTS: dict[str, dict[str, Any]] = {"c4_quality": {"filter_no_terminal_punct": False}}
 
 
-class DatatroveFilter(_Strict):
+class DatatroveFilter(StrictModel):
     """One datatrove filter: on or off, and its constructor arguments (validated against datatrove's signature)."""
 
     enabled: bool = True
     params: dict[str, Any] = Field(default_factory=dict)
 
 
-class WebFilters(_Strict):
+class WebFilters(StrictModel):
     """FineWeb's heuristic stack, run with datatrove's own filter classes in this order."""
 
     gopher_repetition: DatatroveFilter = Field(default_factory=DatatroveFilter)
@@ -132,7 +128,7 @@ class WebFilters(_Strict):
         return {k: getattr(model, k) for k in getattr(self, name).params}
 
 
-class CodeFilters(_Strict):
+class CodeFilters(StrictModel):
     """StarCoder-style code heuristics; each limit can be switched off with null."""
 
     min_chars: int | None = Field(default=20, ge=0)
@@ -159,7 +155,7 @@ class CodeFilters(_Strict):
         return self
 
 
-class Filters(_Strict):
+class Filters(StrictModel):
     web: WebFilters = Field(default_factory=WebFilters)
     code: CodeFilters = Field(default_factory=CodeFilters)
 
@@ -167,7 +163,7 @@ class Filters(_Strict):
 REDACTION_TYPES = ("email", "ip_address", "aws_access_key", "github_token", "slack_token", "private_key", "secret", "password")
 
 
-class Redaction(_Strict):
+class Redaction(StrictModel):
     """Which secret/PII detectors run; each hit becomes its typed placeholder and is counted by type."""
 
     enabled: bool = True
@@ -177,7 +173,7 @@ class Redaction(_Strict):
     min_password_length: int = Field(default=6, ge=1)
 
 
-class Dedup(_Strict):
+class Dedup(StrictModel):
     """Exact dedup on content hash, then MinHash LSH near dedup with distributed connected components."""
 
     exact: bool = True
@@ -209,7 +205,7 @@ class Dedup(_Strict):
         return (1 / self.bands) ** (1 / self.rows_per_band)
 
 
-class Output(_Strict):
+class Output(StrictModel):
     directory: str = Field(min_length=1, description="local path or any Beam filesystem URL")
     rows_per_shard: int = Field(default=50_000, ge=1, description="target rows per Parquet shard (shards per source follow)")
 
@@ -221,7 +217,7 @@ class TokenizeStage(PackSettings):
     output_dir: str | None = Field(default=None, description="local shard directory; default <output.directory>/shards")
 
 
-class CorpusConfig(_Strict):
+class CorpusConfig(StrictModel):
     sources: list[CorpusSource] = Field(min_length=1)
     filters: Filters = Field(default_factory=Filters)
     redaction: Redaction = Field(default_factory=Redaction)

@@ -37,7 +37,7 @@ def stable_shard(key: str, shards: int) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest(), "little") % shards
 
 
-class WriteShard(CorpusFn):
+class WriteParquetPart(CorpusFn):
     """(path, rows) -> that one Parquet file, its rows sorted by `sort_fields`."""
 
     STAGE = "write"
@@ -63,14 +63,14 @@ def _shard_path(row: Row, counts: dict[str, int], prefix: str, group_field: str 
     return f"{folder}/part-{shard:05d}-of-{shards:05d}.parquet", row
 
 
-class WriteShards(beam.PTransform):
+class WriteParquetParts(beam.PTransform):
     """Rows -> `prefix[/group]/part-SSSSS-of-NNNNN.parquet`, shard count from the group's row count."""
 
     def __init__(self, prefix: str, schema: pa.Schema, group_field: str | None, key_field: str,
                  sort_fields: tuple[str, ...], rows_per_shard: int, progress_dir: str | None):
         super().__init__()
         self._args = (prefix, group_field, key_field, rows_per_shard)
-        self._fn = WriteShard(schema, sort_fields, progress_dir)
+        self._fn = WriteParquetPart(schema, sort_fields, progress_dir)
 
     def expand(self, rows):
         prefix, group_field, key_field, per_shard = self._args
@@ -180,14 +180,14 @@ def write_outputs(outputs: StageOutput, config: CorpusConfig, progress_dir: str 
     """The three Parquet outputs and stats.json; kept documents count as stage `output`, rejects by reason."""
     out = config.output.directory.rstrip("/")
     per_shard = config.output.rows_per_shard
-    _ = outputs.documents | "WriteDocuments" >> WriteShards(
+    _ = outputs.documents | "WriteDocuments" >> WriteParquetParts(
         f"{out}/documents", DOCUMENT_SCHEMA, "source", "id", ("id", "location"), per_shard, progress_dir
     )
-    _ = outputs.rejects | "WriteRejects" >> WriteShards(
+    _ = outputs.rejects | "WriteRejects" >> WriteParquetParts(
         f"{out}/rejects", REJECTED_SCHEMA, None, "location",
         ("source", "location", "stage", "reason", "document_id"), per_shard, progress_dir,
     )
-    _ = outputs.clusters | "WriteClusters" >> WriteShards(
+    _ = outputs.clusters | "WriteClusters" >> WriteParquetParts(
         f"{out}/clusters", CLUSTER_SCHEMA, None, "document_id",
         ("cluster_id", "stage", "document_id", "location"), per_shard, progress_dir,
     )

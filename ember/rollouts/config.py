@@ -12,9 +12,10 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from ember import configs
+from ember.configs import StrictModel
 from ember.rollouts.advantages import Estimator
 from ember.rollouts.topics import Topics
 
@@ -26,11 +27,7 @@ def kafka_bootstrap() -> str:
     return os.environ.get("EMBER_KAFKA_BOOTSTRAP", DEFAULT_BOOTSTRAP)
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class KafkaSettings(_Section):
+class KafkaSettings(StrictModel):
     bootstrap: str = Field(default_factory=kafka_bootstrap, description="host:port of the brokers")
     topic_prefix: str = Field("ember", min_length=1, description="topics are <prefix>.rollouts, <prefix>.rewards, ...")
     partitions: int = Field(6, ge=1, description="partitions of the rollouts/rewards topics when the ETL creates them")
@@ -55,7 +52,7 @@ class KafkaSettings(_Section):
         return Topics(self.topic_prefix)
 
 
-class GroupSettings(_Section):
+class GroupSettings(StrictModel):
     size: int = Field(8, ge=1, description="samples per prompt group (N)")
     quorum: int | None = Field(None, ge=1, description="rewarded samples needed after the timeout; default: size")
     timeout_s: float = Field(600.0, gt=0, description="from the group's first rollout until it is cut at quorum")
@@ -71,7 +68,7 @@ class GroupSettings(_Section):
         return self.quorum if self.quorum is not None else self.size
 
 
-class RewardSettings(_Section):
+class RewardSettings(StrictModel):
     graders: list[str] = Field(
         default_factory=list, description="graders that must all report before a rollout is rewarded; empty: any one"
     )
@@ -88,7 +85,7 @@ class TruncatedPolicy(str, Enum):
     KEEP = "keep"
 
 
-class FilterSettings(_Section):
+class FilterSettings(StrictModel):
     max_policy_lag: int | None = Field(8, ge=0, description="drop rollouts this many versions behind the latest; null: never")
     max_tokens: int = Field(65_536, ge=1, description="longer rollouts are dropped as overlong")
     truncated: TruncatedPolicy = Field(TruncatedPolicy.DROP, description="what to do with truncated rollouts")
@@ -98,7 +95,7 @@ class FilterSettings(_Section):
     dedup_window_s: float = Field(3600.0, gt=0, description="how long a finished group's ids are remembered for dedup")
 
 
-class LengthPenalty(_Section):
+class LengthPenalty(StrictModel):
     max_tokens: int = Field(..., ge=1)
     cache_tokens: int = Field(..., ge=0)
     coefficient: float = Field(1.0, ge=0)
@@ -110,32 +107,32 @@ class LengthPenalty(_Section):
         return self
 
 
-class AdvantageSettings(_Section):
+class AdvantageSettings(StrictModel):
     estimator: Estimator = Field(Estimator.GRPO, description="grpo, dr_grpo or rloo")
     epsilon: float = Field(1e-6, gt=0)
     drop_zero_variance: bool = Field(True, description="DAPO dynamic sampling: drop groups whose rewards are all equal")
     length_penalty: LengthPenalty | None = Field(None, description="DAPO soft overlong punishment added to rewards")
 
 
-class BatchSettings(_Section):
+class BatchSettings(StrictModel):
     token_budget: int = Field(65_536, ge=1, description="tokens per TrainBatch")
     min_fill: float = Field(0.9, gt=0, le=1, description="emit a batch once it holds this fraction of the budget")
     max_wait_s: float = Field(5.0, ge=0, description="emit a partial batch once its oldest group waited this long")
 
 
-class CommitSettings(_Section):
+class CommitSettings(StrictModel):
     interval_ms: int = Field(200, ge=0, description="commit at most this often when there is no batch to emit")
 
 
-class MetricsSettings(_Section):
+class MetricsSettings(StrictModel):
     port: int | None = Field(None, ge=0, le=65535, description="Prometheus endpoint port; null: no endpoint")
 
 
-class DeadLetterSettings(_Section):
+class DeadLetterSettings(StrictModel):
     max_message_bytes: int = Field(48 * 1024 * 1024, ge=1024, description="larger input messages are dead-lettered")
 
 
-class EtlConfig(_Section):
+class EtlConfig(StrictModel):
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     groups: GroupSettings = Field(default_factory=GroupSettings)
     rewards: RewardSettings = Field(default_factory=RewardSettings)

@@ -407,6 +407,36 @@ class ShardEngine:
 
     def _finalize(self, group: _Group, now_ms: int, latest_policy: int | None) -> None:
         del self.groups[group.group_id]
+        valid, outcomes, held, signature = self._judge_members(group, now_ms, latest_policy)
+        sequences = self._score(valid, outcomes, now_ms, latest_policy)
+        if group.first_rollout_ms is not None:
+            self._out.observations.append(("group_completion_s", max(0, now_ms - group.first_rollout_ms) / 1e3))
+        kept = {s.rollout.rollout_id for s in sequences}
+        reward_times = [h.timestamp_ms for m in group.members.values() for h in m.rewards.values()]
+        finished = _Finished(
+            group_id=group.group_id,
+            sequences=sequences,
+            positions={
+                m.rollout.rollout_id: (m.offset, tuple(h.offset for h in m.rewards.values()))
+                for m in group.members.values()
+                if m.rollout.rollout_id in kept
+            },
+            outcomes=outcomes,
+            held=held,
+            rollout_ids=tuple(group.members),
+            finished_at_ms=now_ms,
+            last_reward_ms=max(reward_times, default=now_ms),
+            tokens=sum(s.rollout.num_tokens for s in sequences),
+            signature=None if signature == "unset" else signature,
+        )
+        if sequences:
+            self.finishing[group.group_id] = finished
+            self.ready.append(finished)
+        else:
+            self._close(finished, now_ms)
+
+    def _judge_members(self, group: _Group, now_ms: int, latest_policy: int | None):
+        """Each member kept (with its reward) or dropped with a reason; the offsets the group holds; its expert signature."""
         outcomes: list[Outcome] = []
         held = {ROLLOUTS: [], REWARDS: []}
         valid: list[tuple[_Member, float]] = []
@@ -435,8 +465,15 @@ class ShardEngine:
             for hold in holds.values():
                 held[REWARDS].append(hold.offset)
                 outcomes.append(self._reward_outcome("orphan_reward", hold.reward, hold.offset, now_ms))
-        sequences: list[ScoredRollout] = []
-        if valid and len(valid) < self.config.groups.min_samples:
+        return valid, outcomes, held, signature
+
+    def _score(
+        self, valid: list[tuple[_Member, float]], outcomes: list[Outcome], now_ms: int, latest_policy: int | None
+    ) -> list[ScoredRollout]:
+        """The group's advantages, or every valid member dropped (below quorum, zero variance) into `outcomes`."""
+        if not valid:
+            return []
+        if len(valid) < self.config.groups.min_samples:
             for member, _ in valid:
                 outcomes.append(
                     self._rollout_outcome(
@@ -444,50 +481,23 @@ class ShardEngine:
                         usable=len(valid), quorum=self.config.groups.min_samples,
                     )
                 )
-        elif valid:
-            rewards = np.array([v for _, v in valid], dtype=np.float64)
-            settings = self.config.advantages
-            if settings.drop_zero_variance and is_zero_variance(rewards):
-                for member, value in valid:
-                    outcomes.append(
-                        self._rollout_outcome("zero_variance", member.rollout, member.offset, now_ms, reward=value)
-                    )
-            else:
-                advantages = group_advantages(rewards, settings.estimator, settings.epsilon)
-                sequences = [ScoredRollout(m.rollout, float(a)) for (m, _), a in zip(valid, advantages)]
-                for (member, value), advantage in zip(valid, advantages):
-                    lag, age_s = staleness(member.rollout.policy_version, latest_policy, member.rollout.created_at_us, now_ms * 1000)
-                    self._out.observations += [
-                        ("reward", value),
-                        ("advantage", float(advantage)),
-                        ("staleness_versions", float(lag)),
-                        ("staleness_seconds", age_s),
-                    ]
-        if group.first_rollout_ms is not None:
-            self._out.observations.append(("group_completion_s", max(0, now_ms - group.first_rollout_ms) / 1e3))
-        kept = {s.rollout.rollout_id for s in sequences}
-        reward_times = [h.timestamp_ms for m in group.members.values() for h in m.rewards.values()]
-        finished = _Finished(
-            group_id=group.group_id,
-            sequences=sequences,
-            positions={
-                m.rollout.rollout_id: (m.offset, tuple(h.offset for h in m.rewards.values()))
-                for m in group.members.values()
-                if m.rollout.rollout_id in kept
-            },
-            outcomes=outcomes,
-            held=held,
-            rollout_ids=tuple(group.members),
-            finished_at_ms=now_ms,
-            last_reward_ms=max(reward_times, default=now_ms),
-            tokens=sum(s.rollout.num_tokens for s in sequences),
-            signature=None if signature == "unset" else signature,
-        )
-        if sequences:
-            self.finishing[group.group_id] = finished
-            self.ready.append(finished)
-        else:
-            self._close(finished, now_ms)
+            return []
+        rewards = np.array([v for _, v in valid], dtype=np.float64)
+        settings = self.config.advantages
+        if settings.drop_zero_variance and is_zero_variance(rewards):
+            for member, value in valid:
+                outcomes.append(self._rollout_outcome("zero_variance", member.rollout, member.offset, now_ms, reward=value))
+            return []
+        advantages = group_advantages(rewards, settings.estimator, settings.epsilon)
+        for (member, value), advantage in zip(valid, advantages):
+            lag, age_s = staleness(member.rollout.policy_version, latest_policy, member.rollout.created_at_us, now_ms * 1000)
+            self._out.observations += [
+                ("reward", value),
+                ("advantage", float(advantage)),
+                ("staleness_versions", float(lag)),
+                ("staleness_seconds", age_s),
+            ]
+        return [ScoredRollout(m.rollout, float(a)) for (m, _), a in zip(valid, advantages)]
 
     def _close(self, finished: _Finished, now_ms: int) -> None:
         self._out.outcomes.extend(finished.outcomes)

@@ -11,16 +11,15 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from ember import configs
-from ember.configs import TokenizeConfigError
+from ember.configs import StrictModel, TokenizeConfigError
 
 
-class TokenizerConfig(BaseModel):
+class TokenizerConfig(StrictModel):
     """Which local tokenizer file to load and how documents are framed with BOS/EOS."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
     kind: Literal["huggingface", "tiktoken"]
     path: Path = Field(description="tokenizer.json (huggingface) or a .tiktoken BPE ranks file")
     name: str | None = Field(default=None, min_length=1, description="defaults to the file's stem")
@@ -42,23 +41,21 @@ class TokenizerConfig(BaseModel):
         return self
 
 
-class ShardSource(BaseModel):
+class ShardSource(StrictModel):
     """One deduplicated Parquet input of `Document` rows and its share of the mixture."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     path: str = Field(min_length=1, description="file or glob of Parquet files with DOCUMENT_SCHEMA rows")
     weight: float = Field(default=1.0, ge=0)
 
 
-class PackSettings(BaseModel):
+class PackSettings(StrictModel):
     """How documents become shards: everything but where they come from and where shards go.
 
     `ember corpus tokenize` takes these with its own `sources` and `output_dir`; `ember corpus build`
     takes them under its `tokenize:` key and feeds them the documents it kept.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
     tokenizer: TokenizerConfig
     seq_len: int = Field(default=8192, ge=2)
     packing: Literal["best_fit", "concat_chunk"] = "best_fit"

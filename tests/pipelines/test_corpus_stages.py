@@ -12,7 +12,7 @@ from apache_beam.testing.util import assert_that, equal_to
 
 from ember.pipelines.corpus_config import CorpusSource, Dedup, parse_config
 from ember.pipelines.corpus_io import record_to_row
-from ember.pipelines.corpus_outputs import WriteShards
+from ember.pipelines.corpus_outputs import WriteParquetParts
 from ember.pipelines.corpus_pipeline import corpus_stages
 from ember.pipelines.corpus_stages import ExactDedup, NearDedup, StageOutput, UniqueIds, node_key, rank_key, size_bin, text_bytes
 from ember.demo.sample_corpus import near_duplicate, prose
@@ -104,7 +104,7 @@ def test_write_shards_are_named_by_count_and_sorted(tmp_path: Path, per_shard: i
     rows = [_row(f"d{i}", f"x = {i}", line=i) for i in range(5)]
     random.Random(1).shuffle(rows)
     with beam.Pipeline(runner="FnApiRunner") as p:
-        _ = p | beam.Create(rows) | WriteShards(str(tmp_path), DOCUMENT_SCHEMA, "source", "id", ("id", "location"), per_shard, None)
+        _ = p | beam.Create(rows) | WriteParquetParts(str(tmp_path), DOCUMENT_SCHEMA, "source", "id", ("id", "location"), per_shard, None)
     files = sorted(tmp_path.rglob("*.parquet"))
     shards = -(-5 // per_shard)
     assert {f.name.split("-of-")[1] for f in files} == {f"{shards:05d}.parquet"} and all(f.parent.name == "code" for f in files)
