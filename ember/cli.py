@@ -12,7 +12,7 @@ from ember.pipelines.export_cli import app as export_app
 from ember.rollouts.cli import app as rollouts_app
 
 app = typer.Typer(help="ember: the data plane for post-training a coding model.", no_args_is_help=True)
-dev_app = typer.Typer(help="Local real services for development and tests (Kafka, Slurm, Flink job-server jar).", no_args_is_help=True)
+dev_app = typer.Typer(help="Local real services for development and tests (Kafka, secured Kafka, Slurm, Flink job-server jar).", no_args_is_help=True)
 app.add_typer(dev_app, name="dev")
 app.add_typer(rollouts_app, name="rollouts")
 app.add_typer(corpus_app, name="corpus")
@@ -30,10 +30,23 @@ def _print_status() -> None:
 
 @dev_app.command("up")
 def dev_up(
-    only: list[str] = typer.Option(None, "--only", help="Start just these services (kafka, slurm, flink)."),
+    only: list[str] = typer.Option(None, "--only", help="Start just these services (kafka, slurm, flink, kafka-secure)."),
+    secure: bool = typer.Option(
+        False, "--secure", help="Also start kafka-secure, the SASL_SSL/SCRAM broker (same as EMBER_KAFKA_SECURITY=sasl_ssl)."
+    ),
 ) -> None:
-    """Start every local service (idempotent): Kafka KRaft broker, single-node Slurm, Flink job-server jar."""
-    for service in only or list(services.SERVICES):
+    """Start every local service (idempotent): Kafka KRaft broker, single-node Slurm, Flink job-server jar.
+
+    With --secure (or EMBER_KAFKA_SECURITY=sasl_ssl) the secured broker kafka-secure starts as well.
+    """
+    wanted = list(only or services.SERVICES)
+    if (secure or services.secure_requested()) and "kafka-secure" not in wanted:
+        wanted.append("kafka-secure")
+    unknown = [s for s in wanted if s not in services.ALL_SERVICES]
+    if unknown:
+        console.print(f"[red]unknown service(s) {', '.join(unknown)}; known: {', '.join(services.ALL_SERVICES)}[/red]")
+        raise typer.Exit(2)
+    for service in wanted:
         with console.status(f"starting {service}..."):
             try:
                 services.start(service)
@@ -47,8 +60,8 @@ def dev_up(
 
 @dev_app.command("down")
 def dev_down() -> None:
-    """Stop every local service this checkout started."""
-    for service in services.SERVICES:
+    """Stop every local service this checkout started (the secured broker too)."""
+    for service in services.ALL_SERVICES:
         services.stop(service)
     _print_status()
 

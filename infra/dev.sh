@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # All local services at once.
 #
-#   infra/dev.sh up       kafka start, slurm start, flink fetch (a flink failure is only a warning)
-#   infra/dev.sh down     stop slurm and kafka
-#   infra/dev.sh status   table of every service's status line
+#   infra/dev.sh up [--secure]  kafka start, slurm start, flink fetch (a flink failure is only a warning);
+#                               --secure or EMBER_KAFKA_SECURITY=sasl_ssl: also kafka-secure start
+#   infra/dev.sh down           stop slurm, kafka and kafka-secure
+#   infra/dev.sh status         table of every service's status line
 set -euo pipefail
 
 # shellcheck source=infra/common.sh
@@ -11,12 +12,24 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 EMBER_LOG_TAG=dev
 
 usage() {
-  sed -n '2,6p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,7p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
   exit 2
 }
 
 cmd_up() {
+  local secure=0
+  case "${1:-}" in
+    --secure) secure=1 ;;
+    "") ;;
+    *) usage ;;
+  esac
+  if [[ "${EMBER_KAFKA_SECURITY:-}" == sasl_ssl ]]; then
+    secure=1
+  fi
   "$INFRA_DIR/kafka.sh" start
+  if ((secure)); then
+    "$INFRA_DIR/kafka-secure.sh" start
+  fi
   "$INFRA_DIR/slurm.sh" start
   local rc=0
   "$INFRA_DIR/flink.sh" fetch || rc=$?
@@ -30,6 +43,7 @@ cmd_down() {
   local rc=0
   "$INFRA_DIR/slurm.sh" stop || rc=1
   "$INFRA_DIR/kafka.sh" stop || rc=1
+  "$INFRA_DIR/kafka-secure.sh" stop || rc=1
   return "$rc"
 }
 
@@ -37,13 +51,14 @@ cmd_status() {
   {
     printf 'SERVICE\tSTATE\tENDPOINT\tDETAIL\n'
     "$INFRA_DIR/kafka.sh" status || status_line kafka error - "infra/kafka.sh status failed"
+    "$INFRA_DIR/kafka-secure.sh" status || status_line kafka-secure error - "infra/kafka-secure.sh status failed"
     "$INFRA_DIR/slurm.sh" status || status_line slurm error - "infra/slurm.sh status failed"
     "$INFRA_DIR/flink.sh" status || status_line flink-job-server error - "infra/flink.sh status failed"
   } | if command -v column >/dev/null 2>&1 && [[ -t 1 ]]; then column -t -s $'\t'; else cat; fi
 }
 
 case "${1:-}" in
-  up) cmd_up ;;
+  up) shift; cmd_up "$@" ;;
   down) cmd_down ;;
   status) cmd_status ;;
   *) usage ;;

@@ -22,6 +22,16 @@ def kafka() -> str:
     return kafka_bootstrap()
 
 
+@pytest.fixture(scope="session")
+def secure_kafka() -> services.SecureBroker:
+    """The secured broker (infra/kafka-secure.sh): SASL_SSL + SCRAM-SHA-512, one principal per role, ACLs enforced."""
+    try:
+        services.start("kafka-secure")
+        return services.secure_broker()
+    except services.ServiceError as exc:
+        pytest.fail(f"the secured Kafka broker could not be started:\n{exc}")
+
+
 @pytest.fixture
 def topic_prefix() -> str:
     """A fresh topic prefix per test so tests never read each other's records."""

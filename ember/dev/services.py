@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 INFRA_DIR = REPO_ROOT / "infra"
+# What `ember dev up` and the demo start by default.
 SERVICES = ("kafka", "slurm", "flink")
+# Opt-in services: `ember dev up --secure` / EMBER_KAFKA_SECURITY=sasl_ssl, or services.start(name).
+OPTIONAL_SERVICES = ("kafka-secure",)
+ALL_SERVICES = SERVICES + OPTIONAL_SERVICES
+# Kafka principals of the secured broker, one per role (infra/kafka-secure.sh creates them).
+ROLES = ("admin", "inference", "grader", "etl", "trainer")
+SECURITY_ENV = "EMBER_KAFKA_SECURITY"
 
 
 class ServiceError(RuntimeError):
@@ -21,6 +29,50 @@ class ServiceStatus:
     state: str
     address: str
     log: str
+
+
+@dataclass(frozen=True)
+class SecureBroker:
+    """Where a client finds the secured broker (infra/kafka-secure.sh): SASL_SSL, SCRAM-SHA-512, local CA.
+
+    Passwords stay in their mode-0600 files; read them with `password_file(role).read_text().strip()`.
+    """
+
+    bootstrap: str
+    credentials: Path
+    cafile: Path
+    security_protocol: str = "SASL_SSL"
+    sasl_mechanism: str = "SCRAM-SHA-512"
+
+    def username(self, role: str) -> str:
+        _check_role(role)
+        return f"ember-{role}"
+
+    def password_file(self, role: str) -> Path:
+        _check_role(role)
+        return self.credentials / f"{role}.password"
+
+    def properties_file(self, role: str) -> Path:
+        """Java client properties (mode 0600) for Kafka's own tools: `--command-config <file>`."""
+        _check_role(role)
+        return self.credentials / f"{role}.properties"
+
+
+def _check_role(role: str) -> None:
+    if role not in ROLES:
+        raise ValueError(f"unknown Kafka role {role!r}; roles are {', '.join(ROLES)}")
+
+
+def secure_requested() -> bool:
+    """True when EMBER_KAFKA_SECURITY asks for the secured broker (sasl_ssl)."""
+    return os.environ.get(SECURITY_ENV, "").strip().lower() == "sasl_ssl"
+
+
+def secure_broker() -> SecureBroker:
+    """Address and credential paths of the secured broker (does not start it: see start("kafka-secure"))."""
+    bootstrap = run_script("kafka-secure.sh", "bootstrap").stdout.strip()
+    credentials = Path(run_script("kafka-secure.sh", "credentials").stdout.strip())
+    return SecureBroker(bootstrap=bootstrap, credentials=credentials, cafile=credentials / "ca.pem")
 
 
 def run_script(script: str, action: str, *, check: bool = True, timeout: float = 900) -> subprocess.CompletedProcess[str]:
@@ -50,7 +102,7 @@ def stop(service: str) -> str:
 
 def status() -> list[ServiceStatus]:
     statuses = []
-    for service in SERVICES:
+    for service in ALL_SERVICES:
         result = run_script(f"{service}.sh", "status", check=False)
         line = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else f"{service}\tunknown\t-\t{result.stderr.strip()}"
         name, state, address, log = (line.split("\t") + ["-"] * 4)[:4]
