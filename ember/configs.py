@@ -56,8 +56,8 @@ def error_lines(exc: ValidationError, hint_unknown: str = "") -> list[str]:
     lines = []
     for item in exc.errors():
         key = ".".join(str(p) for p in item["loc"]) or "(top level)"
-        if item["type"] == "extra_forbidden" and hint_unknown:
-            lines.append(f"{key}: unknown key ({hint_unknown})")
+        if item["type"] == "extra_forbidden":  # never echo the value: a misplaced key may hold a secret
+            lines.append(f"{key}: unknown key ({hint_unknown})" if hint_unknown else f"{key}: unknown key")
         elif isinstance(item.get("input"), (dict, list)) or "input" not in item:
             lines.append(f"{key}: {item['msg']}")
         else:

@@ -18,6 +18,7 @@ from ember.midtrain.rl_batch import RLBatch, rl_batch
 from ember.midtrain.rl_config import RLConfig, load_rl_config
 from ember.midtrain.rl_trainer import RLTrainer, run_rl
 from ember.midtrain.runtime import StopRequest
+from ember.rollouts.security import KafkaSecurity
 
 # How often the idle trainer wakes up to notice a stop signal or its idle timeout.
 _POLL_S = 1.0
@@ -26,7 +27,7 @@ _POLL_S = 1.0
 class PolicyVersionPublisher:
     """Announces each new policy version, in the encoding the ETL's PolicyWatcher reads."""
 
-    def __init__(self, prefix: str, bootstrap: str):
+    def __init__(self, prefix: str, bootstrap: str, security: KafkaSecurity):
         from kafka import KafkaProducer
 
         from ember.rollouts.admin import ensure_topics
@@ -34,9 +35,9 @@ class PolicyVersionPublisher:
         from ember.rollouts.transport import producer_config
 
         spec = Topics(prefix).specs()["policy_versions"]
-        ensure_topics(bootstrap, [spec])
+        ensure_topics(bootstrap, [spec], security)
         self.topic = spec.name
-        self.producer = KafkaProducer(**producer_config(bootstrap_servers=bootstrap))
+        self.producer = KafkaProducer(**producer_config(security, bootstrap_servers=bootstrap))
 
     def publish(self, version: int) -> None:
         from ember.rollouts.records import PolicyVersion
@@ -57,10 +58,11 @@ class KafkaTransport:
         bootstrap = config.rollouts.bootstrap or kafka_bootstrap()
         self.stop = stop
         self.idle_timeout_s = config.rollouts.idle_timeout_s
-        self.publisher = PolicyVersionPublisher(config.rollouts.topic_prefix, bootstrap)
+        security = config.rollouts.security
+        self.publisher = PolicyVersionPublisher(config.rollouts.topic_prefix, bootstrap, security)
         self.reader = RolloutBatchReader(
             config.rollouts.batches_topic, group_id=config.rollouts.group_id, state=position, bootstrap=bootstrap,
-            idle_timeout_s=_POLL_S,
+            idle_timeout_s=_POLL_S, security=security,
         )
 
     def batches(self) -> Iterator[RLBatch]:

@@ -15,6 +15,7 @@ from pydantic import Field, model_validator
 from ember import configs
 from ember.configs import MidtrainConfigError, StrictModel
 from ember.midtrain.config import ModelConfig, MoEConfig, OptimizerConfig, ParallelConfig, RunDirectory
+from ember.rollouts.security import KafkaSecurity
 from ember.rollouts.topics import Topics
 
 
@@ -24,6 +25,9 @@ class RolloutsConfig(StrictModel):
     bootstrap: str | None = Field(default=None, description="Kafka brokers; default: EMBER_KAFKA_BOOTSTRAP or 127.0.0.1:19092")
     idle_timeout_s: float | None = Field(
         default=None, gt=0, description="checkpoint and exit when no batch arrives for this long; null: wait forever"
+    )
+    security: KafkaSecurity = Field(
+        default_factory=KafkaSecurity, description="TLS / SASL as the trainer principal; keys left out come from EMBER_KAFKA_*"
     )
 
     @property

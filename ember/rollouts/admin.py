@@ -1,17 +1,43 @@
-"""Creating and describing the ETL's topics on a broker (Kafka's admin client), idempotently."""
+"""Creating and describing the ETL's topics, and applying role ACLs, on a broker (Kafka's admin client), idempotently."""
 
 from __future__ import annotations
 
-from kafka.admin import KafkaAdminClient
-from kafka.errors import TopicAlreadyExistsError
+from kafka.admin import (
+    ACL,
+    ACLFilter,
+    ACLOperation,
+    ACLPermissionType,
+    ACLResourcePatternType,
+    KafkaAdminClient,
+    ResourcePattern,
+    ResourcePatternFilter,
+    ResourceType,
+)
+from kafka.errors import (
+    ClusterAuthorizationFailedError,
+    SecurityDisabledError,
+    TopicAlreadyExistsError,
+    TopicAuthorizationFailedError,
+)
 
+from ember.rollouts.acls import Binding
+from ember.rollouts.security import KafkaSecurity
 from ember.rollouts.topics import TopicSpec
+from ember.rollouts.transport import client_config
 
 
-def ensure_topics(bootstrap: str, specs: list[TopicSpec]) -> dict[str, str]:
+class AdminRefused(RuntimeError):
+    """The broker refused an admin operation; the message says which, as whom, and who can do it."""
+
+
+def _admin(bootstrap: str, security: KafkaSecurity | None) -> KafkaAdminClient:
+    return KafkaAdminClient(**{**client_config(security), "bootstrap_servers": bootstrap}, client_id="ember-admin")
+
+
+def ensure_topics(bootstrap: str, specs: list[TopicSpec], security: KafkaSecurity | None = None) -> dict[str, str]:
     """Create what is missing; returns each topic's outcome ('created' or 'exists')."""
     outcome: dict[str, str] = {}
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="ember-admin")
+    admin = _admin(bootstrap, security)
     try:
         existing = set(admin.list_topics())
         missing = [s for s in specs if s.name not in existing]
@@ -30,6 +56,12 @@ def ensure_topics(bootstrap: str, specs: list[TopicSpec]) -> dict[str, str]:
                 admin.create_topics(request, wait_for_metadata=True)
             except TopicAlreadyExistsError:
                 pass
+            except (TopicAuthorizationFailedError, ClusterAuthorizationFailedError):
+                who = (security or KafkaSecurity()).describe()
+                raise AdminRefused(
+                    f"topics {', '.join(s.name for s in missing)} are missing and {who} may not create topics: "
+                    "an admin creates them (`ember rollouts topics create` with the admin's credentials)"
+                ) from None
             for spec in missing:
                 outcome[spec.name] = "created"
         return outcome
@@ -37,8 +69,8 @@ def ensure_topics(bootstrap: str, specs: list[TopicSpec]) -> dict[str, str]:
         admin.close()
 
 
-def describe_topics(bootstrap: str, names: list[str]) -> list[dict[str, object]]:
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="ember-admin")
+def describe_topics(bootstrap: str, names: list[str], security: KafkaSecurity | None = None) -> list[dict[str, object]]:
+    admin = _admin(bootstrap, security)
     try:
         return [
             {
@@ -48,5 +80,49 @@ def describe_topics(bootstrap: str, names: list[str]) -> list[dict[str, object]]
             }
             for t in admin.describe_topics(names)
         ]
+    finally:
+        admin.close()
+
+
+def _acl(binding: Binding) -> ACL:
+    return ACL(
+        principal=binding.principal,
+        host="*",
+        operation=ACLOperation[binding.operation],
+        permission_type=ACLPermissionType.ALLOW,
+        resource_pattern=ResourcePattern(
+            ResourceType[binding.resource], binding.name, ACLResourcePatternType[binding.pattern]
+        ),
+    )
+
+
+def apply_acls(bootstrap: str, bindings: list[Binding], security: KafkaSecurity | None = None) -> dict[Binding, str]:
+    """Create the bindings the broker lacks (as an admin principal); returns each one's outcome ('created' or 'exists')."""
+    admin = _admin(bootstrap, security)
+    try:
+        everything = ACLFilter(
+            principal=None,
+            host=None,
+            operation=ACLOperation.ANY,
+            permission_type=ACLPermissionType.ANY,
+            resource_pattern=ResourcePatternFilter(ResourceType.ANY, None, ACLResourcePatternType.ANY),
+        )
+        who = (security or KafkaSecurity()).describe()
+        try:
+            existing, _error = admin.describe_acls(everything)
+        except SecurityDisabledError:
+            raise AdminRefused(f"the broker at {bootstrap} has no authorizer: ACLs need the secured broker") from None
+        except ClusterAuthorizationFailedError:
+            raise AdminRefused(f"{who} may not read ACLs: apply them as a super user (the broker's admin)") from None
+        present = set(existing)
+        missing = [b for b in bindings if _acl(b) not in present]
+        if missing:
+            result = admin.create_acls([_acl(b) for b in missing])
+            if result["failed"]:
+                raise AdminRefused(
+                    f"{len(result['failed'])} of {len(missing)} ACLs were refused ({result['failed'][0].__name__}): "
+                    f"apply them as a super user (the broker's admin), not {who}"
+                )
+        return {b: ("created" if b in missing else "exists") for b in bindings}
     finally:
         admin.close()

@@ -1,8 +1,15 @@
-"""`ember rollouts ...`: topics, the load generator, the ETL service, stats, replay and a decoding tail."""
+"""`ember rollouts ...`: topics, ACLs, the load generator, the ETL service, stats, replay and a decoding tail.
+
+Commands without a config take their Kafka security settings from EMBER_KAFKA_* (see
+`ember.rollouts.security`); those with one from its `kafka.security` section, falling back to the same
+variables. A password is never a flag.
+"""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import typer
 from rich.console import Console
@@ -17,6 +24,39 @@ console = Console()
 PrefixOption = typer.Option("ember", help="Topic name prefix.")
 
 
+def _env_security():
+    """KafkaSecurity from EMBER_KAFKA_*, or exit 2 naming what is wrong."""
+    from pydantic import ValidationError
+
+    from ember.configs import error_lines
+    from ember.rollouts.security import KafkaSecurity
+
+    try:
+        return KafkaSecurity()
+    except ValidationError as exc:
+        console.print("[red]Kafka security settings from EMBER_KAFKA_* are invalid:\n  " + "\n  ".join(error_lines(exc)) + "[/red]")
+        raise typer.Exit(2) from None
+
+
+@contextmanager
+def _refusals() -> Iterator[None]:
+    """A password that cannot be read, or a broker that refuses this principal, ends the command with exit 2 and why."""
+    from kafka.errors import AuthorizationError, SaslAuthenticationFailedError
+
+    from ember.rollouts.admin import AdminRefused
+    from ember.rollouts.security import KafkaSecurityError
+    from ember.rollouts.transport import TopicUnavailable
+
+    try:
+        yield
+    except (KafkaSecurityError, AdminRefused, TopicUnavailable) as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
+    except (AuthorizationError, SaslAuthenticationFailedError) as exc:
+        console.print(f"[red]refused by the broker: {exc!r}; check the principal's ACLs (`ember rollouts acls`) and credentials[/red]")
+        raise typer.Exit(2) from None
+
+
 @topics_app.command("create")
 def topics_create(
     prefix: str = PrefixOption,
@@ -27,7 +67,9 @@ def topics_create(
     from ember.rollouts.config import kafka_bootstrap
     from ember.rollouts.topics import Topics
 
-    outcome = ensure_topics(kafka_bootstrap(), list(Topics(prefix).specs(partitions).values()))
+    security = _env_security()
+    with _refusals():
+        outcome = ensure_topics(kafka_bootstrap(), list(Topics(prefix).specs(partitions).values()), security)
     for name, state in outcome.items():
         console.print(f"{name}: {state}")
 
@@ -39,10 +81,53 @@ def topics_describe(prefix: str = PrefixOption) -> None:
     from ember.rollouts.config import kafka_bootstrap
     from ember.rollouts.topics import Topics
 
+    security = _env_security()
     table = Table("topic", "partitions", "error")
-    for row in describe_topics(kafka_bootstrap(), [s.name for s in Topics(prefix).specs().values()]):
+    with _refusals():
+        rows = describe_topics(kafka_bootstrap(), [s.name for s in Topics(prefix).specs().values()], security)
+    for row in rows:
         table.add_row(str(row["name"]), str(row["partitions"]), str(row["error_code"]))
     console.print(table)
+
+
+def _users(items: list[str]) -> dict[str, str]:
+    from ember.rollouts.acls import ROLES
+
+    users = {}
+    for item in items:
+        role, _, name = item.partition("=")
+        if role not in ROLES or not name:
+            raise typer.BadParameter(f"--user {item!r}: expected ROLE=NAME with ROLE one of {', '.join(ROLES)}")
+        users[role] = name
+    return users
+
+
+@rollouts_app.command("acls")
+def acls(
+    prefix: str = PrefixOption,
+    etl_group: str = typer.Option(None, help="The ETL's consumer group (kafka.group_id); default <prefix>-etl."),
+    trainer_group: str = typer.Option(None, help="The trainer's consumer group (rollouts.group_id); default <prefix>-trainer."),
+    user: list[str] = typer.Option(None, "--user", help="ROLE=NAME for a principal other than ember-ROLE, e.g. etl=svc-etl."),
+    apply: bool = typer.Option(False, "--apply", help="Create the missing bindings on the broker (as a super user, from EMBER_KAFKA_*)."),
+) -> None:
+    """Least-privilege ACLs per role (inference, grader, etl, trainer): print them, and with --apply create them (idempotent)."""
+    from ember.rollouts.acls import role_bindings
+
+    bindings = role_bindings(prefix, etl_group=etl_group, trainer_group=trainer_group, users=_users(user or []))
+    outcome: dict = {}
+    if apply:
+        from ember.rollouts.admin import apply_acls
+        from ember.rollouts.config import kafka_bootstrap
+
+        security = _env_security()
+        with _refusals():
+            outcome = apply_acls(kafka_bootstrap(), bindings, security)
+    rows = [("role", "principal", "operation", "resource", "pattern", "name", *(["applied"] if apply else []))]
+    rows += [(b.role, b.principal, b.operation, b.resource, b.pattern, b.name, *([outcome[b]] if apply else [])) for b in bindings]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    console.print("Topics are created by the admin (a super user) only; READ/WRITE imply DESCRIBE, WRITE implies IDEMPOTENT_WRITE.")
 
 
 def _regions(text: str) -> dict[str, float]:
@@ -88,7 +173,7 @@ def simulate(
     from ember.rollouts.topics import Topics
 
     topics = Topics(prefix)
-    ensure_topics(kafka_bootstrap(), list(topics.specs(partitions).values()))
+    security = _env_security()
     spec = WorkloadSpec(
         groups=groups,
         group_size=group_size,
@@ -111,7 +196,9 @@ def simulate(
         seed=seed,
     )
     events = plan_workload(spec)
-    stats = publish_workload(events, topics, time_scale=time_scale)
+    with _refusals():
+        ensure_topics(kafka_bootstrap(), list(topics.specs(partitions).values()), security)
+        stats = publish_workload(events, topics, time_scale=time_scale, security=security)
     rollout_bytes = stats.bytes.get("rollouts", 0)
     console.print(
         f"published {stats.counts} in {stats.seconds:.1f}s; rollouts {rollout_bytes / 1e6:.1f} MB on the wire, "
@@ -130,12 +217,24 @@ def _etl_config(path: Path):
         raise typer.Exit(2) from None
 
 
+def _overridden(settings, sections: dict[str, dict]):
+    """`settings.with_overrides(**sections)`, or exit 2 naming the bad key."""
+    from ember.configs import EtlConfigError
+
+    try:
+        return settings.with_overrides(**sections)
+    except EtlConfigError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
+
+
 @rollouts_app.command("etl")
 def etl(
     config: Path = typer.Argument(..., help="ETL config YAML (see ember/rollouts/etl.example.yaml)."),
     instance: str = typer.Option("0", help="Distinct per process: transactional id and static group member."),
     until_idle: float = typer.Option(None, help="Exit once nothing is pending and no input came for this many seconds."),
     log_level: str = typer.Option("INFO", help="Python log level."),
+    metrics_bind: str = typer.Option(None, help="Address the Prometheus endpoint listens on (overrides metrics.bind; default 127.0.0.1)."),
 ) -> None:
     """Run one ETL process: validate, filter, join rewards, compute advantages, commit batches exactly once."""
     import logging
@@ -146,17 +245,21 @@ def etl(
     from ember.rollouts.metrics import EtlMetrics
 
     settings = _etl_config(config)
+    if metrics_bind is not None:
+        settings = _overridden(settings, {"metrics": {"bind": metrics_bind}})
     # force: an import may already have configured the root logger (Beam warns at import time)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     logging.getLogger("kafka").setLevel(logging.ERROR)
     metrics = EtlMetrics()
     if settings.metrics.port is not None:
-        console.print(f"metrics on http://127.0.0.1:{metrics.serve(settings.metrics.port)}/metrics")
+        bind = str(settings.metrics.bind)
+        console.print(f"metrics on http://{bind}:{metrics.serve(settings.metrics.port, bind)}/metrics")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        EtlService(settings, instance, metrics).run(stop, until_idle_s=until_idle)
+        with _refusals():
+            EtlService(settings, instance, metrics).run(stop, until_idle_s=until_idle)
     except TopologyError as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from None
@@ -170,7 +273,10 @@ def stats(
     """Is data flowing and how stale is it: input lag, batches, drops by reason, dead letters."""
     from ember.rollouts.stats import collect_stats, render_stats
 
-    render_stats(collect_stats(_etl_config(config), window_s=window), console)
+    settings = _etl_config(config)
+    with _refusals():
+        collected = collect_stats(settings, window_s=window)
+    render_stats(collected, console)
 
 
 @rollouts_app.command("replay")
@@ -186,7 +292,6 @@ def replay(
 
     import yaml
 
-    from ember.configs import EtlConfigError
     from ember.rollouts.replay import parse_start, replay as run_replay
 
     settings = _etl_config(config)
@@ -199,16 +304,17 @@ def replay(
         sections.setdefault(section, {})[name] = yaml.safe_load(value)
     if advantage:
         sections.setdefault("advantages", {})["estimator"] = advantage
+    settings = _overridden(settings, sections)
     try:
-        settings = settings.with_overrides(**sections)
         begin = parse_start(start)
-    except (EtlConfigError, ValueError) as exc:
+    except ValueError as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from None
-    if to.startswith("topic:"):
-        summary = run_replay(settings, begin, to_topic=to.removeprefix("topic:"))
-    else:
-        summary = run_replay(settings, begin, to_dir=Path(to))
+    with _refusals():
+        if to.startswith("topic:"):
+            summary = run_replay(settings, begin, to_topic=to.removeprefix("topic:"))
+        else:
+            summary = run_replay(settings, begin, to_dir=Path(to))
     console.print_json(json.dumps(summary.as_dict()))
 
 
@@ -227,10 +333,14 @@ def publish_policy(
     from ember.rollouts.transport import producer_config
 
     spec = Topics(prefix).specs()["policy_versions"]
-    ensure_topics(kafka_bootstrap(), [spec])
-    producer = KafkaProducer(**producer_config())
-    producer.send(spec.name, key=b"policy", value=PolicyVersion.now(version).encode())
-    producer.close()
+    security = _env_security()
+    with _refusals():
+        ensure_topics(kafka_bootstrap(), [spec], security)
+        producer = KafkaProducer(**producer_config(security))
+        try:
+            producer.send(spec.name, key=b"policy", value=PolicyVersion.now(version).encode()).get(timeout=30)
+        finally:
+            producer.close()
     console.print(f"{spec.name}: policy version {version}")
 
 
@@ -242,18 +352,23 @@ def tail(
     """Decode and summarise messages; bad ones are shown with topic/partition/offset and the reason."""
     from kafka import KafkaConsumer
 
-    from ember.rollouts.transport import BadMessage, consumer_config, read_messages
+    from ember.rollouts.transport import BadMessage, consumer_config, read_messages, topic_partitions
 
-    consumer = KafkaConsumer(topic, **consumer_config(group_id=None))
-    try:
-        for item in read_messages(consumer, limit=limit, idle_timeout_s=3):
-            if isinstance(item, BadMessage):
-                console.print(f"[red]bad[/red] {item}")
-            else:
-                record = item.record
-                console.print(
-                    f"{item.topic}[{item.partition}]@{item.offset} {type(record).__name__} "
-                    f"{getattr(record, 'rollout_id', getattr(record, 'batch_id', ''))}"
-                )
-    finally:
-        consumer.close()
+    security = _env_security()
+    with _refusals():
+        consumer = KafkaConsumer(**consumer_config(security, group_id=None))
+        try:
+            partitions = topic_partitions(consumer, topic, security)
+            consumer.assign(partitions)
+            consumer.seek_to_beginning(*partitions)
+            for item in read_messages(consumer, limit=limit, idle_timeout_s=3):
+                if isinstance(item, BadMessage):
+                    console.print(f"[red]bad[/red] {item}")
+                else:
+                    record = item.record
+                    console.print(
+                        f"{item.topic}[{item.partition}]@{item.offset} {type(record).__name__} "
+                        f"{getattr(record, 'rollout_id', getattr(record, 'batch_id', ''))}"
+                    )
+        finally:
+            consumer.close()

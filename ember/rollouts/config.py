@@ -12,11 +12,12 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, IPvAnyAddress, model_validator
 
 from ember import configs
 from ember.configs import StrictModel
 from ember.rollouts.advantages import Estimator
+from ember.rollouts.security import KafkaSecurity
 from ember.rollouts.topics import Topics
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:19092"
@@ -37,6 +38,9 @@ class KafkaSettings(StrictModel):
     transaction_timeout_ms: int = Field(30_000, ge=1_000, description="a dead process's open transaction aborts after this")
     poll_timeout_ms: int = Field(100, ge=1, le=10_000)
     max_poll_records: int = Field(200, ge=1)
+    security: KafkaSecurity = Field(
+        default_factory=KafkaSecurity, description="TLS / SASL settings; keys left out come from EMBER_KAFKA_* (see ember.rollouts.security)"
+    )
 
     @model_validator(mode="after")
     def _heartbeat_below_session(self) -> "KafkaSettings":
@@ -126,6 +130,7 @@ class CommitSettings(StrictModel):
 
 class MetricsSettings(StrictModel):
     port: int | None = Field(None, ge=0, le=65535, description="Prometheus endpoint port; null: no endpoint")
+    bind: IPvAnyAddress = Field("127.0.0.1", description="address the endpoint listens on; 0.0.0.0 lets a scraper on another host in")
 
 
 class DeadLetterSettings(StrictModel):

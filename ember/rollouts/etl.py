@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
-from kafka.errors import KafkaError
+from kafka.errors import AuthorizationError, KafkaError, SaslAuthenticationFailedError
 from kafka.structs import OffsetAndMetadata
 
 from ember.rollouts.assignor import CopartitionedCooperativeAssignor
@@ -32,6 +32,7 @@ from ember.rollouts.engine import REWARDS, ROLLOUTS, InputMessage, ShardEngine, 
 from ember.rollouts.faults import crash_point
 from ember.rollouts.metrics import EtlMetrics
 from ember.rollouts.records import ClosedGroup, PolicyVersion, ShardSnapshot
+from ember.rollouts.security import KafkaSecurity
 from ember.rollouts.topics import Topics
 from ember.rollouts.admin import describe_topics, ensure_topics
 from ember.rollouts.transport import consumer_config, producer_config
@@ -50,16 +51,19 @@ def prepare_topics(config: EtlConfig) -> Topics:
     topics = kafka.topics
     specs = topics.specs(kafka.partitions)
     state = specs.pop("etl_state")
-    ensure_topics(kafka.bootstrap, list(specs.values()))
-    counts = {row["name"]: int(row["partitions"]) for row in describe_topics(kafka.bootstrap, [topics.rollouts, topics.rewards])}
+    ensure_topics(kafka.bootstrap, list(specs.values()), kafka.security)
+    counts = {
+        row["name"]: int(row["partitions"])
+        for row in describe_topics(kafka.bootstrap, [topics.rollouts, topics.rewards], kafka.security)
+    }
     rollouts, rewards = counts[topics.rollouts], counts[topics.rewards]
     if rollouts != rewards:
         raise TopologyError(
             f"{topics.rollouts} has {rollouts} partitions but {topics.rewards} has {rewards}: a group's rollouts "
             "and rewards must share a partition index; give both topics the same partition count"
         )
-    ensure_topics(kafka.bootstrap, [replace(state, partitions=rollouts)])
-    (row,) = describe_topics(kafka.bootstrap, [topics.etl_state])
+    ensure_topics(kafka.bootstrap, [replace(state, partitions=rollouts)], kafka.security)
+    (row,) = describe_topics(kafka.bootstrap, [topics.etl_state], kafka.security)
     if int(row["partitions"]) < rollouts:
         raise TopologyError(
             f"{topics.etl_state} has {row['partitions']} partitions for {rollouts} rollout partitions; "
@@ -71,8 +75,8 @@ def prepare_topics(config: EtlConfig) -> Topics:
 class PolicyWatcher:
     """Follows the policy-versions topic; `latest` is the highest version any trainer announced."""
 
-    def __init__(self, bootstrap: str, topic: str):
-        self.consumer = KafkaConsumer(**consumer_config(bootstrap_servers=bootstrap, group_id=None))
+    def __init__(self, bootstrap: str, topic: str, security: KafkaSecurity | None = None):
+        self.consumer = KafkaConsumer(**consumer_config(security, bootstrap_servers=bootstrap, group_id=None))
         self.tp = TopicPartition(topic, 0)
         self.consumer.assign([self.tp])
         self.consumer.seek_to_beginning(self.tp)
@@ -210,6 +214,8 @@ class EtlService:
                         if until_idle_s is not None and self._idle_for(until_idle_s):
                             stop.set()
                     self._commit(force=True)
+                except (AuthorizationError, SaslAuthenticationFailedError):
+                    raise  # a principal without its ACLs or credentials stays refused: retrying would only hide it
                 except (KafkaError, OSError, TimeoutError) as exc:
                     failures += 1
                     self.metrics.recoveries.inc()
@@ -226,6 +232,7 @@ class EtlService:
         kafka = self.config.kafka
         producer = KafkaProducer(
             **producer_config(
+                kafka.security,
                 bootstrap_servers=kafka.bootstrap,
                 transactional_id=self.member_id,
                 transaction_timeout_ms=kafka.transaction_timeout_ms,
@@ -238,6 +245,7 @@ class EtlService:
             listener = _Listener()
             consumer = KafkaConsumer(
                 **consumer_config(
+                    kafka.security,
                     bootstrap_servers=kafka.bootstrap,
                     group_id=kafka.group_id,
                     group_instance_id=self.member_id,
@@ -249,8 +257,8 @@ class EtlService:
                 )
             )
             consumer.subscribe([self.topics.rollouts, self.topics.rewards], listener=listener)
-            state_reader = KafkaConsumer(**consumer_config(bootstrap_servers=kafka.bootstrap, group_id=None))
-            policy = PolicyWatcher(kafka.bootstrap, self.topics.policy_versions)
+            state_reader = KafkaConsumer(**consumer_config(kafka.security, bootstrap_servers=kafka.bootstrap, group_id=None))
+            policy = PolicyWatcher(kafka.bootstrap, self.topics.policy_versions, kafka.security)
         except BaseException:
             producer.close(timeout=5)
             raise
@@ -259,7 +267,7 @@ class EtlService:
         self.engines = {}
         self._touched = set()
         self._committed_marks = {}
-        log.info("ETL %s connected to %s", self.member_id, kafka.bootstrap)
+        log.info("ETL %s connected to %s (%s)", self.member_id, kafka.bootstrap, kafka.security.describe())
 
     def _disconnect(self) -> None:
         if self._clients is not None:

@@ -52,7 +52,7 @@ class EtlMetrics:
         else:
             self.histograms[name].observe(value)
 
-    def serve(self, port: int) -> int:
-        """Start the /metrics endpoint on 127.0.0.1; port 0 picks a free one. Returns the port."""
-        server, _thread = start_http_server(port, addr="127.0.0.1", registry=self.registry)
+    def serve(self, port: int, bind: str = "127.0.0.1") -> int:
+        """Start the /metrics endpoint on `bind` (loopback unless a scraper elsewhere needs it); port 0 picks a free one. Returns the port."""
+        server, _thread = start_http_server(port, addr=bind, registry=self.registry)
         return int(server.server_port)

@@ -19,7 +19,8 @@ from kafka import KafkaConsumer, TopicPartition
 from kafka.structs import OffsetAndMetadata
 
 from ember.rollouts.config import kafka_bootstrap
-from ember.rollouts.transport import consumer_config
+from ember.rollouts.security import KafkaSecurity
+from ember.rollouts.transport import TopicUnavailable, consumer_config, topic_partitions
 from ember.schemas import DecodeError, TrainBatch, decode_train_batch
 
 
@@ -46,18 +47,21 @@ class RolloutBatchReader:
         state: dict[str, Any] | None = None,
         bootstrap: str | None = None,
         idle_timeout_s: float | None = None,
+        security: KafkaSecurity | None = None,
     ):
-        """`state` is a previous `state_dict()`; without it the group's committed position is used."""
+        """`state` is a previous `state_dict()`; without it the group's committed position is used.
+
+        `security` defaults to EMBER_KAFKA_* (see `ember.rollouts.security`)."""
         self.topic = topic
         self.idle_timeout_s = idle_timeout_s
         self.consumer = KafkaConsumer(
-            **consumer_config(bootstrap_servers=bootstrap or kafka_bootstrap(), group_id=group_id, max_poll_records=1)
+            **consumer_config(security, bootstrap_servers=bootstrap or kafka_bootstrap(), group_id=group_id, max_poll_records=1)
         )
-        partitions = self.consumer.partitions_for_topic(topic)
-        if not partitions:
+        try:
+            self.partitions = topic_partitions(self.consumer, topic, security)
+        except TopicUnavailable:
             self.consumer.close()
-            raise ValueError(f"topic {topic} does not exist (is the ETL running with this topic prefix?)")
-        self.partitions = [TopicPartition(topic, p) for p in sorted(partitions)]
+            raise
         self.consumer.assign(self.partitions)
         if state is not None:
             if state.get("topic") != topic:

@@ -158,8 +158,8 @@ def replay(config: EtlConfig, start: ReplayStart, *, to_topic: str | None = None
         raise ValueError("give exactly one of to_topic or to_dir")
     kafka = config.kafka
     topics = kafka.topics
-    consumer = KafkaConsumer(**consumer_config(bootstrap_servers=kafka.bootstrap, group_id=None))
-    producer = KafkaProducer(**producer_config(bootstrap_servers=kafka.bootstrap)) if to_topic else None
+    consumer = KafkaConsumer(**consumer_config(kafka.security, bootstrap_servers=kafka.bootstrap, group_id=None))
+    producer = KafkaProducer(**producer_config(kafka.security, bootstrap_servers=kafka.bootstrap)) if to_topic else None
     summary = ReplaySummary()
     started = time.monotonic()
     batches: list[TrainBatch] = []

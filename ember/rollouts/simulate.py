@@ -17,6 +17,7 @@ import numpy as np
 from kafka import KafkaProducer
 
 from ember.rollouts.records import PolicyVersion
+from ember.rollouts.security import KafkaSecurity
 from ember.rollouts.topics import Topics
 from ember.rollouts.transport import producer_config
 from ember.schemas.codec import encode
@@ -239,15 +240,23 @@ def publish_workload(
     topics: Topics,
     *,
     time_scale: float = 1.0,
-    producer: KafkaProducer | None = None,
+    security: KafkaSecurity | dict[str, KafkaSecurity] | None = None,
     stop: threading.Event | None = None,
 ) -> PublishStats:
     """Publish events at their simulated times divided by `time_scale` (inf: as fast as possible).
 
     Malformed events go out as raw bytes, everything else through the wire codec, keyed by group_id.
+    `security` is one setting for every event, or one per role (`rollouts`, `rewards`,
+    `policy_versions`) so each is written by its own principal, as the inference fleet, the graders
+    and the trainer do.
     """
-    own = producer is None
-    producer = producer or KafkaProducer(**producer_config())
+    roles = sorted({event.role for event in events})
+    if isinstance(security, dict):
+        producers = {role: KafkaProducer(**producer_config(security[role])) for role in roles}
+        own = list(producers.values())
+    else:
+        own = [KafkaProducer(**producer_config(security))]
+        producers = {role: own[0] for role in roles}
     stats = PublishStats()
     started = time.monotonic()
     try:
@@ -266,11 +275,12 @@ def publish_workload(
                 value = event.raw
             if isinstance(event.record, Rollout) and not event.note:
                 stats.tokens += event.record.num_tokens
-            producer.send(getattr(topics, event.role), key=event.key, value=value)
+            producers[event.role].send(getattr(topics, event.role), key=event.key, value=value)
             stats.add(event.role if not event.raw else "malformed", len(value))
-        producer.flush()
+        for producer in own:
+            producer.flush()
     finally:
-        if own:
+        for producer in own:
             producer.close()
     stats.seconds = time.monotonic() - started
     return stats

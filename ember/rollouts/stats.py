@@ -81,8 +81,8 @@ def collect_stats(config: EtlConfig, window_s: float = 300.0) -> EtlStats:
     stats = EtlStats(window_s=window_s)
     now_ms = int(time.time() * 1000)
     start_ms = None if window_s <= 0 else now_ms - int(window_s * 1000)
-    group = KafkaConsumer(**consumer_config(bootstrap_servers=kafka.bootstrap, group_id=kafka.group_id))
-    reader = KafkaConsumer(**consumer_config(bootstrap_servers=kafka.bootstrap, group_id=None))
+    group = KafkaConsumer(**consumer_config(kafka.security, bootstrap_servers=kafka.bootstrap, group_id=kafka.group_id))
+    reader = KafkaConsumer(**consumer_config(kafka.security, bootstrap_servers=kafka.bootstrap, group_id=None))
     try:
         inputs = []
         for topic in (topics.rollouts, topics.rewards):

@@ -2,7 +2,8 @@
 
 Writers are idempotent (acks=all, zstd) and key records by group_id so one group lives in one
 partition. Readers never crash on a bad message: it comes back as a `BadMessage` naming its
-topic/partition/offset and the reason, for the caller to dead-letter and count.
+topic/partition/offset and the reason, for the caller to dead-letter and count. Every client config
+built here carries `KafkaSecurity.client_kwargs()` (the settings given, else EMBER_KAFKA_*).
 """
 
 from __future__ import annotations
@@ -14,13 +15,19 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
 
 from ember.rollouts.config import kafka_bootstrap
+from ember.rollouts.security import KafkaSecurity
 from ember.rollouts.topics import MAX_MESSAGE_BYTES, Topics
 from ember.schemas import DecodeError, Reward, Rollout, TrainBatch, decode, encode
 
 
-def producer_config(**overrides: object) -> dict[str, object]:
+def client_config(security: KafkaSecurity | None = None) -> dict[str, object]:
+    """Brokers and TLS/SASL settings shared by producers, consumers and admin clients."""
+    return {"bootstrap_servers": kafka_bootstrap(), **(security or KafkaSecurity()).client_kwargs()}
+
+
+def producer_config(security: KafkaSecurity | None = None, **overrides: object) -> dict[str, object]:
     config: dict[str, object] = {
-        "bootstrap_servers": kafka_bootstrap(),
+        **client_config(security),
         "enable_idempotence": True,
         "acks": "all",
         "compression_type": "zstd",
@@ -32,9 +39,9 @@ def producer_config(**overrides: object) -> dict[str, object]:
     return config
 
 
-def consumer_config(**overrides: object) -> dict[str, object]:
+def consumer_config(security: KafkaSecurity | None = None, **overrides: object) -> dict[str, object]:
     config: dict[str, object] = {
-        "bootstrap_servers": kafka_bootstrap(),
+        **client_config(security),
         "isolation_level": "read_committed",
         "enable_auto_commit": False,
         "auto_offset_reset": "earliest",
@@ -45,9 +52,9 @@ def consumer_config(**overrides: object) -> dict[str, object]:
     return config
 
 
-def end_offsets(topics: list[str]) -> dict[TopicPartition, int]:
+def end_offsets(topics: list[str], security: KafkaSecurity | None = None) -> dict[TopicPartition, int]:
     """The current end (next offset) of every partition of `topics`: where "from now on" starts."""
-    consumer = KafkaConsumer(**consumer_config(group_id=None))
+    consumer = KafkaConsumer(**consumer_config(security, group_id=None))
     try:
         partitions = [TopicPartition(t, p) for t in topics for p in sorted(consumer.partitions_for_topic(t) or [])]
         return consumer.end_offsets(partitions)
@@ -55,12 +62,30 @@ def end_offsets(topics: list[str]) -> dict[TopicPartition, int]:
         consumer.close()
 
 
+class TopicUnavailable(ValueError):
+    """A topic this client cannot see: missing, or hidden from its principal by the ACLs (Kafka does not say which)."""
+
+
+def topic_partitions(consumer: KafkaConsumer, topic: str, security: KafkaSecurity | None = None) -> list[TopicPartition]:
+    """Every partition of `topic`, or `TopicUnavailable` naming the principal, instead of silently reading nothing."""
+    partitions = consumer.partitions_for_topic(topic)
+    if not partitions:
+        who = (security or KafkaSecurity()).describe()
+        raise TopicUnavailable(
+            f"topic {topic} does not exist, or {who} may not read it "
+            "(is the topic prefix right? does this role read it: `ember rollouts acls`?)"
+        )
+    return [TopicPartition(topic, p) for p in sorted(partitions)]
+
+
 class RecordWriter:
     """Publishes Rollouts, Rewards or TrainBatches to one topic; counts records and wire bytes."""
 
-    def __init__(self, topic: str, producer: KafkaProducer | None = None, **producer_overrides: object):
+    def __init__(
+        self, topic: str, producer: KafkaProducer | None = None, security: KafkaSecurity | None = None, **producer_overrides: object
+    ):
         self.topic = topic
-        self.producer = producer or KafkaProducer(**producer_config(**producer_overrides))
+        self.producer = producer or KafkaProducer(**producer_config(security, **producer_overrides))
         self.records = 0
         self.bytes = 0
 
@@ -88,8 +113,10 @@ class RecordWriter:
 class RolloutWriter(RecordWriter):
     """What an inference worker holds: Rollouts to `<prefix>.rollouts`, keyed by group_id."""
 
-    def __init__(self, prefix: str = "ember", producer: KafkaProducer | None = None, **producer_overrides: object):
-        super().__init__(Topics(prefix).rollouts, producer, **producer_overrides)
+    def __init__(
+        self, prefix: str = "ember", producer: KafkaProducer | None = None, security: KafkaSecurity | None = None, **producer_overrides: object
+    ):
+        super().__init__(Topics(prefix).rollouts, producer, security, **producer_overrides)
         self.tokens = 0
 
     def write(self, record: Rollout):
@@ -107,8 +134,10 @@ class RolloutWriter(RecordWriter):
 class RewardWriter(RecordWriter):
     """What a grader holds: Rewards to `<prefix>.rewards`, keyed by group_id like their rollouts."""
 
-    def __init__(self, prefix: str = "ember", producer: KafkaProducer | None = None, **producer_overrides: object):
-        super().__init__(Topics(prefix).rewards, producer, **producer_overrides)
+    def __init__(
+        self, prefix: str = "ember", producer: KafkaProducer | None = None, security: KafkaSecurity | None = None, **producer_overrides: object
+    ):
+        super().__init__(Topics(prefix).rewards, producer, security, **producer_overrides)
 
     def write(self, record: Reward):
         if not isinstance(record, Reward):
