@@ -59,8 +59,9 @@ def ensure_topics(bootstrap: str, specs: list[TopicSpec], security: KafkaSecurit
             except (TopicAuthorizationFailedError, ClusterAuthorizationFailedError):
                 who = (security or KafkaSecurity()).describe()
                 raise AdminRefused(
-                    f"topics {', '.join(s.name for s in missing)} are missing and {who} may not create topics: "
-                    "an admin creates them (`ember rollouts topics create` with the admin's credentials)"
+                    f"topics {', '.join(s.name for s in missing)} are missing, or hidden from {who}, who may not create "
+                    "topics: an admin creates them (`ember rollouts topics create` with the admin's credentials) "
+                    "and grants this role its ACLs (`ember rollouts acls --apply`)"
                 ) from None
             for spec in missing:
                 outcome[spec.name] = "created"

@@ -245,7 +245,8 @@ def publish_workload(
 ) -> PublishStats:
     """Publish events at their simulated times divided by `time_scale` (inf: as fast as possible).
 
-    Malformed events go out as raw bytes, everything else through the wire codec, keyed by group_id.
+    Malformed events go out as raw bytes, everything else through the wire codec, keyed by group_id;
+    the first send the broker refused is raised once everything is flushed.
     `security` is one setting for every event, or one per role (`rollouts`, `rewards`,
     `policy_versions`) so each is written by its own principal, as the inference fleet, the graders
     and the trainer do.
@@ -258,6 +259,7 @@ def publish_workload(
         own = [KafkaProducer(**producer_config(security))]
         producers = {role: own[0] for role in roles}
     stats = PublishStats()
+    futures = []
     started = time.monotonic()
     try:
         for event in events:
@@ -275,10 +277,13 @@ def publish_workload(
                 value = event.raw
             if isinstance(event.record, Rollout) and not event.note:
                 stats.tokens += event.record.num_tokens
-            producers[event.role].send(getattr(topics, event.role), key=event.key, value=value)
+            futures.append(producers[event.role].send(getattr(topics, event.role), key=event.key, value=value))
             stats.add(event.role if not event.raw else "malformed", len(value))
         for producer in own:
             producer.flush()
+        failed = next((f for f in futures if f.failed()), None)
+        if failed is not None:
+            raise failed.exception  # e.g. a principal without WRITE on the topic: flush() alone would hide it
     finally:
         for producer in own:
             producer.close()

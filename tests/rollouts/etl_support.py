@@ -1,28 +1,88 @@
-"""Running real ETL processes against the real broker and checking the books afterwards."""
+"""Running real ETL processes against the real broker (PLAINTEXT, or SASL_SSL with one principal per
+role) and checking the books afterwards."""
 
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 from kafka import KafkaConsumer, TopicPartition
 
-from ember.rollouts.config import EtlConfig, parse_config
+from ember.dev.services import SecureBroker
+from ember.rollouts.acls import role_bindings
+from ember.rollouts.admin import apply_acls
+from ember.rollouts.config import EtlConfig, kafka_bootstrap, parse_config
+from ember.rollouts.etl import prepare_topics
+from ember.rollouts.reader import RolloutBatchReader
 from ember.rollouts.records import Outcome
+from ember.rollouts.security import KafkaSecurity
 from ember.rollouts.simulate import Event, PublishStats, WorkloadSpec, plan_workload, publish_workload
 from ember.rollouts.topics import Topics
 from ember.rollouts.transport import consumer_config
 from ember.schemas import Reward, Rollout, decode_train_batch
 
 REPO = Path(__file__).resolve().parents[2]
+ROLES = ("admin", "inference", "grader", "etl", "trainer")
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """A broker and how each role connects to it: on the PLAINTEXT broker every role is anonymous."""
+
+    bootstrap: str
+    roles: dict[str, KafkaSecurity] = field(default_factory=dict)
+
+    @classmethod
+    def plaintext(cls) -> "Deployment":
+        return cls(kafka_bootstrap())
+
+    @classmethod
+    def secured(cls, broker: SecureBroker) -> "Deployment":
+        return cls(
+            broker.bootstrap,
+            {
+                role: KafkaSecurity(
+                    security_protocol=broker.security_protocol,
+                    sasl_mechanism=broker.sasl_mechanism,
+                    sasl_plain_username=broker.username(role),
+                    sasl_plain_password_file=broker.password_file(role),
+                    ssl_cafile=broker.cafile,
+                )
+                for role in ROLES
+            },
+        )
+
+    def security(self, role: str) -> KafkaSecurity:
+        return self.roles.get(role) or KafkaSecurity(security_protocol="PLAINTEXT")
+
+    def kafka_section(self, role: str = "etl") -> dict:
+        """The `kafka:` keys an ETL config needs to connect as `role`."""
+        return {"bootstrap": self.bootstrap, "security": self.security(role).model_dump(mode="json", exclude_none=True)}
+
+    @property
+    def publishers(self) -> dict[str, KafkaSecurity]:
+        """Who writes each simulated event: the inference fleet, the graders, the trainer."""
+        return {"rollouts": self.security("inference"), "rewards": self.security("grader"), "policy_versions": self.security("trainer")}
+
+    def consumer(self, role: str = "admin", **overrides) -> KafkaConsumer:
+        return KafkaConsumer(**consumer_config(self.security(role), bootstrap_servers=self.bootstrap, **overrides))
+
+    def prepare(self, prefix: str, config: EtlConfig) -> Topics:
+        """What an operator does before the ETL starts: topics created (and, when secured, ACLs applied) as the admin."""
+        topics = prepare_topics(config.with_overrides(kafka=self.kafka_section("admin")))
+        if self.roles:
+            apply_acls(self.bootstrap, role_bindings(prefix), self.security("admin"))
+        return topics
 
 
 def etl_settings(prefix: str, *, partitions: int = 4, **sections) -> dict:
@@ -88,9 +148,9 @@ class EtlProcess:
         return self.log.read_text()
 
 
-def read_topic(topic: str, timeout_s: float = 60.0) -> list:
-    """Every committed record of a topic, up to its end at the time of the call."""
-    consumer = KafkaConsumer(**consumer_config(group_id=None))
+def read_topic(topic: str, timeout_s: float = 60.0, deployment: Deployment | None = None) -> list:
+    """Every committed record of a topic, up to its end at the time of the call (read as the admin)."""
+    consumer = (deployment or Deployment.plaintext()).consumer(group_id=None)
     try:
         tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
         if not tps:
@@ -169,9 +229,14 @@ def workload(prefix: str, **overrides) -> Workload:
     return Workload(spec, plan_workload(spec))
 
 
-def publish_in_background(work: Workload, topics: Topics, time_scale: float = 1.0) -> tuple[threading.Thread, list]:
+def publish_in_background(
+    work: Workload, topics: Topics, time_scale: float = 1.0, deployment: Deployment | None = None
+) -> tuple[threading.Thread, list]:
     result: list[PublishStats] = []
-    thread = threading.Thread(target=lambda: result.append(publish_workload(work.events, topics, time_scale=time_scale)), daemon=True)
+    publishers = (deployment or Deployment.plaintext()).publishers
+    thread = threading.Thread(
+        target=lambda: result.append(publish_workload(work.events, topics, time_scale=time_scale, security=publishers)), daemon=True
+    )
     thread.start()
     return thread, result
 
@@ -191,9 +256,9 @@ class Books:
         return len(self.ledger_batched) + len(self.dropped)
 
 
-def books(topics: Topics) -> Books:
-    outcomes = [Outcome.decode(r.value) for r in read_topic(topics.outcomes)]
-    batches = [decode_train_batch(r.value) for r in read_topic(topics.train_batches)]
+def books(topics: Topics, deployment: Deployment | None = None) -> Books:
+    outcomes = [Outcome.decode(r.value) for r in read_topic(topics.outcomes, deployment=deployment)]
+    batches = [decode_train_batch(r.value) for r in read_topic(topics.train_batches, deployment=deployment)]
     return Books(
         batch_ids=[b.batch_id for b in batches],
         batched=[rid for b in batches for rid in b.rollout_ids],
@@ -201,14 +266,14 @@ def books(topics: Topics) -> Books:
         dropped=[o for o in outcomes if o.kind == "rollout_dropped"],
         rewards_dropped=[o for o in outcomes if o.kind == "reward_dropped"],
         dead_letters=[o for o in outcomes if o.kind == "dead_letter"],
-        dead_letter_records=read_topic(topics.dead_letter),
+        dead_letter_records=read_topic(topics.dead_letter, deployment=deployment),
     )
 
 
-def ledger_counts(topic: str) -> tuple[int, int]:
+def ledger_counts(topic: str, deployment: Deployment | None = None) -> tuple[int, int]:
     """(rollouts accounted for, dead letters) in the ledger so far."""
     accounted = dead = 0
-    for record in read_topic(topic):
+    for record in read_topic(topic, deployment=deployment):
         outcome = Outcome.decode(record.value)
         if outcome.kind == "batch":
             accounted += len(outcome.detail["rollout_ids"])
@@ -219,21 +284,23 @@ def ledger_counts(topic: str) -> tuple[int, int]:
     return accounted, dead
 
 
-def wait_for_books(topics: Topics, work: Workload, timeout_s: float, alive=lambda: True) -> None:
+def wait_for_books(
+    topics: Topics, work: Workload, timeout_s: float, alive=lambda: True, deployment: Deployment | None = None
+) -> None:
     """Poll the ledger until every rollout message and malformed message is accounted for."""
     deadline = time.monotonic() + timeout_s
     seen = (0, 0)
     while time.monotonic() < deadline:
         assert alive(), "the ETL process died"
-        seen = ledger_counts(topics.outcomes)
+        seen = ledger_counts(topics.outcomes, deployment)
         if seen[0] >= work.rollout_messages and seen[1] >= work.malformed:
             return
         time.sleep(1.0)
     raise AssertionError(f"after {timeout_s}s the ledger accounts for {seen}, expected {(work.rollout_messages, work.malformed)}")
 
 
-def check_books(topics: Topics, work: Workload, reward_timeout_s: float) -> Books:
-    found = books(topics)
+def check_books(topics: Topics, work: Workload, reward_timeout_s: float, deployment: Deployment | None = None) -> Books:
+    found = books(topics, deployment)
     duplicates = [b for b, n in Counter(found.batch_ids).items() if n > 1]
     assert not duplicates, f"batch ids committed twice: {duplicates}"
     twice = [r for r, n in Counter(found.batched).items() if n > 1]
@@ -249,4 +316,83 @@ def check_books(topics: Topics, work: Workload, reward_timeout_s: float) -> Book
     assert len(found.dead_letters) == work.malformed == len(found.dead_letter_records), (
         len(found.dead_letters), work.malformed, len(found.dead_letter_records)
     )
+    return found
+
+
+def trainer_batch_ids(topics: Topics, deployment: Deployment, prefix: str) -> list[str]:
+    """Every batch id the trainer principal reads from train-batches with its own group, as `midtrain rl` does."""
+    with RolloutBatchReader(
+        topics.train_batches, group_id=f"{prefix}-trainer", bootstrap=deployment.bootstrap,
+        security=deployment.security("trainer"), idle_timeout_s=5,
+    ) as reader:
+        ids = [read.batch.batch_id for read in reader]
+        reader.commit()
+    return ids
+
+
+REWARD_TIMEOUT_S = 6.0
+
+
+def setup_etl(tmp_path: Path, deployment: Deployment, partitions: int = 4, **sections) -> tuple[str, EtlConfig, Topics]:
+    """A fresh prefix, its ETL config (connecting as the etl role) in tmp_path/etl.yaml, and its prepared topics."""
+    prefix = f"test-fault-{uuid.uuid4().hex[:8]}"
+    kafka = {**deployment.kafka_section("etl"), **sections.pop("kafka", {})}
+    config = write_config(tmp_path / "etl.yaml", etl_settings(prefix, partitions=partitions, kafka=kafka, **sections))
+    return prefix, config, deployment.prepare(prefix, config)
+
+
+def finish(procs: list[EtlProcess]) -> None:
+    for proc in procs:
+        code = proc.stop()
+        assert code == 0, f"ETL exited with {code}:\n{proc.output()[-3000:]}"
+
+
+def kill_9_scenario(deployment: Deployment, tmp_path: Path, processes: list[EtlProcess]) -> Books:
+    """ETL processes killed at crash points inside the transaction (before its offsets, before its
+    commit), right after it, and at random moments while the stream flows; a survivor finishes."""
+    prefix, _config, topics = setup_etl(tmp_path, deployment)
+    work = workload(prefix, groups=48, group_interval_s=0.25)
+    thread, _ = publish_in_background(work, topics, deployment=deployment)
+    rng = random.Random(7)
+    for fault in ["etl.before_commit:2", "etl.before_send_offsets:1", "etl.after_commit:2", None, None]:
+        proc = EtlProcess(tmp_path / "etl.yaml", "0", tmp_path, fault=fault)
+        processes.append(proc)
+        if fault:
+            try:
+                proc.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{fault} never fired within 120 s:\n{proc.output()[-3000:]}") from None
+            assert proc.proc.returncode == -signal.SIGKILL, f"{fault}: exit {proc.proc.returncode}\n{proc.output()[-3000:]}"
+            proc.kill()
+        else:
+            time.sleep(rng.uniform(1.5, 3.5))
+            assert proc.proc.poll() is None, proc.output()[-3000:]
+            proc.kill()
+    survivor = EtlProcess(tmp_path / "etl.yaml", "0", tmp_path)
+    processes.append(survivor)
+    thread.join(timeout=120)
+    wait_for_books(topics, work, timeout_s=120, alive=lambda: survivor.proc.poll() is None, deployment=deployment)
+    finish([survivor])
+    found = check_books(topics, work, REWARD_TIMEOUT_S, deployment)
+    assert found.batch_ids
+    assert sorted(trainer_batch_ids(topics, deployment, prefix)) == sorted(found.batch_ids)
+    return found
+
+
+def takeover_scenario(deployment: Deployment, tmp_path: Path, processes: list[EtlProcess]) -> Books:
+    """Two ETL processes share the shards; one is killed with -9 and the other takes over all of them."""
+    prefix, _config, topics = setup_etl(tmp_path, deployment)
+    work = workload(prefix, groups=30, group_interval_s=0.25)
+    first = EtlProcess(tmp_path / "etl.yaml", "a", tmp_path)
+    second = EtlProcess(tmp_path / "etl.yaml", "b", tmp_path)
+    processes.extend([first, second])
+    thread, _ = publish_in_background(work, topics, deployment=deployment)
+    time.sleep(4.0)
+    assert first.proc.poll() is None and second.proc.poll() is None, first.output()[-3000:] + second.output()[-3000:]
+    first.kill()
+    thread.join(timeout=120)
+    wait_for_books(topics, work, timeout_s=120, alive=lambda: second.proc.poll() is None, deployment=deployment)
+    finish([second])
+    found = check_books(topics, work, REWARD_TIMEOUT_S, deployment)
+    assert "owns shards [0, 1, 2, 3]" in second.output(), "the survivor never took over every partition"
     return found
