@@ -228,25 +228,38 @@ users_digest() {
   } | sha256sum | awk '{print $1}'
 }
 
-# SCRAM users for every role but admin, created (or updated) as ember-admin with Kafka's ConfigCommand.
-# Skipped when users.applied matches this cluster and these password files.
+# SCRAM users for every role but admin, created (or updated) as ember-admin with Kafka's ConfigCommand,
+# one JVM per user, run concurrently. Skipped when users.applied matches this cluster and these password files.
 kafka_after_ready() {
-  local digest role out
+  local digest role rc=0 failed=()
+  local -A pids=() outs=()
   digest="$(users_digest)"
   if [[ -f "$USERS_MARKER" && "$(cat "$USERS_MARKER")" == "$digest" ]]; then
     return 0
   fi
+  log_info "creating SCRAM users ($SCRAM) with org.apache.kafka.tools.ConfigCommand as $ADMIN_USER"
   for role in "${ROLES[@]}"; do
     [[ "$role" == admin ]] && continue
-    log_info "creating SCRAM user $(role_user "$role") ($SCRAM) with org.apache.kafka.tools.ConfigCommand"
-    if ! out="$(printf '%s\n' org.apache.kafka.tools.ConfigCommand --bootstrap-server "$KAFKA_BOOTSTRAP" \
-        --command-config "$CRED_DIR/admin.properties" --alter --entity-type users \
-        --entity-name "$(role_user "$role")" --add-config "$SCRAM=[password=$(pw "$role")]" \
-        | kafka_java_argfile 2>&1)"; then
-      printf '%s\n' "$out" | redact >&2
-      die "ConfigCommand could not create SCRAM user $(role_user "$role") on $KAFKA_BOOTSTRAP"
-    fi
+    outs[$role]="$(umask 077 && mktemp "$EMBER_RUN_DIR/$KAFKA_NAME-users.XXXXXX")"
+    printf '%s\n' org.apache.kafka.tools.ConfigCommand --bootstrap-server "$KAFKA_BOOTSTRAP" \
+      --command-config "$CRED_DIR/admin.properties" --alter --entity-type users \
+      --entity-name "$(role_user "$role")" --add-config "$SCRAM=[password=$(pw "$role")]" \
+      | kafka_java_argfile >"${outs[$role]}" 2>&1 &
+    pids[$role]=$!
   done
+  for role in "${!pids[@]}"; do
+    rc=0
+    wait "${pids[$role]}" || rc=$?
+    if ((rc != 0)); then
+      failed+=("$(role_user "$role")")
+      redact <"${outs[$role]}" >&2
+    fi
+    rm -f "${outs[$role]}"
+  done
+  if ((${#failed[@]})); then
+    die "ConfigCommand could not create SCRAM user(s) ${failed[*]} on $KAFKA_BOOTSTRAP"
+  fi
+  log_info "SCRAM users ready: $(for role in "${ROLES[@]}"; do printf '%s ' "$(role_user "$role")"; done)"
   printf '%s\n' "$digest" >"$USERS_MARKER"
 }
 

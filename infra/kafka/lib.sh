@@ -69,8 +69,10 @@ ensure_libs() {
   pom_digest >"$KAFKA_LIBS_MARKER"
 }
 
+# Short-lived Kafka tools (StorageTool, ConfigCommand): C1-only JIT and the serial GC cut their start-up
+# CPU by about 2/3 on a small machine. The broker itself is started by kafka_cmd_start, not by this.
 kafka_java() {
-  java -cp "$KAFKA_LIBS/*" -Dlog4j2.configurationFile="$KAFKA_LOG4J" -Dkafka.logs.dir="$KAFKA_LOGS" "$@"
+  java -XX:TieredStopAtLevel=1 -XX:+UseSerialGC -cp "$KAFKA_LIBS/*" -Dlog4j2.configurationFile="$KAFKA_LOG4J" -Dkafka.logs.dir="$KAFKA_LOGS" "$@"
 }
 
 # kafka_java_argfile ARG... -- run a Kafka tool whose main class and arguments are read from
