@@ -241,6 +241,7 @@ def publish_workload(
     *,
     time_scale: float = 1.0,
     security: KafkaSecurity | dict[str, KafkaSecurity] | None = None,
+    bootstrap: str | None = None,
     stop: threading.Event | None = None,
 ) -> PublishStats:
     """Publish events at their simulated times divided by `time_scale` (inf: as fast as possible).
@@ -249,14 +250,15 @@ def publish_workload(
     the first send the broker refused is raised once everything is flushed.
     `security` is one setting for every event, or one per role (`rollouts`, `rewards`,
     `policy_versions`) so each is written by its own principal, as the inference fleet, the graders
-    and the trainer do.
+    and the trainer do. `bootstrap` defaults to $EMBER_KAFKA_BOOTSTRAP.
     """
     roles = sorted({event.role for event in events})
+    brokers = {"bootstrap_servers": bootstrap} if bootstrap else {}
     if isinstance(security, dict):
-        producers = {role: KafkaProducer(**producer_config(security[role])) for role in roles}
+        producers = {role: KafkaProducer(**producer_config(security[role], **brokers)) for role in roles}
         own = list(producers.values())
     else:
-        own = [KafkaProducer(**producer_config(security))]
+        own = [KafkaProducer(**producer_config(security, **brokers))]
         producers = {role: own[0] for role in roles}
     stats = PublishStats()
     futures = []

@@ -233,10 +233,13 @@ def publish_in_background(
     work: Workload, topics: Topics, time_scale: float = 1.0, deployment: Deployment | None = None
 ) -> tuple[threading.Thread, list]:
     result: list[PublishStats] = []
-    publishers = (deployment or Deployment.plaintext()).publishers
-    thread = threading.Thread(
-        target=lambda: result.append(publish_workload(work.events, topics, time_scale=time_scale, security=publishers)), daemon=True
-    )
+    deployment = deployment or Deployment.plaintext()
+
+    def publish() -> None:
+        stats = publish_workload(work.events, topics, time_scale=time_scale, security=deployment.publishers, bootstrap=deployment.bootstrap)
+        result.append(stats)
+
+    thread = threading.Thread(target=publish, daemon=True)
     thread.start()
     return thread, result
 
