@@ -341,3 +341,41 @@ def test_cold_start_in_a_fresh_home(tmp_path: Path, secure_kafka: SecureBroker) 
         stopped = infra("stop", timeout=120)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     assert infra("status").stdout.split("\t")[:2] == ["kafka-secure", "stopped"]
+
+
+# ------------------------------------------------------------------------ CLI --
+
+@pytest.mark.parametrize("how", ["--secure", "EMBER_KAFKA_SECURITY=sasl_ssl"])
+def test_dev_up_secure_starts_kafka_secure(secure_kafka: SecureBroker, how: str, monkeypatch) -> None:
+    """`ember dev up --secure` (or EMBER_KAFKA_SECURITY=sasl_ssl) also brings up kafka-secure (idempotent here)."""
+    from typer.testing import CliRunner
+
+    from ember.cli import app
+
+    args = ["dev", "up", "--only", "kafka"]
+    if how == "--secure":
+        args.append("--secure")
+        monkeypatch.delenv("EMBER_KAFKA_SECURITY", raising=False)
+    else:
+        monkeypatch.setenv("EMBER_KAFKA_SECURITY", "sasl_ssl")
+    calls: list[str] = []
+    real_start = services.start
+    monkeypatch.setattr(services, "start", lambda name: calls.append(name) or real_start(name))
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert calls == ["kafka", "kafka-secure"]
+    assert "kafka-secure" in result.output
+
+
+def test_dev_up_without_secure_leaves_kafka_secure_alone(monkeypatch) -> None:
+    from typer.testing import CliRunner
+
+    from ember.cli import app
+
+    monkeypatch.delenv("EMBER_KAFKA_SECURITY", raising=False)
+    calls: list[str] = []
+    real_start = services.start
+    monkeypatch.setattr(services, "start", lambda name: calls.append(name) or real_start(name))
+    result = CliRunner().invoke(app, ["dev", "up", "--only", "kafka"])
+    assert result.exit_code == 0, result.output
+    assert calls == ["kafka"]
