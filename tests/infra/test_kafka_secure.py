@@ -204,11 +204,17 @@ def test_refused_with_a_wrong_password(
     log_at = _broker_log_size()
     kwargs = _client_kwargs(secure_kafka, "inference")
     kwargs["sasl_plain_password"] = "not-" + kwargs["sasl_plain_password"]
-    with caplog.at_level(logging.ERROR, logger="kafka"):
-        err, elapsed = _refused(kwargs)
-    assert elapsed < 30
-    assert "Unable to bootstrap" in str(err)
-    assert "SaslAuthenticationFailedError" in caplog.text  # the client says why
+    # The client names the cause in its `kafka` logger. The broker closes the connection right after
+    # its SASL error response, so on a loaded machine one attempt may only see "socket disconnected":
+    # allow three attempts to surface the reason; every attempt must be refused.
+    for _attempt in range(3):
+        with caplog.at_level(logging.ERROR, logger="kafka"):
+            err, elapsed = _refused(kwargs)
+        assert elapsed < 30
+        assert "Unable to bootstrap" in str(err)
+        if "SaslAuthenticationFailedError" in caplog.text:
+            break
+    assert "SaslAuthenticationFailedError" in caplog.text
     broker_log = _wait_for_broker_log(log_at, "invalid credentials")
     assert "invalid credentials with SASL mechanism SCRAM-SHA-512" in broker_log
     assert _end_offset(secure_kafka, secure_topic) == before
@@ -301,6 +307,8 @@ def test_no_password_in_logs_status_or_command_lines(secure_kafka: SecureBroker)
                 continue
     leaks = [(where, name) for where, text in texts.items() for name, value in secrets.items() if value in text]
     assert not leaks, f"passwords found in: {leaks}"
+    # The java @argfiles that carried --add-scram / --add-config secrets are gone.
+    assert not list((ember_home() / "run").glob("kafka-secure-*.*")), "temporary argfiles left behind"
     # The broker really logged its configuration, with the password-typed values hidden.
     assert "ssl.keystore.password = [hidden]" in texts[str(_secure_dir() / "logs" / "server.log")]
 
