@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
-from kafka.errors import AuthorizationError, KafkaError, SaslAuthenticationFailedError
+from kafka.errors import AuthorizationError, KafkaError, KafkaTimeoutError, SaslAuthenticationFailedError
 from kafka.structs import OffsetAndMetadata
 
 from ember.rollouts.assignor import CopartitionedCooperativeAssignor
@@ -39,6 +39,10 @@ from ember.rollouts.transport import consumer_config, producer_config
 from ember.schemas import encode
 
 log = logging.getLogger("ember.etl")
+
+ENDS_REFRESH_S = 1.0  # how often the broker is asked for the input partitions' end offsets
+ENDS_TIMEOUT_MS = 1000  # a broker that does not answer within this leaves the ends stale, not the loop stuck
+ENDS_FRESH_S = 3.0  # end offsets older than this cannot prove the ETL caught up
 
 
 class TopologyError(RuntimeError):
@@ -187,7 +191,8 @@ class EtlService:
         self._touched: set[int] = set()
         self._committed_marks: dict[int, dict[str, int]] = {}
         self._last_commit = 0.0
-        self._last_lag = 0.0
+        self._ends: dict[TopicPartition, int] = {}
+        self._ends_at = float("-inf")
         self._last_message = time.monotonic()
         self._last_timestamp: dict[TopicPartition, int] = {}
         self._clocks: dict[int, int] = {}
@@ -303,27 +308,30 @@ class EtlService:
         latest = clients.policy.latest
         if latest is not None:
             self.metrics.policy_version.set(latest)
+        self._refresh_ends(clients)
         for shard, engine in self.engines.items():
             engine.advance(self._clock(clients, shard, now_ms), latest)
             self.metrics.pending.labels(str(shard)).set(engine.pending_count())
             self.metrics.open_groups.labels(str(shard)).set(len(engine.groups))
         self._commit()
-        self._update_lag(clients)
 
     def _clock(self, clients: _Clients, shard: int, now_ms: int) -> int:
         """Event time while catching up, wall time once caught up (so deadlines fire without new input).
 
-        A lagging ETL (after a restart, or behind a burst) must not declare rewards missing that are
-        simply not read yet, so while either partition has unread data the clock is the timestamp of
-        the last message read from the lagging partitions. It never goes backwards.
+        A lagging ETL (after a restart, a broker outage, or behind a burst) must not declare rewards
+        missing that are simply not read yet, so while either partition has unread data the clock is the
+        timestamp of the last message read from the lagging partitions. "Caught up" needs end offsets
+        the broker confirmed within `ENDS_FRESH_S`: a fetch's high-water mark alone goes stale while the
+        broker is unreachable, and data written before an outage would look read. It never goes backwards.
         """
         engine = self.engines[shard]
+        fresh = time.monotonic() - self._ends_at <= ENDS_FRESH_S
         behind = []
         for role, topic in self.inputs.items():
             tp = TopicPartition(topic, shard)
-            high = clients.consumer.highwater(tp)
+            ends = [e for e in (clients.consumer.highwater(tp), self._ends.get(tp)) if e is not None]
             position = engine.positions.get(role)
-            if high is None or position is None or position < high:
+            if not fresh or not ends or position is None or position < max(ends):
                 behind.append(self._last_timestamp.get(tp, 0))
         clock = max(min(behind) if behind else now_ms, self._clocks.get(shard, 0))
         self._clocks[shard] = clock
@@ -484,13 +492,17 @@ class EtlService:
         for name, value in output.observations:
             m.observe(name, value)
 
-    def _update_lag(self, clients: _Clients) -> None:
-        if time.monotonic() - self._last_lag < 5.0 or not self.engines:
+    def _refresh_ends(self, clients: _Clients) -> None:
+        """The input partitions' end offsets from the broker, about once a second (the clock and the lag gauge read them)."""
+        if time.monotonic() - self._ends_at < ENDS_REFRESH_S or not self.engines:
             return
-        self._last_lag = time.monotonic()
         tps = {TopicPartition(topic, s): (s, role) for s in self.engines for role, topic in self.inputs.items()}
-        ends = clients.consumer.end_offsets(list(tps))
-        for tp, end in ends.items():
+        try:
+            self._ends = clients.consumer.end_offsets(list(tps), timeout_ms=ENDS_TIMEOUT_MS)
+        except KafkaTimeoutError:
+            return
+        self._ends_at = time.monotonic()
+        for tp, end in self._ends.items():
             shard, role = tps[tp]
             committed = self._committed_marks.get(shard, {}).get(role, 0)
             self.metrics.lag.labels(tp.topic, str(tp.partition)).set(max(0, end - committed))
