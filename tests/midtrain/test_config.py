@@ -49,7 +49,7 @@ def test_relative_paths_resolve_against_the_config_file(tmp_path):
 @pytest.mark.parametrize(
     ("data", "expected"),
     [
-        (_merge("moe", router_topkk=2), "moe.router_topkk: Extra inputs are not permitted"),
+        (_merge("moe", router_topkk=2), "moe.router_topkk: unknown key"),
         (_merge("moe", router_topk=8), "router_topk 8 exceeds num_experts 4"),
         (_merge("moe", expert_bias=True), "expert_bias needs router_score_function: sigmoid"),
         (_merge("moe", token_dispatcher="nccl"), "moe.token_dispatcher: Input should be 'allgather', 'alltoall' or 'flex'"),

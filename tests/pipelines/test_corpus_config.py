@@ -27,7 +27,7 @@ def test_defaults_are_finewebs_minhash_setting() -> None:
 
 def test_unknown_key_is_named() -> None:
     message = _error({**BASE, "dedupe": {}})
-    assert "dedupe: Extra inputs are not permitted" in message
+    assert "dedupe: unknown key" in message
 
 
 def test_bad_source_fields_are_named_by_index() -> None:

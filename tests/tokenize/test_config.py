@@ -17,7 +17,7 @@ def with_(**changes):
 @pytest.mark.parametrize(
     ("data", "named"),
     [
-        (with_(seq_lenn=4096), "seq_lenn: Extra inputs are not permitted"),
+        (with_(seq_lenn=4096), "seq_lenn: unknown key"),
         (with_(seq_len=1), "seq_len: Input should be greater than or equal to 2"),
         (with_(packing="first_fit"), "packing: Input should be 'best_fit' or 'concat_chunk'"),
         (with_(sources=[{"name": "code", "path": "a", "weight": -1}]), "sources.0.weight"),
