@@ -281,9 +281,25 @@ class EtlService:
         self.engines = {}
 
     def _idle_for(self, seconds: float) -> bool:
-        if time.monotonic() - self._last_message < seconds or not self.engines:
+        if time.monotonic() - self._last_message < seconds or not self.engines or not self._read_to_the_end():
             return False
         return all(e.pending_count() == 0 and not e.groups and not e.ready for e in self.engines.values())
+
+    def _read_to_the_end(self) -> bool:
+        """Every owned input partition read up to the end offsets the broker confirmed lately.
+
+        No input for a while is not the same as nothing left: on a broker formatted seconds ago the
+        group coordinator can answer `NotCoordinatorError` for a while after the partitions are
+        assigned, and no record arrives although the topics are full.
+        """
+        if time.monotonic() - self._ends_at > ENDS_FRESH_S:
+            return False
+        for shard, engine in self.engines.items():
+            for role, topic in self.inputs.items():
+                end = self._ends.get(TopicPartition(topic, shard))
+                if end is None or (engine.positions.get(role) or 0) < end:
+                    return False
+        return True
 
     # ---- the loop ----------------------------------------------------------------------------
 
