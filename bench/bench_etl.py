@@ -40,7 +40,7 @@ from ember.rollouts.admin import apply_acls
 from ember.rollouts.config import EtlConfig, kafka_bootstrap, parse_config
 from ember.rollouts.etl import EtlService, prepare_topics
 from ember.rollouts.reader import RolloutBatchReader
-from ember.rollouts.security import KafkaSecurity
+from ember.rollouts.security import KafkaSecurity, role_securities
 from ember.rollouts.simulate import synthetic_reward, synthetic_rollout
 from ember.rollouts.transport import RewardWriter, RolloutWriter, consumer_config
 
@@ -71,16 +71,7 @@ def plaintext_broker() -> Broker:
 def secured_broker() -> Broker:
     services.start("kafka-secure")
     broker = services.secure_broker()
-    roles = {
-        role: KafkaSecurity(
-            security_protocol=broker.security_protocol,
-            sasl_mechanism=broker.sasl_mechanism,
-            sasl_plain_username=broker.username(role),
-            sasl_plain_password_file=broker.password_file(role),
-            ssl_cafile=broker.cafile,
-        )
-        for role in services.ROLES
-    }
+    roles = role_securities(broker)
     return Broker("SASL_SSL", broker.bootstrap, roles)
 
 

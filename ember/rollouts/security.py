@@ -26,6 +26,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from ember.configs import StrictModel
+from ember.dev.services import ROLES, SecureBroker
 
 PASSWORD_ENV = "EMBER_KAFKA_SASL_PASSWORD"
 PASSWORD_FILE_ENV = "EMBER_KAFKA_SASL_PASSWORD_FILE"
@@ -153,3 +154,17 @@ class KafkaSecurity(StrictModel):
         if not password:
             raise KafkaSecurityError(f"the environment variable {variable} (sasl_plain_password_env) is not set or empty")
         return password
+
+
+def role_securities(broker: SecureBroker) -> dict[str, KafkaSecurity]:
+    """Each role's settings on ember's local secured broker (`ember dev up --secure`), for tests and benchmarks."""
+    return {
+        role: KafkaSecurity(
+            security_protocol=broker.security_protocol,
+            sasl_mechanism=broker.sasl_mechanism,
+            sasl_plain_username=broker.username(role),
+            sasl_plain_password_file=broker.password_file(role),
+            ssl_cafile=broker.cafile,
+        )
+        for role in ROLES
+    }

@@ -25,14 +25,13 @@ from ember.rollouts.config import EtlConfig, kafka_bootstrap, parse_config
 from ember.rollouts.etl import prepare_topics
 from ember.rollouts.reader import RolloutBatchReader
 from ember.rollouts.records import Outcome
-from ember.rollouts.security import KafkaSecurity
+from ember.rollouts.security import KafkaSecurity, role_securities
 from ember.rollouts.simulate import Event, PublishStats, WorkloadSpec, plan_workload, publish_workload
 from ember.rollouts.topics import Topics
 from ember.rollouts.transport import consumer_config
 from ember.schemas import Reward, Rollout, decode_train_batch
 
 REPO = Path(__file__).resolve().parents[2]
-ROLES = ("admin", "inference", "grader", "etl", "trainer")
 
 
 @dataclass(frozen=True)
@@ -50,16 +49,7 @@ class Deployment:
     def secured(cls, broker: SecureBroker) -> "Deployment":
         return cls(
             broker.bootstrap,
-            {
-                role: KafkaSecurity(
-                    security_protocol=broker.security_protocol,
-                    sasl_mechanism=broker.sasl_mechanism,
-                    sasl_plain_username=broker.username(role),
-                    sasl_plain_password_file=broker.password_file(role),
-                    ssl_cafile=broker.cafile,
-                )
-                for role in ROLES
-            },
+            role_securities(broker),
         )
 
     def security(self, role: str) -> KafkaSecurity:
