@@ -2,18 +2,24 @@
 
 The whole `ConfigError` hierarchy lives here: one subclass per config family, so a CLI catches exactly
 its own; each command's config module keeps only its pydantic models. File reading and error wording
-live here too.
+live here too, and so does what every config file gets alike: strict UTF-8 decoding, `${VAR}`
+expansion in its string values, and upper bounds on sizes whose errors say why the bound exists.
 """
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
 
 Model = TypeVar("Model", bound=BaseModel)
+
+MAX_CONFIG_BYTES = 4 * 1024 * 1024
+"""A config is written by hand; a larger file is a data file (or /dev/zero) passed by mistake."""
 
 
 class ConfigError(ValueError):
@@ -23,7 +29,7 @@ class ConfigError(ValueError):
 class StrictModel(BaseModel):
     """The base of every config section: unknown keys are errors (a typo never passes silently), values are frozen."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class CorpusConfigError(ConfigError):
@@ -51,11 +57,32 @@ def unique_names(items: list, what: str = "source names") -> list:
     return items
 
 
+def at_most(limit: int | float, why: str) -> AfterValidator:
+    """An upper bound for a size field whose error says the bound and why it exists (`None` passes: it means off).
+
+    Used as `Annotated[int, at_most(4096, "...")]`, so the bound sits next to the field it documents.
+    """
+
+    def check(value: Any) -> Any:
+        if value is not None and value > limit:
+            raise ValueError(f"at most {limit:,}: {why}")
+        return value
+
+    return AfterValidator(check)
+
+
+def gib(n_bytes: float) -> str:
+    """A byte count as GiB for memory estimates in error messages."""
+    return f"{n_bytes / 2**30:,.1f} GiB"
+
+
 def error_lines(exc: ValidationError, hint_unknown: str = "") -> list[str]:
     """`dotted.key: what is wrong` per problem; unknown keys get `hint_unknown` (e.g. where the example is)."""
     lines = []
     for item in exc.errors():
         key = ".".join(str(p) for p in item["loc"]) or "(top level)"
+        if item["type"] == "value_error":  # our own validators' words, without pydantic's "Value error, " prefix
+            item = {**item, "msg": str(item["ctx"]["error"])}
         if item["type"] == "extra_forbidden":  # never echo the value: a misplaced key may hold a secret
             lines.append(f"{key}: unknown key ({hint_unknown})" if hint_unknown else f"{key}: unknown key")
         elif isinstance(item.get("input"), (dict, list)) or "input" not in item:
@@ -75,27 +102,124 @@ def validate(model: type[Model], data: Any, where: str, error: type[ConfigError]
         raise error(f"{where} is invalid:\n  " + "\n  ".join(error_lines(exc, hint_unknown))) from None
 
 
+_REFERENCE = re.compile(r"\$\$\{|\$\{(?:([A-Za-z_][A-Za-z0-9_]*)(?::-([^${}]*))?\})?")
+
+
+def expand_env(data: Any, where: str, error: type[ConfigError], environ: Mapping[str, str] = os.environ) -> Any:
+    """`data` with `${VAR}` / `${VAR:-default}` in every string value replaced from `environ`; `$${` is a literal `${`.
+
+    Applied to parsed YAML values, never to the raw text, so an expanded value cannot change the document's
+    structure and YAML quoting stays what it was. The default applies when VAR is unset or empty, as in sh.
+    Keys are never expanded. An unset variable without a default, or a `${` that starts no reference, is an
+    error naming the dotted key (the value itself is never echoed: it may hold what the variable held).
+    """
+    return _Expander(where, error, environ).walk(data, "")
+
+
+class _Expander:
+    """One walk over a parsed YAML tree; shared nodes (YAML aliases) are expanded once, cycles terminate."""
+
+    def __init__(self, where: str, error: type[ConfigError], environ: Mapping[str, str]):
+        self._where, self._error, self._environ = where, error, environ
+        self._done: dict[int, Any] = {}
+
+    def walk(self, node: Any, key: str) -> Any:
+        if isinstance(node, str):
+            return self._string(node, key)
+        if not isinstance(node, (dict, list)):
+            return node
+        if id(node) in self._done:
+            return self._done[id(node)]
+        if isinstance(node, dict):
+            out: dict = {}
+            self._done[id(node)] = out
+            for k, v in node.items():
+                out[k] = self.walk(v, f"{key}.{k}" if key else str(k))
+            return out
+        items: list = []
+        self._done[id(node)] = items
+        items.extend(self.walk(v, f"{key}.{i}" if key else str(i)) for i, v in enumerate(node))
+        return items
+
+    def _string(self, value: str, key: str) -> str:
+        if "$" not in value:
+            return value
+        return _REFERENCE.sub(lambda m: self._replace(m, key or "(top level)"), value)
+
+    def _replace(self, match: re.Match, key: str) -> str:
+        if match.group(0) == "$${":
+            return "${"
+        name, default = match.group(1), match.group(2)
+        if name is None:
+            raise self._error(
+                f"{self._where}: {key}: '${{' starts no ${{NAME}} or ${{NAME:-default}} reference (write $${{ for a literal ${{)"
+            )
+        found = self._environ.get(name)
+        if default is not None and not found:
+            return default
+        if found is None:
+            raise self._error(
+                f"{self._where}: {key}: environment variable {name} is not set "
+                f"(export it, or write ${{{name}:-default}})"
+            )
+        return found
+
+
+def decode_config(data: bytes, where: str, error: type[ConfigError]) -> str:
+    """The text of a config file: strict UTF-8, no NUL byte (a binary file), at most MAX_CONFIG_BYTES."""
+    if len(data) > MAX_CONFIG_BYTES:
+        raise error(f"{where}: larger than {MAX_CONFIG_BYTES // 2**20} MiB, not a config file")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{where}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})") from None
+    nul = data.find(b"\x00")
+    if nul >= 0:
+        raise error(f"{where}: not a text file (byte 0x00 at offset {nul})")
+    return text
+
+
 def parse_yaml_mapping(text: str, where: str, error: type[ConfigError], sections: str = "") -> dict:
-    """The top-level mapping of a YAML document; an empty document is an empty mapping."""
+    """The top-level mapping of a YAML document, `${VAR}`s expanded; an empty document is an empty mapping."""
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise error(f"{where}: not valid YAML: {exc}") from None
+    except RecursionError:
+        raise error(f"{where}: not valid YAML: nested too deeply") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         expected = f"a mapping of sections ({sections})" if sections else "a mapping at the top level"
         raise error(f"{where}: expected {expected}, got {type(data).__name__}")
-    return data
+    return expand_env(data, where, error)
+
+
+def parse_yaml_bytes(data: bytes, where: str, error: type[ConfigError], sections: str = "") -> dict:
+    """`parse_yaml_mapping` of a config file's raw bytes (read from any filesystem), decoded by `decode_config`."""
+    return parse_yaml_mapping(decode_config(data, where, error), where, error, sections)
+
+
+def read_config_bytes(read: Callable[[int], bytes]) -> bytes:
+    """Up to MAX_CONFIG_BYTES + 1 bytes from `read`, so `/dev/zero` or a huge file is refused, not read whole."""
+    chunks, total = [], 0
+    while total <= MAX_CONFIG_BYTES:
+        chunk = read(MAX_CONFIG_BYTES + 1 - total)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        total += len(chunk)
+    return b"".join(chunks)
 
 
 def read_yaml_mapping(path: str | Path, error: type[ConfigError], sections: str = "") -> dict:
-    """`parse_yaml_mapping` of a local file, with a missing or unreadable file named as such."""
+    """`parse_yaml_bytes` of a local file, with a missing or unreadable file named as such."""
     path = Path(path)
     try:
-        text = path.read_text()
+        with path.open("rb") as handle:
+            data = read_config_bytes(handle.read)
     except FileNotFoundError:
         raise error(f"{path}: no such config file") from None
     except OSError as exc:
         raise error(f"{path}: cannot read the config file: {exc.strerror}") from None
-    return parse_yaml_mapping(text, str(path), error, sections)
+    return parse_yaml_bytes(data, str(path), error, sections)

@@ -8,21 +8,31 @@ shard sets it names can move together.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
 from ember import configs
-from ember.configs import MidtrainConfigError, StrictModel
+from ember.configs import MidtrainConfigError, StrictModel, at_most
+from ember.tokenize.config import MAX_SEQ_LEN, SEQ_LEN_WHY
+
+MAX_RANK_BYTES = 2**40
+"""1 TiB: more than any accelerator or training host holds per rank; the estimate (`rank_memory`) is a lower bound."""
+MAX_MICRO_BATCH_TOKENS = 2**24
+"""16M tokens in one micro batch: 16x a 1M-token sequence; its activations alone fill any device."""
+SEED_WHY = "numpy seeds are below 2^32 and a resume adds the step to the seed"
+HIDDEN = at_most(65_536, "over twice the widest published model")
 
 
 class ModelConfig(StrictModel):
     tokenizer: str = Field(min_length=1, description="tokenizer name every shard set's manifest must carry")
-    vocab_size: int = Field(gt=0, description="must equal the manifests' tokenizer vocab_size")
-    seq_len: int = Field(gt=1, description="must equal the manifests' seq_len")
-    num_layers: int = Field(gt=0)
-    hidden_size: int = Field(gt=0)
-    num_attention_heads: int = Field(gt=0)
+    vocab_size: Annotated[int, at_most(4_194_304, "16x the largest published vocabulary; it sizes the embedding and logits")] = Field(
+        gt=0, description="must equal the manifests' tokenizer vocab_size"
+    )
+    seq_len: Annotated[int, at_most(MAX_SEQ_LEN, SEQ_LEN_WHY)] = Field(gt=1, description="must equal the manifests' seq_len")
+    num_layers: Annotated[int, at_most(1024, "over five times the deepest published transformer")] = Field(gt=0)
+    hidden_size: Annotated[int, HIDDEN] = Field(gt=0)
+    num_attention_heads: Annotated[int, at_most(1024, "over ten times any published model")] = Field(gt=0)
     num_query_groups: int | None = Field(default=None, gt=0)
     normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
     swiglu: bool = True
@@ -31,7 +41,9 @@ class ModelConfig(StrictModel):
     init_std: float = Field(default=0.02, gt=0)
     hidden_dropout: float = Field(default=0.0, ge=0, lt=1)
     attention_dropout: float = Field(default=0.0, ge=0, lt=1)
-    vocab_pad_multiple: int = Field(default=128, gt=0, description="embedding rows are padded to a multiple of this x TP")
+    vocab_pad_multiple: Annotated[int, at_most(4096, "padding beyond it only wastes embedding rows")] = Field(
+        default=128, gt=0, description="embedding rows are padded to a multiple of this x TP"
+    )
 
     @model_validator(mode="after")
     def _heads(self) -> "ModelConfig":
@@ -43,10 +55,10 @@ class ModelConfig(StrictModel):
 
 
 class MoEConfig(StrictModel):
-    num_experts: int = Field(gt=1)
-    router_topk: int = Field(gt=0)
-    ffn_hidden_size: int = Field(gt=0, description="hidden size of each routed expert")
-    shared_expert_ffn_hidden_size: int | None = Field(default=None, gt=0, description="None: no shared expert")
+    num_experts: Annotated[int, at_most(4096, "over ten times any published MoE; the router scores every expert per token")] = Field(gt=1)
+    router_topk: Annotated[int, at_most(64, "each token is dispatched to this many experts")] = Field(gt=0)
+    ffn_hidden_size: Annotated[int, HIDDEN] = Field(gt=0, description="hidden size of each routed expert")
+    shared_expert_ffn_hidden_size: Annotated[int | None, HIDDEN] = Field(default=None, gt=0, description="None: no shared expert")
     router_score_function: Literal["softmax", "sigmoid"] = "softmax"
     load_balancing: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "aux_loss"
     aux_loss_coeff: float = Field(default=1e-3, ge=0)
@@ -67,10 +79,13 @@ class MoEConfig(StrictModel):
         return self
 
 
+RANKS = at_most(1024, "ranks in one parallel dimension")
+
+
 class ParallelConfig(StrictModel):
-    tensor: int = Field(default=1, gt=0)
-    pipeline: int = Field(default=1, gt=0)
-    expert: int = Field(default=1, gt=0)
+    tensor: Annotated[int, RANKS] = Field(default=1, gt=0)
+    pipeline: Annotated[int, RANKS] = Field(default=1, gt=0)
+    expert: Annotated[int, RANKS] = Field(default=1, gt=0)
 
 
 class OptimizerConfig(StrictModel):
@@ -104,23 +119,25 @@ class ShardSetConfig(StrictModel):
 
 class DataConfig(StrictModel):
     shard_sets: list[ShardSetConfig] = Field(min_length=1)
-    seed: int = 1234
-    blend_period: int = Field(default=1000, gt=0, description="positions per exact blend cycle")
-    shuffle_window_chunks: int = Field(
+    seed: int = Field(default=1234, ge=0, lt=2**63)
+    blend_period: Annotated[int, at_most(1_000_000, "one period's order is computed in Python as the loader starts, ~2.5 s per million")] = Field(
+        default=1000, gt=0, description="positions per exact blend cycle"
+    )
+    shuffle_window_chunks: Annotated[int, at_most(4096, "each loader keeps this many decoded record batches per shard set")] = Field(
         default=64, gt=0, description="record batches shuffled together; each loader keeps this many decoded per shard set"
     )
-    num_workers: int = Field(default=2, ge=0)
+    num_workers: Annotated[int, at_most(64, "loader processes per rank, each holding its own shuffle windows")] = Field(default=2, ge=0)
 
 
 class TrainConfig(StrictModel):
-    steps: int = Field(gt=0)
-    micro_batch_size: int = Field(gt=0)
-    global_batch_size: int = Field(gt=0)
-    seed: int = 1234
+    steps: Annotated[int, at_most(10**9, "a typo: a billion optimizer steps")] = Field(gt=0)
+    micro_batch_size: Annotated[int, at_most(4096, "sequences in one forward pass on one rank")] = Field(gt=0)
+    global_batch_size: Annotated[int, at_most(1_048_576, "sequences per optimizer step, far beyond any published run")] = Field(gt=0)
+    seed: Annotated[int, at_most(2**31 - 1, SEED_WHY)] = Field(default=1234, ge=0)
     precision: Literal["auto", "bf16", "fp32"] = Field(default="auto", description="auto: bf16 on GPU, fp32 on CPU")
     save_interval: int = Field(default=0, ge=0, description="steps between checkpoints; 0: only at the end and on signal")
     log_interval: int = Field(default=1, gt=0)
-    keep_checkpoints: int = Field(default=2, gt=0)
+    keep_checkpoints: Annotated[int, at_most(1000, "each one is a full model and optimizer state on disk")] = Field(default=2, gt=0)
 
     @model_validator(mode="after")
     def _batches(self) -> "TrainConfig":
@@ -149,6 +166,41 @@ class RunDirectory:
         return self.run_dir / "COMPLETE"
 
 
+def rank_memory(model: ModelConfig, moe: MoEConfig, parallel: ParallelConfig, tokens: int) -> tuple[int, int]:
+    """A lower bound on one rank's (training state, micro batch activation) bytes, so a config no machine can
+    hold is refused at load instead of after minutes of start-up (or a segfault).
+
+    State: 16 bytes per parameter this rank holds (weights, gradients, Adam's two moments), the experts split
+    over `expert` ranks, layers over `pipeline`, every matrix over `tensor` (untied input and output embeddings).
+    Activations: 34 bytes per token,
+    hidden unit and layer (Korthikanti et al. 2022, without attention scores) plus fp32 logits.
+    """
+    h, ffn_mats = model.hidden_size, 3 if model.swiglu else 2
+    kv = h * (model.num_query_groups or model.num_attention_heads) // model.num_attention_heads
+    attention = 2 * h * h + 2 * h * kv
+    experts = moe.num_experts * ffn_mats * h * moe.ffn_hidden_size // parallel.expert
+    shared = ffn_mats * h * (moe.shared_expert_ffn_hidden_size or 0)
+    layers = model.num_layers // parallel.pipeline
+    vocab = model.vocab_size + (-model.vocab_size) % (model.vocab_pad_multiple * parallel.tensor)
+    params = (layers * (attention + shared + experts + h * moe.num_experts) + 2 * vocab * h) // parallel.tensor
+    activations = 34 * tokens * h * layers // parallel.tensor + 4 * tokens * vocab // parallel.tensor
+    return 16 * params, activations
+
+
+def memory_problems(model: ModelConfig, moe: MoEConfig, parallel: ParallelConfig, tokens: int) -> list[str]:
+    """The estimate of `rank_memory` as a problem line when it exceeds MAX_RANK_BYTES."""
+    state, activations = rank_memory(model, moe, parallel, tokens)
+    if state + activations <= MAX_RANK_BYTES:
+        return []
+    parts = f"{configs.gib(state)} weights and optimizer state" + (
+        f", {configs.gib(activations)} activations of a {tokens:,}-token micro batch" if tokens else ""
+    )
+    return [
+        f"one rank needs at least {configs.gib(state + activations)} ({parts}); at most {configs.gib(MAX_RANK_BYTES)} "
+        "(a smaller model or micro batch, or more tensor / pipeline / expert parallelism)"
+    ]
+
+
 class MidtrainConfig(RunDirectory, StrictModel):
     run_dir: Path = Field(description="checkpoints/, metrics.jsonl and logs/ are written here")
     model: ModelConfig
@@ -173,6 +225,14 @@ class MidtrainConfig(RunDirectory, StrictModel):
                 f"schedule.warmup_steps + schedule.decay_steps ({self.schedule.warmup_steps} + "
                 f"{self.schedule.decay_steps}) exceed train.steps {self.train.steps}"
             )
+        tokens = self.train.micro_batch_size * self.model.seq_len
+        if tokens > MAX_MICRO_BATCH_TOKENS:
+            problems.append(
+                f"train.micro_batch_size x model.seq_len = {tokens:,} tokens per micro batch; at most {MAX_MICRO_BATCH_TOKENS:,} "
+                "(its activations alone fill any device)"
+            )
+        else:
+            problems.extend(memory_problems(self.model, self.moe, self.parallel, tokens))
         if problems:
             raise ValueError("; ".join(problems))
         return self

@@ -8,13 +8,18 @@ mid-training run wrote loads into the RL trainer unchanged.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
 from ember import configs
-from ember.configs import MidtrainConfigError, StrictModel
-from ember.midtrain.config import ModelConfig, MoEConfig, OptimizerConfig, ParallelConfig, RunDirectory
+from ember.configs import MidtrainConfigError, StrictModel, at_most
+from ember.midtrain.config import (
+    SEED_WHY, ModelConfig, MoEConfig, OptimizerConfig, ParallelConfig, RunDirectory, memory_problems,
+)
+
+MAX_POLICY_VERSION = 2**63 - 1
+"""Policy versions travel as int64 in every TrainBatch and policy announcement."""
 from ember.rollouts.security import KafkaSecurity
 from ember.rollouts.topics import Topics
 
@@ -40,7 +45,9 @@ class RolloutsConfig(StrictModel):
 
 
 class RLSettings(StrictModel):
-    steps: int = Field(gt=0, description="batches to train on (one optimizer step each, times updates_per_batch)")
+    steps: Annotated[int, at_most(10**9, "a typo: a billion optimizer steps")] = Field(
+        gt=0, description="batches to train on (one optimizer step each, times updates_per_batch)"
+    )
     replay: Literal["off", "replay"] = Field(default="replay", description="force the sampler's routed experts (router replay)")
     correction: Literal["none", "tis", "mis", "seq_geo"] = Field(default="tis", description="train/inference mismatch correction")
     tis_cap: float = Field(default=2.0, gt=0, description="C in min(rho, C)")
@@ -52,16 +59,23 @@ class RLSettings(StrictModel):
     clip_low: float = Field(default=0.2, ge=0, lt=1, description="ratio clipped below at 1 - clip_low")
     clip_high: float = Field(default=0.28, ge=0, description="ratio clipped above at 1 + clip_high")
     aggregation: Literal["token_mean", "seq_mean"] = "token_mean"
-    updates_per_batch: int = Field(default=1, gt=0, description="optimizer updates on each batch (PPO epochs)")
-    seed: int = 1234
+    updates_per_batch: Annotated[int, at_most(64, "PPO epochs on one batch; more only overfits it")] = Field(
+        default=1, gt=0, description="optimizer updates on each batch (PPO epochs)"
+    )
+    seed: Annotated[int, at_most(2**31 - 1, SEED_WHY)] = Field(default=1234, ge=0)
     save_interval: int = Field(default=1, ge=0, description="steps between checkpoints; 0: only at the end and on signal")
-    keep_checkpoints: int = Field(default=2, gt=0)
+    keep_checkpoints: Annotated[int, at_most(1000, "each one is a full model and optimizer state on disk")] = Field(default=2, gt=0)
     initial_policy_version: int = Field(default=0, ge=0, description="the version of the starting weights; step k publishes this + k")
 
     @model_validator(mode="after")
     def _bounds(self) -> "RLSettings":
         if self.alpha >= self.beta:
             raise ValueError(f"alpha {self.alpha} must be below beta {self.beta}")
+        if self.initial_policy_version + self.steps > MAX_POLICY_VERSION:
+            raise ValueError(
+                f"initial_policy_version + steps exceeds {MAX_POLICY_VERSION:,}, the largest int64 policy version "
+                "a TrainBatch or policy announcement can carry"
+            )
         return self
 
 
@@ -82,6 +96,9 @@ class RLConfig(RunDirectory, StrictModel):
         p = self.parallel
         if (p.tensor, p.pipeline, p.expert) != (1, 1, 1):
             raise ValueError("parallel: the RL trainer runs one rank per model replica for now (tensor, pipeline, expert = 1)")
+        problems = memory_problems(self.model, self.moe, self.parallel, tokens=0)
+        if problems:
+            raise ValueError(problems[0])
         return self
 
 

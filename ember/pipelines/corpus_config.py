@@ -11,13 +11,14 @@ from __future__ import annotations
 import inspect
 import posixpath
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from apache_beam.io.filesystems import FileSystems
 from pydantic import BaseModel, Field, ValidationError, create_model, field_validator, model_validator
 
 from ember import configs
-from ember.configs import CorpusConfigError, StrictModel
+from ember.configs import CorpusConfigError, StrictModel, at_most
+from ember.pipelines import minhash
 from ember.schemas.documents import METADATA_KEYS
 from ember.tokenize.config import PackSettings
 
@@ -173,15 +174,23 @@ class Redaction(StrictModel):
     min_password_length: int = Field(default=6, ge=1)
 
 
+MAX_SIGNATURE_BYTES = 2**30
+"""MinHash working memory per Beam worker (Dataflow's smallest workers have a few GiB for several threads)."""
+
+
 class Dedup(StrictModel):
     """Exact dedup on content hash, then MinHash LSH near dedup with distributed connected components."""
 
     exact: bool = True
     near: bool = True
     shingle: Literal["word", "char"] = "word"
-    n_grams: int = Field(default=5, ge=1)
-    bands: int = Field(default=14, ge=1)
-    rows_per_band: int = Field(default=8, ge=1)
+    n_grams: Annotated[int, at_most(256, "each n-gram costs a pass over the document, and longer ones make every shingle unique")] = Field(
+        default=5, ge=1
+    )
+    bands: Annotated[int, at_most(1024, "each band is one shuffled LSH key per document")] = Field(default=14, ge=1)
+    rows_per_band: Annotated[int, at_most(256, "beyond it the LSH threshold is above 0.97 for any bands")] = Field(
+        default=8, ge=1
+    )
     seed: int = Field(default=1, ge=0, lt=2**63)
     max_cc_rounds: int = Field(
         default=8, ge=1, le=64, description="large-star/small-star rounds; unconverged nodes are counted in stats.json"
@@ -199,6 +208,21 @@ class Dedup(StrictModel):
             raise ValueError(f"each preference may appear once, got {prefer}")
         return prefer
 
+    @model_validator(mode="after")
+    def _signature_fits_a_worker(self) -> "Dedup":
+        if self.near:
+            need = minhash.signature_peak_bytes(self.num_hashes)
+            if need > MAX_SIGNATURE_BYTES:
+                raise ValueError(
+                    f"bands x rows_per_band = {self.num_hashes:,} hashes need about {configs.gib(need)} per worker "
+                    f"for MinHash signatures; at most {configs.gib(MAX_SIGNATURE_BYTES)} (fewer bands or rows)"
+                )
+        return self
+
+    @property
+    def num_hashes(self) -> int:
+        return self.bands * self.rows_per_band
+
     @property
     def threshold(self) -> float:
         """Jaccard where LSH inclusion probability crosses ~1/2: (1/bands)^(1/rows)."""
@@ -207,7 +231,9 @@ class Dedup(StrictModel):
 
 class Output(StrictModel):
     directory: str = Field(min_length=1, description="local path or any Beam filesystem URL")
-    rows_per_shard: int = Field(default=50_000, ge=1, description="target rows per Parquet shard (shards per source follow)")
+    rows_per_shard: Annotated[int, at_most(1_000_000, "a Parquet part is grouped and written in one worker's memory")] = Field(
+        default=50_000, ge=1, description="target rows per Parquet shard (shards per source follow)"
+    )
 
 
 class TokenizeStage(PackSettings):
@@ -265,10 +291,10 @@ def load_config(path: str) -> CorpusConfig:
     path = str(path)
     try:
         with FileSystems.open(path) as handle:
-            text = handle.read().decode("utf-8")
-    except (OSError, Exception) as exc:  # Beam wraps every filesystem failure in its own BeamIOError
+            data = configs.read_config_bytes(handle.read)
+    except Exception as exc:  # Beam wraps every filesystem failure in its own BeamIOError
         raise CorpusConfigError(f"{path}: cannot read the config file: {exc}") from None
-    config = parse_config(configs.parse_yaml_mapping(text, path, CorpusConfigError), path)
+    config = parse_config(configs.parse_yaml_bytes(data, path, CorpusConfigError), path)
     base = posixpath.dirname(path) if _is_url(path) else posixpath.dirname(posixpath.abspath(path))
     tokenize = config.tokenize
     if tokenize is not None:

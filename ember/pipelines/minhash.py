@@ -75,6 +75,12 @@ def hash_seeds(num_hashes: int, seed: int) -> np.ndarray:
     return splitmix64(np.arange(num_hashes, dtype=np.uint64) + splitmix64(np.array([seed], dtype=np.uint64)))
 
 
+def signature_peak_bytes(num_hashes: int) -> int:
+    """Working memory `signature` needs per document, whatever its length: two BLOCK x num_hashes uint64
+    temporaries (measured with tracemalloc), so configs can refuse a hash count no worker can hold."""
+    return 2 * _BLOCK * num_hashes * 8
+
+
 def signature(hashes: np.ndarray, num_hashes: int, seed: int) -> np.ndarray:
     """Per hash function, the minimum over the n-grams: uint64[num_hashes]."""
     seeds = hash_seeds(num_hashes, seed)

@@ -9,12 +9,17 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from ember import configs
-from ember.configs import StrictModel, TokenizeConfigError
+from ember.configs import StrictModel, TokenizeConfigError, at_most
+
+MAX_SEQ_LEN = 2**20
+SEQ_LEN_WHY = "1M tokens, beyond any model's context"
+MAX_SHARD_BYTES = 8 * 2**30
+"""A shard is assembled in one worker's memory: its pieces, the assembled rows and the encoded file."""
 
 
 class TokenizerConfig(StrictModel):
@@ -24,7 +29,9 @@ class TokenizerConfig(StrictModel):
     path: Path = Field(description="tokenizer.json (huggingface) or a .tiktoken BPE ranks file")
     name: str | None = Field(default=None, min_length=1, description="defaults to the file's stem")
     pattern: str | None = Field(default=None, description="tiktoken only: the pre-tokenizer regex")
-    special_tokens: dict[str, int] = Field(default_factory=dict, description="tiktoken only: name -> id")
+    special_tokens: dict[str, Annotated[int, Field(ge=0, lt=2**32)]] = Field(
+        default_factory=dict, description="tiktoken only: name -> id (token ids are stored as uint32)"
+    )
     bos_token: str | None = Field(default=None, description="prepended to every document when set")
     eos_token: str | None = Field(default=None, description="appended to every document when set")
     pad_token: str | None = Field(default=None, description="fills the tail of a sequence; defaults to eos_token")
@@ -57,15 +64,40 @@ class PackSettings(StrictModel):
     """
 
     tokenizer: TokenizerConfig
-    seq_len: int = Field(default=8192, ge=2)
+    seq_len: Annotated[int, at_most(MAX_SEQ_LEN, SEQ_LEN_WHY)] = Field(default=8192, ge=2)
     packing: Literal["best_fit", "concat_chunk"] = "best_fit"
-    window_documents: int = Field(
+    window_documents: Annotated[int, at_most(10_000_000, "a window's document ids and lengths are packed in one worker's memory")] = Field(
         default=50_000, ge=1, description="documents per packing window (lengths only are held per window)"
     )
-    sequences_per_shard: int = Field(default=1024, ge=1)
-    rows_per_batch: int = Field(default=16, ge=1, description="rows per zstd record batch (random-access unit)")
-    encode_batch_documents: int = Field(default=2048, ge=1, description="documents per tokenizer batch call")
+    sequences_per_shard: Annotated[int, at_most(1_048_576, "a shard is assembled in one worker's memory")] = Field(
+        default=1024, ge=1
+    )
+    rows_per_batch: Annotated[int, at_most(65_536, "a record batch is what a reader decompresses for one row")] = Field(
+        default=16, ge=1, description="rows per zstd record batch (random-access unit)"
+    )
+    encode_batch_documents: Annotated[int, at_most(65_536, "one tokenizer call holds all of them and their tokens")] = Field(
+        default=2048, ge=1, description="documents per tokenizer batch call"
+    )
     seed: int = Field(default=0, ge=0, lt=2**63)
+
+    @model_validator(mode="after")
+    def _shards_fit(self) -> "PackSettings":
+        problems = []
+        if self.rows_per_batch * self.seq_len >= 2**31:
+            problems.append(
+                f"rows_per_batch x seq_len = {self.rows_per_batch * self.seq_len:,} tokens in one record batch; "
+                "Arrow's 32-bit list offsets hold fewer than 2^31 (lower rows_per_batch)"
+            )
+        need = 3 * 4 * self.sequences_per_shard * self.seq_len
+        if need > MAX_SHARD_BYTES:
+            problems.append(
+                f"sequences_per_shard x seq_len = {self.sequences_per_shard * self.seq_len:,} tokens per shard need about "
+                f"{configs.gib(need)} in one worker (three copies of 4-byte tokens); at most {configs.gib(MAX_SHARD_BYTES)} "
+                "(lower sequences_per_shard)"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
 
 class TokenizeConfig(PackSettings):
