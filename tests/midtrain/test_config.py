@@ -78,3 +78,73 @@ def test_unreadable_files_are_reported(tmp_path):
     bad.write_text("- a list\n")
     with pytest.raises(MidtrainConfigError, match="expected a mapping of sections"):
         load_config(bad)
+
+
+def test_micro_batch_of_a_million_is_refused_at_load_with_the_bound(tmp_path):
+    # Was: accepted, then the trainer segfaulted.
+    with pytest.raises(MidtrainConfigError) as exc:
+        load_config(_write(tmp_path, _merge("train", micro_batch_size=10**6, global_batch_size=10**6)))
+    assert "train.micro_batch_size: at most 4,096: sequences in one forward pass on one rank (got 1000000)" in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        (_merge("model", seq_len=2**21), "model.seq_len: at most 1,048,576"),
+        (_merge("model", vocab_size=2**23), "model.vocab_size: at most 4,194,304"),
+        (_merge("model", hidden_size=2**17, num_attention_heads=4), "model.hidden_size: at most 65,536"),
+        (_merge("moe", num_experts=10**4), "moe.num_experts: at most 4,096"),
+        (_merge("moe", ffn_hidden_size=10**6), "moe.ffn_hidden_size: at most 65,536"),
+        (_merge("moe", shared_expert_ffn_hidden_size=10**6), "moe.shared_expert_ffn_hidden_size: at most 65,536"),
+        (_merge("train", global_batch_size=2**21), "train.global_batch_size: at most 1,048,576"),
+        (_merge("train", seed=2**32), "train.seed: at most 2,147,483,647: numpy seeds are below 2^32"),
+        (_merge("train", seed=-1), "train.seed: Input should be greater than or equal to 0"),
+        (_merge("data", num_workers=1000), "data.num_workers: at most 64"),
+        (_merge("data", blend_period=10**8), "data.blend_period: at most 1,000,000"),
+        (_merge("data", shuffle_window_chunks=10**6), "data.shuffle_window_chunks: at most 4,096"),
+        ({**_merge("model", seq_len=2**20), "train": {**BASE["train"], "micro_batch_size": 32, "global_batch_size": 64}},
+         "train.micro_batch_size x model.seq_len = 33,554,432 tokens per micro batch; at most 16,777,216"),
+        (_merge("optimizer", lr=float("nan")), "optimizer.lr: Input should be a finite number"),
+    ],
+)
+def test_sizes_have_upper_bounds_that_say_why(tmp_path, data, expected):
+    with pytest.raises(MidtrainConfigError) as exc:
+        load_config(_write(tmp_path, data))
+    assert expected in str(exc.value)
+
+
+def test_a_model_no_rank_can_hold_is_refused_with_the_estimate(tmp_path):
+    huge = {
+        **BASE,
+        "model": {**BASE["model"], "hidden_size": 16384, "num_attention_heads": 128, "num_layers": 64},
+        "moe": {"num_experts": 256, "router_topk": 8, "ffn_hidden_size": 16384},
+    }
+    with pytest.raises(MidtrainConfigError) as exc:
+        load_config(_write(tmp_path, huge))
+    # per layer: attention 4 h^2 = 2^30, experts 256 x 3 x h x ffn = 3 x 2^36, router 2^22; x 64 layers, + embeddings 2^22;
+    # x 16 bytes = 197,636.06 GiB. Activations: 34 x 64 tokens x h x 64 layers + fp32 logits = 2.125 GiB.
+    assert "one rank needs at least 197,638.2 GiB (197,636.1 GiB weights and optimizer state, 2.1 GiB activations" in str(exc.value)
+    assert "at most 1,024.0 GiB" in str(exc.value)
+    spread = {**huge, "parallel": {"expert": 256, "pipeline": 64}}
+    assert load_config(_write(tmp_path, spread)).parallel.expert == 256
+
+
+def _rl_error(tmp_path: Path, section: str, **values) -> str:
+    from ember.midtrain.rl_config import parse_rl_config
+
+    data = yaml.safe_load((EXAMPLES / "rl_tiny_cpu.yaml").read_text())
+    data[section] = {**data[section], **values}
+    with pytest.raises(MidtrainConfigError) as exc:
+        parse_rl_config(data, tmp_path)
+    return str(exc.value)
+
+
+def test_rl_sizes_and_policy_versions_are_bounded(tmp_path):
+    assert "policy version a TrainBatch or policy announcement can carry" in _rl_error(
+        tmp_path, "rl", initial_policy_version=2**63 - 10, steps=100
+    )
+    assert "rl.updates_per_batch: at most 64" in _rl_error(tmp_path, "rl", updates_per_batch=1000)
+    assert "rl.seed: at most 2,147,483,647" in _rl_error(tmp_path, "rl", seed=2**40)
+    assert "rl.tis_cap: Input should be a finite number" in _rl_error(tmp_path, "rl", tis_cap=float("inf"))
+    big = _rl_error(tmp_path, "moe", num_experts=4096, ffn_hidden_size=65536, router_topk=8)
+    assert "one rank needs at least" in big and "weights and optimizer state)" in big

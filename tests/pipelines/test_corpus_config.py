@@ -89,3 +89,36 @@ def test_example_config_is_valid() -> None:
     config = load_config(str(example))
     assert [s.name for s in config.sources] == ["web", "code"]
     assert config.dedup.prefer == ["permissive_license", "stars"]
+
+
+def test_dedup_bands_of_a_million_are_refused_at_load_with_the_bound() -> None:
+    # Was: accepted, then the build failed late trying to allocate 7.28 TiB for the signatures.
+    message = _error({**BASE, "dedup": {"bands": 10**6}})
+    assert "dedup.bands: at most 1,024: each band is one shuffled LSH key per document (got 1000000)" in message
+
+
+def test_hash_count_is_refused_with_its_memory_estimate() -> None:
+    message = _error({**BASE, "dedup": {"bands": 1024, "rows_per_band": 256}})
+    assert "bands x rows_per_band = 262,144 hashes need about 16.0 GiB per worker" in message
+    assert "at most 1.0 GiB" in message
+    assert parse_config({**BASE, "dedup": {"bands": 1024, "rows_per_band": 256, "near": False}}).dedup.num_hashes == 262_144
+    assert parse_config({**BASE, "dedup": {"bands": 128, "rows_per_band": 64}}).dedup.num_hashes == 8192
+
+
+@pytest.mark.parametrize(
+    ("section", "values", "expected"),
+    [
+        ("dedup", {"n_grams": 1000}, "dedup.n_grams: at most 256"),
+        ("dedup", {"rows_per_band": 257}, "dedup.rows_per_band: at most 256"),
+        ("output", {"directory": "o", "rows_per_shard": 10**7}, "output.rows_per_shard: at most 1,000,000"),
+        ("tokenize", {"tokenizer": {"kind": "huggingface", "path": "t.json", "eos_token": "e"}, "seq_len": 2**20, "rows_per_batch": 4096},
+         "tokenize: rows_per_batch x seq_len = 4,294,967,296 tokens in one record batch"),
+    ],
+)
+def test_sizes_have_upper_bounds(section, values, expected) -> None:
+    assert expected in _error({**BASE, section: values})
+
+
+def test_non_finite_weights_are_refused() -> None:
+    message = _error({**BASE, "sources": [{**BASE["sources"][0], "weight": float("inf")}]})
+    assert "sources.0.weight: Input should be a finite number" in message

@@ -57,3 +57,28 @@ def test_unreadable_config_files(tmp_path):
     (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
     with pytest.raises(TokenizeConfigError, match="expected a mapping"):
         load_config(tmp_path / "list.yaml")
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"seq_len": 2**21}, "seq_len: at most 1,048,576"),
+        ({"sequences_per_shard": 2**21}, "sequences_per_shard: at most 1,048,576"),
+        ({"rows_per_batch": 10**6}, "rows_per_batch: at most 65,536"),
+        ({"encode_batch_documents": 10**6}, "encode_batch_documents: at most 65,536"),
+        ({"window_documents": 10**9}, "window_documents: at most 10,000,000"),
+        ({"seq_len": 2**20, "rows_per_batch": 2048}, "Arrow's 32-bit list offsets hold fewer than 2^31"),
+        ({"seq_len": 2**20, "sequences_per_shard": 4096}, "tokens per shard need about 48.0 GiB in one worker"),
+        ({"tokenizer": {"kind": "tiktoken", "path": "x", "pattern": "p", "eos_token": "e", "special_tokens": {"e": 2**32}}},
+         "tokenizer.special_tokens.e: Input should be less than 4294967296"),
+    ],
+)
+def test_sizes_that_would_fail_late_are_refused_with_the_bound(changes, named):
+    with pytest.raises(TokenizeConfigError) as info:
+        parse_config(with_(**changes))
+    assert named in str(info.value)
+
+
+def test_largest_allowed_shard_still_loads():
+    config = parse_config(with_(seq_len=2**20, sequences_per_shard=512, rows_per_batch=1024))
+    assert config.sequences_per_shard * config.seq_len == 2**29
