@@ -120,9 +120,9 @@ class ShardSetConfig(StrictModel):
 class DataConfig(StrictModel):
     shard_sets: list[ShardSetConfig] = Field(min_length=1)
     seed: int = Field(default=1234, ge=0, lt=2**63)
-    blend_period: Annotated[int, at_most(1_000_000, "one period's order is computed in Python as the loader starts, ~2.5 s per million")] = Field(
-        default=1000, gt=0, description="positions per exact blend cycle"
-    )
+    blend_period: Annotated[
+        int, at_most(1_000_000, "the loader computes one period's order in Python as it starts, ~2.5 s per million")
+    ] = Field(default=1000, gt=0, description="positions per exact blend cycle")
     shuffle_window_chunks: Annotated[int, at_most(4096, "each loader keeps this many decoded record batches per shard set")] = Field(
         default=64, gt=0, description="record batches shuffled together; each loader keeps this many decoded per shard set"
     )
@@ -130,7 +130,7 @@ class DataConfig(StrictModel):
 
 
 class TrainConfig(StrictModel):
-    steps: Annotated[int, at_most(10**9, "a typo: a billion optimizer steps")] = Field(gt=0)
+    steps: Annotated[int, at_most(10**9, "more than any run takes; a larger number is a typo")] = Field(gt=0)
     micro_batch_size: Annotated[int, at_most(4096, "sequences in one forward pass on one rank")] = Field(gt=0)
     global_batch_size: Annotated[int, at_most(1_048_576, "sequences per optimizer step, far beyond any published run")] = Field(gt=0)
     seed: Annotated[int, at_most(2**31 - 1, SEED_WHY)] = Field(default=1234, ge=0)

@@ -45,7 +45,7 @@ class RolloutsConfig(StrictModel):
 
 
 class RLSettings(StrictModel):
-    steps: Annotated[int, at_most(10**9, "a typo: a billion optimizer steps")] = Field(
+    steps: Annotated[int, at_most(10**9, "more than any run takes; a larger number is a typo")] = Field(
         gt=0, description="batches to train on (one optimizer step each, times updates_per_batch)"
     )
     replay: Literal["off", "replay"] = Field(default="replay", description="force the sampler's routed experts (router replay)")
