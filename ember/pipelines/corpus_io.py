@@ -154,7 +154,7 @@ class ZstdFrames(io.RawIOBase):
         self._raw = raw
         self._decompressor = zstandard.ZstdDecompressor()
         self._frame: Any = None
-        self._pending = b""
+        self._pending = memoryview(b"")
 
     def readable(self) -> bool:
         return True
@@ -175,10 +175,10 @@ class ZstdFrames(io.RawIOBase):
                 if self._frame is not None and not self._frame.eof:
                     raise TruncatedStream("the zstd stream ends inside a frame (truncated file)")
                 return 0
-            self._pending = self._decompress(data)
+            self._pending = memoryview(self._decompress(data))
         n = min(len(buffer), len(self._pending))
         buffer[:n] = self._pending[:n]
-        self._pending = self._pending[n:]
+        self._pending = self._pending[n:]  # a view: no copy of what is still pending
         return n
 
 
