@@ -65,6 +65,11 @@ class CorpusSource(StrictModel):
     format: Literal["jsonl", "jsonl.gz", "jsonl.zst", "parquet"] = "jsonl"
     fields: FieldMapping = Field(default_factory=FieldMapping)
     weight: float = Field(default=1.0, ge=0)
+    control_characters: Literal["reject", "strip"] = Field(
+        default="reject",
+        description="text with C0 control characters other than tab, newline, CR, form feed (NUL, ESC, ...): "
+        "reject the document (reason control_characters) or strip those characters",
+    )
 
 
 def _datatrove_params_model(name: str, cls: type) -> type[BaseModel]:

@@ -4,6 +4,17 @@ Reading never raises for bad data: every input unit (a JSONL line, a Parquet row
 unreadable file) comes out either as a document row or as a reject with `path:line=N` / `path:row=N`
 and a reason. Document rows are plain dicts in `DOCUMENT_SCHEMA` layout plus `location`, the cheapest
 shape for Beam's coders.
+
+A file that breaks part way (a truncated or corrupt gzip/zstd stream, a Parquet page that fails its
+checksum or does not decode, an I/O error, a plain JSONL file that ends inside a line) follows one
+rule: the units read before the break are kept, and the break is one `unreadable_file` reject at the
+line/row reached. How many lines followed the break cannot be known, so that one reject stands for
+all of them; the read stage counts such files as `files_unreadable` and the report says so.
+
+Text with C0 control characters other than tab, newline, carriage return and form feed (a NUL from an
+escaped `\u0000`, ESC, ...) is never kept as is: a source's `control_characters` policy rejects the
+document (`control_characters`, with the first one's code point and offset, never the text) or
+strips them.
 """
 
 from __future__ import annotations
@@ -11,6 +22,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,7 +37,11 @@ from ember.pipelines.corpus_config import CorpusSource
 from ember.schemas.documents import METADATA_KEYS, content_hash, make_document_id, reject_row
 
 READ_STAGE = "read"
+UNREADABLE = "unreadable_file"
 PARQUET_BATCH_ROWS = 1024
+ZSTD_READ_BYTES = 1 << 16
+# C0 controls except \t \n \f \r (form feeds are page breaks in real source code).
+CONTROL_CHARACTERS = re.compile(r"[\x00-\x08\x0b\x0e-\x1f]")
 
 Row = dict[str, Any]
 
@@ -72,6 +88,12 @@ def _metadata(record: dict[str, Any], source: CorpusSource) -> tuple[dict[str, A
     return metadata, ""
 
 
+def _control_detail(text: str, first: re.Match[str]) -> str:
+    """Where the control characters are, never what the text says."""
+    count = len(CONTROL_CHARACTERS.findall(text))
+    return f"{count} control character(s), the first U+{ord(first.group()):04X} at character {first.start()}"
+
+
 def record_to_row(record: Any, source: CorpusSource, location: str) -> tuple[Row | None, Row | None]:
     """(document row, None) or (None, reject row) for one decoded record."""
     name = source.name
@@ -86,10 +108,15 @@ def record_to_row(record: Any, source: CorpusSource, location: str) -> tuple[Row
         return bad("missing_text_field", f"no field '{source.fields.text}'")
     if not isinstance(text, str):
         return bad("text_not_string", f"field '{source.fields.text}' is {type(text).__name__}")
+    if source.control_characters == "strip":
+        text = CONTROL_CHARACTERS.sub("", text)
     if not text.strip():
         return bad("empty_text")
     if not _encodable(text):
         return bad("invalid_unicode", "text holds lone surrogates")
+    control = CONTROL_CHARACTERS.search(text)
+    if control:
+        return bad("control_characters", _control_detail(text, control))
     metadata, problem = _metadata(record, source)
     if problem:
         return bad("invalid_metadata", problem)
@@ -114,12 +141,77 @@ def record_to_row(record: Any, source: CorpusSource, location: str) -> tuple[Row
     return row, None
 
 
+class TruncatedStream(EOFError):
+    """A compressed stream that ends before its last frame does."""
+
+
+class ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of consecutive zstd frames, raising `TruncatedStream` when the input ends
+    inside a frame; zstandard's stream reader ends quietly there, losing the rest of the file unseen."""
+
+    def __init__(self, raw: Any):
+        super().__init__()
+        self._raw = raw
+        self._decompressor = zstandard.ZstdDecompressor()
+        self._frame: Any = None
+        self._pending = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def _decompress(self, data: bytes) -> bytes:
+        out = []
+        while data:
+            if self._frame is None or self._frame.eof:
+                self._frame = self._decompressor.decompressobj()
+            out.append(self._frame.decompress(data))
+            data = self._frame.unused_data if self._frame.eof else b""
+        return b"".join(out)
+
+    def readinto(self, buffer: Any) -> int:
+        while not self._pending:
+            data = self._raw.read(ZSTD_READ_BYTES)
+            if not data:
+                if self._frame is not None and not self._frame.eof:
+                    raise TruncatedStream("the zstd stream ends inside a frame (truncated file)")
+                return 0
+            self._pending = memoryview(self._decompress(data))
+        n = min(len(buffer), len(self._pending))
+        buffer[:n] = self._pending[:n]
+        self._pending = self._pending[n:]  # a view: no copy of what is still pending
+        return n
+
+
 def _decompressed(raw: Any, fmt: str) -> io.BufferedIOBase:
     if fmt == "jsonl.gz":
-        return gzip.GzipFile(fileobj=raw)
+        return gzip.GzipFile(fileobj=raw)  # raises EOFError on a truncated member, BadGzipFile on a bad CRC
     if fmt == "jsonl.zst":
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True))
+        return io.BufferedReader(ZstdFrames(raw))
     return raw
+
+
+def _broken(name: str, path: str, unit: str, reached: int, exc: BaseException) -> Row:
+    """The one reject a file that breaks part way gets: at the unit reached; what followed is unknown."""
+    return reject_row(
+        name, f"{path}:{unit}={reached + 1}", READ_STAGE, UNREADABLE,
+        f"{type(exc).__name__}: {exc}; read stopped after {unit} {reached} of {path}, what followed is unknown",
+    )
+
+
+def _parse_line(line: bytes) -> tuple[Any, str, str]:
+    """(record, "", "") or (None, reason, detail) for one JSONL line without its newline."""
+    try:
+        decoded = line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return None, "invalid_utf8", f"byte {exc.start}: {exc.reason}"
+    try:
+        return json.loads(decoded), "", ""
+    except json.JSONDecodeError as exc:
+        return None, "invalid_json", f"column {exc.colno}: {exc.msg}"
+    except RecursionError:
+        return None, "invalid_json", "nested too deeply"
+    except ValueError as exc:  # integers longer than Python's int conversion limit
+        return None, "invalid_json", str(exc).split(":")[0]
 
 
 def _jsonl_rows(path: str, source: CorpusSource) -> Iterator[tuple[Row | None, Row | None]]:
@@ -130,26 +222,42 @@ def _jsonl_rows(path: str, source: CorpusSource) -> Iterator[tuple[Row | None, R
             stream = _decompressed(raw, source.format)
             for line_no, line in enumerate(stream, 1):
                 location = f"{path}:line={line_no}"
+                terminated = line.endswith(b"\n")
                 line = line.rstrip(b"\r\n")
                 if not line.strip():
                     yield None, reject_row(name, location, READ_STAGE, "blank_line")
                     continue
-                try:
-                    decoded = line.decode("utf-8")
-                except UnicodeDecodeError as exc:
-                    yield None, reject_row(name, location, READ_STAGE, "invalid_utf8", f"byte {exc.start}: {exc.reason}")
-                    continue
-                try:
-                    record = json.loads(decoded)
-                except json.JSONDecodeError as exc:
-                    yield None, reject_row(name, location, READ_STAGE, "invalid_json", f"column {exc.colno}: {exc.msg}")
-                    continue
-                yield record_to_row(record, source, location)
-    except Exception as exc:  # corrupt gzip/zstd streams, vanished or unreadable files: the rest of the file is lost
-        yield None, reject_row(name, f"{path}:line={line_no + 1}", READ_STAGE, "unreadable_file", f"{type(exc).__name__}: {exc}")
+                record, reason, detail = _parse_line(line)
+                if reason and not terminated:  # the last line, cut: the file is truncated, not just one bad line
+                    yield None, reject_row(
+                        name, location, READ_STAGE, UNREADABLE,
+                        f"{path} ends inside line {line_no}, which has no newline and is not a record ({reason}: {detail}): truncated",
+                    )
+                elif reason:
+                    yield None, reject_row(name, location, READ_STAGE, reason, detail)
+                else:
+                    yield record_to_row(record, source, location)
+    except Exception as exc:  # corrupt or truncated gzip/zstd streams, vanished or unreadable files
+        yield None, _broken(name, path, "line", line_no, exc)
         return
     if line_no == 0:
         yield None, reject_row(name, path, READ_STAGE, "empty_file")
+
+
+def _records(batch: pa.RecordBatch) -> Iterator[tuple[Any, BaseException | None]]:
+    """A batch's rows as Python objects; a row that does not convert (invalid UTF-8 in a string
+    column) is that row's error, not the end of the file."""
+    try:
+        records = batch.to_pylist()
+    except (UnicodeDecodeError, ValueError, OverflowError, pa.ArrowException):
+        for i in range(batch.num_rows):
+            try:
+                yield batch.slice(i, 1).to_pylist()[0], None
+            except (UnicodeDecodeError, ValueError, OverflowError, pa.ArrowException) as exc:
+                yield None, exc
+        return
+    for record in records:
+        yield record, None
 
 
 def _parquet_rows(path: str, source: CorpusSource) -> Iterator[tuple[Row | None, Row | None]]:
@@ -157,13 +265,18 @@ def _parquet_rows(path: str, source: CorpusSource) -> Iterator[tuple[Row | None,
     name = source.name
     try:
         with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as raw:
-            parquet = pq.ParquetFile(raw)
+            # Page CRCs, where the writer stored them, catch flipped bytes that would otherwise decode as text.
+            parquet = pq.ParquetFile(raw, page_checksum_verification=True)
             for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS):
-                for record in batch.to_pylist():
+                for record, error in _records(batch):
                     row_no += 1
-                    yield record_to_row(record, source, f"{path}:row={row_no}")
-    except Exception as exc:  # not Parquet, truncated footer, unreadable
-        yield None, reject_row(name, f"{path}:row={row_no + 1}", READ_STAGE, "unreadable_file", f"{type(exc).__name__}: {exc}")
+                    location = f"{path}:row={row_no}"
+                    if error is not None:
+                        yield None, reject_row(name, location, READ_STAGE, "unconvertible_row", f"{type(error).__name__}: {error}")
+                    else:
+                        yield record_to_row(record, source, location)
+    except Exception as exc:  # not Parquet, truncated footer, corrupt page, unreadable
+        yield None, _broken(name, path, "row", row_no, exc)
         return
     if row_no == 0:
         yield None, reject_row(name, path, READ_STAGE, "empty_file")

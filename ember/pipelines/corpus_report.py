@@ -54,6 +54,15 @@ def _bar(value: int, largest: int) -> str:
     return "█" * max(1, round(BAR_WIDTH * value / largest)) if largest and value else ""
 
 
+def file_counts(stats: dict[str, Any]) -> tuple[int, int]:
+    """Input files read, and those that broke part way (the read stage's `files` / `files_unreadable`)."""
+    read = [s["stages"].get("read", {}) for s in stats["sources"].values()]
+    return sum(r.get("files", 0) for r in read), sum(r.get("files_unreadable", 0) for r in read)
+
+
+BREAK_RULE = "rows before a break are kept; the unknown rest of each such file counts as one unreadable_file reject"
+
+
 def summary_rows(stats: dict[str, Any]) -> list[tuple[str, str]]:
     """(label, value) pairs: documents in/kept/rejected by reason, duplicates removed, redactions."""
     totals = stats["totals"]
@@ -68,6 +77,8 @@ def summary_rows(stats: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append((f"{stage} removed", f"{d['removed']:,} in {d['clusters']:,} clusters"))
     rows.append(("redactions", ", ".join(f"{k}={v}" for k, v in sorted(totals["redactions"].items())) or "none"))
     rows.append(("balanced (in = kept + rejected)", "yes" if totals["balanced"] else "NO"))
+    files, unreadable = file_counts(stats)
+    rows.append(("input files unreadable past a point", f"{unreadable:,} of {files:,}" + (f" ({BREAK_RULE})" if unreadable else "")))
     return rows
 
 
@@ -132,6 +143,8 @@ def render_report(directory: str) -> str:
         ["rejected", totals["rejected"], ""],
     ]))
     out.append(f"\nEvery input unit accounted for (in = kept + rejected): **{'yes' if totals['balanced'] else 'NO'}**\n")
+    files, unreadable = file_counts(stats)
+    out.append(f"Input files unreadable past a point: **{unreadable:,} of {files:,}** ({BREAK_RULE}, so `in` is a lower bound for them).\n")
 
     out.append("## Sources\n")
     rows = []

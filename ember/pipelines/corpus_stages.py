@@ -20,7 +20,7 @@ from ember.pipelines import minhash
 from ember.pipelines.code_filters import check_code
 from ember.pipelines.components import ConnectedComponents, Unconverged
 from ember.pipelines.corpus_config import CorpusSource, Dedup, Filters, Redaction
-from ember.pipelines.corpus_io import READ_STAGE, Row, read_file
+from ember.pipelines.corpus_io import READ_STAGE, UNREADABLE, Row, read_file
 from ember.pipelines.progress import ProgressWriter
 from ember.pipelines.redaction import redact
 from ember.pipelines.web_filters import WebFilterStack
@@ -119,7 +119,12 @@ class ExpandInputs(beam.DoFn):
 
 
 class ReadFiles(CorpusFn):
-    """(source, path) -> document rows; every malformed unit goes to the rejects output."""
+    """(source, path) -> document rows; every malformed unit goes to the rejects output.
+
+    Counts `files` and `files_unreadable` (files that broke part way: their lines after the break are
+    unknown and stand as one `unreadable_file` reject each) on the stats output, so stats.json and the
+    report say how many inputs the document counts are a lower bound for.
+    """
 
     STAGE = READ_STAGE
 
@@ -129,9 +134,17 @@ class ReadFiles(CorpusFn):
 
     def process(self, element: tuple[str, str]) -> Iterator[Any]:
         source, path = element
+        unreadable = False
         for row, rejected in read_file(path, self._sources[source]):
             self.advance()
-            yield row if row is not None else TaggedOutput(REJECTS, rejected)
+            if row is not None:
+                yield row
+                continue
+            unreadable = unreadable or rejected["reason"] == UNREADABLE
+            yield TaggedOutput(REJECTS, rejected)
+        yield self.stat(source, "files")
+        if unreadable:
+            yield self.stat(source, "files_unreadable")
 
 
 class ReadSources(beam.PTransform):
@@ -149,10 +162,10 @@ class ReadSources(beam.PTransform):
             | "ExpandGlobs" >> beam.ParDo(ExpandInputs())
             | "SpreadFiles" >> beam.Reshuffle()
             | "Read" >> beam.ParDo(ReadFiles({s.name: s for s in self._sources}, self._progress_dir)).with_outputs(
-                REJECTS, main="docs"
+                REJECTS, STATS, main="docs"
             )
         )
-        return stage_output(read.docs, rejects=[read[REJECTS]], stats=[count_documents(read.docs, READ_STAGE)])
+        return stage_output(read.docs, rejects=[read[REJECTS]], stats=[read[STATS], count_documents(read.docs, READ_STAGE)])
 
 
 class KeepFirstId(CorpusFn):

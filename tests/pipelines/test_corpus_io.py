@@ -82,3 +82,131 @@ def test_id_field_gives_source_scoped_ids(tmp_path: Path) -> None:
     path.write_text("\n".join(json.dumps(r) for r in [{"id": 7, "text": "a = 1"}, {"text": "b = 2"}, {"id": [1], "text": "c"}]))
     got = [(r["id"] if r else j["reason"]) for r, j in read_file(str(path), _source(id="id"))]
     assert got == ["s:7", "missing_id_field", "invalid_id"]
+
+
+def _lines(n: int, start: int = 0) -> bytes:
+    return b"".join(json.dumps({"text": f"line {i}"}).encode() + b"\n" for i in range(start, start + n))
+
+
+def _parquet_bytes(texts: list[str], **options) -> bytes:
+    buffer = pa.BufferOutputStream()
+    pq.write_table(pa.table({"text": texts}), buffer, **options)
+    return buffer.getvalue().to_pybytes()
+
+
+def _cut(data: bytes) -> bytes:
+    """A file cut short as by an interrupted copy: the last 40% of its bytes are gone."""
+    return data[: len(data) * 3 // 5]
+
+
+def _break_outcomes(path: Path, fmt: str) -> tuple[int, tuple[str, str], str]:
+    """(documents before the break, (location, reason) of the last unit, that unit's detail)."""
+    results = list(read_file(str(path), _source(fmt)))
+    docs = [r for r, _ in results if r is not None]
+    last = results[-1][1]
+    assert last is not None and len(docs) == len(results) - 1
+    return len(docs), (last["location"], last["reason"]), last["detail"]
+
+
+def test_a_zstd_file_cut_inside_a_frame_is_an_unreadable_file_at_the_line_reached(tmp_path: Path) -> None:
+    compress = zstandard.ZstdCompressor().compress
+    path = tmp_path / "cut.jsonl.zst"
+    path.write_bytes(compress(_lines(100)) + _cut(compress(_lines(100, 100))))
+    kept, last, detail = _break_outcomes(path, "jsonl.zst")
+    assert (kept, last) == (100, (f"{path}:line=101", "unreadable_file"))
+    assert str(path) in detail and "after line 100" in detail and "ends inside a frame" in detail
+    whole = tmp_path / "frames.jsonl.zst"  # consecutive frames and an empty one read through, nothing rejected
+    whole.write_bytes(compress(_lines(100)) + compress(b"") + compress(_lines(100, 100)))
+    assert [r["text"] for r, _ in read_file(str(whole), _source("jsonl.zst"))] == [f"line {i}" for i in range(200)]
+
+
+def test_every_input_format_cut_short_ends_in_one_unreadable_file_reject(tmp_path: Path) -> None:
+    texts = [f"line {i}" for i in range(3000)]
+    plain = _lines(3000)
+    cases = {
+        "jsonl": _cut(plain),
+        "jsonl.gz": _cut(gzip.compress(plain)),
+        "jsonl.zst": _cut(zstandard.ZstdCompressor(write_content_size=False).compress(plain)),
+        "parquet": _cut(_parquet_bytes(texts)),
+    }
+    for fmt, data in cases.items():
+        path = tmp_path / f"cut.{fmt}"
+        path.write_bytes(data)
+        kept, (location, reason), detail = _break_outcomes(path, fmt)
+        unit = "row" if fmt == "parquet" else "line"
+        assert reason == "unreadable_file" and location == f"{path}:{unit}={kept + 1}", fmt
+        assert str(path) in detail, fmt
+        assert 0 <= kept < 3000, fmt
+
+
+def test_a_gzip_file_with_a_bad_checksum_is_unreadable_after_what_it_yielded(tmp_path: Path) -> None:
+    data = bytearray(gzip.compress(_lines(50)))
+    data[-8] ^= 0xFF  # the CRC32 in the trailer
+    path = tmp_path / "crc.jsonl.gz"
+    path.write_bytes(bytes(data))
+    kept, last, detail = _break_outcomes(path, "jsonl.gz")
+    assert (kept, last) == (50, (f"{path}:line=51", "unreadable_file")) and "CRC" in detail
+
+
+def test_a_flipped_byte_in_a_checksummed_parquet_page_is_not_read_as_text(tmp_path: Path) -> None:
+    texts = [f"hello world {i}" for i in range(100)]
+    data = bytearray(_parquet_bytes(texts, compression="none", use_dictionary=False, write_page_checksum=True))
+    data[data.find(b"hello world 50")] = ord("j")
+    path = tmp_path / "flipped.parquet"
+    path.write_bytes(bytes(data))
+    assert _outcomes(path, _source("parquet")) == [(f"{path}:row=1", "unreadable_file")]
+
+
+def test_one_parquet_row_that_does_not_convert_loses_only_itself(tmp_path: Path) -> None:
+    binary = pa.array([b"ok = 1", b"bad \xff byte", b"fine = 2"], pa.binary())
+    table = pa.table({"text": pa.Array.from_buffers(pa.string(), len(binary), binary.buffers())})
+    path = tmp_path / "utf8.parquet"
+    pq.write_table(table, path)
+    assert _outcomes(path, _source("parquet")) == [
+        (f"{path}:row=1", "doc"), (f"{path}:row=2", "unconvertible_row"), (f"{path}:row=3", "doc")]
+
+
+def test_hostile_json_lines_are_invalid_json_and_the_file_reads_on(tmp_path: Path) -> None:
+    path = tmp_path / "hostile.jsonl"
+    path.write_bytes(b"\n".join([
+        b'{"text": "x", "n": ' + b"1" * 5000 + b"}",
+        b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        json.dumps({"text": "after"}).encode(),
+    ]) + b"\n")
+    p = str(path)
+    assert _outcomes(path, _source()) == [(f"{p}:line=1", "invalid_json"), (f"{p}:line=2", "invalid_json"), (f"{p}:line=3", "doc")]
+
+
+def test_a_plain_jsonl_file_ending_inside_a_line_is_truncated_but_a_missing_last_newline_is_not(tmp_path: Path) -> None:
+    path = tmp_path / "a.jsonl"
+    path.write_bytes(_lines(2) + b'{"text": "li')
+    assert _outcomes(path, _source())[-1] == (f"{path}:line=3", "unreadable_file")
+    path.write_bytes(_lines(2) + b'{"text": "complete"}')
+    assert _outcomes(path, _source())[-1] == (f"{path}:line=3", "doc")
+    path.write_bytes(_lines(2) + b'{"text": "broken\n')
+    assert _outcomes(path, _source())[-1] == (f"{path}:line=3", "invalid_json")
+
+
+def test_control_characters_are_rejected_by_default_with_their_offset_not_the_text(tmp_path: Path) -> None:
+    path = tmp_path / "ctl.jsonl"
+    path.write_text("\n".join([
+        r'{"text": "secret\u0000tail and more \u0000"}',
+        r'{"text": "colour \u001b[31m red"}',
+        json.dumps({"text": "tabs\tnewlines\nform\x0cfeeds\r\nare text"}),
+    ]) + "\n")
+    results = list(read_file(str(path), _source()))
+    rejects = [j for _, j in results if j is not None]
+    assert [(j["reason"], j["detail"]) for j in rejects] == [
+        ("control_characters", "2 control character(s), the first U+0000 at character 6"),
+        ("control_characters", "1 control character(s), the first U+001B at character 7"),
+    ]
+    assert results[2][0]["text"] == "tabs\tnewlines\nform\x0cfeeds\r\nare text"
+
+
+def test_control_characters_strip_policy_removes_them_before_ids_and_hashes(tmp_path: Path) -> None:
+    path = tmp_path / "ctl.jsonl"
+    path.write_text("\n".join([r'{"text": "a\u0000b\u0007c\td"}', r'{"text": "\u0000\u0001"}']) + "\n")
+    results = list(read_file(str(path), _source(**{}).model_copy(update={"control_characters": "strip"})))
+    row = results[0][0]
+    assert row["text"] == "abc\td" and row["content_hash"] == content_hash("abc\td") and row["id"] == make_document_id("s", "abc\td")
+    assert results[1][1]["reason"] == "empty_text"
