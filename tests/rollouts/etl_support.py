@@ -87,7 +87,7 @@ def etl_settings(prefix: str, *, partitions: int = 4, **sections) -> dict:
         },
         "groups": {"size": 4, "quorum": 2, "timeout_s": 10},
         "rewards": {"graders": ["unit-tests"], "timeout_s": 6, "orphan_timeout_s": 8},
-        "filters": {"max_policy_lag": None, "max_tokens": 512, "truncated": "keep"},
+        "filters": {"max_policy_lag": None, "max_tokens": 512, "truncated": "keep", "vocab_size": 151_936},
         "batches": {"token_budget": 512, "min_fill": 0.5, "max_wait_s": 0.3},
         "commit": {"interval_ms": 100},
     }

@@ -14,13 +14,15 @@ from ember.rollouts.topics import Topics
 from ember.schemas import Reward, Rollout, encode
 
 TOPICS = Topics("t")
+VOCAB = 151_936  # synthetic rollouts draw token ids below 151,000
 
 
 def config(**sections) -> EtlConfig:
     base = {
+        "kafka": {"topic_prefix": TOPICS.prefix, "group_id": "t-etl"},
         "groups": {"size": 4, "timeout_s": 10},
         "rewards": {"timeout_s": 5, "orphan_timeout_s": 20},
-        "filters": {"max_tokens": 4096, "truncated": "keep", "max_policy_lag": None},
+        "filters": {"max_tokens": 4096, "truncated": "keep", "max_policy_lag": None, "vocab_size": VOCAB},
         "batches": {"token_budget": 4096, "min_fill": 0.01, "max_wait_s": 0},
     }
     for name, values in sections.items():
