@@ -9,12 +9,12 @@ import numpy as np
 from ember.rollouts.config import EtlConfig, parse_config
 from ember.rollouts.engine import REWARDS, ROLLOUTS, InputMessage, ShardEngine, input_topics
 from ember.rollouts.records import Outcome
-from ember.rollouts.simulate import synthetic_rollout
+from ember.rollouts.simulate import SIMULATED_VOCAB, synthetic_rollout
 from ember.rollouts.topics import Topics
 from ember.schemas import Reward, Rollout, encode
 
 TOPICS = Topics("t")
-VOCAB = 151_936  # synthetic rollouts draw token ids below 151,000
+VOCAB = SIMULATED_VOCAB
 
 
 def config(**sections) -> EtlConfig:
