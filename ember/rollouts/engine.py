@@ -548,7 +548,9 @@ class ShardEngine:
         advantages = group_advantages(rewards, settings.estimator, settings.epsilon).astype(np.float32)
         if not np.all(np.isfinite(advantages)):
             for member, value in valid:
-                outcomes.append(self._rollout_outcome(Reason.ADVANTAGE_NOT_FINITE, member.rollout, member.offset, now_ms, reward=value))
+                outcomes.append(
+                    self._rollout_outcome(Reason.ADVANTAGE_NOT_FINITE, member.rollout, member.offset, now_ms, reward=value)
+                )
             return []
         for (member, _), value, advantage in zip(valid, rewards.tolist(), advantages):
             lag, age_s = staleness(member.rollout.policy_version, latest_policy, member.rollout.created_at_us, now_ms * 1000)

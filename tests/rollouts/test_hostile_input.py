@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -283,7 +284,8 @@ def hostile_reward(draw) -> tuple[bytes, bytes | None]:
     rollout_id = draw(st.sampled_from([f"{group}-{i}" for i in range(6)] + [f"shared-{i}" for i in range(3)]))
     score = draw(st.floats(allow_nan=False, allow_infinity=False) | st.sampled_from([1e308, -1e308, 0.0, 1.0]))
     grader = draw(st.sampled_from(["unit-tests", "judge"]) | hostile_text)
-    components = draw(st.dictionaries(st.sampled_from(["passed", "style"]), st.floats(allow_nan=False, allow_infinity=False), max_size=2))
+    finite = st.floats(allow_nan=False, allow_infinity=False)
+    components = draw(st.dictionaries(st.sampled_from(["passed", "style"]), finite, max_size=2))
     return encode(Reward(rollout_id, group, grader, score, 0, components)), group.encode()
 
 
@@ -308,7 +310,7 @@ def hostile_logs(draw) -> list[InputMessage]:
     for _ in range(draw(st.integers(1, 30))):
         choice = draw(st.sampled_from(["rollout", "rollout", "reward", "reward", "garbage"]))
         value, key = draw({"rollout": hostile_rollout(), "reward": hostile_reward(), "garbage": garbage()}[choice])
-        role = draw(st.sampled_from([ROLLOUTS, REWARDS])) if choice == "garbage" else (ROLLOUTS if choice == "rollout" else REWARDS)
+        role = {"rollout": ROLLOUTS, "reward": REWARDS}.get(choice) or draw(st.sampled_from([ROLLOUTS, REWARDS]))
         now += draw(st.integers(0, 3000))
         messages.append(InputMessage(topics[role], 0, offsets[role], now, key, value))
         offsets[role] += 1
@@ -359,3 +361,45 @@ def test_no_exception_escapes_and_every_message_ends_in_exactly_one_place(messag
     for outcome in output.outcomes:
         json.loads(outcome.encode())  # every ledger record is writable JSON
     assert all(math.isfinite(v) for _name, v in output.observations)
+
+
+def test_an_unforeseen_failure_while_admitting_costs_one_message_not_the_shard(monkeypatch):
+    """The safety net behind the checks: whatever admission raises dead-letters that message alone."""
+    import ember.rollouts.engine as engine_module
+
+    log = Log()
+    poison = rollout("g", 0)
+    log.add(poison, 0)
+    good = good_group(log)
+    real_decode = engine_module.decode
+
+    def decode_failing_on_poison(value):
+        if value == log.messages[0].value:
+            raise RuntimeError("a bug no test foresaw")
+        return real_decode(value)
+
+    monkeypatch.setattr(engine_module, "decode", decode_failing_on_poison)
+    assert_only_the_hostile_message_is_lost(run(config(), log.messages), good, "internal_error", "a bug no test foresaw")
+
+
+@pytest.mark.parametrize(
+    "raw, fragment",
+    [
+        (b'{"policy_version": ' + b"[" * 5000 + b"]" * 5000 + b"}", "levels deep"),
+        (b'{"policy_version": ' + str(2**70).encode() + b"}", "policy_version must be an integer in [0, 2**63 - 1]"),
+        (b'{"policy_version": ' + b"7" * 4301 + b"}", "not valid UTF-8 JSON"),
+        (b'{"policy_version": 1, "published_at_us": "\\ud800"}', "not valid Unicode"),
+    ],
+)
+def test_hostile_policy_announcements_are_value_errors_the_watcher_skips(raw, fragment):
+    from ember.rollouts.records import PolicyVersion
+
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        PolicyVersion.decode(raw)
+
+
+def test_a_snapshot_of_the_wrong_shape_is_a_value_error():
+    from ember.rollouts.records import ShardSnapshot
+
+    with pytest.raises(ValueError, match="malformed"):
+        ShardSnapshot.decode(b'{"shard": 1, "positions": [1], "pending": {}, "next_step": 0, "closed": []}')
