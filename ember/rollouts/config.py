@@ -30,9 +30,9 @@ def kafka_bootstrap() -> str:
 
 class KafkaSettings(StrictModel):
     bootstrap: str = Field(default_factory=kafka_bootstrap, description="host:port of the brokers")
-    topic_prefix: str = Field("ember", min_length=1, description="topics are <prefix>.rollouts, <prefix>.rewards, ...")
+    topic_prefix: str = Field(..., min_length=1, description="required: topics are <prefix>.rollouts, <prefix>.rewards, ...")
     partitions: int = Field(6, ge=1, description="partitions of the rollouts/rewards topics when the ETL creates them")
-    group_id: str = Field("ember-etl", min_length=1, description="consumer group shared by every ETL process")
+    group_id: str = Field(..., min_length=1, description="required: consumer group shared by every ETL process")
     session_timeout_ms: int = Field(10_000, ge=6_000, description="how fast a dead ETL process loses its partitions")
     heartbeat_interval_ms: int = Field(1_000, ge=100)
     transaction_timeout_ms: int = Field(30_000, ge=1_000, description="a dead process's open transaction aborts after this")
@@ -81,6 +81,10 @@ class RewardSettings(StrictModel):
     )
     timeout_s: float = Field(900.0, gt=0, description="a rollout without its rewards this long after it arrived is unrewarded")
     orphan_timeout_s: float = Field(3600.0, gt=0, description="a reward whose rollout never arrives is dropped after this")
+    clip: float = Field(
+        1e6, gt=0, le=1e30,
+        description="combined rewards are clipped to [-clip, clip] before advantages (finite extremes cannot overflow them)",
+    )
 
 
 class TruncatedPolicy(str, Enum):
@@ -90,6 +94,9 @@ class TruncatedPolicy(str, Enum):
 
 
 class FilterSettings(StrictModel):
+    vocab_size: int = Field(
+        ..., ge=1, le=2**32, description="required: the policy's vocabulary; a rollout with a token id >= this is dead-lettered"
+    )
     max_policy_lag: int | None = Field(8, ge=0, description="drop rollouts this many versions behind the latest; null: never")
     max_tokens: int = Field(65_536, ge=1, description="longer rollouts are dropped as overlong")
     truncated: TruncatedPolicy = Field(TruncatedPolicy.DROP, description="what to do with truncated rollouts")
@@ -138,10 +145,10 @@ class DeadLetterSettings(StrictModel):
 
 
 class EtlConfig(StrictModel):
-    kafka: KafkaSettings = Field(default_factory=KafkaSettings)
+    kafka: KafkaSettings
     groups: GroupSettings = Field(default_factory=GroupSettings)
     rewards: RewardSettings = Field(default_factory=RewardSettings)
-    filters: FilterSettings = Field(default_factory=FilterSettings)
+    filters: FilterSettings
     advantages: AdvantageSettings = Field(default_factory=AdvantageSettings)
     batches: BatchSettings = Field(default_factory=BatchSettings)
     commit: CommitSettings = Field(default_factory=CommitSettings)
@@ -170,10 +177,17 @@ class EtlConfig(StrictModel):
 
 
 EXAMPLE_HINT = "check the spelling; see ember/rollouts/etl.example.yaml"
+REQUIRED_KEYS = ("kafka.topic_prefix", "kafka.group_id", "filters.vocab_size")
 
 
 def parse_config(data: Any, source: str = "config") -> EtlConfig:
-    return configs.validate(EtlConfig, {} if data is None else data, source, configs.EtlConfigError, hint_unknown=EXAMPLE_HINT)
+    """The validated config; an empty one is refused, since defaults for topics and group would join a stranger's."""
+    if data is None or data == {}:
+        raise configs.EtlConfigError(
+            f"{source} is empty; an ETL config needs at least {', '.join(REQUIRED_KEYS)} "
+            "(see ember/rollouts/etl.example.yaml)"
+        )
+    return configs.validate(EtlConfig, data, source, configs.EtlConfigError, hint_unknown=EXAMPLE_HINT)
 
 
 def load_config(path: str | Path) -> EtlConfig:
