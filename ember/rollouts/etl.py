@@ -207,11 +207,14 @@ class EtlService:
     def run(self, stop: threading.Event | None = None, *, until_idle_s: float | None = None) -> None:
         """Process until `stop` is set, or (with `until_idle_s`) until nothing is pending and no input came for that long."""
         stop = stop or threading.Event()
-        prepare_topics(self.config)
+        prepared = False
         failures = 0
         try:
             while not stop.is_set():
                 try:
+                    if not prepared:  # inside the retry: a broker that is (re)starting is waited for, not fatal
+                        prepare_topics(self.config)
+                        prepared = True
                     self._connect()
                     failures = 0
                     while not stop.is_set():
