@@ -20,6 +20,7 @@ from ember.demo.sample_corpus import SampleCorpus, write_sample_corpus
 from ember.pipelines.cli import app
 from ember.pipelines.corpus_build import build_corpus
 from ember.pipelines.corpus_config import parse_config
+from ember.pipelines.corpus_outputs import require_empty_output
 from ember.pipelines.output_guard import OWNERSHIP_FILE, OutputUnusable, files_under
 from ember.schemas import read_manifest
 from ember.tokenize.shardset import verify_shard_set
@@ -108,7 +109,7 @@ def test_a_rebuild_replaces_documents_and_shard_set_together(sample: SampleCorpu
     assert staging_leftovers(previous) == []
     documents = sorted(p.name for p in (previous / "documents" / "web").iterdir())
     assert documents != sorted(p.name for p in (first_build / "documents" / "web").iterdir())
-    assert all(name.endswith(f"-of-{len(documents):05d}.parquet") for name in documents) and len(documents) > 1
+    assert len({name.rsplit("-of-", 1)[1] for name in documents}) == 1, f"one layout, not old parts next to new: {documents}"
     assert read_manifest(previous / "shards").seq_len == 64 and verify_shard_set(previous / "shards") == []
     assert outcome.shards is not None and outcome.shards.seq_len == 64
     assert {d["id"] for d in rows(previous, "documents")} == {d["id"] for d in rows(first_build, "documents")}
@@ -122,6 +123,16 @@ def test_a_rebuild_replaces_documents_and_shard_set_together(sample: SampleCorpu
     assert again.shards.config_hash == outcome.shards.config_hash, "the random staging path is in no hash"
     assert {k: v for k, v in file_digests(previous).items() if k != "shards/manifest.json"} == {
         k: v for k, v in before_again.items() if k != "shards/manifest.json"}
+
+
+def test_the_beam_job_itself_writes_only_into_an_empty_directory(tmp_path: Path) -> None:
+    """The flex template submits the job directly (a gs:// output has no staging): it must not delete either."""
+    (tmp_path / "documents").mkdir()
+    (tmp_path / "documents" / "keep.parquet").write_bytes(b"not ember's")
+    with pytest.raises(OutputUnusable, match=r"is not empty \(.*documents/keep.parquet\)"):
+        require_empty_output(str(tmp_path))
+    assert (tmp_path / "documents" / "keep.parquet").read_bytes() == b"not ember's"
+    require_empty_output(str(tmp_path / "new"))
 
 
 def invoke_build(config: dict, tmp_path: Path, *extra: str) -> tuple[int, str, float]:
