@@ -189,20 +189,34 @@ def build_corpus(config: CorpusConfig, beam_args: list[str], console: Console | 
 
         tokenizer = load_tokenizer(config.tokenize.tokenizer)  # one that does not load fails before the long part
     need = free_space_needed(config) if min_free_bytes is None else min_free_bytes
-    shards = config.shards_directory
-    if shards is not None and (not is_local(config.output.directory) or _inside(shards, Path(os.path.abspath(config.output.directory))) is None):
+    local = is_local(config.output.directory)
+    target = Path(os.path.abspath(config.output.directory)) if local else None
+    shards = Path(os.path.abspath(config.shards_directory)) if config.shards_directory else None
+    inside = _inside(str(shards), target) if shards and target else None
+    if inside == Path("."):
+        raise CorpusConfigError("tokenize.output_dir: the shard set needs its own directory, not output.directory itself")
+    if shards is not None and inside is None:
         from ember.pipelines.tokenize_pipeline import check_output
 
-        check_output(Path(os.path.abspath(shards)), overwrite=True)
-        check_room(Path(os.path.abspath(shards)), need, "tokenize.output_dir")
-    if not is_local(config.output.directory):
+        if target is not None and _inside(str(target), shards) is not None:
+            raise CorpusConfigError(f"tokenize.output_dir: {shards} holds output.directory; give the shard set a directory of its own")
+        check_output(shards, overwrite=True)
+        check_room(shards, need, "tokenize.output_dir")
+    if target is None:
         require_empty_output(config.output.directory)
         return _build(config, config, args, options, tokenizer, console, min_free_bytes)
-    target = Path(os.path.abspath(config.output.directory))
     final = config.model_copy(update={"output": config.output.model_copy(update={"directory": str(target)})})
-    refuse_foreign(target, owned_by_ownership_file(target), "output.directory")
+
+    def owned(directory: Path) -> set[str]:
+        """Listed by the previous build, or by the manifest of a shard set rewritten in place since."""
+        from ember.pipelines.tokenize_pipeline import shard_set_files
+
+        listed = {f"{inside.as_posix()}/{f}" for f in shard_set_files(directory / inside)} if inside else set()
+        return owned_by_ownership_file(directory) | listed
+
+    refuse_foreign(target, owned(target), "output.directory")
     check_room(target, need, "output.directory")
-    with staged(target, owned_by_ownership_file, "output.directory") as staging:
+    with staged(target, owned, "output.directory") as staging:
         outcome = _build(_staged_config(final, staging, target), final, args, options, tokenizer, console, min_free_bytes)
         write_ownership(staging)
     return outcome
