@@ -18,10 +18,11 @@ from typer.testing import CliRunner
 from ember.configs import CorpusConfigError
 from ember.demo.sample_corpus import SampleCorpus, write_sample_corpus
 from ember.pipelines.cli import app
-from ember.pipelines.corpus_build import build_corpus
+from ember.pipelines.corpus_build import build_corpus, shards_config
 from ember.pipelines.corpus_config import parse_config
 from ember.pipelines.corpus_outputs import require_empty_output
 from ember.pipelines.output_guard import OWNERSHIP_FILE, OutputUnusable, files_under
+from ember.pipelines.tokenize_pipeline import run as tokenize
 from ember.schemas import read_manifest
 from ember.tokenize.shardset import verify_shard_set
 
@@ -123,6 +124,26 @@ def test_a_rebuild_replaces_documents_and_shard_set_together(sample: SampleCorpu
     assert again.shards.config_hash == outcome.shards.config_hash, "the random staging path is in no hash"
     assert {k: v for k, v in file_digests(previous).items() if k != "shards/manifest.json"} == {
         k: v for k, v in before_again.items() if k != "shards/manifest.json"}
+
+
+def test_a_shard_set_rewritten_in_place_still_counts_as_embers(sample: SampleCorpus, previous: Path, hf_tokenizer_path: Path) -> None:
+    config = settings(sample, previous, hf_tokenizer_path)
+    denser = parse_config({**config, "tokenize": {**config["tokenize"], "sequences_per_shard": 2}})
+    tokenize(shards_config(denser), IN_PROCESS, overwrite=True)  # `ember corpus tokenize --overwrite` on <out>/shards
+    listed = set(json.loads((previous / OWNERSHIP_FILE).read_text())["files"])
+    assert {f for f in files_under(previous) if f.startswith("shards/")} - listed, "new shard names the list lacks"
+    build_corpus(parse_config(config), IN_PROCESS)
+    assert verify_shard_set(previous / "shards") == [] and read_manifest(previous / "shards").sequences_per_shard == 4
+
+
+def test_a_shard_set_needs_a_directory_of_its_own(sample: SampleCorpus, tmp_path: Path, hf_tokenizer_path: Path) -> None:
+    out = tmp_path / "out"
+    for shards, message in ((out, "not output.directory itself"), (tmp_path, "holds output.directory")):
+        config = settings(sample, out, hf_tokenizer_path)
+        config["tokenize"]["output_dir"] = str(shards)
+        with pytest.raises(CorpusConfigError, match=message):
+            build_corpus(parse_config(config), IN_PROCESS)
+    assert not out.exists()
 
 
 def test_the_beam_job_itself_writes_only_into_an_empty_directory(tmp_path: Path) -> None:
