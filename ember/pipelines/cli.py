@@ -16,6 +16,7 @@ from rich.table import Table
 from ember.schemas import SchemaValidationError
 
 BEAM_OPTIONS = {"allow_extra_args": True, "ignore_unknown_options": True}
+MIN_FREE_HELP = "Refuse to start unless the output's filesystem has this many MiB free (default: estimated from the inputs)."
 
 app = typer.Typer(help="Corpus builds and the shard sets they produce.", no_args_is_help=True)
 console = Console()
@@ -31,20 +32,23 @@ def tokenize(
     ctx: typer.Context,
     config: Path = typer.Argument(..., help="YAML config (see ember/tokenize/examples/tokenize.yaml)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a previous build in output_dir."),
+    min_free_mb: int | None = typer.Option(None, "--min-free-mb", min=0, help=MIN_FREE_HELP),
 ) -> None:
     """Tokenize deduplicated Document Parquet, best-fit pack, write shuffled Arrow shards + manifest.
 
     Any further arguments go to Beam (default --runner=FnApiRunner), e.g. --direct_num_workers=2.
     """
     from ember.configs import TokenizeConfigError
+    from ember.pipelines.output_guard import OutputUnusable
     from ember.pipelines.tokenize_pipeline import run
     from ember.tokenize.config import load_config
     from ember.tokenize.tokenizers import TokenizerLoadError
 
     try:
         settings = load_config(config)
-        manifest = run(settings, ctx.args, overwrite=overwrite)
-    except (TokenizeConfigError, TokenizerLoadError) as exc:
+        min_free = None if min_free_mb is None else min_free_mb * 2**20
+        manifest = run(settings, ctx.args, overwrite=overwrite, min_free_bytes=min_free)
+    except (TokenizeConfigError, TokenizerLoadError, OutputUnusable) as exc:
         fail(exc)
     table = Table("source", "documents", "tokens", "sequences", "padding", "fill", "split docs", "rejected")
     for name, stats in manifest.sources.items():
@@ -111,17 +115,22 @@ def build(
         help="Beam pipeline options, passed through unchanged. Default: --runner=FnApiRunner "
         "--direct_running_mode=multi_processing --direct_num_workers=<cores>.",
     ),
+    min_free_mb: int | None = typer.Option(None, "--min-free-mb", min=0, help=MIN_FREE_HELP),
 ) -> None:
     """Read, filter, redact and deduplicate code and web corpora into Parquet, with stats.json and a report;
-    with a `tokenize:` section, also tokenize and pack the kept documents into a verified shard set."""
+    with a `tokenize:` section, also tokenize and pack the kept documents into a verified shard set.
+    A rebuild replaces the previous output whole, only once the new one is complete, and refuses to start
+    when the output holds files ember did not write."""
     from ember.configs import CorpusConfigError, TokenizeConfigError
     from ember.pipelines.corpus_build import BuildFailed, build_corpus
     from ember.pipelines.corpus_config import load_config
+    from ember.pipelines.output_guard import OutputUnusable
     from ember.tokenize.tokenizers import TokenizerLoadError
 
+    min_free = None if min_free_mb is None else min_free_mb * 2**20
     try:
-        build_corpus(load_config(str(config)), list(beam_args or []), console)
-    except (CorpusConfigError, TokenizeConfigError, TokenizerLoadError) as exc:
+        build_corpus(load_config(str(config)), list(beam_args or []), console, min_free_bytes=min_free)
+    except (CorpusConfigError, TokenizeConfigError, TokenizerLoadError, OutputUnusable) as exc:
         fail(exc)
     except BuildFailed as exc:
         fail(exc, 1)

@@ -11,7 +11,7 @@ import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from ember.pipelines.corpus_config import CorpusConfig
-from ember.pipelines.corpus_outputs import clear_outputs, write_outputs
+from ember.pipelines.corpus_outputs import require_empty_output, write_outputs
 from ember.pipelines.corpus_stages import (
     ExactDedup, FilterDocuments, NearDedup, PerDocument, ReadSources, RedactDocuments, StageOutput, UniqueIds,
 )
@@ -49,8 +49,9 @@ def build_pipeline(p: beam.Pipeline, config: CorpusConfig, progress_dir: str | N
 
 
 def run(config: CorpusConfig, options: PipelineOptions, progress_dir: str | None = None, wait: bool = True) -> str:
-    """Submit the build; with `wait`, block until it ends. Returns the job state Beam reports."""
-    clear_outputs(config.output.directory)
+    """Submit the build into an empty or new output directory; with `wait`, block until it ends.
+    Returns the job state Beam reports."""
+    require_empty_output(config.output.directory)
     p = beam.Pipeline(options=options)
     build_pipeline(p, config, progress_dir)
     result = p.run()

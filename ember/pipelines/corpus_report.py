@@ -128,13 +128,14 @@ def _kept_documents(documents: pl.DataFrame) -> list[str]:
     return out
 
 
-def render_report(directory: str) -> str:
+def render_report(directory: str, shown_as: str | None = None) -> str:
+    """The report of the build in `directory`; `shown_as` names it where it will live (it may be staged elsewhere)."""
     stats = read_stats(directory)
     documents = read_output(directory, "documents")
     rejects = read_output(directory, "rejects")
     clusters = read_output(directory, "clusters")
     totals = stats["totals"]
-    out = [f"# Corpus build report\n\nOutput: `{directory}`\n"]
+    out = [f"# Corpus build report\n\nOutput: `{shown_as or directory}`\n"]
 
     out.append("## Totals\n")
     out.append(_table(["", "documents", "MB"], [
@@ -185,8 +186,8 @@ def render_report(directory: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def write_report(directory: str) -> str:
+def write_report(directory: str, shown_as: str | None = None) -> str:
     path = f"{directory.rstrip('/')}/{REPORT_FILE}"
     with FileSystems.create(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
-        f.write(render_report(directory).encode("utf-8"))
+        f.write(render_report(directory, shown_as).encode("utf-8"))
     return path

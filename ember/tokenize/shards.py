@@ -68,16 +68,21 @@ def encode_shard(rows: Sequence[ShardRow], rows_per_batch: int) -> bytes:
 
 
 def write_shard(directory: Path, index: int, rows: Sequence[ShardRow], rows_per_batch: int) -> ShardEntry:
-    """Atomic: a reader sees the old file, no file, or the complete new one."""
+    """Atomic: a reader sees the old file, no file, or the complete new one. A failed write (a full
+    disk) removes its temporary, so nothing of it is left under either name."""
     data = encode_shard(rows, rows_per_batch)
     name = shard_name(index)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.chmod(tmp, 0o644)  # mkstemp creates 0600; shards are read by other users' training jobs
-    os.replace(tmp, directory / name)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; shards are read by other users' training jobs
+        os.replace(tmp, directory / name)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return ShardEntry(path=name, rows=len(rows), bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
 
 
