@@ -10,8 +10,9 @@ Markers live in a cache directory (`$EMBER_CACHE_DIR`, else `$XDG_CACHE_HOME/emb
 and read-only, and a rebuild must find nothing in its output that it did not write. One JSON marker
 per shard records its resolved path, the manifest's size and sha256 for it, and the file's size,
 mtime_ns, ctime_ns and inode when it was hashed; it is trusted only while all of them are unchanged.
-A write in the same clock tick as the hash would leave mtime unchanged, so (as git does for its
-index) a marker is written only for a file whose mtime is `RACY_NS` older than the hash's start.
+A write in the same clock tick as the hash would leave mtime and ctime unchanged, so (as git does
+for its index) a marker is written only for a file whose mtime and ctime are `RACY_NS` older than
+the start of the hash.
 Several processes (data-parallel ranks, jobs) check each shard under an exclusive flock on the
 marker's `.lock` file, taking free shards first and waiting for busy ones after, so a shard is
 hashed once, not once per rank; a marker is written to a temporary name and renamed, so a reader
@@ -111,11 +112,12 @@ class Verified:
 class ShardVerifier:
     """Size and sha256 of shards against their manifest entries, each file version hashed once."""
 
-    def __init__(self, marker_dir: Path | None = None):
+    def __init__(self, marker_dir: Path | None = None, racy_ns: int = RACY_NS):
         self.marker_dir = marker_dir or default_marker_dir()
+        self.racy_ns = racy_ns
 
     def check(self, directory: str | Path, entries: Sequence[ShardEntry]) -> Verified:
-        """Raises ShardError listing every missing, resized or changed shard; sizes are checked for all
+        """Raises ShardError naming every missing, resized or changed shard; sizes are checked for all
         shards before any is hashed, so a missing file is reported at once."""
         directory = Path(directory)
         problems = [f"{directory / e.path}: {p}" for e in entries if (p := size_problem(directory / e.path, e))]
@@ -124,17 +126,23 @@ class ShardVerifier:
         markers = self._markers()
         states: dict[str, FileState] = {}
         hashed: list[str] = []
-        busy = []
-        for entry in entries:  # free shards first: other processes hash the ones they hold meanwhile
-            done = self._check_one(directory / entry.path, entry, markers, blocking=False)
-            if done is None:
-                busy.append(entry)
-            else:
+        pending = list(entries)
+        for blocking in (False, True):  # free shards first: other processes hash the ones they hold meanwhile
+            busy = []
+            for entry in pending:
+                try:
+                    done = self._check_one(directory / entry.path, entry, markers, blocking=blocking)
+                except ShardError as exc:
+                    problems.append(str(exc))
+                    continue
+                if done is None:
+                    busy.append(entry)
+                    continue
                 states[entry.path], was_hashed = done
                 hashed += [entry.path] if was_hashed else []
-        for entry in busy:
-            states[entry.path], was_hashed = self._check_one(directory / entry.path, entry, markers, blocking=True)
-            hashed += [entry.path] if was_hashed else []
+            pending = busy
+        if problems:
+            raise ShardError("; ".join(problems))
         return Verified({e.path: states[e.path] for e in entries}, hashed)
 
     def _markers(self) -> Path | None:
@@ -159,7 +167,10 @@ class ShardVerifier:
         if markers is None:
             return self._hash(path, entry, None), True
         name = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:40]
-        lock = os.open(markers / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            lock = os.open(markers / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError:  # a cache we cannot lock in is no cache
+            return self._hash(path, entry, None), True
         try:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
@@ -173,8 +184,7 @@ class ShardVerifier:
         finally:
             os.close(lock)  # releases the flock
 
-    @staticmethod
-    def _hash(path: Path, entry: ShardEntry, marker: Path | None) -> FileState:
+    def _hash(self, path: Path, entry: ShardEntry, marker: Path | None) -> FileState:
         started = time.time_ns()
         before = FileState.of(path)
         if before.size != entry.bytes:
@@ -184,7 +194,7 @@ class ShardVerifier:
             raise ShardError(f"{path}: changed while it was being verified")
         if problem := hash_problem(digest, entry):
             raise ShardError(f"{path}: {problem}")
-        if marker is not None and before.mtime_ns + RACY_NS < started:
+        if marker is not None and max(before.mtime_ns, before.ctime_ns) + self.racy_ns < started:
             _write_marker(marker, _marker_record(path, entry, before))
         return before
 
