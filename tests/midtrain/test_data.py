@@ -254,13 +254,24 @@ def test_token_ids_outside_the_vocabulary_are_refused_with_shard_and_row(tmp_pat
             ds[position]
 
 
-def test_document_boundaries_a_sample_cannot_use_are_refused_with_shard_and_row(tmp_path):
-    rows = packed_rows(12, 16, 11, "code")
-    rows[4]["cu_seqlens"] = [0, 9, 5, 12]
+@pytest.mark.parametrize("bug", ["boundaries", "loss mask length", "unknown source"])
+def test_rows_no_writer_should_produce_are_refused_with_shard_and_row(tmp_path, bug):
+    rows = packed_rows(12, 16, 11, "code", with_loss_mask=True)
+    shard = tmp_path / "set" / "shard-000000.arrow"
+    if bug == "boundaries":
+        rows[4]["cu_seqlens"] = [0, 9, 5, 12]
+        message = re_escape(f"{shard} row 4: cu_seqlens must start at 0, increase strictly and end <= 16")
+    elif bug == "loss mask length":
+        rows[3]["loss_mask"] = rows[3]["loss_mask"][:-2]
+        message = re_escape(f"{shard} row 3: loss_mask holds 14 values, seq_len is 16")
     path = small_set(tmp_path / "set", rows)
+    if bug == "unknown source":  # the manifest counts the rows under another source name
+        manifest = json.loads((path / "manifest.json").read_text())
+        manifest["sources"] = {"web": manifest["sources"]["code"]}
+        (path / "manifest.json").write_text(json.dumps(manifest))
+        message = re_escape(str(path)) + r"/shard-00000[01]\.arrow rows from \d+: source 'code' is not among the manifest's sources"
     ds = load(path)
-    message = f"{path / 'shard-000000.arrow'} row 4: cu_seqlens must start at 0, increase strictly and end <= 16"
-    with pytest.raises(DataError, match=re_escape(message)):
+    with pytest.raises(DataError, match=message):
         for position in range(len(ds)):
             ds[position]
 
