@@ -61,6 +61,8 @@ def export_megatron(shards_dir: str | Path, out_prefix: str | Path, verifier: Sh
     except ShardError as exc:
         raise ExportError(f"{shards_dir} does not match its manifest: {exc}") from None
     dtype = EXPORT_DTYPES[manifest.dtype]
+    if manifest.tokenizer.vocab_size - 1 > np.iinfo(dtype).max:
+        raise ExportError(f"{shards_dir}: vocab_size {manifest.tokenizer.vocab_size} does not fit Megatron's {dtype.name}")
     bin_path, idx_path = Path(f"{out_prefix}.bin"), Path(f"{out_prefix}.idx")
     bin_path.parent.mkdir(parents=True, exist_ok=True)
     bin_tmp, idx_tmp = bin_path.with_name(f".{bin_path.name}.tmp"), idx_path.with_name(f".{idx_path.name}.tmp")
@@ -82,7 +84,7 @@ def export_megatron(shards_dir: str | Path, out_prefix: str | Path, verifier: Sh
 
 def _write_shard_tokens(out: BinaryIO, path: Path, rows: int, manifest: Manifest, dtype: np.dtype) -> int:
     """Appends one verified shard's tokens; refuses rows of another length, ids outside the vocabulary
-    (every vocabulary fits the export dtype) and a row count other than the manifest's."""
+    and a row count other than the manifest's."""
     written = 0
     try:
         for batch in iter_token_batches(path):

@@ -136,6 +136,9 @@ def test_export_refuses_token_ids_outside_the_vocabulary(tmp_path):
     with pytest.raises(ExportError, match=message):
         export_megatron(tmp_path / "set", tmp_path / "out")
     assert list(tmp_path.glob("*out*")) == []
+    write_set(tmp_path / "set", rows, "uint32", 2**31 + 1)  # ids fit, but not every id of that vocabulary
+    with pytest.raises(ExportError, match="vocab_size 2147483649 does not fit Megatron's int32"):
+        export_megatron(tmp_path / "set", tmp_path / "out")
 
 
 def test_export_checks_each_shard_once_per_version(tmp_path):
