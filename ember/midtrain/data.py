@@ -59,7 +59,8 @@ class _Shard:
     """One Arrow IPC shard, opened lazily per process (memory maps do not survive fork/pickle).
 
     `verified` is the file version whose bytes matched the manifest; each process re-stats the file
-    when it maps it (once), so a shard replaced or rewritten after the check is refused, not read."""
+    when it maps it (once), so a shard replaced or rewritten after the check is refused, not read
+    (ctime is left out here: a chmod or a backup tool's xattr must not stop a running job)."""
 
     def __init__(self, path: Path, rows: int, verified: FileState):
         self.path = path
@@ -72,7 +73,8 @@ class _Shard:
     def reader(self) -> ipc.RecordBatchFileReader:
         if self._pid != os.getpid():
             try:
-                if FileState.of(self.path) != self.verified:
+                now, then = FileState.of(self.path), self.verified
+                if (now.size, now.mtime_ns, now.ino) != (then.size, then.mtime_ns, then.ino):
                     raise DataError(f"{self.path}: changed after it was verified against the manifest")
                 source = pa.memory_map(str(self.path))
                 schema = ipc.open_file(source).schema
@@ -155,7 +157,9 @@ def _decode(
         mask_lengths = np.diff(filled.offsets.to_numpy())
         if np.any(mask_lengths != seq_len):
             row = int(np.flatnonzero(mask_lengths != seq_len)[0])
-            raise DataError(f"{shard} row {first_row + row}: loss_mask holds {int(mask_lengths[row])} values, seq_len is {seq_len}")
+            raise DataError(
+                f"{shard} row {first_row + row}: loss_mask holds {int(mask_lengths[row])} values, seq_len is {seq_len}"
+            )
         mask_values = filled.flatten().to_numpy().reshape(len(batch), seq_len)
     return _Chunk(
         tokens=tokens,

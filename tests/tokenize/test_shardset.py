@@ -171,7 +171,8 @@ def test_missing_truncated_and_wrong_hash_shards_are_all_named(tmp_path):
     verifier = ShardVerifier(tmp_path / "markers", racy_ns=RACY_NS)
     with pytest.raises(ShardError) as info:
         verifier.check(tmp_path / "set", entries)
-    assert str(info.value) == f"{tmp_path / 'set' / entries[0].path}: missing; {tmp_path / 'set' / entries[1].path}: 4000 bytes, the manifest says 4096"
+    first, second = (tmp_path / "set" / e.path for e in entries[:2])
+    assert str(info.value) == f"{first}: missing; {second}: 4000 bytes, the manifest says 4096"
     (tmp_path / "set" / entries[0].path).write_bytes(b"x")  # sizes as listed: now the hashes differ
     entries[0] = entries[0].model_copy(update={"bytes": 1})
     entries[1] = entries[1].model_copy(update={"bytes": 4000})
