@@ -13,10 +13,11 @@ mtime_ns, ctime_ns and inode when it was hashed; it is trusted only while all of
 A write in the same clock tick as the hash would leave mtime and ctime unchanged, so (as git does
 for its index) a marker is written only for a file whose mtime and ctime are `RACY_NS` older than
 the start of the hash.
-Several processes (data-parallel ranks, jobs) check each shard under an exclusive flock on the
-marker's `.lock` file, taking free shards first and waiting for busy ones after, so a shard is
-hashed once, not once per rank; a marker is written to a temporary name and renamed, so a reader
-sees no marker or a complete one. An unwritable cache directory only costs rehashing.
+Several processes (data-parallel ranks, jobs) check each shard under an exclusive flock on one of
+256 lock files (chosen by the marker's name, so the cache holds a bounded number of them), taking
+free shards first and waiting for busy ones after, so a shard is hashed once, not once per rank; a
+marker is written to a temporary name and renamed, so a reader sees no marker or a complete one.
+An unwritable cache directory only costs rehashing.
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ class ShardVerifier:
             return self._hash(path, entry, None), True
         name = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:40]
         try:
-            lock = os.open(markers / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+            lock = os.open(markers / f"{name[:2]}.lock", os.O_RDWR | os.O_CREAT, 0o666)
         except OSError:  # a cache we cannot lock in is no cache
             return self._hash(path, entry, None), True
         try:
