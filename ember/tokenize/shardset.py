@@ -59,7 +59,8 @@ def file_sha256(path: Path, chunk: int = 8 * 1024 * 1024) -> str:
 
 @dataclass(frozen=True)
 class FileState:
-    """What a file's metadata says about its version: any write or replacement changes one of these."""
+    """What a file's metadata says about its version: a write or a replacement changes at least one of
+    these (mtime and ctime within the filesystem's clock tick: see `RACY_NS`)."""
 
     size: int
     mtime_ns: int
