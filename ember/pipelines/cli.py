@@ -84,17 +84,22 @@ def inspect(
         ..., "--locate", metavar="SHARD ROW TOKEN", help="Map token TOKEN of row ROW of shard file SHARD to its source."
     ),
 ) -> None:
-    """Trace a training token back to its source document and its index in that document's tokens."""
+    """Trace a training token back to its source document and its index in that document's tokens.
+
+    The shard is first checked against its set's manifest (size, sha256, token ids in the vocabulary)."""
     from ember.tokenize.packing import locate as locate_token
-    from ember.tokenize.shards import read_row
+    from ember.tokenize.shardset import ShardError, read_verified_row
 
     shard, row, token = locate
     try:
-        record = read_row(shard, row)
+        record = read_verified_row(shard, row)
+    except (ShardError, SchemaValidationError) as exc:
+        fail(exc)
+    try:
         if not 0 <= token < len(record["tokens"]):
             raise IndexError(f"token {token} is outside the row's {len(record['tokens'])} tokens")
         found = locate_token(record["cu_seqlens"], record["segments"], token)
-    except (OSError, IndexError, ValueError) as exc:
+    except (IndexError, ValueError) as exc:
         fail(f"{shard}: {exc}")
     console.print(f"shard {shard} row {row} token {token}: id {record['tokens'][token]}, source {record['source']}")
     if found is None:
