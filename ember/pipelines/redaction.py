@@ -65,7 +65,7 @@ _BEARER = re.compile(
     r"(?P<value>[A-Za-z0-9._~+/-]{12,}=*)"
 )
 # scheme://user:password@host: only the password is replaced.
-_URL_PASSWORD = re.compile(r"(?i)\b[a-z][a-z0-9+.-]{1,20}://[^\s:/?#@\"'`<>]*:(?P<value>[^\s/?#@\"'`<>]+)@(?=[\w\[])")
+_URL_PASSWORD = re.compile(r"(?i)\b[a-z][a-z0-9+.-]{1,20}://[^\s:/?#@\"'`<>]*:(?P<value>[^\s/@\"'`<>]+)@(?=[\w\[])")
 # ?api_key=...&token=...: the parameter's value, classified like an assignment of that name.
 _QUERY_PARAM = re.compile(r"(?<=[?&;])(?P<name>[A-Za-z][A-Za-z0-9_.-]*)=(?P<value>[^&#\s\"'`<>]+)")
 # NAME = "value", NAME: value, "name": "value", d['name'] = 'value', --name=value; one line, no `==`.
