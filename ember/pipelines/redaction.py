@@ -45,7 +45,7 @@ _PRIVATE_KEY = re.compile(
 _B64URL = r"[A-Za-z0-9_-]"
 _JWT = re.compile(rf"(?<![A-Za-z0-9_-])eyJ{_B64URL}{{10,}}\.{_B64URL}{{10,}}\.{_B64URL}{{10,}}(?![A-Za-z0-9_-])")
 _TOKENS = {
-    "aws_access_key": re.compile(r"(?<![A-Z0-9])(?:AKIA|ASIA|AGPA|AIDA|AROA|ANPA|ANVA)[A-Z0-9]{16}(?![A-Z0-9])"),
+    "aws_access_key": re.compile(r"(?:AKIA|ASIA|AGPA|AIDA|AROA|ANPA|ANVA)(?<![A-Z0-9].{4})[A-Z0-9]{16}(?![A-Z0-9])"),
     "github_token": re.compile(r"\b(?:gh[pousr]_[A-Za-z0-9]{36,255}|github_pat_[A-Za-z0-9_]{22,255})\b"),
     "slack_token": re.compile(
         r"\bxox[abposre]-[A-Za-z0-9-]{10,250}\b|https://hooks\.slack\.com/services/T[A-Z0-9]+/B[A-Z0-9]+/[A-Za-z0-9]{16,}"
@@ -67,10 +67,10 @@ _BEARER = re.compile(
 # scheme://user:password@host: only the password is replaced.
 _URL_PASSWORD = re.compile(r"(?i)\b[a-z][a-z0-9+.-]{1,20}://[^\s:/?#@\"'`<>]*:(?P<value>[^\s/@\"'`<>]+)@(?=[\w\[])")
 # ?api_key=...&token=...: the parameter's value, classified like an assignment of that name.
-_QUERY_PARAM = re.compile(r"(?<=[?&;])(?P<name>[A-Za-z][A-Za-z0-9_.-]*)=(?P<value>[^&#\s\"'`<>]+)")
+_QUERY_PARAM = re.compile(r"(?<=[?&])(?P<name>[A-Za-z][A-Za-z0-9_.-]*)=(?P<value>[^&#\s\"'`<>]+)")
 # NAME = "value", NAME: value, "name": "value", d['name'] = 'value', --name=value; one line, no `==`.
 _ASSIGNMENT = re.compile(
-    r"(?<![A-Za-z0-9_$])(?P<name>[A-Za-z_][A-Za-z0-9_.-]*)(?:[\"'`]?\])?[\"'`]?"
+    r"(?<![A-Za-z0-9_$])(?P<name>[A-Za-z_][A-Za-z0-9_.-]*+)(?:[\"'`]?\])?[\"'`]?"
     r"(?P<sep>[ \t]*(?::=|=>|(?<![=!<>])=(?!=)|:(?!:))[ \t]*)"
     r"(?:[bBrRuU]?@?(?:\"(?P<dq>[^\"\n]*)\"|'(?P<sq>[^'\n]*)'|`(?P<bq>[^`\n]*)`)|(?P<value>[^\s\"'`,;()\[\]{}<>]+))"
 )
@@ -82,8 +82,28 @@ _PASSWORD_SHAPES = re.compile(
 )
 _EMAIL = re.compile(r"(?<![\w.+-])[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}(?![\w-])")
 # Not part of a longer dotted number (1.2.3.4.5, 7.1.1.1.2) nor of a word; a sentence's full stop may follow.
-_IPV4 = re.compile(r"(?<![\w.-])(?:\d{1,3}\.){3}\d{1,3}(?![\w-])(?!\.\d)")
-_IPV6 = re.compile(r"(?<![\w:.])(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{0,4}(?![\w:])(?!\.\w)")
+_IPV4 = re.compile(r"\d(?<![\w.-]\d)\d{0,2}\.(?:\d{1,3}\.){2}\d{1,3}(?![\w-])(?!\.\d)")
+_IPV6 = re.compile(
+    r"[0-9A-Fa-f:](?<![\w:.][0-9A-Fa-f:])(?:(?<=:)|[0-9A-Fa-f]{0,3}:)(?:[0-9A-Fa-f]{0,4}:){1,6}[0-9A-Fa-f]{0,4}(?![\w:])(?!\.\w)"
+)
+
+# Literal substrings without which a detector cannot match: a text holding none of them skips that
+# regex (`in` is a fast scan; most documents hold no PEM block, JWT, URL or vendor prefix).
+_TRIGGERS: dict[re.Pattern[str], tuple[str, ...]] = {
+    _PRIVATE_KEY: ("PRIVATE KEY",),
+    _JWT: ("eyJ",),
+    _TOKENS["aws_access_key"]: ("AKIA", "ASIA", "AGPA", "AIDA", "AROA", "ANPA", "ANVA"),
+    _TOKENS["github_token"]: ("ghp_", "gho_", "ghu_", "ghs_", "ghr_", "github_pat_"),
+    _TOKENS["slack_token"]: ("xox", "hooks.slack.com"),
+    _TOKENS["api_token"]: ("k_live_", "k_test_", "glpat-", "npm_", "hf_", "SK", "sk-", "pypi-", "SG.", "AIza"),
+    _URL_PASSWORD: ("://",),
+    _QUERY_PARAM: ("?", "&"),
+    _EMAIL: ("@",),
+}
+_LOWER_TRIGGERS: dict[re.Pattern[str], tuple[str, ...]] = {
+    _BEARER: ("bearer", "authorization"),
+    _PASSWORD_SHAPES: ("password", "identified", "auth"),
+}
 
 # Name words: a password, or a generic secret (token, key, ...), after detect-secrets' keyword DENYLIST.
 _NAME_PARTS = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|\d+")
@@ -205,10 +225,20 @@ def _unquoted_is_literal(value: str, sep: str, rest: str) -> bool:
 class _Redactor:
     """One text's pass: each detector substitutes its placeholder and counts the hit."""
 
-    def __init__(self, config: Redaction):
+    def __init__(self, config: Redaction, text: str):
         self.config = config
         self.enabled = set(config.types)
         self.counts: Counter[str] = Counter()
+        self._original, self._lower = text, text.lower()
+
+    def may_match(self, pattern: re.Pattern[str]) -> bool:
+        """False when the input holds none of `pattern`'s trigger strings. Placeholders hold none either,
+        so a miss on the original text is a miss on every later state of it."""
+        if pattern in _TRIGGERS:
+            return any(t in self._original for t in _TRIGGERS[pattern])
+        if pattern in _LOWER_TRIGGERS:
+            return any(t in self._lower for t in _LOWER_TRIGGERS[pattern])
+        return True
 
     def _hit(self, kind: str, match: re.Match[str], group: str | int = 0) -> str:
         """`match` with `group` (the whole match by default) replaced by `kind`'s placeholder."""
@@ -218,10 +248,14 @@ class _Redactor:
         return whole[: start - match.start()] + PLACEHOLDERS[kind] + whole[end - match.start() :]
 
     def sub(self, kind: str, pattern: re.Pattern[str], text: str) -> str:
-        return pattern.sub(lambda m: self._hit(kind, m), text) if kind in self.enabled else text
+        if kind not in self.enabled or not self.may_match(pattern):
+            return text
+        return pattern.sub(lambda m: self._hit(kind, m), text)
 
     def sub_checked(self, pattern: re.Pattern[str], text: str, decide: Callable[[re.Match[str]], str | None]) -> str:
         """Replace the `value` group where `decide` names an enabled kind for the match."""
+        if not self.may_match(pattern):
+            return text
 
         def replace(match: re.Match[str]) -> str:
             kind = decide(match)
@@ -280,7 +314,8 @@ class _Redactor:
         text = self.sub_checked(_BEARER, text, self.bearer)
         text = self.sub_checked(_URL_PASSWORD, text, self.url_password)  # before emails: `pw@host.com` is no address
         if self.enabled & {"secret", "password"}:
-            text = _PASSWORD_SHAPES.sub(self.password_shape, text)
+            if self.may_match(_PASSWORD_SHAPES):
+                text = _PASSWORD_SHAPES.sub(self.password_shape, text)
             text = self.sub_checked(_QUERY_PARAM, text, self.query_param)
             text = _ASSIGNMENT.sub(self.assignment, text)
         text = self.sub("email", _EMAIL, text)
@@ -302,7 +337,7 @@ def _personal_ip(candidate: str) -> bool:
 
 def redact(text: str, config: Redaction) -> tuple[str, dict[str, int]]:
     """`text` with every enabled detector's hits replaced, and hits per type (types with no hit omitted)."""
-    redactor = _Redactor(config)
+    redactor = _Redactor(config, text)
     return redactor.run(text), dict(redactor.counts)
 
 
