@@ -128,7 +128,7 @@ _TEMPLATED = re.compile(r"\$\{|\{\{|%\(|%[sd]|\{\w*\}|^\$\(?\w|^<.*>$|^[!|>&*]|^
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
 _TYPE_NAME = re.compile(r"(?:[A-Z][a-z]+)+")
 _PATH_VALUE = re.compile(r"^(?:~?/|\.\.?/|[A-Za-z]:\\)|://")
-_LINE_REST_IS_EMPTY = re.compile(r"[ \t]*(?:(?:#|//|--).*)?$", re.MULTILINE)
+_LINE_REST_IS_EMPTY = re.compile(r"[ \t\r]*(?:(?:#|//|--).*)?$")
 
 # Dotted numbers named by the words before them are versions and section numbers, not addresses.
 _NUMBERED_BEFORE = re.compile(

@@ -182,3 +182,8 @@ def test_labelled_set_recall_and_false_positive_rate() -> None:
     assert result.fp_per_kline(exclude=frozenset({"email"})) <= FP_PER_KLINE_CEILING, result.false_positives
     secret_fps = sum(n for kind, n in result.false_positives.items() if kind not in ("email", "ip_address"))
     assert secret_fps <= SECRET_FP_CEILING, result.false_positives
+
+
+def test_windows_line_endings_end_an_unquoted_value() -> None:
+    text = "password: hunter2x\r\nDB_PASSWORD=abcdef1\r\n"
+    assert redact(text, ALL) == ("password: <PASSWORD>\r\nDB_PASSWORD=<PASSWORD>\r\n", {"password": 2})
