@@ -13,7 +13,8 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from ember.pipelines.corpus_config import CorpusConfig
 from ember.pipelines.corpus_outputs import require_empty_output, write_outputs
 from ember.pipelines.corpus_stages import (
-    ExactDedup, FilterDocuments, NearDedup, PerDocument, ReadSources, RedactDocuments, StageOutput, UniqueIds,
+    CLUSTER_TEXT_FIELDS, REJECT_TEXT_FIELDS, ExactDedup, FilterDocuments, NearDedup, PerDocument, ReadSources,
+    RedactDocuments, RedactRows, StageOutput, UniqueIds,
 )
 
 
@@ -45,6 +46,8 @@ def build_pipeline(p: beam.Pipeline, config: CorpusConfig, progress_dir: str | N
         [getattr(o, name) for o in outputs] | f"All{name.title()}" >> beam.Flatten()
         for name in ("rejects", "clusters", "stats")
     )
+    rejects = rejects | "RedactRejects" >> RedactRows(config.redaction, REJECT_TEXT_FIELDS)
+    clusters = clusters | "RedactClusters" >> RedactRows(config.redaction, CLUSTER_TEXT_FIELDS)
     write_outputs(StageOutput(documents, rejects, clusters, stats), config, progress_dir)
 
 
