@@ -7,9 +7,7 @@ manifest is written last and atomically (`write_manifest`).
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
-import tempfile
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
@@ -17,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ember.files import write_atomically
 from ember.schemas.errors import FieldIssue, SchemaValidationError
 from ember.schemas.versioning import versioned_schema
 
@@ -193,12 +192,4 @@ def _check_inside(directory: Path, manifest: Manifest, where: str) -> None:
 
 def write_manifest(directory: str | Path, manifest: Manifest) -> Path:
     """Atomic: readers see either no manifest or the complete one, never a partial file."""
-    directory = Path(directory)
-    target = directory / MANIFEST_FILENAME
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".manifest.", suffix=".tmp")
-    with os.fdopen(fd, "w") as handle:
-        handle.write(manifest.model_dump_json(indent=2))
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, target)
-    return target
+    return write_atomically(Path(directory) / MANIFEST_FILENAME, manifest.model_dump_json(indent=2).encode("utf-8"))

@@ -26,7 +26,6 @@ import fcntl
 import hashlib
 import json
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
+from ember.files import write_atomically
 from ember.schemas import PACKED_SEQUENCE_SCHEMA, Manifest, read_manifest
 from ember.schemas.shards import MANIFEST_FILENAME, ShardEntry
 from ember.tokenize.shards import read_row
@@ -214,10 +214,7 @@ def _read_marker(marker: Path) -> dict | None:
 
 def _write_marker(marker: Path, record: dict) -> None:
     try:
-        fd, tmp = tempfile.mkstemp(dir=marker.parent, prefix=f".{marker.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w") as handle:
-            json.dump(record, handle)
-        os.replace(tmp, marker)
+        write_atomically(marker, json.dumps(record).encode("utf-8"), durable=False)
     except OSError:
         return  # a cache that cannot be written only costs a rehash next time
 
