@@ -19,6 +19,7 @@ from ember.configs import CorpusConfigError
 from ember.pipelines import corpus_pipeline
 from ember.pipelines.corpus_config import CorpusConfig, check_inputs
 from ember.pipelines.corpus_report import read_stats, summary_rows, write_report
+from ember.pipelines.corpus_report_html import write_html_report
 from ember.pipelines.progress import watch
 from ember.pipelines.runners import dataflow_problems, runner_name, runs_locally, with_defaults
 from ember.schemas import Manifest
@@ -73,8 +74,12 @@ def shards_config(config: CorpusConfig) -> TokenizeConfig:
     return TokenizeConfig(**settings, output_dir=config.shards_directory, sources=sources)
 
 
-def build_corpus(config: CorpusConfig, beam_args: list[str], console: Console | None = None) -> BuildOutcome:
-    """Run the build to completion; with a console, local runs show live progress and a summary."""
+def build_corpus(config: CorpusConfig, beam_args: list[str], console: Console | None = None,
+                 config_path: str | None = None) -> BuildOutcome:
+    """Run the build to completion; with a console, local runs show live progress and a summary.
+
+    `config_path` (the YAML file the config came from) only titles report.html.
+    """
     args, options = prepare_options(beam_args)
     check_inputs(config)
     tokenizer = None
@@ -113,6 +118,10 @@ def build_corpus(config: CorpusConfig, beam_args: list[str], console: Console | 
         shards = tokenize(shards_config(config), args, overwrite=True, tokenizer=tokenizer)
         if console is not None:
             console.print(shards_table(shards))
+    # After tokenize, so the page's token-length histogram reads the shard set the build just made.
+    html_report = write_html_report(directory, config_path, config.shards_directory if shards else None)
+    if console is not None:
+        console.print(f"report with charts: {html_report}")
     return BuildOutcome(state, args, stats, report, shards)
 
 

@@ -26,7 +26,7 @@ from apache_beam.pvalue import AsDict
 from ember.pipelines.corpus_config import CorpusConfig
 from ember.pipelines.corpus_io import READ_STAGE, Row, write_parquet
 from ember.pipelines.corpus_stages import ALL_SOURCES, CorpusFn, Event, StageOutput, document_events
-from ember.schemas.documents import CLUSTER_SCHEMA, CORPUS_TABLES, DOCUMENT_SCHEMA, REJECTED_SCHEMA, REPORT_FILE, STATS_FILE
+from ember.schemas.documents import CLUSTER_SCHEMA, CORPUS_TABLES, DOCUMENT_SCHEMA, REJECTED_SCHEMA, REPORT_FILE, REPORT_HTML_FILE, STATS_FILE
 
 STATS_SCHEMA = "ember.corpus_stats"
 STATS_VERSION = 1
@@ -208,7 +208,7 @@ def write_outputs(outputs: StageOutput, config: CorpusConfig, progress_dir: str 
 def clear_outputs(directory: str) -> None:
     """Remove what a previous build wrote, so stale shards never mix with a rerun's."""
     directory = directory.rstrip("/")
-    patterns = [f"{directory}/{d}/**" for d in CORPUS_TABLES] + [f"{directory}/{STATS_FILE}", f"{directory}/{REPORT_FILE}"]
+    patterns = [f"{directory}/{d}/**" for d in CORPUS_TABLES] + [f"{directory}/{f}" for f in (STATS_FILE, REPORT_FILE, REPORT_HTML_FILE)]
     for result in FileSystems.match(patterns):
         paths = [m.path for m in result.metadata_list]
         if paths:
