@@ -196,7 +196,7 @@ def collect(directory: str, shards_directory: str | None = None) -> ReportData:
     """Read stats.json and aggregate the outputs (and the shard set, when the build made one)."""
     directory = directory.rstrip("/")
     stats = read_stats(directory)
-    tokens, note = None, "This build has no token counts: its config has no `tokenize:` section, so no shard set was written."
+    tokens, note = None, "This build has no token counts: its config has no tokenize section, so no shard set was written."
     if shards_directory is not None:
         if (Path(shards_directory) / MANIFEST_FILENAME).exists():
             tokens = token_lengths(shards_directory)
@@ -210,7 +210,7 @@ def collect(directory: str, shards_directory: str | None = None) -> ReportData:
 def _layout(fig: go.Figure, title: str, x: str, y: str, **extra: Any) -> go.Figure:
     fig.update_layout(
         title=title, xaxis_title=x, yaxis_title=y, template="plotly_white", height=420,
-        margin={"l": 10, "r": 10, "t": 60, "b": 10}, legend={"orientation": "h", "y": -0.2}, **extra,
+        margin={"l": 10, "r": 10, "t": 60, "b": 10}, legend={"orientation": "h", "y": -0.2, "traceorder": "normal"}, **extra,
     )
     fig.update_xaxes(automargin=True)
     fig.update_yaxes(automargin=True)
@@ -253,7 +253,8 @@ def _funnel(steps: dict[str, list[tuple[str, int]]], colors: dict[str, str]) -> 
         start = rows[0][1]
         traces.append(go.Bar(
             name=source, y=[s for s, _ in rows], x=[n for _, n in rows], orientation="h", marker_color=colors[source],
-            text=[f"{n:,} ({n / start:.0%})" if start else f"{n:,}" for _, n in rows], textposition="auto",
+            text=[f"{n:,} ({n / start:.0%})" if start else f"{n:,}" for _, n in rows], textposition="outside",
+            textfont={"size": 11}, constraintext="none", cliponaxis=False,
         ))
     fig = _layout(go.Figure(traces), "Documents left after each step, per source (share of the source's input)",
                   "documents", "", barmode="group")
@@ -333,15 +334,15 @@ def _html_table(headers: list[str], rows: list[list[Any]]) -> str:
 
 
 def _notes(data: ReportData, charts: dict[str, go.Figure]) -> list[str]:
-    """What a left-out chart would have shown, so an absent chart reads as "none", not as a bug."""
+    """Where the token counts come from, and what a left-out chart would have shown (an absent chart reads as
+    "none", not as a bug)."""
     absent = {
         "rejects": "No document was rejected.",
         "char_lengths": "No document was kept, so there are no document lengths.",
         "clusters": "No duplicate cluster was found.",
         "redactions": "Nothing was redacted.",
     }
-    notes = [data.tokens_note] if "token_lengths" not in charts else []
-    return notes + [text for chart, text in absent.items() if chart not in charts]
+    return [data.tokens_note] + [text for chart, text in absent.items() if chart not in charts]
 
 
 def render_html(data: ReportData, config: str | None = None) -> str:
@@ -360,7 +361,7 @@ def render_html(data: ReportData, config: str | None = None) -> str:
         f"<style>{STYLE}</style>", f'<script type="text/javascript">{get_plotlyjs()}</script>', "</head><body>",
         "<h1>Corpus build report</h1>",
         f'<p class="meta">config: <code>{html.escape(config or "not recorded")}</code><br>'
-        f"output: <code>{html.escape(data.directory)}</code><br>built: {built} (stats.json written); "
+        f"output: <code>{html.escape(data.directory)}</code><br>built: {built} (when stats.json was written); "
         f"this page written {datetime.now(UTC).strftime('%Y-%m-%d %H:%M:%S UTC')}</p>",
         "<h2>Totals</h2>", _html_table(["totals", ""], [list(r) for r in summary_rows(stats)]),
         "<h2>Sources</h2>", _html_table(["source", "kind", "weight", "in", "kept", "kept %", "MB kept"], sources),

@@ -212,7 +212,7 @@ def test_build_writes_a_self_contained_report_whose_charts_draw_offline(built: t
     assert raw.containers == [f"chart-{c}" for c in ALL_CHARTS] and raw.drawn == [] and raw.script_sources == []
     assert not re.search(r"<(script|link|img|iframe)\b[^>]*\b(src|href)=[\"']?https?://", page, re.I)
     assert page.count("plotly.js v") == 1, "plotly.js is inlined exactly once"
-    assert "configs/sample corpus.yaml" in page and "stats.json written" in page
+    assert "configs/sample corpus.yaml" in page and "when stats.json was written" in page
     assert "Token lengths of the documents in the shard set" in page
     dom = Charts(chromium_dom(page_path))
     assert dom.drawn == raw.containers, "every chart container became a drawn plotly plot"
