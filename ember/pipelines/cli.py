@@ -134,7 +134,8 @@ def build(
 
     min_free = None if min_free_mb is None else min_free_mb * 2**20
     try:
-        build_corpus(load_config(str(config)), list(beam_args or []), console, min_free_bytes=min_free)
+        build_corpus(load_config(str(config)), list(beam_args or []), console, min_free_bytes=min_free,
+                     config_path=str(config))
     except (CorpusConfigError, TokenizeConfigError, TokenizerLoadError, OutputUnusable) as exc:
         fail(exc)
     except BuildFailed as exc:
@@ -143,13 +144,18 @@ def build(
 
 @app.command("report")
 def report(directory: str = typer.Argument(..., help="Output directory of a finished build (local or gs://...).")) -> None:
-    """(Re)write report.md from a build's outputs, e.g. after a Dataflow job, and print the summary."""
+    """(Re)write report.md and report.html from a build's outputs, e.g. after a Dataflow job, and print the
+    summary. A shard set in DIR/shards (the tokenize stage's default) adds the token-length histogram."""
     from ember.pipelines.corpus_build import summary_table
     from ember.pipelines.corpus_report import read_stats, write_report
+    from ember.pipelines.corpus_report_html import write_html_report
 
+    shards = f"{directory.rstrip('/')}/shards"
     try:
         path = write_report(directory)
+        html_path = write_html_report(directory, shards_directory=shards if Path(shards).is_dir() else None)
     except FileNotFoundError as exc:
         fail(f"{directory} holds no finished build: {exc}")
     console.print(summary_table(read_stats(directory)))
     console.print(f"report: {path}")
+    console.print(f"report with charts: {html_path}")

@@ -28,7 +28,8 @@ from ember.pipelines import corpus_pipeline
 from ember.pipelines.corpus_config import CorpusConfig, check_inputs
 from ember.pipelines.corpus_outputs import require_empty_output
 from ember.pipelines.corpus_report import read_stats, summary_rows, write_report
-from ember.schemas.documents import REPORT_FILE
+from ember.pipelines.corpus_report_html import write_html_report
+from ember.schemas.documents import REPORT_FILE, REPORT_HTML_FILE
 from ember.pipelines.output_guard import (
     MIN_FREE_BYTES, check_room, is_local, owned_by_ownership_file, refuse_foreign, staged, write_ownership,
 )
@@ -148,8 +149,9 @@ def _run_job(config: CorpusConfig, options, console: Console | None) -> None:
 
 
 def _build(config: CorpusConfig, final: CorpusConfig, args: list[str], options, tokenizer: Tokenizer | None,
-           console: Console | None, min_free_bytes: int | None) -> BuildOutcome:
-    """The job, the report and the shard set, written where `config` says; `final` is where they will live."""
+           console: Console | None, min_free_bytes: int | None, config_path: str | None) -> BuildOutcome:
+    """The job, the reports and the shard set, written where `config` says; `final` is where they will live.
+    `config_path` (the YAML file the config came from) only titles report.html."""
     _run_job(config, options, console)
     directory = config.output.directory
     write_report(directory, shown_as=final.output.directory)
@@ -174,11 +176,16 @@ def _build(config: CorpusConfig, final: CorpusConfig, args: list[str], options, 
             shards = tokenize(settings, args, overwrite=True, tokenizer=tokenizer, min_free_bytes=min_free_bytes, recorded=recorded)
         if console is not None:
             console.print(shards_table(shards))
+    # After tokenize, so the page's token-length histogram reads the shard set the build just made.
+    write_html_report(directory, config_path, config.shards_directory if shards else None,
+                      shown_as=(final.output.directory, final.shards_directory if shards else None))
+    if console is not None:
+        console.print(f"report with charts: {final.output.directory.rstrip('/')}/{REPORT_HTML_FILE}")
     return BuildOutcome("DONE", args, stats, report, shards)
 
 
 def build_corpus(config: CorpusConfig, beam_args: list[str], console: Console | None = None,
-                 min_free_bytes: int | None = None) -> BuildOutcome:
+                 min_free_bytes: int | None = None, config_path: str | None = None) -> BuildOutcome:
     """Run the build to completion; with a console, local runs show live progress and a summary.
     `min_free_bytes` overrides the free-space floor estimated from the inputs."""
     args, options = prepare_options(beam_args)
@@ -204,7 +211,7 @@ def build_corpus(config: CorpusConfig, beam_args: list[str], console: Console | 
         check_room(shards, need, "tokenize.output_dir")
     if target is None:
         require_empty_output(config.output.directory)
-        return _build(config, config, args, options, tokenizer, console, min_free_bytes)
+        return _build(config, config, args, options, tokenizer, console, min_free_bytes, config_path)
     final = config.model_copy(update={"output": config.output.model_copy(update={"directory": str(target)})})
 
     def owned(directory: Path) -> set[str]:
@@ -217,7 +224,8 @@ def build_corpus(config: CorpusConfig, beam_args: list[str], console: Console | 
     refuse_foreign(target, owned(target), "output.directory")
     check_room(target, need, "output.directory")
     with staged(target, owned, "output.directory") as staging:
-        outcome = _build(_staged_config(final, staging, target), final, args, options, tokenizer, console, min_free_bytes)
+        outcome = _build(_staged_config(final, staging, target), final, args, options, tokenizer, console, min_free_bytes,
+                         config_path)
         write_ownership(staging)
     return outcome
 

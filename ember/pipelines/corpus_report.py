@@ -23,13 +23,17 @@ def read_stats(directory: str) -> dict[str, Any]:
         return json.loads(f.read())
 
 
+def output_paths(directory: str, name: str) -> list[str]:
+    """The Parquet parts of one output (documents, rejects, clusters), sorted."""
+    pattern = f"{directory.rstrip('/')}/{name}/**.parquet"
+    return sorted(m.path for m in FileSystems.match([pattern])[0].metadata_list)
+
+
 def read_output(directory: str, name: str) -> pl.DataFrame:
     """All shards of one output (documents, rejects, clusters) as one frame; empty with the schema when none."""
     schema = CORPUS_TABLES[name]
-    pattern = f"{directory.rstrip('/')}/{name}/**.parquet"
-    paths = sorted(m.path for m in FileSystems.match([pattern])[0].metadata_list)
     tables = []
-    for path in paths:
+    for path in output_paths(directory, name):
         with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
             tables.append(pq.read_table(io.BytesIO(f.read())))
     if not tables:

@@ -123,7 +123,8 @@ def test_cli_build_on_the_default_multiprocess_runner(sample: SampleCorpus, buil
     assert re.search(r"read\s*│\s*66\b", result.output), "worker progress files reached the live table"
     report = (tmp_path / "out" / "report.md").read_text()
     assert "## Rejects by stage and reason" in report and "near_duplicate" in report
-    outputs = {k: v for k, v in file_digests(tmp_path / "out").items() if k not in ("report.md", OWNERSHIP_FILE)}
+    assert (tmp_path / "out" / "report.html").read_text().count('class="plotly-graph-div"') >= 5
+    outputs = {k: v for k, v in file_digests(tmp_path / "out").items() if k not in ("report.md", "report.html", OWNERSHIP_FILE)}
     assert outputs == file_digests(built)
 
 
