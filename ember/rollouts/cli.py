@@ -8,6 +8,7 @@ variables. A password is never a flag.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
@@ -16,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 rollouts_app = typer.Typer(help="Kafka rollout stream: topics, simulation, ETL, stats, replay, inspection.", no_args_is_help=True)
-topics_app = typer.Typer(help="Create or describe the ETL's topics.", no_args_is_help=True)
+topics_app = typer.Typer(help="Create, describe or delete the topics of a prefix.", no_args_is_help=True)
 rollouts_app.add_typer(topics_app, name="topics")
 app = rollouts_app
 console = Console()
@@ -57,12 +58,17 @@ def _refusals() -> Iterator[None]:
         raise typer.Exit(2) from None
 
 
-@topics_app.command("create")
+def _topic_list() -> str:
+    from ember.rollouts.topics import Topics
+
+    return ", ".join(s.name.removeprefix("PREFIX.") for s in Topics("PREFIX").specs().values())
+
+
+@topics_app.command("create", help=f"Create every topic of a prefix ({_topic_list()}) as PREFIX.<name>; idempotent.")
 def topics_create(
     prefix: str = PrefixOption,
-    partitions: int = typer.Option(6, min=1, help="Partitions for the rollouts and rewards topics."),
+    partitions: int = typer.Option(6, min=1, help="Partitions for the rollouts, rewards and etl-state topics."),
 ) -> None:
-    """Create the rollouts, rewards, policy-versions, train-batches and dead-letter topics (idempotent)."""
     from ember.rollouts.admin import ensure_topics
     from ember.rollouts.config import kafka_bootstrap
     from ember.rollouts.topics import Topics
@@ -74,9 +80,34 @@ def topics_create(
         console.print(f"{name}: {state}")
 
 
+@topics_app.command("delete", help=f"Delete every topic of a prefix ({_topic_list()}), after confirmation.")
+def topics_delete(
+    prefix: str = typer.Argument(..., help="Topic name prefix whose topics to delete."),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Delete without asking."),
+) -> None:
+    from ember.rollouts.admin import delete_topics, list_topics
+    from ember.rollouts.config import kafka_bootstrap
+    from ember.rollouts.topics import Topics
+
+    security = _env_security()
+    names = [s.name for s in Topics(prefix).specs().values()]
+    with _refusals():
+        present = [name for name in names if name in set(list_topics(kafka_bootstrap(), security))]
+        if not present:
+            console.print(f"[red]no topic of prefix {prefix!r} exists (looked for {', '.join(names)})[/red]")
+            raise typer.Exit(2)
+        console.print("will delete, with every record in them:\n  " + "\n  ".join(present))
+        if not yes and not typer.confirm(f"delete these {len(present)} topics?", default=False):
+            console.print("nothing deleted")
+            raise typer.Exit(1)
+        deleted = delete_topics(kafka_bootstrap(), present, security)
+    for name in deleted:
+        console.print(f"{name}: deleted")
+
+
 @topics_app.command("describe")
 def topics_describe(prefix: str = PrefixOption) -> None:
-    """Show partitions of each ETL topic."""
+    """Show partitions of each topic of a prefix."""
     from ember.rollouts.admin import describe_topics
     from ember.rollouts.config import kafka_bootstrap
     from ember.rollouts.topics import Topics
@@ -169,7 +200,7 @@ def simulate(
     """Publish a simulated fleet: rollouts from several regions, rewards, policy versions and faults."""
     from ember.rollouts.admin import ensure_topics
     from ember.rollouts.config import kafka_bootstrap
-    from ember.rollouts.simulate import WorkloadSpec, plan_workload, publish_workload
+    from ember.rollouts.simulate import WorkloadSpec, latest_policy_version, plan_workload, publish_workload
     from ember.rollouts.topics import Topics
 
     topics = Topics(prefix)
@@ -195,10 +226,13 @@ def simulate(
         stale_lag=stale_lag,
         seed=seed,
     )
-    events = plan_workload(spec)
     with _refusals():
         ensure_topics(kafka_bootstrap(), list(topics.specs(partitions).values()), security)
-        stats = publish_workload(events, topics, time_scale=time_scale, security=security)
+        latest = latest_policy_version(topics.policy_versions, security)
+        if latest is not None:
+            spec = replace(spec, first_version=latest + 1)
+            console.print(f"{topics.policy_versions} is at version {latest}: this run announces {latest + 1} onwards")
+        stats = publish_workload(plan_workload(spec), topics, time_scale=time_scale, security=security)
     rollout_bytes = stats.bytes.get("rollouts", 0)
     console.print(
         f"published {stats.counts} in {stats.seconds:.1f}s; rollouts {rollout_bytes / 1e6:.1f} MB on the wire, "
@@ -235,6 +269,12 @@ def etl(
     until_idle: float = typer.Option(None, help="Exit once nothing is pending and no input came for this many seconds."),
     log_level: str = typer.Option("INFO", help="Python log level."),
     metrics_bind: str = typer.Option(None, help="Address the Prometheus endpoint listens on (overrides metrics.bind; default 127.0.0.1)."),
+    create_topics: bool = typer.Option(
+        None, "--create-topics/--no-create-topics", help="Create missing topics (overrides kafka.create_topics; default: refuse)."
+    ),
+    status_interval: float = typer.Option(
+        None, min=0, help="Seconds between one-line status logs (overrides metrics.status_interval_s; 0: none)."
+    ),
 ) -> None:
     """Run one ETL process: validate, filter, join rewards, compute advantages, commit batches exactly once."""
     import logging
@@ -245,10 +285,18 @@ def etl(
     from ember.rollouts.metrics import EtlMetrics
 
     settings = _etl_config(config)
+    sections: dict[str, dict] = {}
     if metrics_bind is not None:
-        settings = _overridden(settings, {"metrics": {"bind": metrics_bind}})
-    # force: an import may already have configured the root logger (Beam warns at import time)
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+        sections.setdefault("metrics", {})["bind"] = metrics_bind
+    if status_interval is not None:
+        sections.setdefault("metrics", {})["status_interval_s"] = status_interval
+    if create_topics is not None:
+        sections["kafka"] = {"create_topics": create_topics}
+    if sections:
+        settings = _overridden(settings, sections)
+    # force: an import may already have configured the root logger (Beam warns at import time);
+    # a short prefix keeps the status lines within 100 columns
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", force=True)
     logging.getLogger("kafka").setLevel(logging.ERROR)
     metrics = EtlMetrics()
     if settings.metrics.port is not None:
@@ -346,13 +394,16 @@ def publish_policy(
 
 @rollouts_app.command("tail")
 def tail(
-    topic: str = typer.Argument(..., help="Topic to read from the beginning."),
+    topic: str = typer.Argument(..., help="Topic to read from the beginning: any PREFIX.<name> of `topics create`, or a wire-format topic."),
     limit: int = typer.Option(20, min=1, help="Messages to show."),
+    idle_timeout: float = typer.Option(3.0, min=0.1, help="Stop once nothing arrived for this many seconds."),
 ) -> None:
-    """Decode and summarise messages; bad ones are shown with topic/partition/offset and the reason."""
+    """Decode and summarise messages (tokens, reward, policy version, advantages, group; a dead letter's reason and
+    source offset); bad ones are shown with topic/partition/offset and the reason. Exit 2 if the topic is missing."""
     from kafka import KafkaConsumer
 
-    from ember.rollouts.transport import BadMessage, consumer_config, read_messages, topic_partitions
+    from ember.rollouts.tail import describe, read_records
+    from ember.rollouts.transport import consumer_config, topic_partitions
 
     security = _env_security()
     with _refusals():
@@ -361,14 +412,8 @@ def tail(
             partitions = topic_partitions(consumer, topic, security)
             consumer.assign(partitions)
             consumer.seek_to_beginning(*partitions)
-            for item in read_messages(consumer, limit=limit, idle_timeout_s=3):
-                if isinstance(item, BadMessage):
-                    console.print(f"[red]bad[/red] {item}")
-                else:
-                    record = item.record
-                    console.print(
-                        f"{item.topic}[{item.partition}]@{item.offset} {type(record).__name__} "
-                        f"{getattr(record, 'rollout_id', getattr(record, 'batch_id', ''))}"
-                    )
+            for message in read_records(consumer, limit=limit, idle_timeout_s=idle_timeout):
+                line = describe(message)
+                console.print(str(line), style="red" if line.bad else None, markup=False, highlight=False, soft_wrap=True)
         finally:
             consumer.close()
