@@ -317,14 +317,22 @@ def etl(
 def stats(
     config: Path = typer.Argument(..., help="The ETL config YAML (topics and consumer group)."),
     window: float = typer.Option(300.0, min=0, help="Seconds of ledger to summarise (0: everything)."),
+    watch: bool = typer.Option(False, "--watch", "-w", help="Refresh until Ctrl-C."),
+    interval: float = typer.Option(5.0, min=0.1, help="Seconds between refreshes with --watch."),
+    count: int = typer.Option(None, min=1, hidden=True, help="With --watch, stop after this many refreshes (tests)."),
 ) -> None:
     """Is data flowing and how stale is it: input lag, batches, drops by reason, dead letters."""
-    from ember.rollouts.stats import collect_stats, render_stats
+    from ember.rollouts.stats import collect_stats, render_stats, watch_stats
 
     settings = _etl_config(config)
     with _refusals():
-        collected = collect_stats(settings, window_s=window)
-    render_stats(collected, console)
+        if watch:
+            try:
+                watch_stats(settings, console, window_s=window, interval_s=interval, count=count)
+            except KeyboardInterrupt:
+                console.print("stopped watching")
+        else:
+            render_stats(collect_stats(settings, window_s=window), console)
 
 
 @rollouts_app.command("replay")
