@@ -230,8 +230,10 @@ def simulate(
         ensure_topics(kafka_bootstrap(), list(topics.specs(partitions).values()), security)
         latest = latest_policy_version(topics.policy_versions, security)
         if latest is not None:
-            spec = replace(spec, first_version=latest + 1)
             console.print(f"{topics.policy_versions} is at version {latest}: this run announces {latest + 1} onwards")
+        first = 0 if latest is None else latest + 1
+        # a new run's ids must not repeat an earlier run's (same seed), or the ETL drops them as duplicates
+        spec = replace(spec, first_version=first, group_prefix=f"sim-v{first}")
         stats = publish_workload(plan_workload(spec), topics, time_scale=time_scale, security=security)
     rollout_bytes = stats.bytes.get("rollouts", 0)
     console.print(

@@ -66,9 +66,9 @@ def prepare_topics(config: EtlConfig, *, create: bool | None = None) -> Topics:
         if missing:
             raise MissingTopics(
                 f"topic prefix {topics.prefix!r}: {', '.join(missing)} do not exist or are hidden from "
-                f"{kafka.security.describe()} (a typo in kafka.topic_prefix?). "
-                f"Create them with `ember rollouts topics create --prefix {topics.prefix} --partitions {kafka.partitions}`, "
-                "or let the ETL create them with --create-topics (kafka.create_topics: true)"
+                f"{kafka.security.describe()} (a typo in kafka.topic_prefix?). Create them with\n"
+                f"  ember rollouts topics create --prefix {topics.prefix} --partitions {kafka.partitions}\n"
+                "or let the ETL create them: --create-topics (kafka.create_topics: true)"
             )
     state = specs.pop("etl_state")
     ensure_topics(kafka.bootstrap, list(specs.values()), kafka.security)
