@@ -188,16 +188,21 @@ class RunTotals:
 
 
 def _top(counts: Counter, width: int) -> str:
-    """'stale 12, duplicate 3, +2' cut to fit `width` columns: a status line must stay one line."""
+    """'stale 12, duplicate 3, +2' cut to fit `width` columns ('' if not even one fits): a status line stays one line."""
     parts = [f"{reason} {n}" for reason, n in counts.most_common()]
     text = ""
     for i, part in enumerate(parts):
         rest = len(parts) - i - 1
         candidate = f"{text}, {part}" if text else part
         if len(candidate) + (len(f", +{rest}") if rest else 0) > width:
-            return f"{text}, +{len(parts) - i}" if text else f"{len(parts)} reasons"
+            return f"{text}, +{len(parts) - i}" if text else ""
         text = candidate
     return text
+
+
+def _rate(count: int, seconds: float) -> str:
+    rate = count / seconds
+    return f"{rate:.1f}" if rate < 10 else f"{rate:.0f}"
 
 
 def status_line(totals: RunTotals, previous: RunTotals, seconds: float, lag: int, groups: int) -> str:
@@ -206,13 +211,14 @@ def status_line(totals: RunTotals, previous: RunTotals, seconds: float, lag: int
     per_s = max(seconds, 1e-9)
     dropped = sum(totals.dropped.values())
     head = (
-        f"rollouts {(totals.rollouts - previous.rollouts) / per_s:.1f}/s batches {(totals.batches - previous.batches) / per_s:.1f}/s "
+        f"rollouts {_rate(totals.rollouts - previous.rollouts, per_s)}/s "
+        f"batches {_rate(totals.batches - previous.batches, per_s)}/s "
         f"lag {lag} pending {groups} groups dropped {dropped}"
     )
     tail = f" dead {totals.dead_letters}" if totals.dead_letters else ""
     room = 80 - len(head) - len(tail) - 3
-    reasons = f" ({_top(totals.dropped, room)})" if dropped and room >= 10 else ""
-    return head + reasons + tail
+    reasons = _top(totals.dropped, room)
+    return head + (f" ({reasons})" if reasons else "") + tail
 
 
 def summary_lines(totals: RunTotals, seconds: float, recoveries: int) -> list[str]:
