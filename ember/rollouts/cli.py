@@ -384,7 +384,7 @@ def publish_policy(
     """Announce a new policy version (what the trainer does after each weight sync)."""
     from kafka import KafkaProducer
 
-    from ember.rollouts.admin import ensure_topics
+    from ember.rollouts.admin import list_topics
     from ember.rollouts.config import kafka_bootstrap
     from ember.rollouts.records import PolicyVersion
     from ember.rollouts.topics import Topics
@@ -393,7 +393,12 @@ def publish_policy(
     spec = Topics(prefix).specs()["policy_versions"]
     security = _env_security()
     with _refusals():
-        ensure_topics(kafka_bootstrap(), [spec], security)
+        if spec.name not in list_topics(kafka_bootstrap(), security):
+            console.print(
+                f"[red]{spec.name} does not exist (is the prefix right?); create the prefix's topics with "
+                f"`ember rollouts topics create --prefix {prefix}`[/red]"
+            )
+            raise typer.Exit(2)
         producer = KafkaProducer(**producer_config(security))
         try:
             producer.send(spec.name, key=b"policy", value=PolicyVersion.now(version).encode()).get(timeout=30)

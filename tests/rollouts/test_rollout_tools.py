@@ -255,3 +255,10 @@ def test_help_and_readme_name_every_topic_of_a_prefix():
         assert suffix in help_text, (suffix, help_text)
         assert f"`{suffix}`" in row, (suffix, row)
 
+
+
+def test_publish_policy_announces_on_existing_topics_only(kafka):
+    prefix = f"test-policy-{uuid.uuid4().hex[:8]}"
+    refused = runner.invoke(rollouts_app, ["publish-policy", "3", "--prefix", prefix])
+    assert refused.exit_code == 2 and f"ember rollouts topics create --prefix {prefix}" in " ".join(refused.output.split())
+    assert not _prefix_topics(kafka, prefix), "a typo'd prefix must not get a topic"
