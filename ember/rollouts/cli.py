@@ -409,7 +409,9 @@ def publish_policy(
 
 @rollouts_app.command("tail")
 def tail(
-    topic: str = typer.Argument(..., help="Topic to read from the beginning: any PREFIX.<name> of `topics create`, or a wire-format topic."),
+    topic: str = typer.Argument(
+        ..., help="Topic to read from the beginning: any PREFIX.<name> of `topics create`, or a wire-format topic."
+    ),
     limit: int = typer.Option(20, min=1, help="Messages to show."),
     idle_timeout: float = typer.Option(3.0, min=0.1, help="Stop once nothing arrived for this many seconds."),
 ) -> None:

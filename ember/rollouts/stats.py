@@ -149,7 +149,8 @@ def watch_stats(config: EtlConfig, console, *, window_s: float, interval_s: floa
 
     def view() -> Group:
         stamp = time.strftime("%H:%M:%S")
-        return Group(f"{stamp} {config.kafka.topics.prefix}: every {interval_s:g}s, Ctrl-C to stop", *stats_tables(collect_stats(config, window_s)))
+        title = f"{stamp} {config.kafka.topics.prefix}: every {interval_s:g}s, Ctrl-C to stop"
+        return Group(title, *stats_tables(collect_stats(config, window_s)))
 
     shown = 0
     if console.is_terminal:

@@ -86,7 +86,8 @@ def _dead_letter(message: ConsumerRecord) -> str:
     headers = {k: v.decode("utf-8", errors="replace") for k, v in (message.headers or [])}
     if "ember.reason" not in headers:
         raise ValueError("dead letter without an ember.reason header (not written by the ETL)")
-    source = f"{headers.get('ember.source_topic', '?')}[{headers.get('ember.source_partition', '?')}]@{headers.get('ember.source_offset', '?')}"
+    topic, partition, offset = (headers.get(f"ember.source_{k}", "?") for k in ("topic", "partition", "offset"))
+    source = f"{topic}[{partition}]@{offset}"
     kept = f"{len(message.value)} bytes kept" if message.value is not None else "payload not kept"
     return f"dead letter {headers['ember.reason']} from {source} ({kept}): {_short(headers.get('ember.detail', ''), 60)}"
 
