@@ -53,7 +53,7 @@ def run(console: Console, prefix: str, rollouts: int, group_size: int, tokens: i
             "batches": {"token_budget": max(2 * tokens, group_size * tokens), "min_fill": 0.8, "max_wait_s": 0.5},
         }
     )
-    topics = prepare_topics(config)
+    topics = prepare_topics(config, create=True)
     batches_start = {tp.partition: o for tp, o in end_offsets([topics.train_batches]).items()}
     outcomes_start = {tp.partition: o for tp, o in end_offsets([topics.outcomes]).items()}
     spec = WorkloadSpec(

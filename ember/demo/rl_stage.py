@@ -90,7 +90,7 @@ def run(console: Console, workdir: Path, groups: int = 6, steps: int = 3) -> lis
         "advantages": {"drop_zero_variance": False},
         "batches": {"token_budget": 64, "min_fill": 0.9, "max_wait_s": 0.5},
     })
-    prepare_topics(etl)
+    prepare_topics(etl, create=True)
     policy = workdir / "policy.yaml"
     policy.write_text(yaml.safe_dump(rl_sampler.toy_policy_config(workdir / "policy", prefix)))
     with console.status(f"RL: the reference sampler generates {groups} groups with perturbed routers..."):

@@ -70,6 +70,31 @@ def ensure_topics(bootstrap: str, specs: list[TopicSpec], security: KafkaSecurit
         admin.close()
 
 
+def list_topics(bootstrap: str, security: KafkaSecurity | None = None) -> list[str]:
+    """Every topic this principal can see."""
+    admin = _admin(bootstrap, security)
+    try:
+        return sorted(admin.list_topics())
+    finally:
+        admin.close()
+
+
+def delete_topics(bootstrap: str, names: list[str], security: KafkaSecurity | None = None) -> list[str]:
+    """Delete those of `names` that exist; returns what was deleted (an empty list deletes nothing)."""
+    admin = _admin(bootstrap, security)
+    try:
+        present = [name for name in names if name in set(admin.list_topics())]
+        if present:
+            try:
+                admin.delete_topics(present, timeout_ms=30_000)
+            except (TopicAuthorizationFailedError, ClusterAuthorizationFailedError):
+                who = (security or KafkaSecurity()).describe()
+                raise AdminRefused(f"{who} may not delete {', '.join(present)}: an admin (a super user) deletes topics") from None
+        return present
+    finally:
+        admin.close()
+
+
 def describe_topics(bootstrap: str, names: list[str], security: KafkaSecurity | None = None) -> list[dict[str, object]]:
     admin = _admin(bootstrap, security)
     try:

@@ -8,6 +8,7 @@ variables. A password is never a flag.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
@@ -16,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 rollouts_app = typer.Typer(help="Kafka rollout stream: topics, simulation, ETL, stats, replay, inspection.", no_args_is_help=True)
-topics_app = typer.Typer(help="Create or describe the ETL's topics.", no_args_is_help=True)
+topics_app = typer.Typer(help="Create, describe or delete the topics of a prefix.", no_args_is_help=True)
 rollouts_app.add_typer(topics_app, name="topics")
 app = rollouts_app
 console = Console()
@@ -57,12 +58,17 @@ def _refusals() -> Iterator[None]:
         raise typer.Exit(2) from None
 
 
-@topics_app.command("create")
+def _topic_list() -> str:
+    from ember.rollouts.topics import Topics
+
+    return ", ".join(s.name.removeprefix("PREFIX.") for s in Topics("PREFIX").specs().values())
+
+
+@topics_app.command("create", help=f"Create every topic of a prefix ({_topic_list()}) as PREFIX.<name>; idempotent.")
 def topics_create(
     prefix: str = PrefixOption,
-    partitions: int = typer.Option(6, min=1, help="Partitions for the rollouts and rewards topics."),
+    partitions: int = typer.Option(6, min=1, help="Partitions for the rollouts, rewards and etl-state topics."),
 ) -> None:
-    """Create the rollouts, rewards, policy-versions, train-batches and dead-letter topics (idempotent)."""
     from ember.rollouts.admin import ensure_topics
     from ember.rollouts.config import kafka_bootstrap
     from ember.rollouts.topics import Topics
@@ -74,9 +80,34 @@ def topics_create(
         console.print(f"{name}: {state}")
 
 
+@topics_app.command("delete", help=f"Delete every topic of a prefix ({_topic_list()}), after confirmation.")
+def topics_delete(
+    prefix: str = typer.Argument(..., help="Topic name prefix whose topics to delete."),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Delete without asking."),
+) -> None:
+    from ember.rollouts.admin import delete_topics, list_topics
+    from ember.rollouts.config import kafka_bootstrap
+    from ember.rollouts.topics import Topics
+
+    security = _env_security()
+    names = [s.name for s in Topics(prefix).specs().values()]
+    with _refusals():
+        present = [name for name in names if name in set(list_topics(kafka_bootstrap(), security))]
+        if not present:
+            console.print(f"[red]no topic of prefix {prefix!r} exists (looked for {', '.join(names)})[/red]")
+            raise typer.Exit(2)
+        console.print("will delete, with every record in them:\n  " + "\n  ".join(present))
+        if not yes and not typer.confirm(f"delete these {len(present)} topics?", default=False):
+            console.print("nothing deleted")
+            raise typer.Exit(1)
+        deleted = delete_topics(kafka_bootstrap(), present, security)
+    for name in deleted:
+        console.print(f"{name}: deleted")
+
+
 @topics_app.command("describe")
 def topics_describe(prefix: str = PrefixOption) -> None:
-    """Show partitions of each ETL topic."""
+    """Show partitions of each topic of a prefix."""
     from ember.rollouts.admin import describe_topics
     from ember.rollouts.config import kafka_bootstrap
     from ember.rollouts.topics import Topics
@@ -169,7 +200,7 @@ def simulate(
     """Publish a simulated fleet: rollouts from several regions, rewards, policy versions and faults."""
     from ember.rollouts.admin import ensure_topics
     from ember.rollouts.config import kafka_bootstrap
-    from ember.rollouts.simulate import WorkloadSpec, plan_workload, publish_workload
+    from ember.rollouts.simulate import WorkloadSpec, latest_policy_version, plan_workload, publish_workload
     from ember.rollouts.topics import Topics
 
     topics = Topics(prefix)
@@ -195,10 +226,15 @@ def simulate(
         stale_lag=stale_lag,
         seed=seed,
     )
-    events = plan_workload(spec)
     with _refusals():
         ensure_topics(kafka_bootstrap(), list(topics.specs(partitions).values()), security)
-        stats = publish_workload(events, topics, time_scale=time_scale, security=security)
+        latest = latest_policy_version(topics.policy_versions, security)
+        if latest is not None:
+            console.print(f"{topics.policy_versions} is at version {latest}: this run announces {latest + 1} onwards")
+        first = 0 if latest is None else latest + 1
+        # a new run's ids must not repeat an earlier run's (same seed), or the ETL drops them as duplicates
+        spec = replace(spec, first_version=first, group_prefix=f"sim-v{first}")
+        stats = publish_workload(plan_workload(spec), topics, time_scale=time_scale, security=security)
     rollout_bytes = stats.bytes.get("rollouts", 0)
     console.print(
         f"published {stats.counts} in {stats.seconds:.1f}s; rollouts {rollout_bytes / 1e6:.1f} MB on the wire, "
@@ -235,6 +271,12 @@ def etl(
     until_idle: float = typer.Option(None, help="Exit once nothing is pending and no input came for this many seconds."),
     log_level: str = typer.Option("INFO", help="Python log level."),
     metrics_bind: str = typer.Option(None, help="Address the Prometheus endpoint listens on (overrides metrics.bind; default 127.0.0.1)."),
+    create_topics: bool = typer.Option(
+        None, "--create-topics/--no-create-topics", help="Create missing topics (overrides kafka.create_topics; default: refuse)."
+    ),
+    status_interval: float = typer.Option(
+        None, min=0, help="Seconds between one-line status logs (overrides metrics.status_interval_s; 0: none)."
+    ),
 ) -> None:
     """Run one ETL process: validate, filter, join rewards, compute advantages, commit batches exactly once."""
     import logging
@@ -245,10 +287,18 @@ def etl(
     from ember.rollouts.metrics import EtlMetrics
 
     settings = _etl_config(config)
+    sections: dict[str, dict] = {}
     if metrics_bind is not None:
-        settings = _overridden(settings, {"metrics": {"bind": metrics_bind}})
-    # force: an import may already have configured the root logger (Beam warns at import time)
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+        sections.setdefault("metrics", {})["bind"] = metrics_bind
+    if status_interval is not None:
+        sections.setdefault("metrics", {})["status_interval_s"] = status_interval
+    if create_topics is not None:
+        sections["kafka"] = {"create_topics": create_topics}
+    if sections:
+        settings = _overridden(settings, sections)
+    # force: an import may already have configured the root logger (Beam warns at import time);
+    # a short prefix keeps the status lines within 100 columns
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", force=True)
     logging.getLogger("kafka").setLevel(logging.ERROR)
     metrics = EtlMetrics()
     if settings.metrics.port is not None:
@@ -269,14 +319,22 @@ def etl(
 def stats(
     config: Path = typer.Argument(..., help="The ETL config YAML (topics and consumer group)."),
     window: float = typer.Option(300.0, min=0, help="Seconds of ledger to summarise (0: everything)."),
+    watch: bool = typer.Option(False, "--watch", "-w", help="Refresh until Ctrl-C."),
+    interval: float = typer.Option(5.0, min=0.1, help="Seconds between refreshes with --watch."),
+    count: int = typer.Option(None, min=1, hidden=True, help="With --watch, stop after this many refreshes (tests)."),
 ) -> None:
     """Is data flowing and how stale is it: input lag, batches, drops by reason, dead letters."""
-    from ember.rollouts.stats import collect_stats, render_stats
+    from ember.rollouts.stats import collect_stats, render_stats, watch_stats
 
     settings = _etl_config(config)
     with _refusals():
-        collected = collect_stats(settings, window_s=window)
-    render_stats(collected, console)
+        if watch:
+            try:
+                watch_stats(settings, console, window_s=window, interval_s=interval, count=count)
+            except KeyboardInterrupt:
+                console.print("stopped watching")
+        else:
+            render_stats(collect_stats(settings, window_s=window), console)
 
 
 @rollouts_app.command("replay")
@@ -326,7 +384,7 @@ def publish_policy(
     """Announce a new policy version (what the trainer does after each weight sync)."""
     from kafka import KafkaProducer
 
-    from ember.rollouts.admin import ensure_topics
+    from ember.rollouts.admin import list_topics
     from ember.rollouts.config import kafka_bootstrap
     from ember.rollouts.records import PolicyVersion
     from ember.rollouts.topics import Topics
@@ -335,7 +393,12 @@ def publish_policy(
     spec = Topics(prefix).specs()["policy_versions"]
     security = _env_security()
     with _refusals():
-        ensure_topics(kafka_bootstrap(), [spec], security)
+        if spec.name not in list_topics(kafka_bootstrap(), security):
+            console.print(
+                f"[red]{spec.name} does not exist (is the prefix right?); create the prefix's topics with "
+                f"`ember rollouts topics create --prefix {prefix}`[/red]"
+            )
+            raise typer.Exit(2)
         producer = KafkaProducer(**producer_config(security))
         try:
             producer.send(spec.name, key=b"policy", value=PolicyVersion.now(version).encode()).get(timeout=30)
@@ -346,13 +409,18 @@ def publish_policy(
 
 @rollouts_app.command("tail")
 def tail(
-    topic: str = typer.Argument(..., help="Topic to read from the beginning."),
+    topic: str = typer.Argument(
+        ..., help="Topic to read from the beginning: any PREFIX.<name> of `topics create`, or a wire-format topic."
+    ),
     limit: int = typer.Option(20, min=1, help="Messages to show."),
+    idle_timeout: float = typer.Option(3.0, min=0.1, help="Stop once nothing arrived for this many seconds."),
 ) -> None:
-    """Decode and summarise messages; bad ones are shown with topic/partition/offset and the reason."""
+    """Decode and summarise messages (tokens, reward, policy version, advantages, group; a dead letter's reason and
+    source offset); bad ones are shown with topic/partition/offset and the reason. Exit 2 if the topic is missing."""
     from kafka import KafkaConsumer
 
-    from ember.rollouts.transport import BadMessage, consumer_config, read_messages, topic_partitions
+    from ember.rollouts.tail import describe, read_records
+    from ember.rollouts.transport import consumer_config, topic_partitions
 
     security = _env_security()
     with _refusals():
@@ -361,14 +429,8 @@ def tail(
             partitions = topic_partitions(consumer, topic, security)
             consumer.assign(partitions)
             consumer.seek_to_beginning(*partitions)
-            for item in read_messages(consumer, limit=limit, idle_timeout_s=3):
-                if isinstance(item, BadMessage):
-                    console.print(f"[red]bad[/red] {item}")
-                else:
-                    record = item.record
-                    console.print(
-                        f"{item.topic}[{item.partition}]@{item.offset} {type(record).__name__} "
-                        f"{getattr(record, 'rollout_id', getattr(record, 'batch_id', ''))}"
-                    )
+            for message in read_records(consumer, limit=limit, idle_timeout_s=idle_timeout):
+                line = describe(message)
+                console.print(str(line), style="red" if line.bad else None, markup=False, highlight=False, soft_wrap=True)
         finally:
             consumer.close()

@@ -32,6 +32,9 @@ class KafkaSettings(StrictModel):
     bootstrap: str = Field(default_factory=kafka_bootstrap, description="host:port of the brokers")
     topic_prefix: str = Field(..., min_length=1, description="required: topics are <prefix>.rollouts, <prefix>.rewards, ...")
     partitions: Annotated[int, configs.at_most(4096, "more partitions only spread the same groups thinner; each costs the broker files and every ETL process state")] = Field(6, ge=1, description="partitions of the rollouts/rewards topics when the ETL creates them")
+    create_topics: bool = Field(
+        False, description="create missing topics at start; off: a prefix without topics is refused (a typo forks nothing)"
+    )
     group_id: str = Field(..., min_length=1, description="required: consumer group shared by every ETL process")
     session_timeout_ms: int = Field(10_000, ge=6_000, description="how fast a dead ETL process loses its partitions")
     heartbeat_interval_ms: int = Field(1_000, ge=100)
@@ -144,6 +147,7 @@ class CommitSettings(StrictModel):
 class MetricsSettings(StrictModel):
     port: int | None = Field(None, ge=0, le=65535, description="Prometheus endpoint port; null: no endpoint")
     bind: IPvAnyAddress = Field("127.0.0.1", description="address the endpoint listens on; 0.0.0.0 lets a scraper on another host in")
+    status_interval_s: float = Field(10.0, ge=0, description="seconds between one-line status logs (rates, lag, drops); 0: none")
 
 
 class DeadLetterSettings(StrictModel):

@@ -19,7 +19,8 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass, replace
+from collections import Counter
+from dataclasses import dataclass, field, replace
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
@@ -34,7 +35,7 @@ from ember.rollouts.metrics import EtlMetrics
 from ember.rollouts.records import ClosedGroup, PolicyVersion, Reason, ShardSnapshot
 from ember.rollouts.security import KafkaSecurity
 from ember.rollouts.topics import Topics
-from ember.rollouts.admin import describe_topics, ensure_topics
+from ember.rollouts.admin import describe_topics, ensure_topics, list_topics
 from ember.rollouts.transport import consumer_config, producer_config
 from ember.schemas import encode
 
@@ -49,11 +50,26 @@ class TopologyError(RuntimeError):
     """The topics cannot carry the ETL (e.g. rollouts and rewards partition counts differ)."""
 
 
-def prepare_topics(config: EtlConfig) -> Topics:
-    """Create missing ETL topics and check co-partitioning; the state topic is sized to the rollouts topic."""
+class MissingTopics(TopologyError):
+    """The prefix's topics do not exist: the ETL creates none unless told to, so a typo cannot fork a deployment."""
+
+
+def prepare_topics(config: EtlConfig, *, create: bool | None = None) -> Topics:
+    """Check the ETL's topics exist and co-partition; with `create` (default: `kafka.create_topics`), create
+    missing ones first, the state topic sized to the rollouts topic."""
     kafka = config.kafka
     topics = kafka.topics
     specs = topics.specs(kafka.partitions)
+    if not (kafka.create_topics if create is None else create):
+        existing = set(list_topics(kafka.bootstrap, kafka.security))
+        missing = [s.name for s in specs.values() if s.name not in existing]
+        if missing:
+            raise MissingTopics(
+                f"topic prefix {topics.prefix!r}: {', '.join(missing)} do not exist or are hidden from "
+                f"{kafka.security.describe()} (a typo in kafka.topic_prefix?). Create them with\n"
+                f"  ember rollouts topics create --prefix {topics.prefix} --partitions {kafka.partitions}\n"
+                "or let the ETL create them: --create-topics (kafka.create_topics: true)"
+            )
     state = specs.pop("etl_state")
     ensure_topics(kafka.bootstrap, list(specs.values()), kafka.security)
     counts = {
@@ -159,6 +175,70 @@ class _Listener(ConsumerRebalanceListener):
 
 
 @dataclass
+class RunTotals:
+    """What one ETL process committed since it started: the status lines' rates and the exit summary."""
+
+    messages: int = 0
+    batches: int = 0
+    rollouts: int = 0
+    tokens: int = 0
+    dropped: Counter = field(default_factory=Counter)
+    rewards_dropped: Counter = field(default_factory=Counter)
+    dead_letters: int = 0
+
+
+def _top(counts: Counter, width: int) -> str:
+    """'stale 12, duplicate 3, +2' cut to fit `width` columns ('' if not even one fits): a status line stays one line."""
+    parts = [f"{reason} {n}" for reason, n in counts.most_common()]
+    text = ""
+    for i, part in enumerate(parts):
+        rest = len(parts) - i - 1
+        candidate = f"{text}, {part}" if text else part
+        if len(candidate) + (len(f", +{rest}") if rest else 0) > width:
+            return f"{text}, +{len(parts) - i}" if text else ""
+        text = candidate
+    return text
+
+
+def _rate(count: int, seconds: float) -> str:
+    rate = count / seconds
+    return f"{rate:.1f}" if rate < 10 else f"{rate:.0f}"
+
+
+def status_line(totals: RunTotals, previous: RunTotals, seconds: float, lag: int, groups: int) -> str:
+    """One line of about 80 columns (after the CLI's 20-column log prefix, within 100): rates since the last line,
+    input lag, the groups pending in memory, and drops by reason since the start."""
+    per_s = max(seconds, 1e-9)
+    dropped = sum(totals.dropped.values())
+    head = (
+        f"rollouts {_rate(totals.rollouts - previous.rollouts, per_s)}/s "
+        f"batches {_rate(totals.batches - previous.batches, per_s)}/s "
+        f"lag {lag} pending {groups} groups dropped {dropped}"
+    )
+    tail = f" dead {totals.dead_letters}" if totals.dead_letters else ""
+    room = 80 - len(head) - len(tail) - 3
+    reasons = _top(totals.dropped, room)
+    return head + (f" ({reasons})" if reasons else "") + tail
+
+
+def summary_lines(totals: RunTotals, seconds: float, recoveries: int) -> list[str]:
+    """The exit summary: totals over the whole run, each line within 75 columns."""
+    lines = [
+        f"stopped after {seconds:.1f}s: {totals.messages} messages in, {totals.batches} batches, "
+        f"{totals.rollouts} rollouts",
+        f"  {totals.tokens} tokens batched, {sum(totals.dropped.values())} rollouts dropped, "
+        f"{sum(totals.rewards_dropped.values())} rewards dropped, {totals.dead_letters} dead letters",
+    ]
+    if totals.dropped:
+        lines.append(f"  rollouts dropped: {_top(totals.dropped, 55)}")
+    if totals.rewards_dropped:
+        lines.append(f"  rewards dropped: {_top(totals.rewards_dropped, 56)}")
+    if recoveries:
+        lines.append(f"  {recoveries} recoveries (clients and state rebuilt after Kafka errors)")
+    return lines
+
+
+@dataclass
 class _Clients:
     producer: KafkaProducer
     consumer: KafkaConsumer
@@ -197,6 +277,11 @@ class EtlService:
         self._last_timestamp: dict[TopicPartition, int] = {}
         self._clocks: dict[int, int] = {}
         self.transactions = 0
+        self.totals = RunTotals()
+        self._status_from = RunTotals()
+        self._status_at = time.monotonic()
+        self._recoveries = 0
+        self._lag = 0  # input messages not yet committed, over the owned partitions (from the last end offsets)
 
     @property
     def member_id(self) -> str:
@@ -209,6 +294,7 @@ class EtlService:
         stop = stop or threading.Event()
         prepared = False
         failures = 0
+        started = time.monotonic()
         try:
             while not stop.is_set():
                 try:
@@ -226,6 +312,7 @@ class EtlService:
                     raise  # a principal without its ACLs or credentials stays refused: retrying would only hide it
                 except (KafkaError, OSError, TimeoutError) as exc:
                     failures += 1
+                    self._recoveries += 1
                     self.metrics.recoveries.inc()
                     log.warning(
                         "ETL %s: %r; rebuilding clients and state from committed offsets (attempt %d)",
@@ -235,6 +322,9 @@ class EtlService:
                     stop.wait(min(0.5 * 2**failures, 10.0))
         finally:
             self._disconnect()
+            if prepared:
+                for line in summary_lines(self.totals, time.monotonic() - started, self._recoveries):
+                    log.info("ETL %s %s", self.instance, line)
 
     def _connect(self) -> None:
         kafka = self.config.kafka
@@ -322,6 +412,7 @@ class EtlService:
                 engine.ingest(InputMessage(tp.topic, tp.partition, message.offset, timestamp, message.key, message.value), now_ms)
                 self._last_timestamp[tp] = timestamp
             self.metrics.messages.labels(tp.topic).inc(len(messages))
+            self.totals.messages += len(messages)
             self._touched.add(tp.partition)
             self._last_message = time.monotonic()
         latest = clients.policy.latest
@@ -333,6 +424,18 @@ class EtlService:
             self.metrics.pending.labels(str(shard)).set(engine.pending_count())
             self.metrics.open_groups.labels(str(shard)).set(len(engine.groups))
         self._commit()
+        self._report_status()
+
+    def _report_status(self) -> None:
+        interval = self.config.metrics.status_interval_s
+        now = time.monotonic()
+        if not interval or now - self._status_at < interval:
+            return
+        groups = sum(len(e.groups) for e in self.engines.values())
+        line = status_line(self.totals, self._status_from, now - self._status_at, self._lag, groups)
+        log.info("ETL %s %s", self.instance, line)
+        self._status_from = replace(self.totals, dropped=Counter(self.totals.dropped), rewards_dropped=Counter(self.totals.rewards_dropped))
+        self._status_at = now
 
     def _clock(self, clients: _Clients, shard: int, now_ms: int) -> int:
         """Event time while catching up, wall time once caught up (so deadlines fire without new input).
@@ -500,7 +603,11 @@ class EtlService:
     def _count(self, output: ShardOutput) -> None:
         now_ms = time.time() * 1000
         m = self.metrics
+        t = self.totals
         for emitted in output.batches:
+            t.batches += 1
+            t.rollouts += emitted.batch.num_sequences
+            t.tokens += len(emitted.batch.tokens)
             m.batches.inc()
             m.batch_rollouts.inc(emitted.batch.num_sequences)
             m.batch_tokens.inc(len(emitted.batch.tokens))
@@ -509,7 +616,12 @@ class EtlService:
             reason = Reason(outcome.reason).value  # a closed set: never message content in a label
             m.outcomes.labels(outcome.kind, reason).inc()
             if outcome.kind == "rollout_dropped":
+                t.dropped[reason] += 1
                 m.dropped_tokens.labels(reason).inc(outcome.tokens)
+            elif outcome.kind == "reward_dropped":
+                t.rewards_dropped[reason] += 1
+            elif outcome.kind == "dead_letter":
+                t.dead_letters += 1
         for name, value in output.observations:
             m.observe(name, value)
 
@@ -523,7 +635,9 @@ class EtlService:
         except KafkaTimeoutError:
             return
         self._ends_at = time.monotonic()
+        self._lag = 0
         for tp, end in self._ends.items():
             shard, role = tps[tp]
             committed = self._committed_marks.get(shard, {}).get(role, 0)
+            self._lag += max(0, end - committed)
             self.metrics.lag.labels(tp.topic, str(tp.partition)).set(max(0, end - committed))

@@ -14,12 +14,12 @@ import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
-from kafka import KafkaProducer
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from ember.rollouts.records import PolicyVersion
 from ember.rollouts.security import KafkaSecurity
 from ember.rollouts.topics import Topics
-from ember.rollouts.transport import producer_config
+from ember.rollouts.transport import consumer_config, producer_config
 from ember.schemas.codec import encode
 from ember.schemas.rollouts import Reward, Rollout, Turn, routed_experts_dtype
 
@@ -126,6 +126,7 @@ class WorkloadSpec:
     p_truncated: float = 0.0
     p_malformed: float = 0.0
     policy_versions: int = 1
+    first_version: int = 0
     p_stale: float = 0.0
     stale_lag: int = 10
     graders: tuple[str, ...] = ("unit-tests",)
@@ -167,13 +168,15 @@ def plan_workload(spec: WorkloadSpec) -> list[Event]:
     """Every message of a simulated run, in publish order: rollouts delayed by region, rewards late,
     missing or duplicated, rollouts duplicated, stale policy versions, and some malformed messages.
 
-    With `p_stale`, announced versions start at `stale_lag` so a stale rollout (`stale_lag` behind the
-    version current at its start) is always distinguishable from a fresh one.
+    Announced versions start at `first_version` (a run on an existing prefix continues after the
+    latest announced one, or the ETL would drop every new rollout as stale); with `p_stale`, at least at
+    `stale_lag`, so a stale rollout (`stale_lag` behind the version current at its start) is always
+    distinguishable from a fresh one.
     """
     rng = np.random.default_rng(spec.seed)
     regions = list(spec.regions)
     version_period = (spec.groups * spec.group_interval_s) / max(1, spec.policy_versions)
-    first = spec.stale_lag if spec.p_stale else 0
+    first = max(spec.first_version, spec.stale_lag if spec.p_stale else 0)
     events = [
         Event(v * version_period, "policy_versions", b"policy", PolicyVersion(first + v, 0))
         for v in range(spec.policy_versions)
@@ -222,6 +225,34 @@ def plan_workload(spec: WorkloadSpec) -> list[Event]:
                     events.append(Event(at + 0.01, "rewards", key, reward, note="duplicate"))
     events.sort(key=lambda e: e.at_s)
     return events
+
+
+def latest_policy_version(
+    topic: str, security: KafkaSecurity | None = None, bootstrap: str | None = None, timeout_s: float = 30.0
+) -> int | None:
+    """The highest version announced on a policy-versions topic (the ETL's notion of "latest"), None when empty."""
+    brokers = {"bootstrap_servers": bootstrap} if bootstrap else {}
+    consumer = KafkaConsumer(**consumer_config(security, group_id=None, **brokers))
+    try:
+        tp = TopicPartition(topic, 0)
+        consumer.assign([tp])
+        consumer.seek_to_beginning(tp)
+        end = consumer.end_offsets([tp])[tp]
+        latest = None
+        deadline = time.monotonic() + timeout_s
+        while consumer.position(tp) < end:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"could not read {topic} to offset {end} within {timeout_s}s")
+            for messages in consumer.poll(timeout_ms=500).values():
+                for message in messages:
+                    try:
+                        version = PolicyVersion.decode(message.value).policy_version
+                    except ValueError:
+                        continue  # the ETL ignores such records too
+                    latest = version if latest is None else max(latest, version)
+        return latest
+    finally:
+        consumer.close()
 
 
 @dataclass

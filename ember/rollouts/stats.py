@@ -137,6 +137,38 @@ def _add(stats: EtlStats, outcome: Outcome) -> None:
 
 
 def render_stats(stats: EtlStats, console) -> None:
+    for table in stats_tables(stats):
+        console.print(table)
+
+
+def watch_stats(config: EtlConfig, console, *, window_s: float, interval_s: float, count: int | None = None) -> None:
+    """Collect and show the stats every `interval_s` until interrupted (or `count` times): redrawn in place on a
+    terminal, printed one after another (each under a time stamp) when piped to a file or a pager."""
+    from rich.console import Group
+    from rich.live import Live
+
+    def view() -> Group:
+        stamp = time.strftime("%H:%M:%S")
+        title = f"{stamp} {config.kafka.topics.prefix}: every {interval_s:g}s, Ctrl-C to stop"
+        return Group(title, *stats_tables(collect_stats(config, window_s)))
+
+    shown = 0
+    if console.is_terminal:
+        with Live(view(), console=console, auto_refresh=False) as live:
+            shown += 1
+            while count is None or shown < count:
+                time.sleep(interval_s)
+                live.update(view(), refresh=True)
+                shown += 1
+        return
+    while count is None or shown < count:
+        if shown:
+            time.sleep(interval_s)
+        console.print(view())
+        shown += 1
+
+
+def stats_tables(stats: EtlStats) -> list:
     from rich.table import Table
 
     flow = Table("flow", "value", title="rollout ETL")
@@ -151,12 +183,10 @@ def render_stats(stats: EtlStats, console) -> None:
     flow.add_row("dead letters", str(sum(stats.dead_letters.values())))
     if stats.unreadable:
         flow.add_row("unreadable ledger records", str(stats.unreadable))
-    console.print(flow)
 
     lag = Table("topic", "partition", "end offset", "committed", "lag", title="input lag (ETL group)")
     for p in stats.partitions:
         lag.add_row(p.topic, str(p.partition), str(p.end), str(p.committed), str(p.lag))
-    console.print(lag)
 
     drops = Table("dropped", "count", "tokens", "mean tokens", title="what was dropped and why")
     mean_batched = stats.batched_tokens / stats.batched_rollouts if stats.batched_rollouts else 0.0
@@ -168,7 +198,7 @@ def render_stats(stats: EtlStats, console) -> None:
         drops.add_row(f"reward: {reason}", str(count), "-", "-")
     for topic, count in stats.dead_letters.most_common():
         drops.add_row(f"dead letter from {topic}", str(count), "-", "-")
-    console.print(drops)
+    return [flow, lag, drops]
 
 
 def per_reason(outcomes: list[Outcome]) -> dict[str, dict[str, int]]:

@@ -108,7 +108,7 @@ def toy_main(config_path: str, iterations: int, out: str) -> None:
     config = load_rl_config(config_path)
     prefix = config.rollouts.topic_prefix
     etl = etl_config(prefix, token_budget=128)
-    prepare_topics(etl)
+    prepare_topics(etl, create=True)
     trainer = RLTrainer(config)
     stop = threading.Event()
     service = threading.Thread(target=EtlService(etl, "toy").run, kwargs={"stop": stop}, daemon=True)

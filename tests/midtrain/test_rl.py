@@ -62,7 +62,7 @@ def batches(kafka, tmp_path_factory):
     root = tmp_path_factory.mktemp("rl")
     prefix = f"test-rl-{uuid.uuid4().hex[:8]}"
     etl = etl_config(prefix, token_budget=64)
-    prepare_topics(etl)
+    prepare_topics(etl, create=True)
     policy = rl_config(root / "policy.yaml", root / "policy", prefix)
     result = subprocess.run(
         [sys.executable, "-m", "ember.demo.sampler", str(policy), str(GROUPS), "0.01"],

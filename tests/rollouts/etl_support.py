@@ -69,7 +69,7 @@ class Deployment:
 
     def prepare(self, prefix: str, config: EtlConfig) -> Topics:
         """What an operator does before the ETL starts: topics created (and, when secured, ACLs applied) as the admin."""
-        topics = prepare_topics(config.with_overrides(kafka=self.kafka_section("admin")))
+        topics = prepare_topics(config.with_overrides(kafka=self.kafka_section("admin")), create=True)
         if self.roles:
             apply_acls(self.bootstrap, role_bindings(prefix), self.security("admin"))
         return topics

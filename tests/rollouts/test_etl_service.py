@@ -34,7 +34,7 @@ def pipeline(kafka):
         dead_letter={"max_message_bytes": 16_384},
     )
     config = parse_config(settings)
-    topics = prepare_topics(config)
+    topics = prepare_topics(config, create=True)
     work = workload(prefix, groups=12, group_interval_s=0.1, p_late_reward=0.1, late_delay_s=4.0, p_malformed=0.1)
     work.events.append(type(work.events[0])(0.0, "rollouts", b"huge", raw=b"\0" * 20_000, note="oversized"))
     metrics = EtlMetrics()
@@ -136,4 +136,4 @@ def test_topology_errors_are_explained(kafka):
     topics = Topics(prefix)
     ensure_topics(kafka, [TopicSpec(topics.rollouts, 2), TopicSpec(topics.rewards, 3)])
     with pytest.raises(TopologyError, match="same partition count"):
-        prepare_topics(parse_config(etl_settings(prefix)))
+        prepare_topics(parse_config(etl_settings(prefix)), create=True)

@@ -1,9 +1,19 @@
 """The load generator's records look like a fleet's: routers never pick an expert twice for a token."""
 
+import uuid
+
 import numpy as np
 import pytest
+from typer.testing import CliRunner
 
-from ember.rollouts.simulate import distinct_top_k, synthetic_rollout
+from ember.rollouts.admin import delete_topics
+from ember.rollouts.cli import rollouts_app
+from ember.rollouts.config import parse_config
+from ember.rollouts.etl import EtlService
+from ember.rollouts.records import PolicyVersion
+from ember.rollouts.simulate import distinct_top_k, latest_policy_version, synthetic_rollout
+from ember.rollouts.topics import Topics
+from tests.rollouts.etl_support import books, etl_settings, read_topic
 
 
 @pytest.mark.parametrize("top_k,num_experts", [(1, 1), (2, 4), (8, 256), (8, 512), (16, 16)])
@@ -28,3 +38,30 @@ def test_synthetic_rollout_carries_router_like_experts():
     rollout = synthetic_rollout(np.random.default_rng(1), group_id="g", prompt_id="p", num_tokens=64, layers=61)
     assert rollout.routed_experts.shape == (64, 61, 8)
     assert (np.diff(np.sort(rollout.routed_experts, axis=-1), axis=-1) > 0).all()
+
+
+@pytest.mark.integration
+def test_a_run_on_an_existing_prefix_continues_policy_versions(kafka):
+    """A second `simulate` on a prefix announces versions after the first's and uses new ids, so the ETL
+    batches its rollouts instead of dropping them as stale (versions restarted at 0) or duplicates."""
+    prefix = f"test-sim-{uuid.uuid4().hex[:8]}"
+    topics = Topics(prefix)
+    common = ["--prefix", prefix, "--partitions", "2", "--group-size", "4", "--tokens", "48", "--length-sigma", "0",
+              "--layers", "0", "--time-scale", "inf"]
+    try:
+        first = CliRunner().invoke(rollouts_app, ["simulate", *common, "--groups", "2", "--policy-versions", "3"])
+        assert first.exit_code == 0, first.output
+        assert latest_policy_version(topics.policy_versions) == 2
+        second = CliRunner().invoke(rollouts_app, ["simulate", *common, "--groups", "3", "--policy-versions", "1"])
+        assert second.exit_code == 0, second.output
+        assert "at version 2: this run announces 3 onwards" in " ".join(second.output.split()), second.output
+        versions = [PolicyVersion.decode(r.value).policy_version for r in read_topic(topics.policy_versions)]
+        assert versions == [0, 1, 2, 3]
+        config = parse_config(etl_settings(prefix, partitions=2, filters={"max_policy_lag": 1}, rewards={"timeout_s": 3}))
+        EtlService(config, "sim-test").run(until_idle_s=2.0)
+        found = books(topics)
+        second_run = [o for o in found.dropped if o.group_id.startswith("sim-v3-")]
+        assert not [o for o in second_run if o.reason in ("stale", "duplicate")], second_run
+        assert len([rid for rid in found.batched if rid.startswith("sim-v3-")]) == 3 * 4
+    finally:
+        delete_topics(kafka, [s.name for s in topics.specs().values()])
