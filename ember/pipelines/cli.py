@@ -2,6 +2,8 @@
 
 `build` and `tokenize` pass every option they do not know to Beam untouched (`--runner=...`).
 Exit codes: 0 done, 1 the job or the check failed, 2 the input or the config cannot be used.
+Beam, pyarrow and the tokenizers load inside the commands, after the config is read, so a config error
+comes before seconds of imports.
 """
 
 from __future__ import annotations
@@ -12,8 +14,6 @@ from typing import NoReturn
 import typer
 from rich.console import Console
 from rich.table import Table
-
-from ember.schemas import SchemaValidationError
 
 BEAM_OPTIONS = {"allow_extra_args": True, "ignore_unknown_options": True}
 
@@ -37,12 +37,16 @@ def tokenize(
     Any further arguments go to Beam (default --runner=FnApiRunner), e.g. --direct_num_workers=2.
     """
     from ember.configs import TokenizeConfigError
-    from ember.pipelines.tokenize_pipeline import run
     from ember.tokenize.config import load_config
-    from ember.tokenize.tokenizers import TokenizerLoadError
 
     try:
         settings = load_config(config)
+    except TokenizeConfigError as exc:
+        fail(exc)
+    from ember.pipelines.tokenize_pipeline import run
+    from ember.tokenize.tokenizers import TokenizerLoadError
+
+    try:
         manifest = run(settings, ctx.args, overwrite=overwrite)
     except (TokenizeConfigError, TokenizerLoadError) as exc:
         fail(exc)
@@ -61,6 +65,7 @@ def tokenize(
 @app.command("verify")
 def verify(directory: str = typer.Argument(..., help="Shard-set directory holding manifest.json.")) -> None:
     """Check a shard set against its manifest: files present, sizes, sha256, row counts."""
+    from ember.schemas import SchemaValidationError
     from ember.tokenize.shardset import verify_shard_set
 
     try:
@@ -115,12 +120,17 @@ def build(
     """Read, filter, redact and deduplicate code and web corpora into Parquet, with stats.json and a report;
     with a `tokenize:` section, also tokenize and pack the kept documents into a verified shard set."""
     from ember.configs import CorpusConfigError, TokenizeConfigError
-    from ember.pipelines.corpus_build import BuildFailed, build_corpus
     from ember.pipelines.corpus_config import load_config
+
+    try:
+        settings = load_config(str(config))
+    except CorpusConfigError as exc:
+        fail(exc)
+    from ember.pipelines.corpus_build import BuildFailed, build_corpus
     from ember.tokenize.tokenizers import TokenizerLoadError
 
     try:
-        build_corpus(load_config(str(config)), list(beam_args or []), console)
+        build_corpus(settings, list(beam_args or []), console)
     except (CorpusConfigError, TokenizeConfigError, TokenizerLoadError) as exc:
         fail(exc)
     except BuildFailed as exc:

@@ -13,7 +13,6 @@ import posixpath
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from apache_beam.io.filesystems import FileSystems
 from pydantic import BaseModel, Field, ValidationError, create_model, field_validator, model_validator
 
 from ember import configs
@@ -121,11 +120,8 @@ class WebFilters(StrictModel):
             try:
                 WEB_FILTER_MODELS[name].model_validate(getattr(self, name).params)
             except ValidationError as exc:
-                for e in exc.errors():
-                    where = ".".join(str(p) for p in e["loc"])
-                    problems.append(f"{name}.params.{where}: {e['msg']}")
-        if problems:
-            raise ValueError("; ".join(problems))
+                problems += [(f"{name}.params.{key}", message) for key, message in configs.error_items(exc, model=WEB_FILTER_MODELS[name])]
+        configs.check(problems)
         return self
 
     def validated_params(self, name: str) -> dict[str, Any]:
@@ -291,11 +287,21 @@ def _resolve(base: str, path: str) -> str:
     return posixpath.normpath(posixpath.join(base, path)) if not _is_url(base) else f"{base.rstrip('/')}/{path}"
 
 
+def _open(path: str):
+    """A local file directly, a URL through Beam's filesystems (whose import takes seconds: a local config's
+    errors come before it)."""
+    if not _is_url(path):
+        return open(path, "rb")
+    from apache_beam.io.filesystems import FileSystems
+
+    return FileSystems.open(path)
+
+
 def load_config(path: str) -> CorpusConfig:
     """Read YAML from any Beam filesystem; relative inputs and output resolve against the file's directory."""
     path = str(path)
     try:
-        with FileSystems.open(path) as handle:
+        with _open(path) as handle:
             data = configs.read_config_bytes(handle.read)
     except Exception as exc:  # Beam wraps every filesystem failure in its own BeamIOError
         raise CorpusConfigError(f"{path}: cannot read the config file: {exc}") from None
@@ -320,6 +326,8 @@ def load_config(path: str) -> CorpusConfig:
 
 def check_inputs(config: CorpusConfig) -> None:
     """Every glob must match at least one file: an empty or unreadable glob is a config error, not an empty corpus."""
+    from apache_beam.io.filesystems import FileSystems
+
     problems = []
     for i, source in enumerate(config.sources):
         for j, pattern in enumerate(source.inputs):

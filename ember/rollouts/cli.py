@@ -241,12 +241,12 @@ def etl(
     import signal
     import threading
 
+    settings = _etl_config(config)  # before Kafka's import: a config error comes at once
+    if metrics_bind is not None:
+        settings = _overridden(settings, {"metrics": {"bind": metrics_bind}})
     from ember.rollouts.etl import EtlService, TopologyError
     from ember.rollouts.metrics import EtlMetrics
 
-    settings = _etl_config(config)
-    if metrics_bind is not None:
-        settings = _overridden(settings, {"metrics": {"bind": metrics_bind}})
     # force: an import may already have configured the root logger (Beam warns at import time)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     logging.getLogger("kafka").setLevel(logging.ERROR)
