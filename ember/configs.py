@@ -150,16 +150,14 @@ def error_items(exc: ValidationError, hint_unknown: str = "", model: type[BaseMo
         error = item.get("ctx", {}).get("error")
         if isinstance(error, Problems):
             items += [(".".join(k for k in (key, sub) if k), message) for sub, message in error.problems]
-        elif item["type"] == "value_error":  # our own validators' words, without pydantic's "Value error, " prefix
-            items.append((key, str(error)))
         elif item["type"] == "extra_forbidden":  # never echo the value: a misplaced key may hold a secret
             closest = close_key(model, item["loc"]) if model is not None else None
             message = "unknown key" + (f"; did you mean {closest}?" if closest else "")
             items.append((key, f"{message} ({hint_unknown})" if hint_unknown else message))
-        elif isinstance(item.get("input"), (dict, list)) or "input" not in item:
-            items.append((key, item["msg"]))
-        else:
-            items.append((key, f"{item['msg']} (got {item['input']!r})"))
+        else:  # our own validators' words without pydantic's "Value error, " prefix; scalars are shown
+            message = str(error) if item["type"] == "value_error" else item["msg"]
+            shown = "input" in item and not isinstance(item["input"], (dict, list))
+            items.append((key, f"{message} (got {item['input']!r})" if shown else message))
     return items
 
 
