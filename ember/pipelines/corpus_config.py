@@ -8,6 +8,7 @@ models are generated from those signatures, so a threshold datatrove does not ha
 
 from __future__ import annotations
 
+import functools
 import inspect
 import posixpath
 from pathlib import Path
@@ -81,7 +82,9 @@ def _datatrove_params_model(name: str, cls: type) -> type[BaseModel]:
     return create_model(name, __base__=StrictModel, **fields)
 
 
-def _web_filter_models() -> dict[str, type[BaseModel]]:
+@functools.cache
+def web_filter_models() -> dict[str, type[BaseModel]]:
+    """Built on first use: datatrove's import takes seconds, and a config that sets no filter params needs none."""
     from datatrove.pipeline.filters import C4QualityFilter, FineWebQualityFilter, GopherQualityFilter, GopherRepetitionFilter
 
     return {
@@ -92,7 +95,6 @@ def _web_filter_models() -> dict[str, type[BaseModel]]:
     }
 
 
-WEB_FILTER_MODELS = _web_filter_models()
 WEB_FILTER_ORDER = ("gopher_repetition", "gopher_quality", "c4_quality", "fineweb_quality")
 # FineWeb's recipe keeps lines without terminal punctuation in C4's filter; everything else is datatrove's default.
 WEB_FILTER_DEFAULTS: dict[str, dict[str, Any]] = {"c4_quality": {"filter_no_terminal_punct": False}}
@@ -117,16 +119,20 @@ class WebFilters(StrictModel):
     def _params_match_datatrove(self) -> "WebFilters":
         problems = []
         for name in WEB_FILTER_ORDER:
+            params = getattr(self, name).params
+            if params in ({}, WEB_FILTER_DEFAULTS.get(name)):  # datatrove's defaults, or ember's (checked by its tests)
+                continue
+            model = web_filter_models()[name]
             try:
-                WEB_FILTER_MODELS[name].model_validate(getattr(self, name).params)
+                model.model_validate(params)
             except ValidationError as exc:
-                problems += [(f"{name}.params.{key}", message) for key, message in configs.error_items(exc, model=WEB_FILTER_MODELS[name])]
+                problems += [(f"{name}.params.{key}", message) for key, message in configs.error_items(exc, model=model)]
         configs.check(problems)
         return self
 
     def validated_params(self, name: str) -> dict[str, Any]:
         """Constructor kwargs with datatrove's types (lists from YAML become the tuples datatrove expects)."""
-        model = WEB_FILTER_MODELS[name].model_validate(getattr(self, name).params)
+        model = web_filter_models()[name].model_validate(getattr(self, name).params)
         return {k: getattr(model, k) for k in getattr(self, name).params}
 
 
