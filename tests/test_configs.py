@@ -300,3 +300,8 @@ def test_a_key_like_no_allowed_one_gets_no_guess():
     with pytest.raises(ConfigError) as info:
         configs.validate(MidtrainConfig, _merge(MIDTRAIN, moe={"zzzz": 1}), "run.yaml", ConfigError)
     assert "  moe.zzzz: unknown key" in str(info.value).splitlines()
+
+
+def test_a_cross_section_problem_is_named_by_the_section_it_is_about(tmp_path):
+    lines = _problems(midtrain_app, ["rl"], _write(tmp_path / "bad.yaml", {**RL, "parallel": {"tensor": 2}}))
+    assert lines == ["parallel: the RL trainer runs one rank per model replica for now (tensor, pipeline, expert = 1)"]

@@ -98,7 +98,7 @@ class RLConfig(RunDirectory, StrictModel):
         p = self.parallel
         problems = memory_problems(self.model, self.moe, self.parallel, tokens=0)
         if (p.tensor, p.pipeline, p.expert) != (1, 1, 1):
-            problems.append("parallel: the RL trainer runs one rank per model replica for now (tensor, pipeline, expert = 1)")
+            problems.append(("parallel", "the RL trainer runs one rank per model replica for now (tensor, pipeline, expert = 1)"))
         configs.check(problems)
         return self
 
