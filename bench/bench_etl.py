@@ -41,7 +41,7 @@ from ember.rollouts.config import EtlConfig, kafka_bootstrap, parse_config
 from ember.rollouts.etl import EtlService, prepare_topics
 from ember.rollouts.reader import RolloutBatchReader
 from ember.rollouts.security import KafkaSecurity, role_securities
-from ember.rollouts.simulate import synthetic_reward, synthetic_rollout
+from ember.rollouts.simulate import SIMULATED_VOCAB, synthetic_reward, synthetic_rollout
 from ember.rollouts.transport import RewardWriter, RolloutWriter, consumer_config
 
 GROUP_SIZE = 8
@@ -96,7 +96,7 @@ def etl_config(prefix: str, broker: Broker) -> EtlConfig:
             "kafka": {"topic_prefix": prefix, "partitions": 1, "group_id": f"{prefix}-etl", **broker.kafka_section("etl")},
             "groups": {"size": GROUP_SIZE, "timeout_s": 600},
             "rewards": {"graders": ["unit-tests"], "timeout_s": 600},
-            "filters": {"max_policy_lag": None, "max_tokens": TOKENS, "truncated": "keep"},
+            "filters": {"max_policy_lag": None, "max_tokens": TOKENS, "truncated": "keep", "vocab_size": SIMULATED_VOCAB},
             "batches": {"token_budget": GROUP_SIZE * TOKENS, "min_fill": 0.9, "max_wait_s": 1.0},
         }
     )

@@ -86,7 +86,7 @@ def run(console: Console, workdir: Path, groups: int = 6, steps: int = 3) -> lis
         "kafka": {"topic_prefix": prefix, "partitions": 1, "group_id": f"{prefix}-etl"},
         "groups": {"size": 4, "timeout_s": 60},
         "rewards": {"graders": [rl_sampler.TOY_GRADER], "timeout_s": 60},
-        "filters": {"max_policy_lag": None, "max_tokens": 64},
+        "filters": {"max_policy_lag": None, "max_tokens": 64, "vocab_size": rl_sampler.TOY_VOCAB},
         "advantages": {"drop_zero_variance": False},
         "batches": {"token_budget": 64, "min_fill": 0.9, "max_wait_s": 0.5},
     })

@@ -1,6 +1,8 @@
 """Mid-training data path: a Megatron-style dataset over ember's packed Arrow shard sets.
 
-Startup reads each manifest and each shard's footer (O(shards), no pass over rows). A global
+Startup checks every shard's size and sha256 against its manifest before any of its data is used
+(`ShardVerifier`: hashed once per file version, then a verified-once marker; see
+`ember.tokenize.shardset`), then reads each shard's footer - no pass over rows. A global
 sample position is blended, shuffled and located by `ember.midtrain.sampling`; the row is read
 from a memory-mapped Arrow IPC file, decompressing only the record batch that holds it (an LRU
 keeps recent batches, and the shuffle keeps reads inside a window of batches). Each sample is the
@@ -23,8 +25,9 @@ import pyarrow.ipc as ipc
 import torch
 
 from ember.midtrain.sampling import Blend, EpochShuffle, chunk_bounds, microbatch_positions
-from ember.schemas import Manifest, read_manifest
+from ember.schemas import Manifest, SchemaValidationError, read_manifest
 from ember.tokenize.shards import ROWS_PER_BATCH_KEY
+from ember.tokenize.shardset import FileState, ShardError, ShardVerifier, vocab_problem
 
 # Columns a sample needs; `segments` (document ids) is never decompressed on the training path.
 _READ_COLUMNS = ("tokens", "cu_seqlens", "source", "loss_mask")
@@ -53,23 +56,35 @@ class _Chunk:
 
 
 class _Shard:
-    """One Arrow IPC shard, opened lazily per process (memory maps do not survive fork/pickle)."""
+    """One Arrow IPC shard, opened lazily per process (memory maps do not survive fork/pickle).
 
-    def __init__(self, path: Path, rows: int):
+    `verified` is the file version whose bytes matched the manifest; each process re-stats the file
+    when it maps it (once), so a shard replaced or rewritten after the check is refused, not read
+    (ctime is left out here: a chmod or a backup tool's xattr must not stop a running job)."""
+
+    def __init__(self, path: Path, rows: int, verified: FileState):
         self.path = path
         self.rows = rows
+        self.verified = verified
+        self.batch_starts: np.ndarray = np.zeros(1, dtype=np.int64)
         self._pid: int | None = None
         self._reader: ipc.RecordBatchFileReader | None = None
 
     def reader(self) -> ipc.RecordBatchFileReader:
         if self._pid != os.getpid():
-            source = pa.memory_map(str(self.path))
-            schema = ipc.open_file(source).schema
-            missing = [c for c in _READ_COLUMNS if c not in schema.names]
-            if missing:
-                raise DataError(f"{self.path}: not a PACKED_SEQUENCE_SCHEMA shard, missing columns {missing}")
-            fields = [schema.get_field_index(c) for c in _READ_COLUMNS]
-            self._reader = ipc.open_file(source, options=ipc.IpcReadOptions(included_fields=fields))
+            try:
+                now, then = FileState.of(self.path), self.verified
+                if (now.size, now.mtime_ns, now.ino) != (then.size, then.mtime_ns, then.ino):
+                    raise DataError(f"{self.path}: changed after it was verified against the manifest")
+                source = pa.memory_map(str(self.path))
+                schema = ipc.open_file(source).schema
+                missing = [c for c in _READ_COLUMNS if c not in schema.names]
+                if missing:
+                    raise DataError(f"{self.path}: not a PACKED_SEQUENCE_SCHEMA shard, missing columns {missing}")
+                fields = [schema.get_field_index(c) for c in _READ_COLUMNS]
+                self._reader = ipc.open_file(source, options=ipc.IpcReadOptions(included_fields=fields))
+            except (OSError, pa.ArrowException) as exc:
+                raise DataError(f"{self.path}: not a readable Arrow IPC shard ({exc})") from None
             self._pid = os.getpid()
         return self._reader
 
@@ -89,17 +104,49 @@ class _Shard:
                 sizes = [light.get_batch(i).num_rows for i in range(n)]
         if sum(sizes) != self.rows or min(sizes) <= 0:
             raise DataError(f"{self.path}: record batches hold {sum(sizes)} rows, manifest says {self.rows}")
+        self.batch_starts = np.concatenate([[0], np.cumsum(sizes)])
         return sizes
 
 
-def _decode(batch: pa.RecordBatch, seq_len: int, source_index: dict[str, int], where: str) -> _Chunk:
+def _cu_problem(offsets: np.ndarray, values: np.ndarray, seq_len: int) -> tuple[int, str] | None:
+    """The first row whose document boundaries `gpt_sample` cannot index with (they must start at 0,
+    increase strictly and end <= seq_len), checked for a whole record batch at once."""
+    offsets = offsets.astype(np.int64) - offsets[0]
+    values = values.astype(np.int64)
+    counts = np.diff(offsets)
+    if np.any(counts < 2):
+        return int(np.flatnonzero(counts < 2)[0]), "cu_seqlens holds fewer than 2 boundaries"
+    row_of = np.repeat(np.arange(len(counts)), counts)
+    bad = (values[offsets[:-1]] != 0) | (values[offsets[1:] - 1] > seq_len)
+    not_increasing = (np.diff(values) <= 0) & (row_of[1:] == row_of[:-1])
+    bad[row_of[1:][not_increasing]] = True
+    if np.any(bad):
+        return int(np.flatnonzero(bad)[0]), f"cu_seqlens must start at 0, increase strictly and end <= {seq_len}"
+    return None
+
+
+def _decode(
+    batch: pa.RecordBatch, seq_len: int, vocab_size: int, source_index: dict[str, int], shard: Path, first_row: int
+) -> _Chunk:
+    """One record batch -> arrays, refusing what no ember writer produces (the bytes already matched
+    the manifest, so this guards against a writer's bug): a row of another length, a token id outside
+    the vocabulary, boundaries `gpt_sample` cannot use. Errors name the shard and its row."""
     tokens_col = batch.column("tokens")
     lengths = np.diff(tokens_col.offsets.to_numpy())
     if np.any(lengths != seq_len):
-        raise DataError(f"{where}: a row holds {int(lengths[lengths != seq_len][0])} tokens, seq_len is {seq_len}")
+        row = first_row + int(np.flatnonzero(lengths != seq_len)[0])
+        raise DataError(f"{shard} row {row}: a row holds {int(lengths[row - first_row])} tokens, seq_len is {seq_len}")
     tokens = tokens_col.flatten().to_numpy().reshape(len(batch), seq_len)
+    if problem := vocab_problem(tokens, vocab_size, first_row):
+        raise DataError(f"{shard} {problem}")
     cu = batch.column("cu_seqlens")
+    cu_offsets, cu_values = cu.offsets.to_numpy(), cu.flatten().to_numpy()
+    if problem := _cu_problem(cu_offsets, cu_values, seq_len):
+        raise DataError(f"{shard} row {first_row + problem[0]}: {problem[1]}")
     encoded = batch.column("source").dictionary_encode()
+    unknown = [s for s in encoded.dictionary.to_pylist() if s not in source_index]
+    if unknown:
+        raise DataError(f"{shard} rows from {first_row}: source {unknown[0]!r} is not among the manifest's sources")
     lookup = np.array([source_index[s] for s in encoded.dictionary.to_pylist()], dtype=np.int64)
     source_ids = lookup[encoded.indices.to_numpy(zero_copy_only=False)]
     mask = batch.column("loss_mask")
@@ -107,11 +154,17 @@ def _decode(batch: pa.RecordBatch, seq_len: int, source_index: dict[str, int], w
     if mask.null_count < len(mask):
         mask_valid = mask.is_valid().to_numpy(zero_copy_only=False)
         filled = mask.fill_null(pa.scalar([0] * seq_len, type=mask.type))
+        mask_lengths = np.diff(filled.offsets.to_numpy())
+        if np.any(mask_lengths != seq_len):
+            row = int(np.flatnonzero(mask_lengths != seq_len)[0])
+            raise DataError(
+                f"{shard} row {first_row + row}: loss_mask holds {int(mask_lengths[row])} values, seq_len is {seq_len}"
+            )
         mask_values = filled.flatten().to_numpy().reshape(len(batch), seq_len)
     return _Chunk(
         tokens=tokens,
-        cu_offsets=cu.offsets.to_numpy(),
-        cu_values=cu.flatten().to_numpy(),
+        cu_offsets=cu_offsets - cu_offsets[0],
+        cu_values=cu_values,
         source_ids=source_ids,
         mask_valid=mask_valid,
         mask_values=mask_values,
@@ -179,10 +232,16 @@ def thd_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
 
 
 class _ShardSet:
-    def __init__(self, index: int, spec: ShardSetSpec, manifest: Manifest, window_chunks: int, seed: int):
+    def __init__(
+        self, index: int, spec: ShardSetSpec, manifest: Manifest, window_chunks: int, seed: int, verifier: ShardVerifier
+    ):
         self.spec = spec
         self.manifest = manifest
-        self.shards = [_Shard(spec.path / entry.path, entry.rows) for entry in manifest.shards]
+        try:  # before any shard's footer or rows are read
+            verified = verifier.check(spec.path, manifest.shards).states
+        except ShardError as exc:
+            raise DataError(f"shard set {spec.path} does not match its manifest: {exc}") from None
+        self.shards = [_Shard(spec.path / e.path, e.rows, verified[e.path]) for e in manifest.shards]
         chunk_shard, chunk_batch, chunk_rows = [], [], []
         for s, shard in enumerate(self.shards):
             for b, rows in enumerate(shard.batch_rows()):
@@ -208,7 +267,7 @@ def open_manifests(specs: list[ShardSetSpec]) -> list[Manifest]:
             raise DataError(f"shard set {spec.path} does not exist")
         try:
             manifest = read_manifest(spec.path)
-        except FileNotFoundError as exc:
+        except (FileNotFoundError, SchemaValidationError) as exc:
             raise DataError(str(exc)) from None
         missing = [e.path for e in manifest.shards if not (spec.path / e.path).is_file()]
         wrong_size = [
@@ -255,8 +314,10 @@ class MidtrainDataset(torch.utils.data.Dataset):
         window_chunks: int,
         dense_attention_mask: bool,
         manifests: list[Manifest] | None = None,
+        verifier: ShardVerifier | None = None,
     ):
         manifests = manifests if manifests is not None else open_manifests(specs)
+        verifier = verifier or ShardVerifier()
         seq_lens = {m.seq_len for m in manifests}
         if len(seq_lens) != 1:
             raise DataError(f"shard sets disagree on seq_len: {sorted(seq_lens)}")
@@ -265,7 +326,9 @@ class MidtrainDataset(torch.utils.data.Dataset):
         self.dense_attention_mask = dense_attention_mask
         self.source_names = sorted({name for m in manifests for name in m.sources})
         self._source_index = {name: i for i, name in enumerate(self.source_names)}
-        self.sets = [_ShardSet(i, spec, m, window_chunks, seed) for i, (spec, m) in enumerate(zip(specs, manifests))]
+        self.sets = [
+            _ShardSet(i, spec, m, window_chunks, seed, verifier) for i, (spec, m) in enumerate(zip(specs, manifests))
+        ]
         self.blend = Blend.build([s.weight for s in specs], blend_period)
         self.fingerprint = hashlib.sha256(
             json.dumps(
@@ -295,9 +358,11 @@ class MidtrainDataset(torch.utils.data.Dataset):
         cache = self._caches[set_index]
         chunk = cache.get((shard, batch))
         if chunk is None:
-            shard_obj = self.sets[set_index].shards[shard]
+            shard_set = self.sets[set_index]
+            shard_obj = shard_set.shards[shard]
             chunk = _decode(
-                shard_obj.reader().get_batch(batch), self.seq_len, self._source_index, f"{shard_obj.path} batch {batch}"
+                shard_obj.reader().get_batch(batch), self.seq_len, shard_set.manifest.tokenizer.vocab_size,
+                self._source_index, shard_obj.path, int(shard_obj.batch_starts[batch]),
             )
             cache[(shard, batch)] = chunk
             if len(cache) > self._cache_chunks:

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 BEAM_OPTIONS = {"allow_extra_args": True, "ignore_unknown_options": True}
+MIN_FREE_HELP = "Refuse to start unless the output's filesystem has this many MiB free (default: estimated from the inputs)."
 
 app = typer.Typer(help="Corpus builds and the shard sets they produce.", no_args_is_help=True)
 console = Console()
@@ -31,6 +32,7 @@ def tokenize(
     ctx: typer.Context,
     config: Path = typer.Argument(..., help="YAML config (see ember/tokenize/examples/tokenize.yaml)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a previous build in output_dir."),
+    min_free_mb: int | None = typer.Option(None, "--min-free-mb", min=0, help=MIN_FREE_HELP),
 ) -> None:
     """Tokenize deduplicated Document Parquet, best-fit pack, write shuffled Arrow shards + manifest.
 
@@ -43,12 +45,14 @@ def tokenize(
         settings = load_config(config)
     except TokenizeConfigError as exc:
         fail(exc)
+    from ember.pipelines.output_guard import OutputUnusable
     from ember.pipelines.tokenize_pipeline import run
     from ember.tokenize.tokenizers import TokenizerLoadError
 
     try:
-        manifest = run(settings, ctx.args, overwrite=overwrite)
-    except (TokenizeConfigError, TokenizerLoadError) as exc:
+        min_free = None if min_free_mb is None else min_free_mb * 2**20
+        manifest = run(settings, ctx.args, overwrite=overwrite, min_free_bytes=min_free)
+    except (TokenizeConfigError, TokenizerLoadError, OutputUnusable) as exc:
         fail(exc)
     table = Table("source", "documents", "tokens", "sequences", "padding", "fill", "split docs", "rejected")
     for name, stats in manifest.sources.items():
@@ -85,17 +89,23 @@ def inspect(
         ..., "--locate", metavar="SHARD ROW TOKEN", help="Map token TOKEN of row ROW of shard file SHARD to its source."
     ),
 ) -> None:
-    """Trace a training token back to its source document and its index in that document's tokens."""
+    """Trace a training token back to its source document and its index in that document's tokens.
+
+    The shard is first checked against its set's manifest (size, sha256, token ids in the vocabulary)."""
+    from ember.schemas import SchemaValidationError
     from ember.tokenize.packing import locate as locate_token
-    from ember.tokenize.shards import read_row
+    from ember.tokenize.shardset import ShardError, read_verified_row
 
     shard, row, token = locate
     try:
-        record = read_row(shard, row)
+        record = read_verified_row(shard, row)
+    except (ShardError, SchemaValidationError) as exc:
+        fail(exc)
+    try:
         if not 0 <= token < len(record["tokens"]):
             raise IndexError(f"token {token} is outside the row's {len(record['tokens'])} tokens")
         found = locate_token(record["cu_seqlens"], record["segments"], token)
-    except (OSError, IndexError, ValueError) as exc:
+    except (IndexError, ValueError) as exc:
         fail(f"{shard}: {exc}")
     console.print(f"shard {shard} row {row} token {token}: id {record['tokens'][token]}, source {record['source']}")
     if found is None:
@@ -116,9 +126,12 @@ def build(
         help="Beam pipeline options, passed through unchanged. Default: --runner=FnApiRunner "
         "--direct_running_mode=multi_processing --direct_num_workers=<cores>.",
     ),
+    min_free_mb: int | None = typer.Option(None, "--min-free-mb", min=0, help=MIN_FREE_HELP),
 ) -> None:
     """Read, filter, redact and deduplicate code and web corpora into Parquet, with stats.json and a report;
-    with a `tokenize:` section, also tokenize and pack the kept documents into a verified shard set."""
+    with a `tokenize:` section, also tokenize and pack the kept documents into a verified shard set.
+    A rebuild replaces the previous output whole, only once the new one is complete, and refuses to start
+    when the output holds files ember did not write."""
     from ember.configs import CorpusConfigError, TokenizeConfigError
     from ember.pipelines.corpus_config import load_config
 
@@ -127,11 +140,13 @@ def build(
     except CorpusConfigError as exc:
         fail(exc)
     from ember.pipelines.corpus_build import BuildFailed, build_corpus
+    from ember.pipelines.output_guard import OutputUnusable
     from ember.tokenize.tokenizers import TokenizerLoadError
 
+    min_free = None if min_free_mb is None else min_free_mb * 2**20
     try:
-        build_corpus(settings, list(beam_args or []), console)
-    except (CorpusConfigError, TokenizeConfigError, TokenizerLoadError) as exc:
+        build_corpus(settings, list(beam_args or []), console, min_free_bytes=min_free, config_path=str(config))
+    except (CorpusConfigError, TokenizeConfigError, TokenizerLoadError, OutputUnusable) as exc:
         fail(exc)
     except BuildFailed as exc:
         fail(exc, 1)
@@ -139,13 +154,18 @@ def build(
 
 @app.command("report")
 def report(directory: str = typer.Argument(..., help="Output directory of a finished build (local or gs://...).")) -> None:
-    """(Re)write report.md from a build's outputs, e.g. after a Dataflow job, and print the summary."""
+    """(Re)write report.md and report.html from a build's outputs, e.g. after a Dataflow job, and print the
+    summary. A shard set in DIR/shards (the tokenize stage's default) adds the token-length histogram."""
     from ember.pipelines.corpus_build import summary_table
     from ember.pipelines.corpus_report import read_stats, write_report
+    from ember.pipelines.corpus_report_html import write_html_report
 
+    shards = f"{directory.rstrip('/')}/shards"
     try:
         path = write_report(directory)
+        html_path = write_html_report(directory, shards_directory=shards if Path(shards).is_dir() else None)
     except FileNotFoundError as exc:
         fail(f"{directory} holds no finished build: {exc}")
     console.print(summary_table(read_stats(directory)))
     console.print(f"report: {path}")
+    console.print(f"report with charts: {html_path}")

@@ -1,14 +1,22 @@
 """One corpus build end to end: config, runner options, the Beam job, then report and summary.
 
 Shared by the `ember corpus build` command, the Dataflow flex-template entry point and the demo.
+
+A local output is checked before any work (only files of ember's own in it, a writable parent with
+room for the new output), built whole in a staging directory next to it - documents, rejects,
+clusters, stats, report and a shard set inside it - and swapped in only when complete
+(ember/pipelines/output_guard.py). A shard set outside the output is staged and swapped the same way,
+just before the output. A URL output (gs://) must be new or empty: the job never deletes there.
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 import threading
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions
@@ -18,11 +26,24 @@ from rich.table import Table
 from ember.configs import CorpusConfigError
 from ember.pipelines import corpus_pipeline
 from ember.pipelines.corpus_config import CorpusConfig, check_inputs
+from ember.pipelines.corpus_outputs import require_empty_output
 from ember.pipelines.corpus_report import read_stats, summary_rows, write_report
+from ember.pipelines.corpus_report_html import write_html_report
+from ember.schemas.documents import REPORT_FILE, REPORT_HTML_FILE
+from ember.pipelines.output_guard import (
+    MIN_FREE_BYTES, check_room, is_local, owned_by_ownership_file, refuse_foreign, staged, write_ownership,
+)
 from ember.pipelines.progress import watch
 from ember.pipelines.runners import dataflow_problems, runner_name, runs_locally, with_defaults
-from ember.schemas import Manifest
+from ember.schemas import Manifest, read_manifest
 from ember.tokenize.config import ShardSource, TokenizeConfig
+
+if TYPE_CHECKING:
+    from ember.tokenize.tokenizers import Tokenizer
+
+# Output bytes per input byte, a generous ceiling: outputs are zstd Parquet, so plain JSONL shrinks;
+# compressed inputs (Parquet, gzip, zstd) expand to their text first. A shard set inside the output doubles it.
+OUTPUT_PER_INPUT_BYTE = {"jsonl": 1, "parquet": 3, "jsonl.gz": 4, "jsonl.zst": 4}
 
 
 class BuildFailed(RuntimeError):
@@ -73,15 +94,42 @@ def shards_config(config: CorpusConfig) -> TokenizeConfig:
     return TokenizeConfig(**settings, output_dir=config.shards_directory, sources=sources)
 
 
-def build_corpus(config: CorpusConfig, beam_args: list[str], console: Console | None = None) -> BuildOutcome:
-    """Run the build to completion; with a console, local runs show live progress and a summary."""
-    args, options = prepare_options(beam_args)
-    check_inputs(config)
-    tokenizer = None
-    if config.tokenize is not None:
-        from ember.tokenize.tokenizers import load_tokenizer
+def free_space_needed(config: CorpusConfig) -> int:
+    """A floor for the new output, estimated from the input sizes (see `OUTPUT_PER_INPUT_BYTE`)."""
+    total = sum(
+        m.size_in_bytes * OUTPUT_PER_INPUT_BYTE[source.format]
+        for source in config.sources
+        for pattern in source.inputs
+        for m in FileSystems.match([pattern])[0].metadata_list
+    )
+    return MIN_FREE_BYTES + total * (2 if config.tokenize is not None else 1)
 
-        tokenizer = load_tokenizer(config.tokenize.tokenizer)  # one that does not load fails before the long part
+
+def _inside(path: str, directory: Path) -> Path | None:
+    """`path` relative to `directory` when it lies inside it."""
+    try:
+        return Path(os.path.abspath(path)).relative_to(directory)
+    except ValueError:
+        return None
+
+
+def _staged_config(config: CorpusConfig, staging: Path, target: Path) -> CorpusConfig:
+    """`config` writing into `staging` instead of `target`, a shard set inside the output included."""
+    update: dict[str, Any] = {"output": config.output.model_copy(update={"directory": str(staging)})}
+    inside = _inside(config.tokenize.output_dir, target) if config.tokenize and config.tokenize.output_dir else None
+    if inside is not None:
+        update["tokenize"] = config.tokenize.model_copy(update={"output_dir": str(staging / inside)})
+    return config.model_copy(update=update)
+
+
+def _recorded(shards: TokenizeConfig, final: CorpusConfig) -> TokenizeConfig:
+    """The shard config as the finished output will have it: the manifest's hash and the rejects name these paths."""
+    documents = f"{final.output.directory.rstrip('/')}/documents"
+    sources = [s.model_copy(update={"path": f"{documents}/{s.name}/*.parquet"}) for s in shards.sources]
+    return shards.model_copy(update={"sources": sources, "output_dir": Path(final.shards_directory)})
+
+
+def _run_job(config: CorpusConfig, options, console: Console | None) -> None:
     with tempfile.TemporaryDirectory(prefix="ember-progress-") as progress_dir:
         # The job runs on this (main) thread: portable runners' job servers install signal handlers,
         # which Python allows only there. The live progress table renders from a helper thread.
@@ -98,22 +146,88 @@ def build_corpus(config: CorpusConfig, beam_args: list[str], console: Console | 
                 watcher.join()
     if state != "DONE":
         raise BuildFailed(f"the Beam job ended in state {state}")
+
+
+def _build(config: CorpusConfig, final: CorpusConfig, args: list[str], options, tokenizer: Tokenizer | None,
+           console: Console | None, min_free_bytes: int | None, config_path: str | None) -> BuildOutcome:
+    """The job, the reports and the shard set, written where `config` says; `final` is where they will live.
+    `config_path` (the YAML file the config came from) only titles report.html."""
+    _run_job(config, options, console)
     directory = config.output.directory
-    report = write_report(directory)
+    write_report(directory, shown_as=final.output.directory)
+    report = f"{final.output.directory.rstrip('/')}/{REPORT_FILE}"
     stats = read_stats(directory)
     if console is not None:
         console.print(summary_table(stats))
         console.print(f"report: {report}")
     shards = None
     if config.tokenize is not None:
-        from ember.pipelines.tokenize_pipeline import run as tokenize
+        from ember.pipelines.tokenize_pipeline import run as tokenize, write_shard_set
 
         if console is not None:
-            console.print(f"tokenize + pack -> {config.shards_directory}")
-        shards = tokenize(shards_config(config), args, overwrite=True, tokenizer=tokenizer)
+            console.print(f"tokenize + pack -> {final.shards_directory}")
+        settings = shards_config(config)
+        recorded = _recorded(settings, final)
+        if config.shards_directory != final.shards_directory:  # inside the staged output: written in place
+            Path(settings.output_dir).mkdir(parents=True)
+            write_shard_set(settings, args, tokenizer, recorded)
+            shards = read_manifest(settings.output_dir)
+        else:
+            shards = tokenize(settings, args, overwrite=True, tokenizer=tokenizer, min_free_bytes=min_free_bytes, recorded=recorded)
         if console is not None:
             console.print(shards_table(shards))
-    return BuildOutcome(state, args, stats, report, shards)
+    # After tokenize, so the page's token-length histogram reads the shard set the build just made.
+    write_html_report(directory, config_path, config.shards_directory if shards else None,
+                      shown_as=(final.output.directory, final.shards_directory if shards else None))
+    if console is not None:
+        console.print(f"report with charts: {final.output.directory.rstrip('/')}/{REPORT_HTML_FILE}")
+    return BuildOutcome("DONE", args, stats, report, shards)
+
+
+def build_corpus(config: CorpusConfig, beam_args: list[str], console: Console | None = None,
+                 min_free_bytes: int | None = None, config_path: str | None = None) -> BuildOutcome:
+    """Run the build to completion; with a console, local runs show live progress and a summary.
+    `min_free_bytes` overrides the free-space floor estimated from the inputs."""
+    args, options = prepare_options(beam_args)
+    check_inputs(config)
+    tokenizer = None
+    if config.tokenize is not None:
+        from ember.tokenize.tokenizers import load_tokenizer
+
+        tokenizer = load_tokenizer(config.tokenize.tokenizer)  # one that does not load fails before the long part
+    need = free_space_needed(config) if min_free_bytes is None else min_free_bytes
+    local = is_local(config.output.directory)
+    target = Path(os.path.abspath(config.output.directory)) if local else None
+    shards = Path(os.path.abspath(config.shards_directory)) if config.shards_directory else None
+    inside = _inside(str(shards), target) if shards and target else None
+    if inside == Path("."):
+        raise CorpusConfigError("tokenize.output_dir: the shard set needs its own directory, not output.directory itself")
+    if shards is not None and inside is None:
+        from ember.pipelines.tokenize_pipeline import check_output
+
+        if target is not None and _inside(str(target), shards) is not None:
+            raise CorpusConfigError(f"tokenize.output_dir: {shards} holds output.directory; give the shard set a directory of its own")
+        check_output(shards, overwrite=True)
+        check_room(shards, need, "tokenize.output_dir")
+    if target is None:
+        require_empty_output(config.output.directory)
+        return _build(config, config, args, options, tokenizer, console, min_free_bytes, config_path)
+    final = config.model_copy(update={"output": config.output.model_copy(update={"directory": str(target)})})
+
+    def owned(directory: Path) -> set[str]:
+        """Listed by the previous build, or by the manifest of a shard set rewritten in place since."""
+        from ember.pipelines.tokenize_pipeline import shard_set_files
+
+        listed = {f"{inside.as_posix()}/{f}" for f in shard_set_files(directory / inside)} if inside else set()
+        return owned_by_ownership_file(directory) | listed
+
+    refuse_foreign(target, owned(target), "output.directory")
+    check_room(target, need, "output.directory")
+    with staged(target, owned, "output.directory") as staging:
+        outcome = _build(_staged_config(final, staging, target), final, args, options, tokenizer, console, min_free_bytes,
+                         config_path)
+        write_ownership(staging)
+    return outcome
 
 
 def shards_table(manifest: Manifest) -> Table:

@@ -168,7 +168,10 @@ class Filters(StrictModel):
     code: CodeFilters = Field(default_factory=CodeFilters)
 
 
-REDACTION_TYPES = ("email", "ip_address", "aws_access_key", "github_token", "slack_token", "private_key", "secret", "password")
+REDACTION_TYPES = (
+    "email", "ip_address", "aws_access_key", "github_token", "slack_token", "api_token", "private_key", "jwt",
+    "bearer_token", "url_password", "secret", "password",
+)
 
 
 class Redaction(StrictModel):

@@ -6,7 +6,10 @@
   stats.json                                      per-source, per-stage counts (see `assemble_stats`)
 
 Shard assignment hashes the row key and shard counts follow the row counts, so a rerun on the same
-input writes byte-identical files on any runner.
+input writes byte-identical files on any runner. The job writes only into an empty or new directory
+and never deletes anything; `build_corpus` stages local rebuilds (ember/pipelines/output_guard.py).
+On a local disk each file appears under its final name only complete (temporary name + rename);
+object stores publish an object only when its upload completes.
 """
 
 from __future__ import annotations
@@ -14,7 +17,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Iterable, Iterator
+import os
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import apache_beam as beam
@@ -26,11 +32,28 @@ from apache_beam.pvalue import AsDict
 from ember.pipelines.corpus_config import CorpusConfig
 from ember.pipelines.corpus_io import READ_STAGE, Row, write_parquet
 from ember.pipelines.corpus_stages import ALL_SOURCES, CorpusFn, Event, StageOutput, document_events
-from ember.schemas.documents import CLUSTER_SCHEMA, CORPUS_TABLES, DOCUMENT_SCHEMA, REJECTED_SCHEMA, REPORT_FILE, STATS_FILE
+from ember.pipelines.output_guard import SHOWN_FOREIGN, OutputUnusable, is_local
+from ember.schemas.documents import CLUSTER_SCHEMA, DOCUMENT_SCHEMA, REJECTED_SCHEMA, STATS_FILE
 
 STATS_SCHEMA = "ember.corpus_stats"
 STATS_VERSION = 1
 DEDUP_STAGES = ("exact_dedup", "near_dedup")
+
+
+def publish(path: str, write: Callable[[str], None]) -> None:
+    """`write(p)` creates the file at p; on a local disk p is a hidden temporary renamed to `path` once
+    complete, and removed if writing fails (a full disk), so no truncated file ever has a final name."""
+    if not is_local(path):
+        write(path)
+        return
+    final = Path(path)
+    tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        write(str(tmp))
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def stable_shard(key: str, shards: int) -> int:
@@ -50,7 +73,7 @@ class WriteParquetPart(CorpusFn):
     def process(self, element: tuple[str, Iterable[Row]]) -> Iterator[str]:
         path, rows = element
         ordered = sorted(rows, key=lambda r: tuple(r.get(f) or "" for f in self._sort_fields))
-        write_parquet(path, ordered, self._schema)
+        publish(path, lambda p: write_parquet(p, ordered, self._schema))
         self.advance(len(ordered))
         yield path
 
@@ -170,9 +193,13 @@ def _reject_event(row: Row) -> Event:
 
 
 def _write_stats(pairs: list[Event], path: str, config: CorpusConfig) -> str:
-    stats = assemble_stats(pairs, config)
-    with FileSystems.create(path, compression_type=CompressionTypes.UNCOMPRESSED) as out:
-        out.write(json.dumps(stats, indent=2, sort_keys=False).encode("utf-8") + b"\n")
+    data = json.dumps(assemble_stats(pairs, config), indent=2, sort_keys=False).encode("utf-8") + b"\n"
+
+    def write(p: str) -> None:
+        with FileSystems.create(p, compression_type=CompressionTypes.UNCOMPRESSED) as out:
+            out.write(data)
+
+    publish(path, write)
     return path
 
 
@@ -205,11 +232,13 @@ def write_outputs(outputs: StageOutput, config: CorpusConfig, progress_dir: str 
     )
 
 
-def clear_outputs(directory: str) -> None:
-    """Remove what a previous build wrote, so stale shards never mix with a rerun's."""
-    directory = directory.rstrip("/")
-    patterns = [f"{directory}/{d}/**" for d in CORPUS_TABLES] + [f"{directory}/{STATS_FILE}", f"{directory}/{REPORT_FILE}"]
-    for result in FileSystems.match(patterns):
-        paths = [m.path for m in result.metadata_list]
-        if paths:
-            FileSystems.delete(paths)
+def require_empty_output(directory: str) -> None:
+    """The job never overwrites or deletes: an output directory that holds anything is refused before it starts."""
+    present = FileSystems.match([f"{directory.rstrip('/')}/**"], limits=[SHOWN_FOREIGN])[0].metadata_list
+    if present:
+        shown = ", ".join(m.path for m in present)
+        raise OutputUnusable(
+            f"output.directory {directory} is not empty ({shown}); the Beam job writes only into an empty or new "
+            "directory and deletes nothing. Choose a new output path (`ember corpus build` replaces a local build of "
+            "its own safely)."
+        )

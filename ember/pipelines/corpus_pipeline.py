@@ -11,9 +11,10 @@ import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from ember.pipelines.corpus_config import CorpusConfig
-from ember.pipelines.corpus_outputs import clear_outputs, write_outputs
+from ember.pipelines.corpus_outputs import require_empty_output, write_outputs
 from ember.pipelines.corpus_stages import (
-    ExactDedup, FilterDocuments, NearDedup, PerDocument, ReadSources, RedactDocuments, StageOutput, UniqueIds,
+    CLUSTER_TEXT_FIELDS, REJECT_TEXT_FIELDS, ExactDedup, FilterDocuments, NearDedup, PerDocument, ReadSources,
+    RedactDocuments, RedactRows, StageOutput, UniqueIds,
 )
 
 
@@ -45,12 +46,15 @@ def build_pipeline(p: beam.Pipeline, config: CorpusConfig, progress_dir: str | N
         [getattr(o, name) for o in outputs] | f"All{name.title()}" >> beam.Flatten()
         for name in ("rejects", "clusters", "stats")
     )
+    rejects = rejects | "RedactRejects" >> RedactRows(config.redaction, REJECT_TEXT_FIELDS)
+    clusters = clusters | "RedactClusters" >> RedactRows(config.redaction, CLUSTER_TEXT_FIELDS)
     write_outputs(StageOutput(documents, rejects, clusters, stats), config, progress_dir)
 
 
 def run(config: CorpusConfig, options: PipelineOptions, progress_dir: str | None = None, wait: bool = True) -> str:
-    """Submit the build; with `wait`, block until it ends. Returns the job state Beam reports."""
-    clear_outputs(config.output.directory)
+    """Submit the build into an empty or new output directory; with `wait`, block until it ends.
+    Returns the job state Beam reports."""
+    require_empty_output(config.output.directory)
     p = beam.Pipeline(options=options)
     build_pipeline(p, config, progress_dir)
     result = p.run()

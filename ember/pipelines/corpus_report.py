@@ -23,13 +23,17 @@ def read_stats(directory: str) -> dict[str, Any]:
         return json.loads(f.read())
 
 
+def output_paths(directory: str, name: str) -> list[str]:
+    """The Parquet parts of one output (documents, rejects, clusters), sorted."""
+    pattern = f"{directory.rstrip('/')}/{name}/**.parquet"
+    return sorted(m.path for m in FileSystems.match([pattern])[0].metadata_list)
+
+
 def read_output(directory: str, name: str) -> pl.DataFrame:
     """All shards of one output (documents, rejects, clusters) as one frame; empty with the schema when none."""
     schema = CORPUS_TABLES[name]
-    pattern = f"{directory.rstrip('/')}/{name}/**.parquet"
-    paths = sorted(m.path for m in FileSystems.match([pattern])[0].metadata_list)
     tables = []
-    for path in paths:
+    for path in output_paths(directory, name):
         with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
             tables.append(pq.read_table(io.BytesIO(f.read())))
     if not tables:
@@ -128,13 +132,14 @@ def _kept_documents(documents: pl.DataFrame) -> list[str]:
     return out
 
 
-def render_report(directory: str) -> str:
+def render_report(directory: str, shown_as: str | None = None) -> str:
+    """The report of the build in `directory`; `shown_as` names it where it will live (it may be staged elsewhere)."""
     stats = read_stats(directory)
     documents = read_output(directory, "documents")
     rejects = read_output(directory, "rejects")
     clusters = read_output(directory, "clusters")
     totals = stats["totals"]
-    out = [f"# Corpus build report\n\nOutput: `{directory}`\n"]
+    out = [f"# Corpus build report\n\nOutput: `{shown_as or directory}`\n"]
 
     out.append("## Totals\n")
     out.append(_table(["", "documents", "MB"], [
@@ -185,8 +190,8 @@ def render_report(directory: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def write_report(directory: str) -> str:
+def write_report(directory: str, shown_as: str | None = None) -> str:
     path = f"{directory.rstrip('/')}/{REPORT_FILE}"
     with FileSystems.create(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
-        f.write(render_report(directory).encode("utf-8"))
+        f.write(render_report(directory, shown_as).encode("utf-8"))
     return path

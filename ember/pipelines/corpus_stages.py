@@ -22,7 +22,7 @@ from ember.pipelines.components import ConnectedComponents, Unconverged
 from ember.pipelines.corpus_config import CorpusSource, Dedup, Filters, Redaction
 from ember.pipelines.corpus_io import READ_STAGE, UNREADABLE, Row, read_file
 from ember.pipelines.progress import ProgressWriter
-from ember.pipelines.redaction import redact
+from ember.pipelines.redaction import redact_fields
 from ember.pipelines.web_filters import WebFilterStack
 from ember.schemas.documents import cluster_row, content_hash, reject_row
 
@@ -228,7 +228,8 @@ class FilterDocuments(CorpusFn):
 
 
 class RedactDocuments(CorpusFn):
-    """Typed placeholders for secrets/PII, counts per type on the stats output; the content hash is
+    """Typed placeholders for secrets/PII in the text and in every string metadata value (a `url` with
+    `?api_key=`, a `path` holding a token), counts per type on the stats output; the content hash is
     recomputed here because filters (C4's line removal) and redaction both change the text."""
 
     STAGE = "redact"
@@ -239,14 +240,35 @@ class RedactDocuments(CorpusFn):
 
     def process(self, row: Row) -> Iterator[Any]:
         self.advance()
-        text = row["text"]
         if self._redaction.enabled:
-            text, counts = redact(text, self._redaction)
+            row, counts = redact_fields(row, ("text", "metadata"), self._redaction)
             for kind, n in counts.items():
                 yield self.stat(row["source"], f"redactions.{kind}", n)
             if counts:
                 yield self.stat(row["source"], "docs_redacted")
-        yield {**row, "text": text, "content_hash": content_hash(text)}
+        yield {**row, "content_hash": content_hash(row["text"])}
+
+
+# Free-text fields of reject and cluster rows that can quote input: a filter's detail names the metadata
+# path, a reader's error can quote the record, a location is an input path.
+REJECT_TEXT_FIELDS = ("location", "detail")
+CLUSTER_TEXT_FIELDS = ("location",)
+
+
+class RedactRows(beam.PTransform):
+    """Reject or cluster rows of every stage (the read and filter stages reject before `redact` runs)
+    with their free-text `fields` redacted like documents, so no output repeats a secret."""
+
+    def __init__(self, redaction: Redaction, fields: tuple[str, ...]):
+        super().__init__()
+        self._redaction = redaction
+        self._fields = fields
+
+    def expand(self, rows: PCollection) -> PCollection:
+        if not self._redaction.enabled:
+            return rows
+        redaction, fields = self._redaction, self._fields
+        return rows | "Redact" >> beam.Map(lambda r: redact_fields(r, fields, redaction)[0])
 
 
 class PerDocument(beam.PTransform):

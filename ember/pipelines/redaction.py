@@ -1,8 +1,13 @@
 """Secrets and PII replaced by typed placeholders, with a count per detector type.
 
 Pure: `redact(text, config)` returns the new text and the counts, so a document redacts the same way
-on every worker and every rerun. High-signal formats (PEM blocks, AWS/GitHub/Slack tokens) are matched
-exactly; generic `*_KEY = "..."` style assignments need a high-entropy value so ordinary code survives.
+on every worker and every rerun. Values are replaced, never the identifiers around them: in
+`password = "hunter2!"` only the literal becomes `<PASSWORD>`, and `password = lexer.get_token()` is code,
+not a secret. High-signal formats (PEM blocks, JWTs, AWS/GitHub/Slack/vendor tokens, `user:pass@` in
+URLs, `Authorization: Bearer ...`) are matched by shape; keyword assignments (`*_KEY`, `*_TOKEN`,
+`*password*`, after detect-secrets' keyword detector) need a literal value of the right shape, and a
+generic key or token also needs length, a digit and entropy, so ordinary code survives. Measured on a
+labelled set by bench/bench_redaction.py (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -11,40 +16,136 @@ import ipaddress
 import math
 import re
 from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from ember.pipelines.corpus_config import Redaction
 
 PLACEHOLDERS = {
-    "email": "<EMAIL>",
-    "ip_address": "<IP_ADDRESS>",
+    "private_key": "<PRIVATE_KEY>",
+    "jwt": "<KEY>",
     "aws_access_key": "<KEY>",
     "github_token": "<KEY>",
     "slack_token": "<KEY>",
-    "private_key": "<PRIVATE_KEY>",
+    "api_token": "<KEY>",
+    "bearer_token": "<KEY>",
+    "url_password": "<PASSWORD>",
     "secret": "<KEY>",
     "password": "<PASSWORD>",
+    "email": "<EMAIL>",
+    "ip_address": "<IP_ADDRESS>",
 }
 
 _PRIVATE_KEY = re.compile(
-    r"-----BEGIN (?P<kind>[A-Z0-9 ]*)PRIVATE KEY-----.*?-----END (?P=kind)PRIVATE KEY-----", re.DOTALL
+    r"-----BEGIN (?P<kind>[A-Z0-9 ]*)PRIVATE KEY(?P<block>(?: BLOCK)?)-----"
+    r"(?:.*?-----END (?P=kind)PRIVATE KEY(?P=block)-----"  # the whole block
+    r"|(?:(?:\s|\\n)+[A-Za-z0-9+/=]{16,})*)",  # a block cut before its END line: the base64 lines that remain
+    re.DOTALL,
 )
+_B64URL = r"[A-Za-z0-9_-]"
+_JWT = re.compile(rf"(?<![A-Za-z0-9_-])eyJ{_B64URL}{{10,}}\.{_B64URL}{{10,}}\.{_B64URL}{{10,}}(?![A-Za-z0-9_-])")
 _TOKENS = {
-    "aws_access_key": re.compile(r"(?<![A-Z0-9])(?:AKIA|ASIA|AGPA|AIDA|AROA|ANPA|ANVA)[A-Z0-9]{16}(?![A-Z0-9])"),
+    "aws_access_key": re.compile(r"(?:AKIA|ASIA|AGPA|AIDA|AROA|ANPA|ANVA)(?<![A-Z0-9].{4})[A-Z0-9]{16}(?![A-Z0-9])"),
     "github_token": re.compile(r"\b(?:gh[pousr]_[A-Za-z0-9]{36,255}|github_pat_[A-Za-z0-9_]{22,255})\b"),
-    "slack_token": re.compile(r"\bxox[abposr]-[A-Za-z0-9-]{10,250}\b"),
+    "slack_token": re.compile(
+        r"\bxox[abposre]-[A-Za-z0-9-]{10,250}\b|https://hooks\.slack\.com/services/T[A-Z0-9]+/B[A-Z0-9]+/[A-Za-z0-9]{16,}"
+    ),
+    # Vendor formats with a fixed prefix (detect-secrets / gitleaks): Stripe, Google, OpenAI, GitLab, npm,
+    # PyPI, SendGrid, Twilio, Hugging Face.
+    "api_token": re.compile(
+        r"\b(?:[rs]k_(?:live|test)_[0-9A-Za-z]{24,99}|glpat-[0-9A-Za-z_-]{20,}|npm_[A-Za-z0-9]{36}|hf_[A-Za-z0-9]{34,40}"
+        r"|SK[0-9a-f]{32}|sk-(?:proj-)?[A-Za-z0-9_-]{20,}T3BlbkFJ[A-Za-z0-9_-]{20,}|sk-proj-[A-Za-z0-9_-]{40,}"
+        r"|pypi-AgEIcHlwaS5vcmc[A-Za-z0-9_-]{50,}|SG\.[A-Za-z0-9_-]{22}\.[A-Za-z0-9_-]{43})(?![A-Za-z0-9_-])"
+        r"|\bAIza[0-9A-Za-z_-]{35}(?![A-Za-z0-9_-])"
+    ),
 }
-# NAME = "value" / NAME: value / "name": "value"; NAME ends in a secret-ish word.
+# `Authorization: Bearer <token>`, `Authorization: Basic <base64>`, `Authorization: token <token>`, `bearer <token>`.
+_BEARER = re.compile(
+    r"(?i)(?:\bbearer|\bauthorization[\"']?[ \t]*[:=][ \t]*[\"']?(?:basic|token|digest))[ \t]+"
+    r"(?P<value>[A-Za-z0-9._~+/-]{12,}=*)"
+)
+# scheme://user:password@host: only the password is replaced.
+_URL_PASSWORD = re.compile(r"(?i)\b[a-z][a-z0-9+.-]{1,20}://[^\s:/?#@\"'`<>]*:(?P<value>[^\s/@\"'`<>]+)@(?=[\w\[])")
+# ?api_key=...&token=...: the parameter's value, classified like an assignment of that name.
+_QUERY_PARAM = re.compile(r"(?<=[?&])(?P<name>[A-Za-z][A-Za-z0-9_.-]*)=(?P<value>[^&#\s\"'`<>]+)")
+# NAME = "value", NAME: value, "name": "value", d['name'] = 'value', --name=value; one line, no `==`.
 _ASSIGNMENT = re.compile(
-    r"(?<![A-Za-z0-9_])(?P<name>(?:[A-Za-z_][A-Za-z0-9_.-]*?)?(?P<word>password|passwd|passphrase|pwd|secret|token|api[_-]?key|access[_-]?key|private[_-]?key|key)[A-Za-z0-9_]*)"
-    r"(?P<sep>[\"']?\s*(?::=|=>|=|:)\s*)"
-    r"(?:(?P<quote>[\"'`])(?P<qvalue>[^\"'`\n]+)(?P=quote)|(?P<value>[^\s\"'`,;)\]}]+))",
-    re.IGNORECASE,
+    r"(?<![A-Za-z0-9_$])(?P<name>[A-Za-z_][A-Za-z0-9_.-]*+)(?:[\"'`]?\])?[\"'`]?"
+    r"(?P<sep>[ \t]*(?::=|=>|(?<![=!<>])=(?!=)|:(?!:))[ \t]*)"
+    r"(?:[bBrRuU]?@?(?:\"(?P<dq>[^\"\n]*)\"|'(?P<sq>[^'\n]*)'|`(?P<bq>[^`\n]*)`)|(?P<value>[^\s\"'`,;()\[\]{}<>]+))"
+)
+# Passwords by position, not by name: SQL `PASSWORD 'x'` / `IDENTIFIED BY 'x'`, HTTP basic auth tuples
+# (`auth=("user", "x")`), libpq's `password=x` inside a connection string.
+_PASSWORD_SHAPES = re.compile(
+    r"(?i)\b(?:password|identified\s+by)\s+'(?P<value>[^'\n]+)'"
+    r"|\bauth\b\s*=\s*\(\s*[\"'][^\"'\n]+[\"']\s*,\s*[\"'](?P<tuple>[^\"'\n]+)[\"']\s*\)"
 )
 _EMAIL = re.compile(r"(?<![\w.+-])[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}(?![\w-])")
-_IPV4 = re.compile(r"(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?![\w.])")
-_IPV6 = re.compile(r"(?<![\w:.])(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{0,4}(?![\w:.])")
-# Unquoted values that are code, not secrets: attribute chains, calls, env lookups, templating.
-_CODE_VALUE = re.compile(r"^(?:[A-Za-z_][\w]*\.[\w.]*|[\w.]*\(.*|\$\{.*|\{\{.*|%\(.*|os\.environ.*|none|null|true|false|nil)$", re.IGNORECASE)
+# Not part of a longer dotted number (1.2.3.4.5, 7.1.1.1.2) nor of a word; a sentence's full stop may follow.
+_IPV4 = re.compile(r"\d(?<![\w.-]\d)\d{0,2}\.(?:\d{1,3}\.){2}\d{1,3}(?![\w-])(?!\.\d)")
+_IPV6 = re.compile(
+    r"[0-9A-Fa-f:](?<![\w:.][0-9A-Fa-f:])(?:(?<=:)|[0-9A-Fa-f]{0,3}:)(?:[0-9A-Fa-f]{0,4}:){1,6}[0-9A-Fa-f]{0,4}(?![\w:])(?!\.\w)"
+)
+
+# Literal substrings without which a detector cannot match: a text holding none of them skips that
+# regex (`in` is a fast scan; most documents hold no PEM block, JWT, URL or vendor prefix).
+_TRIGGERS: dict[re.Pattern[str], tuple[str, ...]] = {
+    _PRIVATE_KEY: ("PRIVATE KEY",),
+    _JWT: ("eyJ",),
+    _TOKENS["aws_access_key"]: ("AKIA", "ASIA", "AGPA", "AIDA", "AROA", "ANPA", "ANVA"),
+    _TOKENS["github_token"]: ("ghp_", "gho_", "ghu_", "ghs_", "ghr_", "github_pat_"),
+    _TOKENS["slack_token"]: ("xox", "hooks.slack.com"),
+    _TOKENS["api_token"]: ("k_live_", "k_test_", "glpat-", "npm_", "hf_", "SK", "sk-", "pypi-", "SG.", "AIza"),
+    _URL_PASSWORD: ("://",),
+    _QUERY_PARAM: ("?", "&"),
+    _EMAIL: ("@",),
+}
+_LOWER_TRIGGERS: dict[re.Pattern[str], tuple[str, ...]] = {
+    _BEARER: ("bearer", "authorization"),
+    _PASSWORD_SHAPES: ("password", "identified", "auth"),
+}
+
+# Name words: a password, or a generic secret (token, key, ...), after detect-secrets' keyword DENYLIST.
+_NAME_PARTS = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|\d+")
+_PASSWORD_WORDS = frozenset({"password", "passwd", "passphrase", "pwd", "pass", "passwort", "contrasena", "contraseña"})
+_SECRET_WORDS = frozenset({"secret", "secrets", "token", "apikey", "secretkey", "privatekey", "accesskey", "authkey", "credential", "credentials"})
+# A last name part that makes the name about the secret, not the secret itself (password_prompt, TOKEN_URL).
+_ABOUT_WORDS = frozenset(
+    "prompt field fields file files path dir name names label hint length len min max size count policy regex pattern "
+    "url uri endpoint type types kind env var header param params arg args input required help message msg text error "
+    "expiry expires expiration ttl id format fmt prefix suffix style class mode method hash hashed digest enabled reset "
+    "changed validator check timeout index idx offset attr attribute char chars column col provider manager store "
+    "storage reader loader getter setter callback handler factory cls".split()
+)
+# Values that are never secrets: constants, types, well-known dummies (detect-secrets' FALSE_POSITIVES).
+_DUMMY_VALUES = frozenset(
+    "none null nil undefined true false yes no on off str string bytes int bool float any object required optional "
+    "password passwd pass pwd secret token key apikey api_key redacted dummy example test todo xxx changeit "
+    "your_password your-password yourpassword mypassword your_token your_api_key placeholder prompt".split()
+)
+# Templated or indirect values: ${X}, {{x}}, %(x)s, %s, {0}, $X, $(cmd), <placeholder>, !vault, os.environ[...].
+_TEMPLATED = re.compile(r"\$\{|\{\{|%\(|%[sd]|\{\w*\}|^\$\(?\w|^<.*>$|^[!|>&*]|^os\.environ|process\.env|getenv")
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
+_TYPE_NAME = re.compile(r"(?:[A-Z][a-z]+)+")
+_PATH_VALUE = re.compile(r"^(?:~?/|\.\.?/|[A-Za-z]:\\)|://")
+_LINE_REST_IS_EMPTY = re.compile(r"[ \t\r]*(?:(?:#|//|--).*)?$")
+
+# Dotted numbers named by the words before them are versions and section numbers, not addresses.
+_NUMBERED_BEFORE = re.compile(
+    r"(?i)\b(?:v|ver|version|versions|release|rel|build|revision|rev|section|sections|sec|sect|chapter|clause|para|"
+    r"paragraph|item|step|table|figure|fig|appendix|spec|specs|specification|numbered|rfc\s*\d+|§)\.?[\s\"'(\[:=#,-]*$"
+)
+# ... and so are the ones followed by "of RFC ..."; a `/24` makes a network, `.in-addr.arpa` a DNS name.
+_NUMBERED_AFTER = re.compile(r"(?i)^(?:[\s\"')\],]*(?:of\s+(?:rfc|the\s+spec|section|chapter)|in\s+rfc)|/\d{1,3}\b|\.in-addr\.arpa)")
+# Addresses that identify no one: private, loopback, link-local, CGNAT, multicast and reserved (RFC 6890).
+_NOT_PERSONAL = tuple(
+    ipaddress.ip_network(n)
+    for n in (
+        "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
+        "192.168.0.0/16", "224.0.0.0/3", "::/127", "fe80::/10", "fc00::/7", "ff00::/8",
+    )
+)
+_GLOBAL_UNICAST_V6 = ipaddress.ip_network("2000::/3")
 
 
 def shannon_entropy(value: str) -> float:
@@ -56,78 +157,205 @@ def shannon_entropy(value: str) -> float:
     return -sum(c / n * math.log2(c / n) for c in counts.values())
 
 
-def _looks_like_secret(word: str, value: str, quoted: bool, config: Redaction) -> str | None:
-    """The detector type an assigned value triggers, or None for ordinary code and placeholders."""
-    if value.startswith("<") and value.endswith(">"):
+def name_kind(name: str) -> str | None:
+    """'password' or 'secret' when an assigned name says its value is one (db_password, STRIPE_KEY, apiToken)."""
+    parts = [p.lower() for p in _NAME_PARTS.findall(name)]
+    if not parts or parts[-1] in _ABOUT_WORDS:
         return None
-    if not quoted and _CODE_VALUE.match(value):
-        return None
-    if len(set(value)) <= 2:  # "xxxxxxxx", "********"
-        return None
-    if word.lower() in ("password", "passwd", "passphrase", "pwd"):
-        return "password" if len(value) >= config.min_password_length else None
-    if len(value) >= config.min_secret_length and shannon_entropy(value) >= config.min_secret_entropy:
+    if any(p in _PASSWORD_WORDS or p.endswith(("password", "passwd")) for p in parts):
+        return "password"
+    if any(p in _SECRET_WORDS for p in parts):
+        return "secret"
+    if parts[-1] == "key" and len(parts) >= 2:  # api_key, SECRET_KEY, maps_key; a lone `key` is a dict key
         return "secret"
     return None
 
 
-_GLOBAL_UNICAST_V6 = ipaddress.ip_network("2000::/3")
-_VERSION_BEFORE = re.compile(r"\b(?:version|ver|v)[\s:=]*$", re.IGNORECASE)
+def _is_value_like(value: str) -> bool:
+    """False for empty, placeholder, templated, dummy, path/URL and one- or two-letter-repeat values."""
+    if not value or len(set(value)) <= 2 or value.lower() in _DUMMY_VALUES:
+        return False
+    return not (_TEMPLATED.search(value) or _PATH_VALUE.search(value))
 
 
-def _global_ip(candidate: str, before: str) -> bool:
-    """Public addresses only; private/loopback ones are not PII, and 'version 1.2.3.4' is not an address."""
+def _is_generic_secret(value: str, config: Redaction) -> bool:
+    """A token-shaped value: no spaces, long, with letters and digits, and enough entropy."""
+    return (
+        len(value) >= config.min_secret_length
+        and not any(c.isspace() for c in value)
+        and any(c.isdigit() for c in value)
+        and any(c.isalpha() for c in value)
+        and shannon_entropy(value) >= config.min_secret_entropy
+    )
+
+
+def _is_password(value: str, config: Redaction) -> bool:
+    """Long enough, and not a prompt or message (`"Enter your password:"`): a passphrase has a few words."""
+    if len(value) < config.min_password_length:
+        return False
+    words = value.split()
+    if len(words) > 1 and (
+        len(words) > 4 or value[-1] in ":?.!" or any(name_kind(w) for w in words) or value.strip() != value
+    ):
+        return False
+    return True
+
+
+def value_kind(kind: str, value: str, config: Redaction) -> str | None:
+    """The detector a literal `value` assigned to a `kind` name triggers, or None."""
+    if not _is_value_like(value):
+        return None
+    if kind == "password":
+        return "password" if _is_password(value, config) else None
+    return "secret" if _is_generic_secret(value, config) else None
+
+
+def _unquoted_is_literal(value: str, sep: str, rest: str) -> bool:
+    """An unquoted value is a literal only where config files put one: alone to the end of its line
+    (`KEY=value`, `key: value`, `password = s3cr3t!`) or as a `--flag=value`. An identifier after a spaced
+    `=` is code (`password = passwd`), a CamelCase word after `:` a type annotation (`token: Token`)."""
+    bare_equals = sep == "="  # KEY=value, --flag=value, `password=x'` inside a quoted connection string
+    if not (_LINE_REST_IS_EMPTY.match(rest) or (bare_equals and rest[:1] in (" ", "\t", "'", '"', ";", "&"))):
+        return False
+    if _IDENTIFIER.fullmatch(value) and not bare_equals and "=" in sep:
+        return False
+    return not (_TYPE_NAME.fullmatch(value) and ":" in sep and "=" not in sep)
+
+
+class _Redactor:
+    """One text's pass: each detector substitutes its placeholder and counts the hit."""
+
+    def __init__(self, config: Redaction, text: str):
+        self.config = config
+        self.enabled = set(config.types)
+        self.counts: Counter[str] = Counter()
+        self._original, self._lower = text, text.lower()
+
+    def may_match(self, pattern: re.Pattern[str]) -> bool:
+        """False when the input holds none of `pattern`'s trigger strings. Placeholders hold none either,
+        so a miss on the original text is a miss on every later state of it."""
+        if pattern in _TRIGGERS:
+            return any(t in self._original for t in _TRIGGERS[pattern])
+        if pattern in _LOWER_TRIGGERS:
+            return any(t in self._lower for t in _LOWER_TRIGGERS[pattern])
+        return True
+
+    def _hit(self, kind: str, match: re.Match[str], group: str | int = 0) -> str:
+        """`match` with `group` (the whole match by default) replaced by `kind`'s placeholder."""
+        self.counts[kind] += 1
+        start, end = match.span(group)
+        whole = match.group(0)
+        return whole[: start - match.start()] + PLACEHOLDERS[kind] + whole[end - match.start() :]
+
+    def sub(self, kind: str, pattern: re.Pattern[str], text: str) -> str:
+        if kind not in self.enabled or not self.may_match(pattern):
+            return text
+        return pattern.sub(lambda m: self._hit(kind, m), text)
+
+    def sub_checked(self, pattern: re.Pattern[str], text: str, decide: Callable[[re.Match[str]], str | None]) -> str:
+        """Replace the `value` group where `decide` names an enabled kind for the match."""
+        if not self.may_match(pattern):
+            return text
+
+        def replace(match: re.Match[str]) -> str:
+            kind = decide(match)
+            return self._hit(kind, match, "value") if kind in self.enabled else match.group(0)
+
+        return pattern.sub(replace, text)
+
+    def bearer(self, match: re.Match[str]) -> str | None:
+        value = match.group("value")
+        return "bearer_token" if any(c.isdigit() for c in value) and any(c.isalpha() for c in value) else None
+
+    def url_password(self, match: re.Match[str]) -> str | None:
+        """Any literal password, short ones too (`admin:pw@`); not `user:${PASS}@` or `user:password@`."""
+        value = match.group("value")
+        literal = not (_TEMPLATED.search(value) or value.lower() in _DUMMY_VALUES or set(value) <= {"*", "x", "X"})
+        return "url_password" if literal else None
+
+    def password_shape(self, match: re.Match[str]) -> str:
+        group = "value" if match.group("value") is not None else "tuple"
+        found = value_kind("password", match.group(group), self.config)
+        return self._hit(found, match, group) if found in self.enabled else match.group(0)
+
+    def query_param(self, match: re.Match[str]) -> str | None:
+        kind = name_kind(match.group("name"))
+        return kind and value_kind(kind, match.group("value"), self.config)
+
+    def assignment(self, match: re.Match[str]) -> str:
+        kind = name_kind(match.group("name"))
+        if kind is None:
+            return match.group(0)
+        for group in ("dq", "sq", "bq"):
+            if match.group(group) is not None:
+                found = value_kind(kind, match.group(group), self.config)
+                return self._hit(found, match, group) if found in self.enabled else match.group(0)
+        value, sep = match.group("value"), match.group("sep")
+        line_end = match.string.find("\n", match.end())
+        rest = match.string[match.end() : line_end if line_end >= 0 else len(match.string)]
+        if not _unquoted_is_literal(value, sep, rest):
+            return match.group(0)
+        found = value_kind(kind, value, self.config)
+        return self._hit(found, match, "value") if found in self.enabled else match.group(0)
+
+    def ip(self, match: re.Match[str]) -> str:
+        text, start, end = match.string, match.start(), match.end()
+        line_start = text.rfind("\n", 0, start) + 1
+        before, after = text[max(line_start, start - 40) : start], text[end : end + 24]
+        if not _personal_ip(match.group(0)) or _NUMBERED_BEFORE.search(before) or _NUMBERED_AFTER.search(after):
+            return match.group(0)
+        return self._hit("ip_address", match)
+
+    def run(self, text: str) -> str:
+        text = self.sub("private_key", _PRIVATE_KEY, text)
+        text = self.sub("jwt", _JWT, text)
+        for kind, pattern in _TOKENS.items():
+            text = self.sub(kind, pattern, text)
+        text = self.sub_checked(_BEARER, text, self.bearer)
+        text = self.sub_checked(_URL_PASSWORD, text, self.url_password)  # before emails: `pw@host.com` is no address
+        if self.enabled & {"secret", "password"}:
+            if self.may_match(_PASSWORD_SHAPES):
+                text = _PASSWORD_SHAPES.sub(self.password_shape, text)
+            text = self.sub_checked(_QUERY_PARAM, text, self.query_param)
+            text = _ASSIGNMENT.sub(self.assignment, text)
+        text = self.sub("email", _EMAIL, text)
+        if "ip_address" in self.enabled:
+            text = _IPV6.sub(self.ip, _IPV4.sub(self.ip, text))
+        return text
+
+
+def _personal_ip(candidate: str) -> bool:
+    """A routable unicast address (documentation ranges included: they stand in for real hosts)."""
     try:
         address = ipaddress.ip_address(candidate)
     except ValueError:
         return False
-    if address.version == 6:
-        return address in _GLOBAL_UNICAST_V6 and address.is_global
-    return address.is_global and not _VERSION_BEFORE.search(before)
+    if address.version == 6 and address not in _GLOBAL_UNICAST_V6:
+        return False
+    return not any(address.version == n.version and address in n for n in _NOT_PERSONAL)
 
 
 def redact(text: str, config: Redaction) -> tuple[str, dict[str, int]]:
     """`text` with every enabled detector's hits replaced, and hits per type (types with no hit omitted)."""
-    counts: Counter[str] = Counter()
-    enabled = set(config.types)
+    redactor = _Redactor(config, text)
+    return redactor.run(text), dict(redactor.counts)
 
-    def sub(kind: str, pattern: re.Pattern[str], value: str) -> str:
-        def replace(match: re.Match[str]) -> str:
-            counts[kind] += 1
-            return PLACEHOLDERS[kind]
 
-        return pattern.sub(replace, value)
-
-    if "private_key" in enabled:
-        text = sub("private_key", _PRIVATE_KEY, text)
-    for kind, pattern in _TOKENS.items():
-        if kind in enabled:
-            text = sub(kind, pattern, text)
-    if enabled & {"secret", "password"}:
-
-        def assignment(match: re.Match[str]) -> str:
-            quoted = match.group("qvalue") is not None
-            value = match.group("qvalue") if quoted else match.group("value")
-            kind = _looks_like_secret(match.group("word"), value, quoted, config)
-            if kind is None or kind not in enabled:
-                return match.group(0)
-            counts[kind] += 1
-            start, end = match.span("qvalue" if quoted else "value")
-            offset = match.start()
-            whole = match.group(0)
-            return whole[: start - offset] + PLACEHOLDERS[kind] + whole[end - offset :]
-
-        text = _ASSIGNMENT.sub(assignment, text)
-    if "email" in enabled:
-        text = sub("email", _EMAIL, text)
-    if "ip_address" in enabled:
-
-        def ip(match: re.Match[str]) -> str:
-            if not _global_ip(match.group(0), match.string[max(0, match.start() - 12) : match.start()]):
-                return match.group(0)
-            counts["ip_address"] += 1
-            return PLACEHOLDERS["ip_address"]
-
-        text = _IPV4.sub(ip, text)
-        text = _IPV6.sub(ip, text)
-    return text, dict(counts)
+def redact_fields(row: Mapping[str, Any], fields: Iterable[str], config: Redaction) -> tuple[dict[str, Any], dict[str, int]]:
+    """`row` with each named string field (and each string inside a named mapping, like `metadata`)
+    redacted, and the hits per type over all of them. Non-string values pass through."""
+    out, counts = dict(row), Counter[str]()
+    for field in fields:
+        value = out.get(field)
+        if isinstance(value, str):
+            out[field], found = redact(value, config)
+            counts.update(found)
+        elif isinstance(value, Mapping):
+            inner = {}
+            for key, item in value.items():
+                if isinstance(item, str):
+                    item, found = redact(item, config)
+                    counts.update(found)
+                inner[key] = item
+            out[field] = inner
+    return out, dict(counts)

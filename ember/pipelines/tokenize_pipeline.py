@@ -11,13 +11,15 @@ Stages (each a Beam transform, so the same graph runs on FnApiRunner, Flink or D
      seeded Feistel permutation -> (shard, row). No worker ever holds more than one shard's tokens.
   4. write each shard atomically, then - last - the manifest with per-shard sha256 and exact
      per-source token/padding accounting.
+`run` writes the set into a fresh staging directory next to `output_dir` and swaps it in once the
+manifest is written (ember/pipelines/output_guard.py): a failed run leaves the previous set intact,
+and files the previous manifest does not list are never deleted.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import itertools
-import shutil
+import os
 from dataclasses import asdict, astuple, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -31,6 +33,8 @@ from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from ember.configs import TokenizeConfigError
+from ember.pipelines.output_guard import MIN_FREE_BYTES, check_room, refuse_foreign, staged
+from ember.schemas import SchemaValidationError
 from ember.schemas.documents import REJECTED_SCHEMA, reject_row
 from ember.schemas.shards import MANIFEST_FILENAME, Manifest, read_manifest, write_manifest
 from ember.tokenize.config import ShardSource, TokenizeConfig, TokenizerConfig
@@ -44,6 +48,7 @@ REQUIRED_COLUMNS = ("id", "source", "text")
 REJECTED_FILE = "rejected.parquet"
 TOKEN_BYTES = 4  # tokens travel between stages as little-endian uint32 bytes
 DEFAULT_RUNNER = "--runner=FnApiRunner"
+SHARDS_PER_PARQUET_BYTE = 3  # zstd Parquet text is ~3x smaller than its zstd uint32 tokens, roughly
 
 
 class TokenizeDocuments(beam.DoFn):
@@ -51,9 +56,10 @@ class TokenizeDocuments(beam.DoFn):
 
     REJECTS = "rejects"
 
-    def __init__(self, tokenizer: TokenizerConfig, source: ShardSource, batch_documents: int):
+    def __init__(self, tokenizer: TokenizerConfig, source: ShardSource, location: str, batch_documents: int):
         self._tokenizer_config = tokenizer
         self._source = source
+        self._location = location
         self._batch = batch_documents
         self._documents = Metrics.counter(STAGE, f"{source.name}.documents")
         self._tokens = Metrics.counter(STAGE, f"{source.name}.tokens")
@@ -64,7 +70,7 @@ class TokenizeDocuments(beam.DoFn):
 
     def _reject(self, document_id: str | None, reason: str, detail: str = "") -> beam.pvalue.TaggedOutput:
         self._rejected.inc()
-        row = reject_row(self._source.name, self._source.path, STAGE, reason, detail, document_id)
+        row = reject_row(self._source.name, self._location, STAGE, reason, detail, document_id)
         return beam.pvalue.TaggedOutput(self.REJECTS, row)
 
     def process(self, table) -> Iterator:
@@ -247,16 +253,20 @@ def _finish(
     return str(write_manifest(config.output_dir, manifest))
 
 
-def build(pipeline: beam.Pipeline, config: TokenizeConfig, tokenizer: Tokenizer) -> None:
-    """Adds the whole tokenize-and-pack graph to `pipeline`."""
-    source_paths = {s.name: s.path for s in config.sources}
+def build(pipeline: beam.Pipeline, config: TokenizeConfig, tokenizer: Tokenizer, recorded: TokenizeConfig | None = None) -> None:
+    """Adds the whole tokenize-and-pack graph to `pipeline`. `recorded`, when `config` reads from or writes
+    to a staging directory, is the final config: rejects name its source paths, the manifest its hash."""
+    recorded = recorded or config
+    source_paths = {s.name: s.path for s in recorded.sources}
     tokenized, rejects = [], []
     for source in config.sources:
         outputs = (
             pipeline
             | f"Read {source.name}" >> beam.io.ReadFromParquetBatched(source.path, columns=list(REQUIRED_COLUMNS))
             | f"Tokenize {source.name}"
-            >> beam.ParDo(TokenizeDocuments(config.tokenizer, source, config.encode_batch_documents)).with_outputs(
+            >> beam.ParDo(
+                TokenizeDocuments(config.tokenizer, source, source_paths[source.name], config.encode_batch_documents)
+            ).with_outputs(
                 TokenizeDocuments.REJECTS, main="documents"
             )
         )
@@ -301,10 +311,13 @@ def build(pipeline: beam.Pipeline, config: TokenizeConfig, tokenizer: Tokenizer)
         )
     )
     stats = packed[PackWindow.STATS] | "Stats per source" >> beam.CombinePerKey(_sum_stats)
-    _rejects_and_manifest(pipeline, config, tokenizer, entries, stats, rejects | "All rejects" >> beam.Flatten())
+    all_rejects = rejects | "All rejects" >> beam.Flatten()
+    _rejects_and_manifest(pipeline, config, recorded.config_hash(tokenizer.identity.hash), tokenizer, entries, stats, all_rejects)
 
 
-def _rejects_and_manifest(pipeline: beam.Pipeline, config: TokenizeConfig, tokenizer: Tokenizer, entries, stats, all_rejects) -> None:
+def _rejects_and_manifest(
+    pipeline: beam.Pipeline, config: TokenizeConfig, config_hash: str, tokenizer: Tokenizer, entries, stats, all_rejects
+) -> None:
     """rejected.parquet, then - once every shard is written - the manifest."""
     reject_counts = (
         all_rejects
@@ -324,7 +337,7 @@ def _rejects_and_manifest(pipeline: beam.Pipeline, config: TokenizeConfig, token
             tokenizer=tokenizer.identity.model_dump(),
             pad_id=tokenizer.pad_id,
             dtype=tokenizer.dtype,
-            config_hash=config.config_hash(tokenizer.identity.hash),
+            config_hash=config_hash,
             shards=beam.pvalue.AsList(entries),
             stats=beam.pvalue.AsList(stats),
             rejected=beam.pvalue.AsList(reject_counts),
@@ -354,24 +367,29 @@ def check_sources(config: TokenizeConfig) -> None:
         raise TokenizeConfigError("input is not usable:\n  " + "\n  ".join(problems))
 
 
-OWNED = ("shard-*.arrow", ".shard-*.tmp", MANIFEST_FILENAME, ".manifest.*.tmp", REJECTED_FILE, "beam-temp-*")
+def shard_set_files(directory: Path) -> set[str]:
+    """The files a finished shard set in `directory` consists of, by its manifest; none without a readable one."""
+    try:
+        manifest = read_manifest(directory)
+    except (OSError, ValueError, SchemaValidationError):
+        return set()
+    owned = {MANIFEST_FILENAME, *(entry.path for entry in manifest.shards)}
+    rejected_file = manifest.model_extra.get("rejected_file")
+    return (owned | {rejected_file}) if isinstance(rejected_file, str) else owned
 
 
-def prepare_output(directory: Path, overwrite: bool) -> None:
-    """An output directory is empty, or (with overwrite) cleared of a previous build - manifest first."""
-    directory.mkdir(parents=True, exist_ok=True)
-    present = sorted(p.name for p in directory.iterdir())
-    if not present:
-        return
-    if not overwrite:
-        raise TokenizeConfigError(f"output_dir: {directory} is not empty ({present[:3]}...); pass --overwrite to replace it")
-    foreign = [name for name in present if not any(fnmatch.fnmatch(name, pattern) for pattern in OWNED)]
-    if foreign:
-        raise TokenizeConfigError(f"output_dir: {directory} holds files ember did not write, refusing to clear it: {foreign[:5]}")
-    (directory / MANIFEST_FILENAME).unlink(missing_ok=True)  # from here on it is not a finished set
-    for name in present:
-        path = directory / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+def check_output(directory: Path, overwrite: bool) -> None:
+    """An output directory is new or empty, or (with overwrite) holds exactly a shard set ember wrote - nothing else."""
+    present = directory.is_dir() and any(directory.iterdir())
+    if present and not overwrite:
+        raise TokenizeConfigError(f"output_dir: {directory} is not empty; pass --overwrite to replace the shard set in it")
+    refuse_foreign(directory, shard_set_files(directory), "output_dir")
+
+
+def free_space_needed(config: TokenizeConfig) -> int:
+    """A floor for the new set: the matched source Parquet bytes times `SHARDS_PER_PARQUET_BYTE`, plus a margin."""
+    parquet = sum(m.size_in_bytes for s in config.sources for r in FileSystems.match([s.path]) for m in r.metadata_list)
+    return MIN_FREE_BYTES + SHARDS_PER_PARQUET_BYTE * parquet
 
 
 def pipeline_options(beam_args: list[str]) -> PipelineOptions:
@@ -381,12 +399,29 @@ def pipeline_options(beam_args: list[str]) -> PipelineOptions:
     return PipelineOptions(args)
 
 
-def run(config: TokenizeConfig, beam_args: list[str] = (), overwrite: bool = False, tokenizer: Tokenizer | None = None) -> Manifest:
-    """Validates everything that can be checked up front, runs the pipeline, returns the manifest.
-    `tokenizer`, when the caller has already loaded `config.tokenizer`, is used instead of loading it again."""
+def write_shard_set(config: TokenizeConfig, beam_args: list[str], tokenizer: Tokenizer, recorded: TokenizeConfig | None = None) -> None:
+    """Runs the pipeline into `config.output_dir`, which must be new or empty (see `build` for `recorded`)."""
+    with beam.Pipeline(options=pipeline_options(beam_args)) as pipeline:
+        build(pipeline, config, tokenizer, recorded)
+
+
+def run(
+    config: TokenizeConfig,
+    beam_args: list[str] = (),
+    overwrite: bool = False,
+    tokenizer: Tokenizer | None = None,
+    min_free_bytes: int | None = None,
+    recorded: TokenizeConfig | None = None,
+) -> Manifest:
+    """Validates everything that can be checked up front, runs the pipeline into a staging directory and
+    swaps it in, returns the manifest. `tokenizer`, when the caller has already loaded `config.tokenizer`,
+    is used instead of loading it again; `min_free_bytes` overrides the free-space floor estimated from the sources;
+    `recorded` is the config the manifest describes when `config`'s sources are themselves staged (see `build`)."""
     tokenizer = tokenizer or load_tokenizer(config.tokenizer)
     check_sources(config)
-    prepare_output(config.output_dir, overwrite)
-    with beam.Pipeline(options=pipeline_options(beam_args)) as pipeline:
-        build(pipeline, config, tokenizer)
-    return read_manifest(config.output_dir)
+    target = Path(os.path.abspath(config.output_dir))
+    check_output(target, overwrite)
+    check_room(target, free_space_needed(config) if min_free_bytes is None else min_free_bytes, "output_dir")
+    with staged(target, shard_set_files, "output_dir") as staging:
+        write_shard_set(config.model_copy(update={"output_dir": staging}), beam_args, tokenizer, recorded=recorded or config)
+    return read_manifest(target)

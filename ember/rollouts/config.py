@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import Field, IPvAnyAddress, model_validator
 
@@ -30,14 +30,14 @@ def kafka_bootstrap() -> str:
 
 class KafkaSettings(StrictModel):
     bootstrap: str = Field(default_factory=kafka_bootstrap, description="host:port of the brokers")
-    topic_prefix: str = Field("ember", min_length=1, description="topics are <prefix>.rollouts, <prefix>.rewards, ...")
-    partitions: int = Field(6, ge=1, description="partitions of the rollouts/rewards topics when the ETL creates them")
-    group_id: str = Field("ember-etl", min_length=1, description="consumer group shared by every ETL process")
+    topic_prefix: str = Field(..., min_length=1, description="required: topics are <prefix>.rollouts, <prefix>.rewards, ...")
+    partitions: Annotated[int, configs.at_most(4096, "more partitions only spread the same groups thinner; each costs the broker files and every ETL process state")] = Field(6, ge=1, description="partitions of the rollouts/rewards topics when the ETL creates them")
+    group_id: str = Field(..., min_length=1, description="required: consumer group shared by every ETL process")
     session_timeout_ms: int = Field(10_000, ge=6_000, description="how fast a dead ETL process loses its partitions")
     heartbeat_interval_ms: int = Field(1_000, ge=100)
     transaction_timeout_ms: int = Field(30_000, ge=1_000, description="a dead process's open transaction aborts after this")
     poll_timeout_ms: int = Field(100, ge=1, le=10_000)
-    max_poll_records: int = Field(200, ge=1)
+    max_poll_records: Annotated[int, configs.at_most(100_000, "one poll's records are all held in memory at once")] = Field(200, ge=1)
     security: KafkaSecurity = Field(
         default_factory=KafkaSecurity, description="TLS / SASL settings; keys left out come from EMBER_KAFKA_* (see ember.rollouts.security)"
     )
@@ -57,7 +57,9 @@ class KafkaSettings(StrictModel):
 
 
 class GroupSettings(StrictModel):
-    size: int = Field(8, ge=1, description="samples per prompt group (N)")
+    size: Annotated[int, configs.at_most(4096, "a group's rollouts are held in memory until the group is judged")] = Field(
+        8, ge=1, description="samples per prompt group (N)"
+    )
     quorum: int | None = Field(None, ge=1, description="rewarded samples needed after the timeout; default: size")
     timeout_s: float = Field(600.0, gt=0, description="from the group's first rollout until it is cut at quorum")
 
@@ -81,6 +83,10 @@ class RewardSettings(StrictModel):
     )
     timeout_s: float = Field(900.0, gt=0, description="a rollout without its rewards this long after it arrived is unrewarded")
     orphan_timeout_s: float = Field(3600.0, gt=0, description="a reward whose rollout never arrives is dropped after this")
+    clip: float = Field(
+        1e6, gt=0, le=1e30,
+        description="combined rewards are clipped to [-clip, clip] before advantages (finite extremes cannot overflow them)",
+    )
 
 
 class TruncatedPolicy(str, Enum):
@@ -90,8 +96,13 @@ class TruncatedPolicy(str, Enum):
 
 
 class FilterSettings(StrictModel):
+    vocab_size: int = Field(
+        ..., ge=1, le=2**32, description="required: the policy's vocabulary; a rollout with a token id >= this is dead-lettered"
+    )
     max_policy_lag: int | None = Field(8, ge=0, description="drop rollouts this many versions behind the latest; null: never")
-    max_tokens: int = Field(65_536, ge=1, description="longer rollouts are dropped as overlong")
+    max_tokens: Annotated[int, configs.at_most(1 << 24, "a rollout longer than 16M tokens cannot fit one TrainBatch message")] = Field(
+        65_536, ge=1, description="longer rollouts are dropped as overlong"
+    )
     truncated: TruncatedPolicy = Field(TruncatedPolicy.DROP, description="what to do with truncated rollouts")
     truncated_penalty: float = Field(-1.0, description="added to the reward of a truncated rollout when truncated=penalize")
     drop_empty: bool = Field(True, description="drop rollouts with no policy tokens (loss_mask all 0)")
@@ -119,7 +130,9 @@ class AdvantageSettings(StrictModel):
 
 
 class BatchSettings(StrictModel):
-    token_budget: int = Field(65_536, ge=1, description="tokens per TrainBatch")
+    token_budget: Annotated[int, configs.at_most(1 << 24, "a TrainBatch is one Kafka message and one trainer step's tokens")] = Field(
+        65_536, ge=1, description="tokens per TrainBatch"
+    )
     min_fill: float = Field(0.9, gt=0, le=1, description="emit a batch once it holds this fraction of the budget")
     max_wait_s: float = Field(5.0, ge=0, description="emit a partial batch once its oldest group waited this long")
 
@@ -134,14 +147,15 @@ class MetricsSettings(StrictModel):
 
 
 class DeadLetterSettings(StrictModel):
-    max_message_bytes: int = Field(48 * 1024 * 1024, ge=1024, description="larger input messages are dead-lettered")
+    max_message_bytes: Annotated[int, configs.at_most(1 << 30, "a consumer holds a whole message in memory; Kafka refuses records near 2 GiB")] = Field(
+        48 * 1024 * 1024, ge=1024, description="larger input messages are dead-lettered")
 
 
 class EtlConfig(StrictModel):
-    kafka: KafkaSettings = Field(default_factory=KafkaSettings)
+    kafka: KafkaSettings
     groups: GroupSettings = Field(default_factory=GroupSettings)
     rewards: RewardSettings = Field(default_factory=RewardSettings)
-    filters: FilterSettings = Field(default_factory=FilterSettings)
+    filters: FilterSettings
     advantages: AdvantageSettings = Field(default_factory=AdvantageSettings)
     batches: BatchSettings = Field(default_factory=BatchSettings)
     commit: CommitSettings = Field(default_factory=CommitSettings)
@@ -172,10 +186,17 @@ class EtlConfig(StrictModel):
 
 
 EXAMPLE_HINT = "check the spelling; see ember/rollouts/etl.example.yaml"
+REQUIRED_KEYS = ("kafka.topic_prefix", "kafka.group_id", "filters.vocab_size")
 
 
 def parse_config(data: Any, source: str = "config") -> EtlConfig:
-    return configs.validate(EtlConfig, {} if data is None else data, source, configs.EtlConfigError, hint_unknown=EXAMPLE_HINT)
+    """The validated config; an empty one is refused, since defaults for topics and group would join a stranger's."""
+    if data is None or data == {}:
+        raise configs.EtlConfigError(
+            f"{source} is empty; an ETL config needs at least {', '.join(REQUIRED_KEYS)} "
+            "(see ember/rollouts/etl.example.yaml)"
+        )
+    return configs.validate(EtlConfig, data, source, configs.EtlConfigError, hint_unknown=EXAMPLE_HINT)
 
 
 def load_config(path: str | Path) -> EtlConfig:

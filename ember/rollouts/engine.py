@@ -13,6 +13,8 @@ a crash can always rebuild the whole group from uncommitted input.
 from __future__ import annotations
 
 import heapq
+import logging
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -33,11 +35,15 @@ from ember.rollouts.batching import (
     split_by_budget,
 )
 from ember.rollouts.config import EtlConfig, TruncatedPolicy
-from ember.rollouts.records import ClosedGroup, Outcome, ShardSnapshot, offsets_to_ranges, ranges_to_offsets
+from ember.rollouts.records import ClosedGroup, Outcome, Reason, ShardSnapshot, offsets_to_ranges, ranges_to_offsets
 from ember.rollouts.topics import Topics
 from ember.schemas import DecodeError, Reward, Rollout, SourceOffset, TrainBatch, decode
+from ember.schemas.errors import InvalidRecord
 
 ROLLOUTS, REWARDS = "rollouts", "rewards"
+MAX_DETAIL_CHARS = 1000  # free text from a message (decoder errors, keys) is cut to this in the ledger and headers
+
+log = logging.getLogger("ember.etl")
 
 
 def input_topics(topics: Topics) -> dict[str, str]:
@@ -60,8 +66,22 @@ class InputMessage:
 @dataclass(frozen=True)
 class DeadLetter:
     source: InputMessage
-    reason: str
+    reason: Reason
+    detail: str
     payload_kept: bool
+
+
+def short(text: str) -> str:
+    """Free text safe for a ledger record or a Kafka header: valid UTF-8, at most MAX_DETAIL_CHARS."""
+    return text.encode("utf-8", errors="backslashreplace").decode("utf-8")[:MAX_DETAIL_CHARS]
+
+
+class _Refused(Exception):
+    """Why a message goes to the dead-letter topic instead of into a group."""
+
+    def __init__(self, reason: Reason, detail: str, keep: bool = True):
+        super().__init__(detail)
+        self.reason, self.detail, self.keep = reason, detail, keep
 
 
 @dataclass
@@ -154,6 +174,7 @@ class ShardEngine:
         self.closed: OrderedDict[str, ClosedGroup] = OrderedDict()
         self._closed_delta: list[ClosedGroup] = []
         self.held: dict[str, set[int]] = {ROLLOUTS: set(), REWARDS: set()}
+        self._owners: dict[str, str] = {}  # rollout_id -> group of every open or finishing group's members
         self._deadlines: list[tuple[int, str]] = []
         self._dirty: set[str] = set()
         self._out = ShardOutput()
@@ -195,30 +216,49 @@ class ShardEngine:
             if message.offset < frontier and message.offset not in pending:
                 self._out.observations.append(("replay_skipped", 1.0))
                 return
-        limit = self.config.dead_letter.max_message_bytes
-        size = len(message.value or b"")
-        if size > limit:
-            self._dead_letter(message, f"oversized: {size} bytes > dead_letter.max_message_bytes {limit}", keep=False)
-            return
         try:
-            record = decode(message.value or b"")
-        except DecodeError as exc:
-            self._dead_letter(message, str(exc), keep=True)
+            record = self._admit(message, role)
+        except _Refused as refused:
+            self._dead_letter(message, refused.reason, refused.detail, keep=refused.keep)
             return
-        expected = Rollout if role == ROLLOUTS else Reward
-        if not isinstance(record, expected):
-            self._dead_letter(message, f"{type(record).__name__} on the {role} topic", keep=True)
-            return
-        if message.key != record.group_id.encode("utf-8"):
-            self._dead_letter(message, f"key {message.key!r} is not the group_id {record.group_id!r}", keep=True)
+        except Exception as exc:  # an input no check foresaw costs this one message, never the partition
+            log.exception("shard %d: %s@%d could not be admitted", self.shard, message.topic, message.offset)
+            self._dead_letter(message, Reason.INTERNAL_ERROR, repr(exc), keep=True)
             return
         if role == ROLLOUTS:
             self._ingest_rollout(message, record, now_ms)
         else:
             self._ingest_reward(message, record, now_ms)
 
-    def _dead_letter(self, message: InputMessage, reason: str, *, keep: bool) -> None:
-        self._out.dead_letters.append(DeadLetter(message, reason, keep))
+    def _admit(self, message: InputMessage, role: str) -> Rollout | Reward:
+        """The message's record if it may join a group, else `_Refused`; changes no state."""
+        limit = self.config.dead_letter.max_message_bytes
+        size = len(message.value or b"")
+        if size > limit:
+            raise _Refused(Reason.OVERSIZED, f"{size} bytes > dead_letter.max_message_bytes {limit}", keep=False)
+        try:
+            record = decode(message.value or b"")
+        except InvalidRecord as exc:
+            raise _Refused(Reason.INVALID_RECORD, str(exc)) from None
+        except DecodeError as exc:
+            raise _Refused(Reason.MALFORMED, str(exc)) from None
+        expected = Rollout if role == ROLLOUTS else Reward
+        if not isinstance(record, expected):
+            raise _Refused(Reason.WRONG_TOPIC, f"{type(record).__name__} on the {role} topic")
+        if message.key != record.group_id.encode("utf-8"):
+            raise _Refused(Reason.KEY_MISMATCH, f"key {message.key!r} is not the group_id {record.group_id!r}")
+        vocab = self.config.filters.vocab_size
+        if isinstance(record, Rollout) and record.num_tokens and int(record.tokens.max()) >= vocab:
+            position = int(np.argmax(record.tokens >= vocab))
+            raise _Refused(
+                Reason.TOKEN_OUT_OF_VOCAB,
+                f"token id {int(record.tokens[position])} at position {position} >= filters.vocab_size {vocab}",
+            )
+        return record
+
+    def _dead_letter(self, message: InputMessage, reason: Reason, detail: str, *, keep: bool) -> None:
+        detail = short(detail)
+        self._out.dead_letters.append(DeadLetter(message, reason, detail, keep))
         self._out.outcomes.append(
             Outcome(
                 "dead_letter",
@@ -228,6 +268,7 @@ class ShardEngine:
                 topic=message.topic,
                 partition=message.partition,
                 offset=message.offset,
+                detail={"error": detail},
             )
         )
 
@@ -243,7 +284,7 @@ class ShardEngine:
             group = self.groups[group_id] = _Group(group_id)
         return group
 
-    def _rollout_outcome(self, reason: str, rollout: Rollout, offset: int, at_ms: int, **detail: object) -> Outcome:
+    def _rollout_outcome(self, reason: Reason, rollout: Rollout, offset: int, at_ms: int, **detail: object) -> Outcome:
         return Outcome(
             "rollout_dropped",
             reason,
@@ -258,7 +299,7 @@ class ShardEngine:
             detail=dict(detail),
         )
 
-    def _reward_outcome(self, reason: str, reward: Reward, offset: int, at_ms: int, **detail: object) -> Outcome:
+    def _reward_outcome(self, reason: Reason, reward: Reward, offset: int, at_ms: int, **detail: object) -> Outcome:
         return Outcome(
             "reward_dropped",
             reason,
@@ -275,25 +316,33 @@ class ShardEngine:
     def _ingest_rollout(self, message: InputMessage, rollout: Rollout, now_ms: int) -> None:
         closed_ids = self._is_closed(rollout.group_id)
         if closed_ids is not None:
-            reason = "duplicate" if rollout.rollout_id in closed_ids else "late_rollout"
+            reason = Reason.DUPLICATE if rollout.rollout_id in closed_ids else Reason.LATE_ROLLOUT
             self._out.outcomes.append(self._rollout_outcome(reason, rollout, message.offset, now_ms))
+            return
+        owner = self._owners.get(rollout.rollout_id)
+        if owner is not None and owner != rollout.group_id:
+            # two groups sharing a rollout id could meet in one batch: ids must be unique there
+            self._out.outcomes.append(
+                self._rollout_outcome(Reason.ROLLOUT_ID_CONFLICT, rollout, message.offset, now_ms, other_group=owner)
+            )
             return
         group = self._open_group(rollout.group_id)
         if rollout.rollout_id in group.members:
-            self._out.outcomes.append(self._rollout_outcome("duplicate", rollout, message.offset, now_ms))
+            self._out.outcomes.append(self._rollout_outcome(Reason.DUPLICATE, rollout, message.offset, now_ms))
             return
         if len(group.members) >= self.config.groups.size:
             self._out.outcomes.append(
-                self._rollout_outcome("group_overflow", rollout, message.offset, now_ms, size=self.config.groups.size)
+                self._rollout_outcome(Reason.GROUP_OVERFLOW, rollout, message.offset, now_ms, size=self.config.groups.size)
             )
             return
         member = _Member(rollout, message.offset, message.timestamp_ms)
         group.members[rollout.rollout_id] = member
+        self._owners[rollout.rollout_id] = rollout.group_id
         self.held[ROLLOUTS].add(message.offset)
         for grader, hold in group.early.pop(rollout.rollout_id, {}).items():
             if hold.timestamp_ms >= self._reward_deadline(member):
                 self.held[REWARDS].discard(hold.offset)
-                self._out.outcomes.append(self._reward_outcome("late_reward", hold.reward, hold.offset, now_ms))
+                self._out.outcomes.append(self._reward_outcome(Reason.LATE_REWARD, hold.reward, hold.offset, now_ms))
             else:
                 member.rewards[grader] = hold
         for hold in member.rewards.values():
@@ -307,19 +356,19 @@ class ShardEngine:
     def _ingest_reward(self, message: InputMessage, reward: Reward, now_ms: int) -> None:
         graders = self.config.rewards.graders
         if graders and reward.grader not in graders:
-            self._out.outcomes.append(self._reward_outcome("unknown_grader", reward, message.offset, now_ms))
+            self._out.outcomes.append(self._reward_outcome(Reason.UNKNOWN_GRADER, reward, message.offset, now_ms))
             return
         if self._is_closed(reward.group_id) is not None:
-            self._out.outcomes.append(self._reward_outcome("late_reward", reward, message.offset, now_ms))
+            self._out.outcomes.append(self._reward_outcome(Reason.LATE_REWARD, reward, message.offset, now_ms))
             return
         group = self._open_group(reward.group_id)
         member = group.members.get(reward.rollout_id)
         target = member.rewards if member is not None else group.early.setdefault(reward.rollout_id, {})
         if reward.grader in target:
-            self._out.outcomes.append(self._reward_outcome("duplicate_reward", reward, message.offset, now_ms))
+            self._out.outcomes.append(self._reward_outcome(Reason.DUPLICATE_REWARD, reward, message.offset, now_ms))
             return
         if member is not None and message.timestamp_ms >= self._reward_deadline(member):
-            self._out.outcomes.append(self._reward_outcome("late_reward", reward, message.offset, now_ms))
+            self._out.outcomes.append(self._reward_outcome(Reason.LATE_REWARD, reward, message.offset, now_ms))
             return
         target[reward.grader] = _RewardHold(reward, message.offset, message.timestamp_ms)
         self.held[REWARDS].add(message.offset)
@@ -370,21 +419,21 @@ class ShardEngine:
         if force or complete or now_ms >= deadline:
             self._finalize(group, now_ms, latest_policy)
 
-    def _filter(self, member: _Member, now_ms: int, latest_policy: int | None) -> tuple[str | None, dict]:
+    def _filter(self, member: _Member, now_ms: int, latest_policy: int | None) -> tuple[Reason | None, dict]:
         rollout, filters = member.rollout, self.config.filters
         if filters.drop_empty and not rollout.loss_mask.any():
-            return "empty", {}
+            return Reason.EMPTY, {}
         if rollout.finish_reason in filters.drop_finish_reasons:
-            return f"finish_{rollout.finish_reason}", {}
+            return Reason.finish(rollout.finish_reason), {}
         if rollout.num_tokens > filters.max_tokens:
-            return "overlong", {"max_tokens": filters.max_tokens}
+            return Reason.OVERLONG, {"max_tokens": filters.max_tokens}
         if rollout.truncated and filters.truncated is TruncatedPolicy.DROP:
-            return "truncated", {}
+            return Reason.TRUNCATED, {}
         lag, age_s = staleness(rollout.policy_version, latest_policy, rollout.created_at_us, now_ms * 1000)
         if filters.max_policy_lag is not None and lag > filters.max_policy_lag:
-            return "stale", {"lag_versions": lag, "age_s": round(age_s, 3), "max_policy_lag": filters.max_policy_lag}
+            return Reason.STALE, {"lag_versions": lag, "age_s": round(age_s, 3), "max_policy_lag": filters.max_policy_lag}
         if not self._rewarded(member):
-            return "unrewarded", {"graders": sorted(member.rewards)}
+            return Reason.UNREWARDED, {"graders": sorted(member.rewards)}
         return None, {}
 
     def _reward_value(self, member: _Member) -> float:
@@ -450,13 +499,16 @@ class ShardEngine:
                 try:
                     value = self._reward_value(member)
                 except KeyError as exc:
-                    reason, detail = "reward_incomplete", {"error": str(exc)}
+                    reason, detail = Reason.REWARD_INCOMPLETE, {"error": short(str(exc))}
+                else:
+                    if not math.isfinite(value):
+                        reason, detail = Reason.REWARD_NOT_FINITE, {"reward": str(value)}
             if reason is None:
                 mine = expert_signature(member.rollout)
                 if signature == "unset":
                     signature = mine
                 elif mine != signature:
-                    reason, detail = "routed_experts_mismatch", {"expected": str(signature), "got": str(mine)}
+                    reason, detail = Reason.ROUTED_EXPERTS_MISMATCH, {"expected": str(signature), "got": str(mine)}
             if reason is None:
                 valid.append((member, value))
             else:
@@ -464,7 +516,7 @@ class ShardEngine:
         for holds in group.early.values():
             for hold in holds.values():
                 held[REWARDS].append(hold.offset)
-                outcomes.append(self._reward_outcome("orphan_reward", hold.reward, hold.offset, now_ms))
+                outcomes.append(self._reward_outcome(Reason.ORPHAN_REWARD, hold.reward, hold.offset, now_ms))
         return valid, outcomes, held, signature
 
     def _score(
@@ -477,19 +529,30 @@ class ShardEngine:
             for member, _ in valid:
                 outcomes.append(
                     self._rollout_outcome(
-                        "below_quorum", member.rollout, member.offset, now_ms,
+                        Reason.BELOW_QUORUM, member.rollout, member.offset, now_ms,
                         usable=len(valid), quorum=self.config.groups.min_samples,
                     )
                 )
             return []
-        rewards = np.array([v for _, v in valid], dtype=np.float64)
+        raw = np.array([v for _, v in valid], dtype=np.float64)
+        clip = self.config.rewards.clip
+        rewards = np.clip(raw, -clip, clip)
+        clipped = int(np.count_nonzero(rewards != raw))
+        if clipped:
+            self._out.observations.append(("rewards_clipped", float(clipped)))
         settings = self.config.advantages
         if settings.drop_zero_variance and is_zero_variance(rewards):
             for member, value in valid:
-                outcomes.append(self._rollout_outcome("zero_variance", member.rollout, member.offset, now_ms, reward=value))
+                outcomes.append(self._rollout_outcome(Reason.ZERO_VARIANCE, member.rollout, member.offset, now_ms, reward=value))
             return []
-        advantages = group_advantages(rewards, settings.estimator, settings.epsilon)
-        for (member, value), advantage in zip(valid, advantages):
+        advantages = group_advantages(rewards, settings.estimator, settings.epsilon).astype(np.float32)
+        if not np.all(np.isfinite(advantages)):
+            for member, value in valid:
+                outcomes.append(
+                    self._rollout_outcome(Reason.ADVANTAGE_NOT_FINITE, member.rollout, member.offset, now_ms, reward=value)
+                )
+            return []
+        for (member, _), value, advantage in zip(valid, rewards.tolist(), advantages):
             lag, age_s = staleness(member.rollout.policy_version, latest_policy, member.rollout.created_at_us, now_ms * 1000)
             self._out.observations += [
                 ("reward", value),
@@ -504,6 +567,9 @@ class ShardEngine:
         for role, offsets in finished.held.items():
             self.held[role].difference_update(offsets)
         self.finishing.pop(finished.group_id, None)
+        for rollout_id in finished.rollout_ids:
+            if self._owners.get(rollout_id) == finished.group_id:
+                del self._owners[rollout_id]
         if finished.rollout_ids:
             closed = ClosedGroup(finished.group_id, now_ms, finished.rollout_ids)
             self._remember_closed(closed)
@@ -570,7 +636,7 @@ class ShardEngine:
         versions = batch.policy_versions
         return Outcome(
             "batch",
-            "batched",
+            Reason.BATCHED,
             self.shard,
             now_ms,
             tokens=int(len(batch.tokens)),

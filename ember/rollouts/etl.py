@@ -31,7 +31,7 @@ from ember.rollouts.config import EtlConfig
 from ember.rollouts.engine import REWARDS, ROLLOUTS, InputMessage, ShardEngine, ShardOutput, StateMismatch, input_topics
 from ember.rollouts.faults import crash_point
 from ember.rollouts.metrics import EtlMetrics
-from ember.rollouts.records import ClosedGroup, PolicyVersion, ShardSnapshot
+from ember.rollouts.records import ClosedGroup, PolicyVersion, Reason, ShardSnapshot
 from ember.rollouts.security import KafkaSecurity
 from ember.rollouts.topics import Topics
 from ember.rollouts.admin import describe_topics, ensure_topics
@@ -207,11 +207,14 @@ class EtlService:
     def run(self, stop: threading.Event | None = None, *, until_idle_s: float | None = None) -> None:
         """Process until `stop` is set, or (with `until_idle_s`) until nothing is pending and no input came for that long."""
         stop = stop or threading.Event()
-        prepare_topics(self.config)
+        prepared = False
         failures = 0
         try:
             while not stop.is_set():
                 try:
+                    if not prepared:  # inside the retry: a broker that is (re)starting is waited for, not fatal
+                        prepare_topics(self.config)
+                        prepared = True
                     self._connect()
                     failures = 0
                     while not stop.is_set():
@@ -479,7 +482,8 @@ class EtlService:
         for dead in output.dead_letters:
             source = dead.source
             headers = [
-                ("ember.reason", dead.reason.encode("utf-8", errors="replace")),
+                ("ember.reason", dead.reason.value.encode()),
+                ("ember.detail", dead.detail.encode("utf-8", errors="replace")),
                 ("ember.source_topic", source.topic.encode()),
                 ("ember.source_partition", str(source.partition).encode()),
                 ("ember.source_offset", str(source.offset).encode()),
@@ -502,9 +506,10 @@ class EtlService:
             m.batch_tokens.inc(len(emitted.batch.tokens))
             m.batch_latency.observe(max(0.0, now_ms - emitted.last_reward_ms) / 1e3)
         for outcome in output.outcomes:
-            m.outcomes.labels(outcome.kind, outcome.reason).inc()
+            reason = Reason(outcome.reason).value  # a closed set: never message content in a label
+            m.outcomes.labels(outcome.kind, reason).inc()
             if outcome.kind == "rollout_dropped":
-                m.dropped_tokens.labels(outcome.reason).inc(outcome.tokens)
+                m.dropped_tokens.labels(reason).inc(outcome.tokens)
         for name, value in output.observations:
             m.observe(name, value)
 

@@ -1,7 +1,9 @@
 """Prometheus metrics of one ETL process: is data flowing, what is dropped and why, how stale it is.
 
 Each service owns its registry (several ETLs can run in one test process); `serve` exposes it.
-Counters move only after a transaction commits, so a crash never counts anything twice.
+Counters move only after a transaction commits, so a crash never counts anything twice. Label values
+come from closed sets (topic names of the config, `Reason`), never from message content: what a
+message said goes to the ledger and the dead-letter headers.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class EtlMetrics:
         r = self.registry
         self.messages = Counter("ember_etl_messages", "Input messages consumed", ["topic"], registry=r)
         self.replay_skipped = Counter("ember_etl_replay_skipped", "Messages skipped on recovery (already in output)", registry=r)
+        self.rewards_clipped = Counter("ember_etl_rewards_clipped", "Combined rewards clipped to rewards.clip", registry=r)
         self.outcomes = Counter("ember_etl_outcomes", "Ledger outcomes committed", ["kind", "reason"], registry=r)
         self.batches = Counter("ember_etl_batches", "TrainBatches committed", registry=r)
         self.batch_rollouts = Counter("ember_etl_batched_rollouts", "Rollouts in committed batches", registry=r)
@@ -49,6 +52,8 @@ class EtlMetrics:
     def observe(self, name: str, value: float) -> None:
         if name == "replay_skipped":
             self.replay_skipped.inc(value)
+        elif name == "rewards_clipped":
+            self.rewards_clipped.inc(value)
         else:
             self.histograms[name].observe(value)
 

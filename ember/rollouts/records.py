@@ -12,9 +12,63 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from typing import Any
 
+from ember.schemas.codec import INT64_MAX, parse_json
+
 OUTCOME_KINDS = ("batch", "rollout_dropped", "reward_dropped", "dead_letter")
+
+
+class Reason(str, Enum):
+    """Every reason an outcome can carry: a closed set, so a reason is safe as a metrics label.
+
+    What varies per message (the decoder's message, the offending key) goes to the outcome's
+    `detail` and the dead letter's headers, never into the reason.
+    """
+
+    BATCHED = "batched"
+    # rollout_dropped
+    DUPLICATE = "duplicate"
+    LATE_ROLLOUT = "late_rollout"
+    GROUP_OVERFLOW = "group_overflow"
+    ROLLOUT_ID_CONFLICT = "rollout_id_conflict"
+    EMPTY = "empty"
+    FINISH_STOP = "finish_stop"
+    FINISH_LENGTH = "finish_length"
+    FINISH_TOOL_ERROR = "finish_tool_error"
+    FINISH_ABORT = "finish_abort"
+    FINISH_TIMEOUT = "finish_timeout"
+    OVERLONG = "overlong"
+    TRUNCATED = "truncated"
+    STALE = "stale"
+    UNREWARDED = "unrewarded"
+    REWARD_INCOMPLETE = "reward_incomplete"
+    REWARD_NOT_FINITE = "reward_not_finite"
+    ADVANTAGE_NOT_FINITE = "advantage_not_finite"
+    ROUTED_EXPERTS_MISMATCH = "routed_experts_mismatch"
+    BELOW_QUORUM = "below_quorum"
+    ZERO_VARIANCE = "zero_variance"
+    # reward_dropped
+    UNKNOWN_GRADER = "unknown_grader"
+    LATE_REWARD = "late_reward"
+    DUPLICATE_REWARD = "duplicate_reward"
+    ORPHAN_REWARD = "orphan_reward"
+    # dead_letter
+    OVERSIZED = "oversized"
+    MALFORMED = "malformed"
+    INVALID_RECORD = "invalid_record"
+    WRONG_TOPIC = "wrong_topic"
+    KEY_MISMATCH = "key_mismatch"
+    TOKEN_OUT_OF_VOCAB = "token_out_of_vocab"
+    INTERNAL_ERROR = "internal_error"
+
+    @staticmethod
+    def finish(finish_reason: str) -> "Reason":
+        return Reason(f"finish_{finish_reason}")
+
+
+REASONS = frozenset(r.value for r in Reason)
 
 
 def _dumps(value: dict[str, Any]) -> bytes:
@@ -22,10 +76,7 @@ def _dumps(value: dict[str, Any]) -> bytes:
 
 
 def _loads(raw: bytes | None, what: str) -> dict[str, Any]:
-    try:
-        value = json.loads(raw or b"")
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{what} is not valid JSON: {exc}") from None
+    value = parse_json(raw or b"", what)  # DecodeError is a ValueError: bounded depth, ints, Unicode
     if not isinstance(value, dict):
         raise ValueError(f"{what} must be a JSON object, got {type(value).__name__}")
     return value
@@ -47,7 +98,11 @@ class Outcome:
 
     def __post_init__(self) -> None:
         if self.kind not in OUTCOME_KINDS:
-            raise ValueError(f"outcome kind '{self.kind}' not in {OUTCOME_KINDS}")
+            raise ValueError(f"outcome kind {str(self.kind)[:40]!r} not in {OUTCOME_KINDS}")
+        reason = self.reason.value if isinstance(self.reason, Reason) else self.reason
+        if reason not in REASONS:
+            raise ValueError(f"outcome reason {str(reason)[:40]!r} is not a Reason")
+        object.__setattr__(self, "reason", reason)  # the plain string: it is written as JSON and compared as text
 
     def encode(self) -> bytes:
         return _dumps(asdict(self))
@@ -73,10 +128,10 @@ class PolicyVersion:
     def decode(raw: bytes | None) -> "PolicyVersion":
         value = _loads(raw, "policy-version record")
         version, published = value.get("policy_version"), value.get("published_at_us", 0)
-        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-            raise ValueError(f"policy_version must be an integer >= 0, got {version!r}")
-        if not isinstance(published, int):
-            raise ValueError(f"published_at_us must be an integer, got {published!r}")
+        if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version <= INT64_MAX:
+            raise ValueError(f"policy_version must be an integer in [0, 2**63 - 1], got {str(version)[:40]}")
+        if not isinstance(published, int) or abs(published) > INT64_MAX:
+            raise ValueError(f"published_at_us must be an int64, got {str(published)[:40]}")
         return PolicyVersion(version, published)
 
     @staticmethod
@@ -143,5 +198,5 @@ class ShardSnapshot:
                 closed=tuple(ClosedGroup(str(g), int(t), tuple(ids)) for g, t, ids in value["closed"]),
                 etl_instance=str(value.get("etl_instance", "")),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"ETL state snapshot is malformed ({exc!r}); was it written by another tool?") from None

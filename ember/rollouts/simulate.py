@@ -24,6 +24,7 @@ from ember.schemas.codec import encode
 from ember.schemas.rollouts import Reward, Rollout, Turn, routed_experts_dtype
 
 REGIONS = ("us-east", "eu-west", "ap-south")
+SIMULATED_VOCAB = 151_000  # token ids of simulated rollouts lie below this: an ETL config for them names it
 
 
 def distinct_top_k(rng: np.random.Generator, shape: tuple[int, ...], top_k: int, num_experts: int) -> np.ndarray:
@@ -44,7 +45,7 @@ def synthetic_rollout(
     num_tokens: int = 8192,
     prompt_tokens: int = 512,
     turns: int = 4,
-    vocab_size: int = 151_000,
+    vocab_size: int = SIMULATED_VOCAB,
     layers: int | None = 61,
     top_k: int = 8,
     num_experts: int = 256,

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from typing import Any, Callable
 
 import numpy as np
 
-from ember.schemas.errors import DecodeError
+from ember.schemas.errors import DecodeError, InvalidRecord
 from ember.schemas.rollouts import TURN_ROLES, Reward, Rollout, SourceOffset, TrainBatch, Turn
 
 MAGIC = b"EMBR"
@@ -35,6 +36,11 @@ _HEADER = struct.Struct("<4sBBHI")
 _U32 = struct.Struct("<I")
 _U16 = struct.Struct("<H")
 _MAX_NDIM = 4
+MAX_JSON_DEPTH = 32
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_OPENERS = np.frombuffer(b"[{", dtype=np.uint8)
+_CLOSERS = np.frombuffer(b"]}", dtype=np.uint8)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 _DTYPE_CODES: dict[np.dtype, int] = {
     np.dtype("<u1"): 1,
@@ -56,7 +62,11 @@ def _pad(n: int) -> int:
 
 
 def _encode(kind: int, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> bytes:
-    meta_bytes = json.dumps(meta, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    return _frame(kind, json.dumps(meta, separators=(",", ":"), allow_nan=False).encode("utf-8"), arrays)
+
+
+def _frame(kind: int, meta_bytes: bytes, arrays: dict[str, np.ndarray]) -> bytes:
+    """One message around already-serialised meta (tests use it to frame meta no encoder would write)."""
     table = [_U32.pack(len(meta_bytes)), meta_bytes, _U16.pack(len(arrays))]
     payloads: list[bytes | memoryview] = []
     for name, array in arrays.items():
@@ -75,6 +85,62 @@ def _encode(kind: int, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> b
     if body_len >= 2**32:
         raise ValueError(f"{KIND_NAMES[kind]} message of {body_len} bytes exceeds the 4 GiB wire limit")
     return b"".join([_HEADER.pack(MAGIC, WIRE_VERSION, kind, 0, body_len), *body_parts])
+
+
+def _nesting_depth(raw: bytes) -> int:
+    """Deepest bracket nesting of a JSON text, measured without recursion.
+
+    `json.loads` recurses once per level and hits the interpreter's recursion limit (RecursionError)
+    long before memory runs out, so depth is bounded before parsing. Brackets inside strings do not
+    count; string literals are removed first (the alternatives of the pattern are disjoint, so the
+    scan is linear).
+    """
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+        return 0
+    structure = np.frombuffer(_JSON_STRING.sub(b"", raw), dtype=np.uint8)
+    steps = np.isin(structure, _OPENERS).astype(np.int64) - np.isin(structure, _CLOSERS)
+    return int(np.cumsum(steps).max(initial=0))
+
+
+def _unencodable_string(value: Any) -> str | None:
+    """The first string (key or value) in a parsed JSON value that is not valid Unicode, if any.
+
+    JSON escapes can spell lone surrogates (`"\\ud800"`) that no UTF-8 encoder accepts: such an id
+    would fail later, far from here, when it becomes a Kafka key or a ledger record.
+    """
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return ascii(item[:40])
+    return None
+
+
+def parse_json(raw: bytes, what: str) -> Any:
+    """Parse JSON that came from the wire; raises only DecodeError (a ValueError).
+
+    UTF-8 only (no encoding sniffing), nesting at most MAX_JSON_DEPTH deep, integers of at most 4300
+    digits (Python's own limit, otherwise a bare ValueError), every string valid Unicode.
+    """
+    depth = _nesting_depth(raw)
+    if depth > MAX_JSON_DEPTH:
+        raise DecodeError(f"{what} is nested {depth} levels deep (at most {MAX_JSON_DEPTH})")
+    try:
+        value = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise DecodeError(f"{what} is not valid UTF-8 JSON: {exc}") from None
+    bad = _unencodable_string(value)
+    if bad is not None:
+        raise DecodeError(f"{what} holds a string that is not valid Unicode (lone surrogate): {bad}")
+    return value
 
 
 class _Reader:
@@ -113,10 +179,7 @@ def _decode(message: bytes | bytearray | memoryview) -> tuple[int, dict[str, Any
         raise DecodeError(f"length mismatch: header says {body_len} body bytes, message has {len(body)}")
     reader = _Reader(body)
     (meta_len,) = reader.unpack(_U32, "meta length")
-    try:
-        meta = json.loads(bytes(reader.take(meta_len, "meta")))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DecodeError(f"meta is not valid UTF-8 JSON: {exc}") from None
+    meta = parse_json(bytes(reader.take(meta_len, "meta")), "meta")
     if not isinstance(meta, dict):
         raise DecodeError(f"meta must be a JSON object, got {type(meta).__name__}")
     (count,) = reader.unpack(_U16, "array count")
@@ -154,6 +217,10 @@ def _field(meta: dict[str, Any], key: str, kind: type | tuple[type, ...], defaul
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         names = " or ".join(k.__name__ for k in kinds)
         raise DecodeError(f"field '{key}' must be {names}, got {type(value).__name__}")
+    if isinstance(value, int) and not isinstance(value, bool) and not INT64_MIN <= value <= INT64_MAX:
+        raise DecodeError(f"field '{key}' is an integer of {value.bit_length()} bits, outside int64")
+    if isinstance(value, list) and not all(isinstance(item, str) for item in value):
+        raise DecodeError(f"field '{key}' must be a list of strings")
     return value
 
 
@@ -240,7 +307,7 @@ def encode_reward(reward: Reward) -> bytes:
 def _reward_from(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Reward:
     names = _field(meta, "component_names", list, [])
     values = _array(arrays, "component_values", "float64", 1)
-    if len(names) != len(values) or not all(isinstance(n, str) for n in names):
+    if len(names) != len(values):
         raise DecodeError(f"{len(names)} component names for {len(values)} component values")
     return Reward(
         rollout_id=_field(meta, "rollout_id", str),
@@ -282,8 +349,6 @@ def _train_batch_from(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Tr
     if offsets.shape[1:] != (3,) or len(topics) != len(offsets):
         raise DecodeError(f"source_offsets shape {offsets.shape} does not match {len(topics)} topics")
     rollout_ids = _field(meta, "rollout_ids", list)
-    if not all(isinstance(r, str) for r in rollout_ids):
-        raise DecodeError("field 'rollout_ids' must be a list of strings")
     return TrainBatch(
         batch_id=_field(meta, "batch_id", str),
         step=_field(meta, "step", int),
@@ -308,7 +373,10 @@ _BUILDERS: dict[int, Callable[[dict[str, Any], dict[str, np.ndarray]], Any]] = {
 
 
 def decode(message: bytes | bytearray | memoryview, *, validate: bool = True) -> Rollout | Reward | TrainBatch:
-    """Decode any ember message; raises only DecodeError.
+    """Decode any ember message; raises only DecodeError, for any bytes at all.
+
+    Structure, sizes, integer ranges (int64) and Unicode are always checked; InvalidRecord (a
+    DecodeError) names the schema issues of a well-formed record.
 
     `validate=False` skips the schema checks (structure is always checked): for re-reading data this
     process already validated, e.g. replaying its own output topic.
@@ -317,7 +385,7 @@ def decode(message: bytes | bytearray | memoryview, *, validate: bool = True) ->
     record = _BUILDERS[kind](meta, arrays)
     issues = record.issues() if validate else []
     if issues:
-        raise DecodeError(f"invalid {KIND_NAMES[kind]}: " + "; ".join(str(i) for i in issues))
+        raise InvalidRecord(f"invalid {KIND_NAMES[kind]}: " + "; ".join(str(i) for i in issues))
     return record
 
 

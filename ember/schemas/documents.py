@@ -76,6 +76,7 @@ CLUSTER_SCHEMA = versioned_schema(
 CORPUS_TABLES = {"documents": DOCUMENT_SCHEMA, "rejects": REJECTED_SCHEMA, "clusters": CLUSTER_SCHEMA}
 STATS_FILE = "stats.json"
 REPORT_FILE = "report.md"
+REPORT_HTML_FILE = "report.html"
 
 
 def normalize_for_hash(text: str) -> str:

@@ -27,6 +27,10 @@ class DecodeError(ValueError):
     """The one exception the wire codec raises for bytes it cannot decode."""
 
 
+class InvalidRecord(DecodeError):
+    """Well-formed bytes whose record breaks its schema (a non-finite log-prob, an empty id, ...)."""
+
+
 def raise_if_issues(record: str, issues: list[FieldIssue]) -> None:
     if issues:
         raise SchemaValidationError(record, issues)

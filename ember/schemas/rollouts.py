@@ -21,6 +21,8 @@ TRAIN_BATCH_SCHEMA_VERSION = 1
 TURN_ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool", "summary")
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "tool_error", "abort", "timeout")
 MAX_EXPERTS_UINT8 = 256
+MAX_ID_CHARS = 256  # ids and names become Kafka keys and ledger fields: bounded, so one record stays small
+INT64_MAX = 2**63 - 1
 
 
 def routed_experts_dtype(num_experts: int) -> np.dtype:
@@ -54,6 +56,23 @@ def _array_issues(name: str, array: object, dtype: np.dtype, length: int | None)
     return issues
 
 
+def _name_issues(record: object, names: tuple[str, ...], *, required: bool = True) -> list[FieldIssue]:
+    found = []
+    for name in names:
+        value = getattr(record, name)
+        if required and not value:
+            found.append(FieldIssue(name, "must be non-empty"))
+        elif len(value) > MAX_ID_CHARS:
+            found.append(FieldIssue(name, f"has {len(value)} characters (at most {MAX_ID_CHARS})"))
+    return found
+
+
+def _int64_issue(name: str, value: int, low: int = 0) -> list[FieldIssue]:
+    if not low <= int(value) <= INT64_MAX:
+        return [FieldIssue(name, f"must be in [{low}, 2**63 - 1], got {value}")]
+    return []
+
+
 @dataclass
 class Rollout:
     rollout_id: str
@@ -77,14 +96,12 @@ class Rollout:
         return int(len(self.tokens))
 
     def issues(self) -> list[FieldIssue]:
-        found: list[FieldIssue] = []
-        for name in ("rollout_id", "group_id", "prompt_id", "sampler"):
-            if not getattr(self, name):
-                found.append(FieldIssue(name, "must be non-empty"))
-        if self.policy_version < 0:
-            found.append(FieldIssue("policy_version", f"must be >= 0, got {self.policy_version}"))
+        found = _name_issues(self, ("rollout_id", "group_id", "prompt_id", "sampler"))
+        found += _name_issues(self, ("region",), required=False)
+        found += _int64_issue("policy_version", self.policy_version)
+        found += _int64_issue("created_at_us", self.created_at_us, low=-INT64_MAX)
         if self.finish_reason not in FINISH_REASONS:
-            found.append(FieldIssue("finish_reason", f"'{self.finish_reason}' not in {FINISH_REASONS}"))
+            found.append(FieldIssue("finish_reason", f"{self.finish_reason[:40]!r} not in {FINISH_REASONS}"))
         found += _array_issues("tokens", self.tokens, np.dtype(np.uint32), None)
         if found:
             return found
@@ -94,9 +111,10 @@ class Rollout:
         if not found:
             if np.any(self.loss_mask > 1):
                 found.append(FieldIssue("loss_mask", "values must be 0 or 1"))
-            trained = self.sampler_logprobs[self.loss_mask.astype(bool)]
-            if not np.all(np.isfinite(trained)) or np.any(trained > 0):
-                found.append(FieldIssue("sampler_logprobs", "policy tokens need finite log-probs <= 0"))
+            if not np.all(np.isfinite(self.sampler_logprobs)):
+                found.append(FieldIssue("sampler_logprobs", "must be finite on every token (prompt tokens carry 0)"))
+            elif np.any(self.sampler_logprobs[self.loss_mask.astype(bool)] > 0):
+                found.append(FieldIssue("sampler_logprobs", "policy tokens need log-probs <= 0"))
         if not 0 <= self.prompt_tokens <= n:
             found.append(FieldIssue("prompt_tokens", f"{self.prompt_tokens} outside [0, {n}]"))
         if self.routed_experts is not None:
@@ -132,7 +150,11 @@ class Reward:
     components: dict[str, float] = field(default_factory=dict)
 
     def issues(self) -> list[FieldIssue]:
-        found = [FieldIssue(n, "must be non-empty") for n in ("rollout_id", "group_id", "grader") if not getattr(self, n)]
+        found = _name_issues(self, ("rollout_id", "group_id", "grader"))
+        found += _int64_issue("created_at_us", self.created_at_us, low=-INT64_MAX)
+        long_names = [n for n in self.components if len(n) > MAX_ID_CHARS]
+        if long_names:
+            found.append(FieldIssue("components", f"{len(long_names)} names longer than {MAX_ID_CHARS} characters"))
         if not np.isfinite(self.score):
             found.append(FieldIssue("score", f"must be finite, got {self.score}"))
         for name, value in self.components.items():
@@ -188,6 +210,12 @@ class TrainBatch:
             cu = self.cu_seqlens
             if cu[0] != 0 or cu[-1] != n or np.any(np.diff(cu) <= 0):
                 found.append(FieldIssue("cu_seqlens", f"must rise strictly from 0 to {n}"))
+            for name in ("advantages", "sampler_logprobs"):
+                if not np.all(np.isfinite(getattr(self, name))):
+                    found.append(FieldIssue(name, "must be finite on every token"))
+            if np.any(self.policy_versions < 0):
+                found.append(FieldIssue("policy_versions", "must be >= 0"))
+        found += _int64_issue("step", self.step)
         if self.routed_experts is not None and (
             self.routed_experts.ndim != 3 or self.routed_experts.shape[0] != n
         ):

@@ -7,15 +7,15 @@ manifest is written last and atomically (`write_manifest`).
 from __future__ import annotations
 
 import json
-import os
-import tempfile
-from pathlib import Path
+from collections import Counter
+from pathlib import Path, PurePosixPath
 from typing import Literal
 
 import numpy as np
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ember.files import write_atomically
 from ember.schemas.errors import FieldIssue, SchemaValidationError
 from ember.schemas.versioning import versioned_schema
 
@@ -92,6 +92,22 @@ class ShardEntry(BaseModel):
     bytes: int = Field(gt=0)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
+    @field_validator("path")
+    @classmethod
+    def _inside_the_set(cls, path: str) -> str:
+        """A normalized relative POSIX name: every reader joins it to the set's directory, so an
+        absolute path or a `..` would make verify, export and training read a file outside the set."""
+        if "\x00" in path or "\\" in path:
+            raise ValueError(f"{path!r}: must be a relative name inside the shard set (no NUL or backslash)")
+        pure = PurePosixPath(path)
+        if pure.is_absolute():
+            raise ValueError(f"{path!r}: must be a relative name inside the shard set, not an absolute path")
+        if ".." in pure.parts:
+            raise ValueError(f"{path!r}: must be a relative name inside the shard set (no '..' components)")
+        if str(pure) != path or path.endswith("/"):
+            raise ValueError(f"{path!r}: must be a normalized relative name (no '.', empty or trailing components)")
+        return path
+
 
 class Manifest(BaseModel):
     """The contract between `ember corpus` (writer) and `midtrain` (reader)."""
@@ -118,6 +134,11 @@ class Manifest(BaseModel):
             )
         if self.dtype == "uint16" and self.tokenizer.vocab_size > 65536:
             raise ValueError(f"dtype uint16 cannot hold vocab_size {self.tokenizer.vocab_size}")
+        if self.pad_token_id >= self.tokenizer.vocab_size:
+            raise ValueError(f"pad_token_id {self.pad_token_id} is outside vocab_size {self.tokenizer.vocab_size}")
+        repeated = sorted(p for p, n in Counter(s.path for s in self.shards).items() if n > 1)
+        if repeated:
+            raise ValueError(f"shards list {repeated[:5]} more than once")
         rows = sum(s.rows for s in self.shards)
         sequences = sum(s.sequences for s in self.sources.values())
         if rows != sequences:
@@ -151,17 +172,24 @@ def read_manifest(directory: str | Path) -> Manifest:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise SchemaValidationError(str(path), [FieldIssue("manifest", f"not valid JSON: {exc}")]) from None
-    return parse_manifest(data, str(path))
+    manifest = parse_manifest(data, str(path))
+    _check_inside(Path(directory), manifest, str(path))
+    return manifest
+
+
+def _check_inside(directory: Path, manifest: Manifest, where: str) -> None:
+    """Every shard resolves (symlinks followed) inside the set: a lexically clean name can still be a
+    link out of it, and a reader must never hash, train on or export a file the set does not own."""
+    root = directory.resolve()
+    issues = [
+        FieldIssue(f"shards.{i}.path", f"{entry.path!r} resolves to {target}, outside the shard set {root}")
+        for i, entry in enumerate(manifest.shards)
+        if not (target := (root / entry.path).resolve()).is_relative_to(root)
+    ]
+    if issues:
+        raise SchemaValidationError(where, issues)
 
 
 def write_manifest(directory: str | Path, manifest: Manifest) -> Path:
     """Atomic: readers see either no manifest or the complete one, never a partial file."""
-    directory = Path(directory)
-    target = directory / MANIFEST_FILENAME
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".manifest.", suffix=".tmp")
-    with os.fdopen(fd, "w") as handle:
-        handle.write(manifest.model_dump_json(indent=2))
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, target)
-    return target
+    return write_atomically(Path(directory) / MANIFEST_FILENAME, manifest.model_dump_json(indent=2).encode("utf-8"))

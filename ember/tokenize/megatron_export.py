@@ -4,6 +4,8 @@ Each packed row becomes one Megatron sequence (and one "document") of exactly se
 padding included, in manifest shard order - so `IndexedDataset[i]` is row i of the shard set.
 Tokens stream shard by shard, record batch by record batch: memory does not grow with the set.
 The `.idx` is written after the `.bin` is complete, both under temporary names renamed at the end.
+Every shard's size and sha256 are checked against the manifest before its tokens are read (hashed
+once per file version, see `ember.tokenize.shardset`), and every token id against the vocabulary.
 Megatron has no uint32 dtype code, so a uint32 vocabulary is exported as int32.
 """
 
@@ -13,12 +15,14 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
+import pyarrow as pa
 
-from ember.schemas import read_manifest
+from ember.schemas import Manifest, read_manifest
 from ember.tokenize.shards import iter_token_batches
-from ember.tokenize.shardset import verify_shard_set
+from ember.tokenize.shardset import ShardError, ShardVerifier, vocab_problem
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
@@ -49,30 +53,51 @@ def index_bytes(sequences: int, seq_len: int, dtype: np.dtype) -> bytes:
     return header + counts + lengths.tobytes() + pointers.tobytes() + documents.tobytes()
 
 
-def export_megatron(shards_dir: str | Path, out_prefix: str | Path) -> ExportResult:
+def export_megatron(shards_dir: str | Path, out_prefix: str | Path, verifier: ShardVerifier | None = None) -> ExportResult:
     shards_dir = Path(shards_dir)
     manifest = read_manifest(shards_dir)
-    problems = verify_shard_set(shards_dir)
-    if problems:
-        raise ExportError(f"{shards_dir} does not match its manifest: " + "; ".join(problems))
+    try:
+        (verifier or ShardVerifier()).check(shards_dir, manifest.shards)
+    except ShardError as exc:
+        raise ExportError(f"{shards_dir} does not match its manifest: {exc}") from None
     dtype = EXPORT_DTYPES[manifest.dtype]
-    limit = np.iinfo(dtype).max
+    if manifest.tokenizer.vocab_size - 1 > np.iinfo(dtype).max:
+        raise ExportError(f"{shards_dir}: vocab_size {manifest.tokenizer.vocab_size} does not fit Megatron's {dtype.name}")
     bin_path, idx_path = Path(f"{out_prefix}.bin"), Path(f"{out_prefix}.idx")
     bin_path.parent.mkdir(parents=True, exist_ok=True)
     bin_tmp, idx_tmp = bin_path.with_name(f".{bin_path.name}.tmp"), idx_path.with_name(f".{idx_path.name}.tmp")
     sequences = 0
-    with open(bin_tmp, "wb") as out:
-        for entry in manifest.shards:
-            for batch in iter_token_batches(shards_dir / entry.path):
-                if batch.shape[1] != manifest.seq_len:
-                    raise ExportError(f"{entry.path}: rows of {batch.shape[1]} tokens, manifest seq_len {manifest.seq_len}")
-                if batch.size and int(batch.max()) > limit:
-                    raise ExportError(f"{entry.path}: token id {int(batch.max())} does not fit {dtype.name}")
-                out.write(batch.astype(dtype).tobytes())
-                sequences += batch.shape[0]
-        out.flush()
-        os.fsync(out.fileno())
+    try:
+        with open(bin_tmp, "wb") as out:
+            for entry in manifest.shards:
+                sequences += _write_shard_tokens(out, shards_dir / entry.path, entry.rows, manifest, dtype)
+            out.flush()
+            os.fsync(out.fileno())
+    except BaseException:
+        bin_tmp.unlink(missing_ok=True)
+        raise
     idx_tmp.write_bytes(index_bytes(sequences, manifest.seq_len, dtype))
     os.replace(bin_tmp, bin_path)
     os.replace(idx_tmp, idx_path)
     return ExportResult(bin_path, idx_path, sequences, sequences * manifest.seq_len)
+
+
+def _write_shard_tokens(out: BinaryIO, path: Path, rows: int, manifest: Manifest, dtype: np.dtype) -> int:
+    """Appends one verified shard's tokens; refuses rows of another length, ids outside the vocabulary
+    and a row count other than the manifest's."""
+    written = 0
+    try:
+        for batch in iter_token_batches(path):
+            if batch.shape[1] != manifest.seq_len:
+                raise ExportError(f"{path}: rows of {batch.shape[1]} tokens, manifest seq_len {manifest.seq_len}")
+            if problem := vocab_problem(batch, manifest.tokenizer.vocab_size, written):
+                raise ExportError(f"{path} {problem}")
+            out.write(batch.astype(dtype).tobytes())
+            written += batch.shape[0]
+    except ExportError:
+        raise
+    except (pa.ArrowException, ValueError) as exc:  # bytes that match a manifest written over a bad file
+        raise ExportError(f"{path}: not a readable shard ({exc})") from None
+    if written != rows:
+        raise ExportError(f"{path}: {written} rows, the manifest says {rows}")
+    return written

@@ -8,8 +8,6 @@ temporary name and renamed into place, and its sha256 is taken from the exact by
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -18,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
+from ember.files import write_atomically
 from ember.schemas import PACKED_SEQUENCE_SCHEMA
 from ember.schemas.shards import ShardEntry
 from ember.tokenize.packing import PackedRow
@@ -68,16 +67,11 @@ def encode_shard(rows: Sequence[ShardRow], rows_per_batch: int) -> bytes:
 
 
 def write_shard(directory: Path, index: int, rows: Sequence[ShardRow], rows_per_batch: int) -> ShardEntry:
-    """Atomic: a reader sees the old file, no file, or the complete new one."""
+    """Atomic: a reader sees the old file, no file, or the complete new one. A failed write (a full
+    disk) removes its temporary, so nothing of it is left under either name."""
     data = encode_shard(rows, rows_per_batch)
     name = shard_name(index)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.chmod(tmp, 0o644)  # mkstemp creates 0600; shards are read by other users' training jobs
-    os.replace(tmp, directory / name)
+    write_atomically(directory / name, data)
     return ShardEntry(path=name, rows=len(rows), bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
 
 

@@ -1,7 +1,12 @@
-"""The dataset over real shard sets: rows read back exactly, GPT sample fields, blend, validation."""
+"""The dataset over real shard sets: rows read back exactly, GPT sample fields, blend, validation,
+and shards verified against their manifest before any of their data is used."""
 
 from __future__ import annotations
 
+import json
+import os
+import time
+from re import escape as re_escape
 
 import numpy as np
 import pytest
@@ -17,9 +22,18 @@ from ember.midtrain.data import (
     open_manifests,
     thd_cu_seqlens,
 )
+from ember.schemas import Manifest
+from ember.tokenize.shardset import ShardVerifier, file_sha256
 from .shardsets import TOKENIZER, packed_rows, write_shard_set
 
 SEQ = 32
+RACY_NS = 50_000_000  # these verifiers trust a file for a marker once it has not changed for 50 ms
+
+
+@pytest.fixture(autouse=True)
+def marker_cache(tmp_path, monkeypatch):
+    """The loader's default verified-once markers go to this test's tmp dir, not ~/.cache."""
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path / "cache"))
 
 
 @pytest.fixture(scope="module")
@@ -148,5 +162,127 @@ def test_a_row_of_the_wrong_length_is_refused(tmp_path):
     rows[1] = {**rows[1], "tokens": rows[1]["tokens"][:-1]}
     path = write_shard_set(tmp_path / "set", rows, seq_len=SEQ, rows_per_shard=3, rows_per_batch=3)
     ds = MidtrainDataset([ShardSetSpec(path, 1.0)], num_samples=3, seed=0, blend_period=1, window_chunks=1, dense_attention_mask=False)
-    with pytest.raises(DataError, match=f"a row holds {SEQ - 1} tokens, seq_len is {SEQ}"):
+    with pytest.raises(DataError, match=f"{path / 'shard-000000.arrow'} row 1: a row holds {SEQ - 1} tokens, seq_len is {SEQ}"):
         ds[0]
+
+
+def small_set(directory, rows: list[dict] | None = None):
+    """Two shards of 6 rows, 16 tokens each, in record batches of 2 rows: a few KB in all."""
+    rows = rows or packed_rows(12, 16, 11, "code", with_loss_mask=True)
+    return write_shard_set(directory, rows, seq_len=16, rows_per_shard=6, rows_per_batch=2)
+
+
+def load(path, verifier: ShardVerifier | None = None, manifests=None) -> MidtrainDataset:
+    return MidtrainDataset(
+        [ShardSetSpec(path, 1.0)], num_samples=12, seed=0, blend_period=1, window_chunks=1,
+        dense_attention_mask=False, manifests=manifests, verifier=verifier,
+    )
+
+
+def write_byte(path, offset: int, value: int) -> None:
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        handle.write(bytes([value]))
+
+
+def test_single_bit_flips_across_a_shard_are_all_refused_by_the_loader(tmp_path):
+    path = small_set(tmp_path / "set")
+    manifests = open_manifests([ShardSetSpec(path, 1.0)])
+    verifier = ShardVerifier(tmp_path / "markers", racy_ns=RACY_NS)
+    time.sleep(3 * RACY_NS / 1e9)
+    load(path, verifier, manifests)
+    assert len(list((tmp_path / "markers").glob("*.json"))) == 2  # both shards verified once, markers kept
+    shard = path / "shard-000001.arrow"
+    original, before = shard.read_bytes(), shard.stat()
+    offsets = range(0, len(original), 5)  # every 5th byte, header to footer, bit offset % 8 in each
+    assert len(offsets) > 400
+    for offset in offsets:
+        write_byte(shard, offset, original[offset] ^ (1 << (offset % 8)))
+        os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))  # same size, same mtime: only the hash can tell
+        with pytest.raises(DataError, match=f"shard set {path} does not match its manifest: {shard}: sha256 mismatch"):
+            load(path, verifier, manifests)
+        write_byte(shard, offset, original[offset])
+    assert shard.read_bytes() == original
+    assert load(path, verifier, manifests)[0]["tokens"].shape == (16,)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing", "wrong sha256 in the manifest"])
+def test_a_damaged_shard_is_refused_naming_it(tmp_path, damage):
+    path = small_set(tmp_path / "set")
+    shard = path / "shard-000001.arrow"
+    if damage == "truncated":
+        size = shard.stat().st_size
+        shard.write_bytes(shard.read_bytes()[:-10])
+        expected = f"size differs from manifest ['shard-000001.arrow']"
+        direct = f"{shard}: {size - 10} bytes, the manifest says {size}"
+    elif damage == "missing":
+        shard.unlink()
+        expected = "missing ['shard-000001.arrow']"
+        direct = f"{shard}: missing"
+    else:
+        manifest = json.loads((path / "manifest.json").read_text())
+        manifest["shards"][1]["sha256"] = "ab" * 32
+        (path / "manifest.json").write_text(json.dumps(manifest))
+        expected = direct = f"{shard}: sha256 mismatch: the file hashes to {file_sha256(shard)[:16]}..., the manifest says abababab"
+    with pytest.raises(DataError, match=re_escape(expected)):
+        load(path)  # what `midtrain train` does: manifests, then the dataset
+    manifest = json.loads((path / "manifest.json").read_text())
+    with pytest.raises(DataError, match=re_escape(direct)):  # and with the manifests handed in
+        load(path, manifests=[Manifest.model_validate(manifest)])
+
+
+@pytest.mark.parametrize("outside", ["../other/shard-000000.arrow", "ABSOLUTE"])
+def test_a_manifest_path_outside_the_set_is_refused_by_the_loader(tmp_path, outside):
+    path = small_set(tmp_path / "set")
+    other = small_set(tmp_path / "other")
+    manifest = json.loads((path / "manifest.json").read_text())
+    name = str(other / "shard-000000.arrow") if outside == "ABSOLUTE" else outside
+    manifest["shards"][0] = {**json.loads((other / "manifest.json").read_text())["shards"][0], "path": name}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=re_escape(f"{name!r}: must be a relative name inside the shard set")):
+        load(path)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_with_shard_and_row(tmp_path):
+    rows = packed_rows(12, 16, 11, "code")
+    rows[9]["tokens"][5] = 200  # vocab_size is 128; the manifest's sha256 is of these very bytes
+    path = small_set(tmp_path / "set", rows)
+    ds = load(path)
+    message = f"{path / 'shard-000001.arrow'} row 3 position 5: token id 200 is outside the vocabulary (tokenizer.vocab_size 128)"
+    with pytest.raises(DataError, match=re_escape(message)):
+        for position in range(len(ds)):
+            ds[position]
+
+
+@pytest.mark.parametrize("bug", ["boundaries", "loss mask length", "unknown source"])
+def test_rows_no_writer_should_produce_are_refused_with_shard_and_row(tmp_path, bug):
+    rows = packed_rows(12, 16, 11, "code", with_loss_mask=True)
+    shard = tmp_path / "set" / "shard-000000.arrow"
+    if bug == "boundaries":
+        rows[4]["cu_seqlens"] = [0, 9, 5, 12]
+        message = re_escape(f"{shard} row 4: cu_seqlens must start at 0, increase strictly and end <= 16")
+    elif bug == "loss mask length":
+        rows[3]["loss_mask"] = rows[3]["loss_mask"][:-2]
+        message = re_escape(f"{shard} row 3: loss_mask holds 14 values, seq_len is 16")
+    path = small_set(tmp_path / "set", rows)
+    if bug == "unknown source":  # the manifest counts the rows under another source name
+        manifest = json.loads((path / "manifest.json").read_text())
+        manifest["sources"] = {"web": manifest["sources"]["code"]}
+        (path / "manifest.json").write_text(json.dumps(manifest))
+        message = re_escape(str(path)) + r"/shard-00000[01]\.arrow rows from \d+: source 'code' is not among the manifest's sources"
+    ds = load(path)
+    with pytest.raises(DataError, match=message):
+        for position in range(len(ds)):
+            ds[position]
+
+
+def test_a_worker_refuses_a_shard_changed_after_verification(tmp_path):
+    path = small_set(tmp_path / "set")
+    ds = load(path)
+    loader = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=1)
+    assert [b["tokens"].shape for b in loader] == [(4, 16)] * 3  # workers map the verified files
+    shard = path / "shard-000000.arrow"
+    shard.write_bytes(shard.read_bytes())  # same bytes, a new version of the file
+    os.utime(shard, ns=(0, 10**18))
+    with pytest.raises(DataError, match=re_escape(f"{shard}: changed after it was verified against the manifest")):
+        list(torch.utils.data.DataLoader(ds, batch_size=4, num_workers=1))

@@ -19,12 +19,13 @@ from ember.pipelines.cli import app
 from ember.pipelines.corpus_build import build_corpus
 from ember.pipelines.corpus_config import parse_config
 from ember.pipelines.corpus_report import read_stats
+from ember.pipelines.output_guard import OWNERSHIP_FILE
 from ember.demo.sample_corpus import SampleCorpus, write_sample_corpus
 from ember.schemas.documents import CLUSTER_SCHEMA, DOCUMENT_SCHEMA, REJECTED_SCHEMA
 from ember.schemas.versioning import schema_identity
 from ember.tokenize.shardset import verify_shard_set
 
-from .corpus_support import build, file_digests, rows
+from .corpus_support import IN_PROCESS, build, file_digests, rows
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +87,13 @@ def test_cluster_ids_audit_the_representative_choice(built: Path) -> None:
     assert removed[0]["detail"] == f"cluster={kept[0]['cluster_id']}"
 
 
-def test_rerun_writes_byte_identical_outputs(sample: SampleCorpus, built: Path) -> None:
-    before = file_digests(built)
-    (built / "documents" / "web" / "stale-from-an-old-run.parquet").write_bytes(b"stale")
-    assert build(parse_config(sample.config(str(built)))) == "DONE"
-    assert file_digests(built) == before
+def test_rerun_writes_byte_identical_outputs(sample: SampleCorpus, built: Path, tmp_path: Path) -> None:
+    config = parse_config(sample.config(str(tmp_path / "out")))
+    build_corpus(config, IN_PROCESS)
+    before = file_digests(tmp_path / "out")
+    build_corpus(config, IN_PROCESS)  # replaces the previous build whole (tests/pipelines/test_output_safety.py)
+    assert file_digests(tmp_path / "out") == before
+    assert {k: v for k, v in before.items() if k not in ("report.md", OWNERSHIP_FILE)} == file_digests(built)
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +123,8 @@ def test_cli_build_on_the_default_multiprocess_runner(sample: SampleCorpus, buil
     assert re.search(r"read\s*│\s*66\b", result.output), "worker progress files reached the live table"
     report = (tmp_path / "out" / "report.md").read_text()
     assert "## Rejects by stage and reason" in report and "near_duplicate" in report
-    outputs = {k: v for k, v in file_digests(tmp_path / "out").items() if k != "report.md"}
+    assert (tmp_path / "out" / "report.html").read_text().count('class="plotly-graph-div"') >= 5
+    outputs = {k: v for k, v in file_digests(tmp_path / "out").items() if k not in ("report.md", "report.html", OWNERSHIP_FILE)}
     assert outputs == file_digests(built)
 
 

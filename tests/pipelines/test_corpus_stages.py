@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -10,13 +11,18 @@ import pyarrow.parquet as pq
 import pytest
 from apache_beam.testing.util import assert_that, equal_to
 
-from ember.pipelines.corpus_config import CorpusSource, Dedup, parse_config
+from ember.pipelines.corpus_config import CorpusSource, Dedup, Redaction, parse_config
 from ember.pipelines.corpus_io import record_to_row
 from ember.pipelines.corpus_outputs import WriteParquetParts
 from ember.pipelines.corpus_pipeline import corpus_stages
-from ember.pipelines.corpus_stages import ExactDedup, NearDedup, StageOutput, UniqueIds, node_key, rank_key, size_bin, text_bytes
+from ember.pipelines.corpus_stages import (
+    CLUSTER_TEXT_FIELDS, REJECT_TEXT_FIELDS, ExactDedup, NearDedup, PerDocument, RedactDocuments, RedactRows, StageOutput, UniqueIds,
+    node_key, rank_key, size_bin, text_bytes,
+)
 from ember.demo.sample_corpus import near_duplicate, prose
-from ember.schemas.documents import DOCUMENT_SCHEMA
+from ember.schemas.documents import DOCUMENT_SCHEMA, content_hash, reject_row
+
+from .corpus_support import build, rows
 
 CODE = CorpusSource.model_validate({"name": "code", "kind": "code", "inputs": ["x"], "fields": {
     "id": "id", "metadata": {"license": "license", "stars": "stars", "path": "path"}}})
@@ -113,3 +119,71 @@ def test_write_shards_are_named_by_count_and_sorted(tmp_path: Path, per_shard: i
         assert table.schema.equals(DOCUMENT_SCHEMA, check_metadata=True)
         assert table.column("id").to_pylist() == sorted(table.column("id").to_pylist())
     assert sum(pq.read_metadata(f).num_rows for f in files) == 5
+
+
+AWS_KEY = "AKIAIOSFODNN7EXAMPLE"
+GH_TOKEN = "ghp_abcdefghijklmnopqrstuvwxyz0123456789AB"
+JWT = "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U"
+DB_PASSWORD = "Tr0ub4dor-x9"
+LEAKS = (AWS_KEY, GH_TOKEN, JWT, DB_PASSWORD)
+
+
+def test_redact_stage_covers_metadata_and_counts_it() -> None:
+    record = {"id": "m", "text": f"DSN = 'postgres://admin:{DB_PASSWORD}@db.internal/app'\n",
+              "url": f"https://example.com/get?api_key={AWS_KEY}", "path": f"keys/{GH_TOKEN}.py", "stars": 3}
+    source = CorpusSource.model_validate({"name": "code", "kind": "code", "inputs": ["x"], "fields": {
+        "id": "id", "metadata": {"url": "url", "path": "path", "stars": "stars"}}})
+    row, _ = record_to_row(record, source, "in.jsonl:line=1")
+    with beam.Pipeline(runner="FnApiRunner") as p:
+        out = p | beam.Create([row]) | PerDocument(RedactDocuments(Redaction(), None), counted=False)
+        assert_that(out.documents | beam.Map(lambda d: (d["text"], d["metadata"]["url"], d["metadata"]["path"],
+                                                        d["metadata"]["stars"], d["content_hash"] == content_hash(d["text"]))),
+                    equal_to([("DSN = 'postgres://admin:<PASSWORD>@db.internal/app'\n", "https://example.com/get?api_key=<KEY>",
+                               "keys/<KEY>.py", 3, True)]), label="docs")
+        assert_that(out.stats | beam.CombinePerKey(sum), equal_to([
+            (("code", "redact", "redactions.url_password"), 1), (("code", "redact", "redactions.aws_access_key"), 1),
+            (("code", "redact", "redactions.github_token"), 1), (("code", "redact", "docs_redacted"), 1)]), label="stats")
+
+
+def test_reject_details_and_locations_never_repeat_a_secret() -> None:
+    rejects = [reject_row("code", f"/data/{AWS_KEY}/in.jsonl:line=4", "filter", "language_not_allowed",
+                          f"language 'ruby' (from 'deploy/{GH_TOKEN}.rb')", "code:x")]
+    clusters = [{"document_id": "code:y", "source": "code", "location": f"/data/{AWS_KEY}/in.jsonl:line=5",
+                 "stage": "exact_dedup", "cluster_id": "code:z", "kept": False}]
+    with beam.Pipeline(runner="FnApiRunner") as p:
+        redacted = p | "Rejects" >> beam.Create(rejects) | "RedactRejects" >> RedactRows(Redaction(), REJECT_TEXT_FIELDS)
+        assert_that(redacted | beam.Map(lambda r: (r["location"], r["detail"], r["reason"])), equal_to([
+            ("/data/<KEY>/in.jsonl:line=4", "language 'ruby' (from 'deploy/<KEY>.rb')", "language_not_allowed")]), label="rejects")
+        kept = p | "Clusters" >> beam.Create(clusters) | "RedactClusters" >> RedactRows(Redaction(), CLUSTER_TEXT_FIELDS)
+        assert_that(kept | beam.Map(lambda c: c["location"]), equal_to(["/data/<KEY>/in.jsonl:line=5"]), label="clusters")
+        off = p | "Off" >> beam.Create(rejects) | "RedactOff" >> RedactRows(Redaction(enabled=False), REJECT_TEXT_FIELDS)
+        assert_that(off, equal_to(rejects), label="disabled")
+
+
+def test_no_output_table_of_a_build_holds_a_planted_secret(tmp_path: Path) -> None:
+    """Secrets in text, metadata, a rejected document's path and the input's own path: none survives in
+    any string cell of documents, rejects or clusters."""
+    inputs = tmp_path / f"dump-{AWS_KEY}"
+    inputs.mkdir()
+    body = f"import requests\n\nHEADERS = {{'Authorization': 'Bearer {JWT}'}}\nDSN = 'postgres://admin:{DB_PASSWORD}@db/app'\n"
+    records = [
+        {"id": "a", "text": body, "url": f"https://example.com/a?api_key={AWS_KEY}", "path": "svc/a.py"},
+        {"id": "b", "text": body, "url": "https://example.com/b", "path": "svc/b.py"},  # an exact duplicate of a
+        {"id": "c", "text": "puts 'hello from ruby, a file long enough to be kept'\n", "path": f"deploy/{GH_TOKEN}.rb"},
+    ]
+    (inputs / "part-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    config = parse_config({
+        "sources": [{"name": "code", "kind": "code", "inputs": [str(inputs / "*.jsonl")],
+                     "fields": {"id": "id", "metadata": {"url": "url", "path": "path"}}}],
+        "filters": {"code": {"languages": ["python"]}},
+        "dedup": {"near": False},
+        "output": {"directory": str(tmp_path / "out")},
+    })
+    assert build(config) == "DONE"
+    tables = {name: rows(tmp_path / "out", name) for name in ("documents", "rejects", "clusters")}
+    assert [len(tables[n]) for n in ("documents", "rejects", "clusters")] == [1, 2, 2]
+    assert {r["reason"] for r in tables["rejects"]} == {"language_not_allowed", "exact_duplicate"}
+    cells = [str(v) for table in tables.values() for row in table for v in row.values()]
+    cells += [str(v) for row in tables["documents"] for v in (row["metadata"] or {}).values()]
+    assert not [c for c in cells if any(secret in c for secret in LEAKS)]
+    assert "Bearer <KEY>" in tables["documents"][0]["text"] and "admin:<PASSWORD>@db" in tables["documents"][0]["text"]

@@ -2,6 +2,7 @@
 
 import json
 import re
+import shutil
 
 import numpy as np
 import pyarrow.ipc as ipc
@@ -16,6 +17,7 @@ from ember.schemas import read_manifest
 from ember.schemas.documents import Document
 from ember.schemas.shards import packed_sequence_issues
 from ember.tokenize.shardset import verify_shard_set
+from tests.pipelines.corpus_support import file_digests
 from tests.tokenize.support import mixed_documents, write_documents
 
 SEQ_LEN = 256
@@ -194,18 +196,43 @@ def test_bad_input_gives_a_clear_error(corpus, tmp_path):
         assert code == 2 and message in output, output
 
 
-def test_overwrite_clears_only_a_previous_build(tmp_path):
-    from ember.pipelines.tokenize_pipeline import prepare_output
-    from ember.configs import TokenizeConfigError
+def staging_leftovers(out):
+    return sorted(p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}."))
 
-    for name in ("manifest.json", "shard-000000.arrow", "rejected.parquet"):
-        (tmp_path / name).write_text("old")
-    with pytest.raises(TokenizeConfigError, match="not empty"):
-        prepare_output(tmp_path, overwrite=False)
-    (tmp_path / "notes.txt").write_text("mine")
-    with pytest.raises(TokenizeConfigError, match=r"did not write, refusing to clear it: \['notes.txt'\]"):
-        prepare_output(tmp_path, overwrite=True)
-    assert (tmp_path / "manifest.json").exists()  # nothing was removed
-    (tmp_path / "notes.txt").unlink()
-    prepare_output(tmp_path, overwrite=True)
-    assert list(tmp_path.iterdir()) == []
+
+def test_overwrite_refuses_files_the_manifest_does_not_list(built, corpus, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(built, out)
+    (out / "shard-000099.arrow").write_bytes(b"named like a shard, listed in no manifest")
+    (out / "notes.txt").write_text("mine")
+    before = file_digests(out)
+    code, output = invoke("corpus", "tokenize", write_config(corpus, "foreign", output_dir=str(out)), "--overwrite")
+    assert code == 2, output
+    assert "holds 2 file(s) ember did not write there: notes.txt, shard-000099.arrow" in output
+    assert "nothing was changed" in output
+    assert file_digests(out) == before and staging_leftovers(out) == []
+
+
+def test_a_failed_overwrite_keeps_the_previous_set_and_a_finished_one_replaces_it(built, corpus, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(built, out)
+    before = file_digests(out)
+    write_documents(tmp_path / "empty" / "part-0.parquet", [Document(source="web", kind="web", text="")])
+    failing = write_config(corpus, "failing", output_dir=str(out), sources=[{"name": "web", "path": f"{tmp_path}/empty/*.parquet"}])
+    result = CliRunner().invoke(app, ["corpus", "tokenize", str(failing), "--overwrite"])
+    assert result.exit_code != 0 and "no document survived tokenization" in str(result.exception)
+    assert file_digests(out) == before and verify_shard_set(out) == [] and staging_leftovers(out) == []
+    code, output = invoke("corpus", "tokenize", write_config(corpus, "again", output_dir=str(out)), "--overwrite")
+    assert code == 0, output
+    assert verify_shard_set(out) == [] and staging_leftovers(out) == []
+    after = file_digests(out)
+    assert after.keys() == before.keys()
+    assert json.loads((out / "manifest.json").read_text())["created_at"] != json.loads((built / "manifest.json").read_text())["created_at"]
+    assert {k: v for k, v in after.items() if k.startswith("shard-")} == {k: v for k, v in before.items() if k.startswith("shard-")}
+
+
+def test_an_output_short_of_free_space_is_refused_before_the_pipeline(corpus, tmp_path):
+    out = tmp_path / "deep" / "out"
+    code, output = invoke("corpus", "tokenize", write_config(corpus, "full", output_dir=str(out)), "--min-free-mb", 10**12)
+    assert code == 2 and "MiB free, the build needs at least" in output and "Traceback" not in output, output
+    assert not out.exists() and staging_leftovers(out) == []

@@ -26,7 +26,7 @@ from ember.rollouts.etl import prepare_topics
 from ember.rollouts.reader import RolloutBatchReader
 from ember.rollouts.records import Outcome
 from ember.rollouts.security import KafkaSecurity, role_securities
-from ember.rollouts.simulate import Event, PublishStats, WorkloadSpec, plan_workload, publish_workload
+from ember.rollouts.simulate import SIMULATED_VOCAB, Event, PublishStats, WorkloadSpec, plan_workload, publish_workload
 from ember.rollouts.topics import Topics
 from ember.rollouts.transport import consumer_config
 from ember.schemas import Reward, Rollout, decode_train_batch
@@ -87,7 +87,7 @@ def etl_settings(prefix: str, *, partitions: int = 4, **sections) -> dict:
         },
         "groups": {"size": 4, "quorum": 2, "timeout_s": 10},
         "rewards": {"graders": ["unit-tests"], "timeout_s": 6, "orphan_timeout_s": 8},
-        "filters": {"max_policy_lag": None, "max_tokens": 512, "truncated": "keep"},
+        "filters": {"max_policy_lag": None, "max_tokens": 512, "truncated": "keep", "vocab_size": SIMULATED_VOCAB},
         "batches": {"token_budget": 512, "min_fill": 0.5, "max_wait_s": 0.3},
         "commit": {"interval_ms": 100},
     }

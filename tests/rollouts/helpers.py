@@ -9,18 +9,20 @@ import numpy as np
 from ember.rollouts.config import EtlConfig, parse_config
 from ember.rollouts.engine import REWARDS, ROLLOUTS, InputMessage, ShardEngine, input_topics
 from ember.rollouts.records import Outcome
-from ember.rollouts.simulate import synthetic_rollout
+from ember.rollouts.simulate import SIMULATED_VOCAB, synthetic_rollout
 from ember.rollouts.topics import Topics
 from ember.schemas import Reward, Rollout, encode
 
 TOPICS = Topics("t")
+VOCAB = SIMULATED_VOCAB
 
 
 def config(**sections) -> EtlConfig:
     base = {
+        "kafka": {"topic_prefix": TOPICS.prefix, "group_id": "t-etl"},
         "groups": {"size": 4, "timeout_s": 10},
         "rewards": {"timeout_s": 5, "orphan_timeout_s": 20},
-        "filters": {"max_tokens": 4096, "truncated": "keep", "max_policy_lag": None},
+        "filters": {"max_tokens": 4096, "truncated": "keep", "max_policy_lag": None, "vocab_size": VOCAB},
         "batches": {"token_budget": 4096, "min_fill": 0.01, "max_wait_s": 0},
     }
     for name, values in sections.items():

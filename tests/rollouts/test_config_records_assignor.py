@@ -20,6 +20,12 @@ from ember.rollouts.records import (
 )
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "ember" / "rollouts" / "etl.example.yaml"
+REQUIRED = {"kafka": {"topic_prefix": "t", "group_id": "t-etl"}, "filters": {"vocab_size": 1000}}
+
+
+def minimal(**sections) -> dict:
+    """The required keys plus `sections` merged in."""
+    return {name: {**REQUIRED.get(name, {}), **sections.get(name, {})} for name in {*REQUIRED, *sections}}
 
 
 def test_example_config_loads_with_its_documented_values():
@@ -32,13 +38,25 @@ def test_example_config_loads_with_its_documented_values():
 @pytest.mark.parametrize(
     "data, fragment",
     [
-        ({"groups": {"sise": 8}}, "groups.sise: unknown key"),
-        ({"groups": {"size": 4, "quorum": 5}}, "quorum (5) cannot exceed size (4)"),
-        ({"filters": {"truncated": "maybe"}}, "filters.truncated"),
-        ({"advantages": {"estimator": "rloo"}, "groups": {"size": 1}}, "rloo needs groups.quorum"),
-        ({"filters": {"max_tokens": 100}, "batches": {"token_budget": 50}}, "could never be packed"),
-        ({"kafka": {"session_timeout_ms": 6000, "heartbeat_interval_ms": 3000}}, "at most a third"),
-        ({"batches": {"min_fill": 0}}, "batches.min_fill"),
+        (minimal(groups={"sise": 8}), "groups.sise: unknown key"),
+        (minimal(groups={"size": 4, "quorum": 5}), "quorum (5) cannot exceed size (4)"),
+        (minimal(filters={"truncated": "maybe"}), "filters.truncated"),
+        (minimal(advantages={"estimator": "rloo"}, groups={"size": 1}), "rloo needs groups.quorum"),
+        (minimal(filters={"max_tokens": 100}, batches={"token_budget": 50}), "could never be packed"),
+        (minimal(kafka={"session_timeout_ms": 6000, "heartbeat_interval_ms": 3000}), "at most a third"),
+        (minimal(batches={"min_fill": 0}), "batches.min_fill"),
+        (minimal(filters={"vocab_size": 2**32 + 1}), "filters.vocab_size"),
+        (minimal(rewards={"clip": 1e31}), "rewards.clip"),
+        (minimal(rewards={"clip": 0}), "rewards.clip"),
+        (minimal(kafka={"partitions": 10**6}), "kafka.partitions: at most 4,096"),
+        (minimal(kafka={"max_poll_records": 10**7}), "kafka.max_poll_records: at most 100,000"),
+        (minimal(groups={"size": 10**6}), "groups.size: at most 4,096"),
+        (minimal(batches={"token_budget": 2**40}), "batches.token_budget: at most 16,777,216"),
+        (minimal(dead_letter={"max_message_bytes": 2**40}), "dead_letter.max_message_bytes: at most"),
+        ({"groups": {"size": 2}}, "kafka: Field required"),
+        ({"kafka": {"topic_prefix": "t"}, "filters": {}}, "kafka.group_id: Field required"),
+        ({"kafka": {"group_id": "g"}, "filters": {"vocab_size": 8}}, "kafka.topic_prefix: Field required"),
+        ({"kafka": {"topic_prefix": "t", "group_id": "g"}, "filters": {}}, "filters.vocab_size: Field required"),
         ([1, 2], "expected a mapping at the top level"),
     ],
 )
@@ -57,8 +75,21 @@ def test_missing_and_broken_files(tmp_path):
         load_config(bad)
 
 
+@pytest.mark.parametrize("text", ["", "{}\n", "# only a comment\n"])
+def test_an_empty_config_file_is_refused_naming_the_required_keys(tmp_path, text):
+    """It used to run against the default topics and consumer group: another deployment's, silently."""
+    path = tmp_path / "etl.yaml"
+    path.write_text(text)
+    with pytest.raises(EtlConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert str(path) in message and "is empty" in message
+    for key in ("kafka.topic_prefix", "kafka.group_id", "filters.vocab_size"):
+        assert key in message
+
+
 def test_overrides_are_validated_again():
-    config = parse_config({})
+    config = parse_config(REQUIRED)
     assert config.with_overrides(advantages={"estimator": "rloo"}).advantages.estimator.value == "rloo"
     with pytest.raises(EtlConfigError, match="quorum"):
         config.with_overrides(groups={"size": 2, "quorum": 3})
@@ -82,7 +113,7 @@ def test_control_records_round_trip_and_reject_garbage():
     assert PolicyVersion.decode(PolicyVersion(4, 99).encode()) == PolicyVersion(4, 99)
     with pytest.raises(ValueError, match="policy_version"):
         PolicyVersion.decode(b'{"policy_version": -1}')
-    with pytest.raises(ValueError, match="not valid JSON"):
+    with pytest.raises(ValueError, match="not valid UTF-8 JSON"):
         ShardSnapshot.decode(b"\xff")
     with pytest.raises(ValueError, match="malformed"):
         ShardSnapshot.decode(b'{"shard": 1}')

@@ -71,6 +71,12 @@ def _sasl(**keys) -> dict:
     return {"security_protocol": "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-512", "sasl_plain_username": "ember-etl", **keys}
 
 
+def _required(data: dict) -> dict:
+    """`data` with the keys every ETL config must name (prefix, group, vocabulary) added."""
+    kafka = {"topic_prefix": "ember", "group_id": "ember-etl", **data.get("kafka", {})}
+    return {**data, "kafka": kafka, "filters": {"vocab_size": 151_936, **data.get("filters", {})}}
+
+
 @pytest.mark.parametrize(
     "keys, named",
     [
@@ -84,7 +90,7 @@ def _sasl(**keys) -> dict:
 )
 def test_incomplete_settings_fail_at_the_edge_naming_the_key(clean_env, keys, named):
     with pytest.raises(EtlConfigError, match=named):
-        parse_config({"kafka": {"security": keys}})
+        parse_config(_required({"kafka": {"security": keys}}))
 
 
 def test_keys_left_out_come_from_the_environment_and_the_config_wins(clean_env, tmp_path):
@@ -105,21 +111,21 @@ def test_keys_left_out_come_from_the_environment_and_the_config_wins(clean_env, 
         "sasl_plain_username": "from-env",
         "sasl_plain_password": SECRET,
     }
-    config = parse_config({"kafka": {"security": {"sasl_plain_username": "ember-etl", "sasl_plain_password_env": "MY_PASSWORD"}}})
+    config = parse_config(_required({"kafka": {"security": {"sasl_plain_username": "ember-etl", "sasl_plain_password_env": "MY_PASSWORD"}}}))
     security = config.kafka.security
     assert (security.sasl_plain_username, security.sasl_plain_password_file, security.ssl_check_hostname) == ("ember-etl", None, False)
     with pytest.raises(KafkaSecurityError, match="MY_PASSWORD .* is not set"):
         security.client_kwargs()
     clean_env.setenv("MY_PASSWORD", SECRET)
     assert security.client_kwargs()["sasl_plain_password"] == SECRET
-    assert parse_config({}).kafka.security == from_env
+    assert parse_config(_required({})).kafka.security == from_env
 
 
 def test_the_password_is_in_no_repr_dump_description_or_error(clean_env, tmp_path):
     clean_env.setenv(PASSWORD_ENV, SECRET)
     security = KafkaSecurity(**_sasl())
     assert security.sasl_plain_password_env == PASSWORD_ENV
-    config = parse_config({"kafka": {"security": _sasl()}})
+    config = parse_config(_required({"kafka": {"security": _sasl()}}))
     shown = [repr(security), str(security), security.describe(), str(security.model_dump()), repr(config), config.model_dump_json()]
     assert not [s for s in shown if SECRET in s]
     assert security.client_kwargs()["sasl_plain_password"] == SECRET  # the one place it is read
@@ -130,7 +136,7 @@ def test_the_password_is_in_no_repr_dump_description_or_error(clean_env, tmp_pat
         {"kafka": {"sasl_plain_password": SECRET}},
     ):
         with pytest.raises(EtlConfigError) as caught:
-            parse_config(bad)
+            parse_config(_required(bad))
         errors.append(str(caught.value))
     assert "sasl_plain_password cannot be given in a config" in errors[0]
     assert not [e for e in errors if SECRET in e], errors
@@ -150,12 +156,12 @@ def test_cli_reports_bad_environment_settings_without_a_traceback(clean_env):
 
 
 def test_examples_parse_and_metrics_bind_to_loopback_unless_told(clean_env):
-    assert str(parse_config({}).metrics.bind) == "127.0.0.1"
+    assert str(parse_config(_required({})).metrics.bind) == "127.0.0.1"
     secure = load_config(REPO / "ember" / "rollouts" / "etl.secure.example.yaml")
     assert secure.kafka.security.describe() == "SASL_SSL SCRAM-SHA-512 as ember-etl"
     assert str(secure.metrics.bind) == "0.0.0.0"
     with pytest.raises(EtlConfigError, match="metrics.bind"):
-        parse_config({"metrics": {"bind": "everywhere"}})
+        parse_config(_required({"metrics": {"bind": "everywhere"}}))
 
 
 def test_acls_give_each_role_only_its_own_topics_and_nobody_create():

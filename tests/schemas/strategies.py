@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -100,3 +102,46 @@ def assert_same(a, b) -> None:
             assert np.array_equal(left, right), name
         else:
             assert left == right, name
+
+
+# ---- hostile input: well-formed frames around values no honest writer sends -------------------------
+
+hostile_text = st.one_of(
+    st.text(max_size=12),
+    st.text(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), min_size=1, max_size=3),  # lone surrogates
+    st.text(min_size=257, max_size=300),
+    st.just(""),
+)
+hostile_ints = st.one_of(
+    st.integers(-(2**64), 2**64),
+    st.just(2**70),
+    st.just(-1),
+    st.integers(min_value=10**30, max_value=10**40),
+)
+hostile_scalars = st.one_of(
+    hostile_text, hostile_ints, st.floats(), st.booleans(), st.none(), st.floats(min_value=1e300, max_value=1e308)
+)
+hostile_json = st.recursive(
+    hostile_scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(hostile_text, inner, max_size=3), max_leaves=8
+)
+
+
+def deep_json(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@st.composite
+def hostile_meta_text(draw, meta: dict) -> bytes:
+    """`meta` serialised with one field replaced, added or removed, sometimes spliced with deep nesting or a huge int."""
+    meta = dict(meta)
+    key = draw(st.sampled_from(sorted(meta) + ["extra"]))
+    action = draw(st.sampled_from(["replace", "delete", "deep", "digits"]))
+    if action == "delete":
+        meta.pop(key, None)
+        return json.dumps(meta).encode("utf-8")
+    if action == "replace":
+        meta[key] = draw(hostile_json)
+        return json.dumps(meta).encode("utf-8")  # ASCII: json escapes surrogates as \\udxxx
+    meta[key] = "@@"
+    spliced = deep_json(draw(st.integers(1, 5000))) if action == "deep" else "1" * draw(st.integers(4000, 5000))
+    return json.dumps(meta).replace('"@@"', spliced).encode("utf-8")

@@ -74,3 +74,60 @@ def test_packed_sequence_invariants():
     issues = packed_sequence_issues(tokens, np.array([0, 5, 6]), segments, 8)
     assert [i.field for i in issues] == ["segments[1]"]
     assert packed_sequence_issues(tokens[:7], np.array([0, 9]), segments[:1], 8)[0].field == "tokens"
+
+
+@pytest.mark.parametrize(
+    ("path", "reason"),
+    [
+        ("../other/shard.arrow", "no '..' components"),
+        ("sub/../../shard.arrow", "no '..' components"),
+        ("/data/other/shard.arrow", "not an absolute path"),
+        ("./shard.arrow", "normalized relative name"),
+        ("sub//shard.arrow", "normalized relative name"),
+        ("sub/", "normalized relative name"),
+        ("..\\shard.arrow", "no NUL or backslash"),
+    ],
+)
+def test_shard_paths_must_be_relative_names_inside_the_set(path, reason):
+    from ember.schemas.shards import parse_manifest
+
+    bad = manifest_data()
+    bad["shards"][0]["path"] = path
+    with pytest.raises(SchemaValidationError) as info:
+        parse_manifest(bad)
+    assert [i.field for i in info.value.issues] == ["shards.0.path"]
+    assert reason in str(info.value) and repr(path) in str(info.value)
+
+
+def test_a_shard_in_a_subdirectory_is_inside_the_set():
+    from ember.schemas.shards import parse_manifest
+
+    good = manifest_data()
+    good["shards"][0]["path"] = "part-1/shard-00000.arrow"
+    assert parse_manifest(good).shards[0].path == "part-1/shard-00000.arrow"
+
+
+def test_a_symlink_out_of_the_set_is_refused_when_the_manifest_is_read(tmp_path):
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "secret.arrow").write_bytes(b"x" * 100)
+    (tmp_path / "set").mkdir()
+    (tmp_path / "set" / "shard-00000.arrow").symlink_to(tmp_path / "other" / "secret.arrow")
+    (tmp_path / "set" / MANIFEST_FILENAME).write_text(json.dumps(manifest_data()))
+    with pytest.raises(SchemaValidationError, match="resolves to .*secret.arrow, outside the shard set") as info:
+        read_manifest(tmp_path / "set")
+    assert [i.field for i in info.value.issues] == ["shards.0.path"]
+    (tmp_path / "set" / "shard-00000.arrow").unlink()  # a link that stays inside the set is fine
+    (tmp_path / "set" / "real.arrow").write_bytes(b"x" * 100)
+    (tmp_path / "set" / "shard-00000.arrow").symlink_to("real.arrow")
+    assert read_manifest(tmp_path / "set").shards[0].path == "shard-00000.arrow"
+
+
+def test_a_shard_listed_twice_and_a_pad_id_outside_the_vocabulary_are_refused():
+    from ember.schemas.shards import parse_manifest
+
+    twice = manifest_data()
+    twice["shards"] = [{**twice["shards"][0], "rows": 1}, {**twice["shards"][0], "rows": 1}]
+    with pytest.raises(SchemaValidationError, match=r"shards list \['shard-00000.arrow'\] more than once"):
+        parse_manifest(twice)
+    with pytest.raises(SchemaValidationError, match="pad_token_id 100277 is outside vocab_size 100277"):
+        parse_manifest(manifest_data(pad_token_id=100277))

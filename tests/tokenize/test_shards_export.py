@@ -1,3 +1,6 @@
+import json
+import time
+
 import numpy as np
 import pyarrow.ipc as ipc
 import pytest
@@ -5,12 +8,12 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 from typer.testing import CliRunner
 
 from ember.cli import app
-from ember.schemas import Manifest, conform, write_manifest
+from ember.schemas import Manifest, SchemaValidationError, conform, write_manifest
 from ember.schemas.shards import PACKED_SEQUENCE_SCHEMA, packed_sequence_issues
 from ember.tokenize.megatron_export import ExportError, export_megatron
 from ember.tokenize.packing import Segment, assemble, best_fit_decreasing
 from ember.tokenize.shards import ShardRow, encode_shard, iter_token_batches, read_row, write_shard
-from ember.tokenize.shardset import verify_shard_set
+from ember.tokenize.shardset import ShardVerifier, verify_shard_set
 
 SEQ_LEN = 16
 
@@ -98,3 +101,56 @@ def test_export_refuses_a_damaged_or_unfinished_set(tmp_path):
     assert not (tmp_path / "out.idx").exists() and not (tmp_path / "out.bin").exists()
     result = CliRunner().invoke(app, ["export", "megatron", str(tmp_path / "empty"), str(tmp_path / "out")])
     assert result.exit_code == 2 and "not a finished shard set" in " ".join(result.output.split())
+
+
+@pytest.fixture(autouse=True)
+def marker_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("outside", ["../outside.arrow", "ABSOLUTE"])
+def test_export_refuses_a_manifest_path_outside_the_set(tmp_path, outside):
+    (tmp_path / "set").mkdir()
+    entries = write_set(tmp_path / "set", packed_rows(3, 500), "uint16", 500)
+    target = tmp_path / "outside.arrow"
+    (tmp_path / "set" / entries[0].path).rename(target)  # the right bytes, outside the set
+    name = str(target) if outside == "ABSOLUTE" else outside
+    data = json.loads((tmp_path / "set" / "manifest.json").read_text())
+    data["shards"][0]["path"] = name
+    (tmp_path / "set" / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(SchemaValidationError, match="must be a relative name inside the shard set"):
+        export_megatron(tmp_path / "set", tmp_path / "out")
+    result = CliRunner().invoke(app, ["export", "megatron", str(tmp_path / "set"), str(tmp_path / "out")])
+    assert result.exit_code == 2 and "shards.0.path" in result.output
+    assert not (tmp_path / "out.bin").exists() and not (tmp_path / "out.idx").exists()
+
+
+def test_export_refuses_token_ids_outside_the_vocabulary(tmp_path):
+    (tmp_path / "set").mkdir()
+    rows = packed_rows(3, 500)
+    write_set(tmp_path / "set", rows, "uint16", 300)  # ids up to 499 under a manifest that says 300
+    tokens = np.stack([r.row.tokens for r in rows])
+    row, position = np.argwhere(tokens >= 300)[0]
+    shard = tmp_path / "set" / f"shard-{row // 7:06d}.arrow"
+    message = f"{shard} row {row % 7} position {position}: token id {tokens[row, position]} is outside the vocabulary"
+    with pytest.raises(ExportError, match=message):
+        export_megatron(tmp_path / "set", tmp_path / "out")
+    assert list(tmp_path.glob("*out*")) == []
+    write_set(tmp_path / "set", rows, "uint32", 2**31 + 1)  # ids fit, but not every id of that vocabulary
+    with pytest.raises(ExportError, match="vocab_size 2147483649 does not fit Megatron's int32"):
+        export_megatron(tmp_path / "set", tmp_path / "out")
+
+
+def test_export_checks_each_shard_once_per_version(tmp_path):
+    (tmp_path / "set").mkdir()
+    entries = write_set(tmp_path / "set", packed_rows(3, 500), "uint16", 500)
+    verifier = ShardVerifier(tmp_path / "markers", racy_ns=50_000_000)
+    time.sleep(0.15)
+    export_megatron(tmp_path / "set", tmp_path / "a", verifier)
+    assert verifier.check(tmp_path / "set", entries).hashed == []  # the export left markers
+    shard = tmp_path / "set" / entries[0].path
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ExportError, match=f"{shard}: sha256 mismatch"):
+        export_megatron(tmp_path / "set", tmp_path / "b", verifier)

@@ -1,0 +1,110 @@
+"""Redaction quality and throughput: ember's redactor vs datatrove's PIIFormatter on the labelled set.
+
+Labelled set (tests/pipelines/redaction_labelled.py): planted secrets with their spans in realistic
+Python, JS, YAML, shell, .env, SQL, JSON and prose files, and a clean set of hand-written negatives
+plus the first --stdlib-files modules of this interpreter's standard library.
+
+Recall: share of planted secrets of which nothing survives in the output. False positives: redactions
+on the clean files, per file and per 1,000 lines; emails there are real authors' addresses (both tools
+redact them on purpose), so they are reported apart and not counted as false positives. datatrove's
+PIIFormatter only knows emails and IPv4 addresses: its recall is bounded by that, it is the anchor for
+those two types and for speed. Throughput: MB of input text (planted + clean) per CPU-second, median
+of --repeats.
+
+    .venv/bin/python bench/bench_redaction.py [--stdlib-files 150] [--repeats 5] [--also old_redaction.py]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's ember and its tests' labelled set
+
+from datatrove.pipeline.formatters import PIIFormatter  # noqa: E402
+
+from ember.pipelines.corpus_config import Redaction  # noqa: E402
+from ember.pipelines.redaction import redact  # noqa: E402
+from tests.pipelines.redaction_labelled import Labelled, Score, clean, planted, score  # noqa: E402
+
+
+def ember_tool(redact_fn: Callable = redact) -> tuple[Callable[[str], str], Callable[[str], Counter[str]]]:
+    config = Redaction()
+    return (lambda text: redact_fn(text, config)[0]), (lambda text: Counter(redact_fn(text, config)[1]))
+
+
+def module_redact(path: str) -> Callable:
+    """`redact` of another version of ember/pipelines/redaction.py (e.g. `git show main:...` saved to a file)."""
+    spec = importlib.util.spec_from_file_location("redaction_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.redact
+
+
+def datatrove_tool() -> tuple[Callable[[str], str], Callable[[str], Counter[str]]]:
+    formatter = PIIFormatter()
+
+    def hits(text: str) -> Counter[str]:
+        """What `format` replaces, counted the way it replaces it: emails first, then validated IPv4s."""
+        emails = sum(1 for _ in formatter.emails_replacer.regex.finditer(text))
+        rest = formatter.emails_replacer.replace(text)
+        ips = sum(1 for m in formatter.ip_replacer.regex.finditer(rest) if formatter.ip_replacer.validator(m.group(0)))
+        return Counter({k: n for k, n in (("email", emails), ("ip_address", ips)) if n})
+
+    return formatter.format, hits
+
+
+def throughput(redact_text: Callable[[str], str], docs: list[Labelled], repeats: int) -> float:
+    """Median MB of input text per CPU-second of this process over `repeats` passes (CPU time, not
+    wall time: the figure holds on a machine shared with other work)."""
+    size = sum(len(d.text.encode("utf-8")) for d in docs)
+    rates = []
+    for _ in range(repeats):
+        start = time.process_time()
+        for doc in docs:
+            redact_text(doc.text)
+        rates.append(size / (time.process_time() - start) / 1e6)
+    return statistics.median(rates)
+
+
+def report(name: str, result: Score, mb_s: float) -> None:
+    fp = result.false_positives
+    not_email = frozenset({"email"})
+    print(f"\n## {name}")
+    print(f"recall {result.recall:.3f} ({result.removed}/{result.planted} planted secrets fully removed)")
+    for kind in sorted(result.by_type):
+        print(f"  {kind:<15} {result.removed_by_type[kind]}/{result.by_type[kind]}")
+    print(f"false positives on {result.clean_files} clean files, {result.clean_lines} lines (emails apart): "
+          f"{result.fp_per_file(not_email):.3f}/file, {result.fp_per_kline(not_email):.3f}/1k lines, by type {dict(fp - Counter({'email': fp['email']}))}")
+    print(f"author emails redacted in the clean set: {fp['email']}")
+    print(f"throughput {mb_s:.2f} MB per CPU-second (median)")
+    if result.missed:
+        print("missed:", ", ".join(f"{f}:{t}" for f, t, _ in result.missed))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stdlib-files", type=int, default=150)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--also", metavar="REDACTION_PY", help="also score this version of redaction.py (e.g. main's)")
+    args = parser.parse_args()
+    planted_docs, clean_docs = planted(), clean(args.stdlib_files)
+    size = sum(len(d.text.encode("utf-8")) for d in planted_docs + clean_docs)
+    print(f"labelled set: {len(planted_docs)} planted files ({sum(len(d.secrets) for d in planted_docs)} secrets), "
+          f"{len(clean_docs)} clean files, {size / 1e6:.2f} MB; Python {sys.version.split()[0]}")
+    tools = [("ember redaction", ember_tool()), ("datatrove PIIFormatter", datatrove_tool())]
+    if args.also:
+        tools.append((f"ember redaction from {args.also}", ember_tool(module_redact(args.also))))
+    for name, (redact_text, hits) in tools:
+        result = score(redact_text, hits, planted_docs, clean_docs)
+        report(name, result, throughput(redact_text, planted_docs + clean_docs, args.repeats))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""Writing a local file so that it appears under its name only complete.
+
+Manifests, shards, ownership lists and verification markers all need the same guarantee: a reader sees the old
+file, no file, or the whole new one, and a failed write (a full disk) leaves nothing under either name.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def write_atomically(path: str | Path, data: bytes, *, durable: bool = True) -> Path:
+    """Write `data` to a hidden temporary beside `path`, fsync it (unless `durable=False`, for caches), then
+    `os.replace` it onto `path`; on any failure the temporary is removed. The file is 0644, readable by the
+    other users' jobs that read outputs (mkstemp alone creates 0600)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            if durable:
+                handle.flush()
+                os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
