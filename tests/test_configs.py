@@ -143,6 +143,7 @@ TOKENIZE = {
     "sources": [{"name": "code", "path": "code/*.parquet"}],
 }
 CL100K = {"kind": "tiktoken", "path": "cl100k_base.tiktoken", "pattern": r"\S+", "eos_token": "<|endoftext|>"}
+ETL = {"kafka": {"topic_prefix": "t", "group_id": "g"}, "filters": {"vocab_size": 1000}}
 
 
 def _merge(base: dict, **sections: dict) -> dict:
@@ -224,7 +225,7 @@ ALL_AT_ONCE = [
     ),
     pytest.param(
         ember_app, ["rollouts", "etl"],
-        {"kafka": {"heartbeat_interval_ms": 5000}, "groups": {"size": 2, "quorum": 3}, "batches": {"min_fill": 2}},
+        _merge(ETL, kafka={"heartbeat_interval_ms": 5000}, groups={"size": 2, "quorum": 3}, batches={"min_fill": 2}),
         [
             "kafka: heartbeat_interval_ms (5000) must be at most a third of session_timeout_ms (10000)",
             "groups: quorum (3) cannot exceed size (2)",
@@ -234,7 +235,7 @@ ALL_AT_ONCE = [
     ),
     pytest.param(
         ember_app, ["rollouts", "etl"],
-        {"advantages": {"estimator": "rloo"}, "groups": {"size": 1}, "filters": {"max_tokens": 100_000}},
+        _merge(ETL, advantages={"estimator": "rloo"}, groups={"size": 1}, filters={"max_tokens": 100_000}),
         [
             "(top level): advantages.estimator=rloo needs groups.quorum (or size) >= 2",
             "(top level): filters.max_tokens (100000) exceeds batches.token_budget (65536)",
@@ -282,9 +283,9 @@ TYPOS = [
                  "rl.clip_hihg: unknown key; did you mean clip_high?", id="rl"),
     pytest.param(midtrain_app, ["rl"], _merge(RL, rollouts={"security": {"sasl_mechansim": SECRET}}),
                  "rollouts.security.sasl_mechansim: unknown key; did you mean sasl_mechanism?", id="rl security"),
-    pytest.param(ember_app, ["rollouts", "etl"], {"advantages": {"length_penalty": {"max_tokens": 8, "cache_tokes": SECRET}}},
+    pytest.param(ember_app, ["rollouts", "etl"], _merge(ETL, advantages={"length_penalty": {"max_tokens": 8, "cache_tokes": SECRET}}),
                  "advantages.length_penalty.cache_tokes: unknown key; did you mean cache_tokens?", id="etl"),
-    pytest.param(ember_app, ["rollouts", "etl"], {"kafak": {"topic_prefix": SECRET}},
+    pytest.param(ember_app, ["rollouts", "etl"], {**ETL, "kafak": {"topic_prefix": SECRET}},
                  "kafak: unknown key; did you mean kafka?", id="etl section"),
 ]
 
