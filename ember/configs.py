@@ -8,10 +8,12 @@ expansion in its string values, and upper bounds on sizes whose errors say why t
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
+import types
 from pathlib import Path
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Annotated, Any, Callable, Mapping, TypeVar, Union, get_args, get_origin
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
@@ -76,20 +78,92 @@ def gib(n_bytes: float) -> str:
     return f"{n_bytes / 2**30:,.1f} GiB"
 
 
-def error_lines(exc: ValidationError, hint_unknown: str = "") -> list[str]:
-    """`dotted.key: what is wrong` per problem; unknown keys get `hint_unknown` (e.g. where the example is)."""
-    lines = []
+class Problems(ValueError):
+    """Every independent problem one validator found, so a load lists them all, one line each, instead of
+    stopping at the first. Each is `(key, message)` with the key relative to the validated model, or a bare
+    message about the model as a whole."""
+
+    def __init__(self, problems: list[str | tuple[str, str]]):
+        self.problems = [("", p) if isinstance(p, str) else p for p in problems]
+        super().__init__("; ".join(f"{key}: {message}" if key else message for key, message in self.problems))
+
+
+def check(problems: list[str | tuple[str, str]]) -> None:
+    """Raise `Problems` when a validator found any (a model validator ends with `configs.check(problems)`)."""
+    if problems:
+        raise Problems(problems)
+
+
+def _unwrap(annotation: Any) -> list[Any]:
+    """The types a value of `annotation` may take: Annotated and unions (`X | None`) taken apart."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _unwrap(get_args(annotation)[0])
+    if origin in (Union, types.UnionType):
+        return [t for arg in get_args(annotation) for t in _unwrap(arg)]
+    return [annotation]
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def models_at(model: type[BaseModel], loc: tuple) -> list[type[BaseModel]]:
+    """The models that validate the value at `loc` (a pydantic error location) inside `model`."""
+    candidates: list[Any] = [model]
+    for part in loc:
+        found: list[Any] = []
+        for annotation in (t for c in candidates for t in _unwrap(c)):
+            args = get_args(annotation)
+            if _is_model(annotation) and isinstance(part, str):
+                field = annotation.model_fields.get(part) or next(
+                    (f for f in annotation.model_fields.values() if f.alias == part), None
+                )
+                found += [field.annotation] if field is not None else []
+            elif get_origin(annotation) in (list, tuple, set, frozenset) and isinstance(part, int) and args:
+                found.append(args[0])
+            elif get_origin(annotation) is dict and len(args) == 2:
+                found.append(args[1])
+        candidates = found
+    return [t for c in candidates for t in _unwrap(c) if _is_model(t)]
+
+
+def close_key(model: type[BaseModel], loc: tuple) -> str | None:
+    """The allowed key closest to the unknown key at `loc` (a typo's likely intent), if any is close."""
+    names = {
+        name
+        for m in models_at(model, loc[:-1])
+        for field_name, field in m.model_fields.items()
+        for name in (field_name, field.alias)
+        if name
+    }
+    found = difflib.get_close_matches(str(loc[-1]), sorted(names), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def error_items(exc: ValidationError, hint_unknown: str = "", model: type[BaseModel] | None = None) -> list[tuple[str, str]]:
+    """`(dotted.key, what is wrong)` per problem ("" for the top level); an unknown key is matched against the
+    keys `model` allows there ("did you mean"), and gets `hint_unknown` (e.g. where the example is)."""
+    items = []
     for item in exc.errors():
-        key = ".".join(str(p) for p in item["loc"]) or "(top level)"
-        if item["type"] == "value_error":  # our own validators' words, without pydantic's "Value error, " prefix
-            item = {**item, "msg": str(item["ctx"]["error"])}
-        if item["type"] == "extra_forbidden":  # never echo the value: a misplaced key may hold a secret
-            lines.append(f"{key}: unknown key ({hint_unknown})" if hint_unknown else f"{key}: unknown key")
-        elif isinstance(item.get("input"), (dict, list)) or "input" not in item:
-            lines.append(f"{key}: {item['msg']}")
-        else:
-            lines.append(f"{key}: {item['msg']} (got {item['input']!r})")
-    return lines
+        key = ".".join(str(p) for p in item["loc"])
+        error = item.get("ctx", {}).get("error")
+        if isinstance(error, Problems):
+            items += [(".".join(k for k in (key, sub) if k), message) for sub, message in error.problems]
+        elif item["type"] == "extra_forbidden":  # never echo the value: a misplaced key may hold a secret
+            closest = close_key(model, item["loc"]) if model is not None else None
+            message = "unknown key" + (f"; did you mean {closest}?" if closest else "")
+            items.append((key, f"{message} ({hint_unknown})" if hint_unknown else message))
+        else:  # our own validators' words without pydantic's "Value error, " prefix; scalars are shown
+            message = str(error) if item["type"] == "value_error" else item["msg"]
+            shown = "input" in item and not isinstance(item["input"], (dict, list))
+            items.append((key, f"{message} (got {item['input']!r})" if shown else message))
+    return items
+
+
+def error_lines(exc: ValidationError, hint_unknown: str = "", model: type[BaseModel] | None = None) -> list[str]:
+    """`dotted.key: what is wrong` per problem (see `error_items`)."""
+    return [f"{key or '(top level)'}: {message}" for key, message in error_items(exc, hint_unknown, model)]
 
 
 def validate(model: type[Model], data: Any, where: str, error: type[ConfigError], hint_unknown: str = "") -> Model:
@@ -99,7 +173,7 @@ def validate(model: type[Model], data: Any, where: str, error: type[ConfigError]
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise error(f"{where} is invalid:\n  " + "\n  ".join(error_lines(exc, hint_unknown))) from None
+        raise error(f"{where} is invalid:\n  " + "\n  ".join(error_lines(exc, hint_unknown, model))) from None
 
 
 _REFERENCE = re.compile(r"\$\$\{|\$\{(?:([A-Za-z_][A-Za-z0-9_]*)(?::-([^${}]*))?\})?")

@@ -13,7 +13,7 @@ from ember import configs
 from ember.cli import app as ember_app
 from ember.configs import ConfigError, CorpusConfigError, MidtrainConfigError
 from ember.midtrain.cli import app as midtrain_app
-from ember.midtrain.config import load_config as load_midtrain
+from ember.midtrain.config import MidtrainConfig, load_config as load_midtrain
 from ember.pipelines.corpus_config import load_config as load_corpus
 
 REPO = Path(__file__).resolve().parents[1]
@@ -133,3 +133,176 @@ def test_every_tool_refuses_a_non_utf8_config_with_exit_2_and_one_line(tmp_path,
     lines = [line for line in result.output.splitlines() if line.strip() and "apitools" not in line]  # a Beam import warning
     assert result.exit_code == 2, result.output
     assert lines == [f"{path}: {message}"], result.output
+
+
+RL = yaml.safe_load((REPO / "ember/midtrain/examples/rl_tiny_cpu.yaml").read_text())
+CORPUS = {"sources": [{"name": "web", "kind": "web", "inputs": ["in/*.jsonl"]}], "output": {"directory": "out"}}
+TOKENIZE = {
+    "output_dir": "out",
+    "tokenizer": {"kind": "huggingface", "path": "tokenizer.json", "eos_token": "<|endoftext|>"},
+    "sources": [{"name": "code", "path": "code/*.parquet"}],
+}
+CL100K = {"kind": "tiktoken", "path": "cl100k_base.tiktoken", "pattern": r"\S+", "eos_token": "<|endoftext|>"}
+ETL = {"kafka": {"topic_prefix": "t", "group_id": "g"}, "filters": {"vocab_size": 1000}}
+
+
+def _merge(base: dict, **sections: dict) -> dict:
+    """`base` with some keys of some sections replaced (a section that is not a mapping is replaced whole)."""
+    return {**base, **{k: {**base[k], **v} if isinstance(base.get(k), dict) else v for k, v in sections.items()}}
+
+
+def _problems(app, command: list[str], path: Path) -> list[str]:
+    """The error lines a command prints for the config at `path` (exit code 2, one error)."""
+    result = CliRunner(env={"COLUMNS": "1000"}).invoke(app, [*command, str(path)])
+    assert result.exit_code == 2, result.output
+    head, *lines = [line for line in result.output.splitlines() if line.strip()]
+    assert head == f"{path} is invalid:", result.output
+    return [line.strip() for line in lines]
+
+
+# Each config holds independent mistakes in several sections, two of them found by one validator; the old
+# loader stopped each validator at its first problem and left the tokenizer's for a later run.
+ALL_AT_ONCE = [
+    pytest.param(
+        ember_app, ["corpus", "build"],
+        _merge(
+            CORPUS,
+            sources=[{**CORPUS["sources"][0], "weight": -1}],
+            filters={"code": {"min_chars": 50, "max_chars": 10}},
+            dedup={"bands": 0},
+            output={"rows_per_shard": 0},
+            tokenize={"tokenizer": {**CL100K, "bos_token": "<|fim_prefix|>"}},
+        ),
+        [
+            "sources.0.weight: Input should be greater than or equal to 0 (got -1)",
+            "filters.code: min_chars (50) is larger than max_chars (10)",
+            "dedup.bands: Input should be greater than or equal to 1 (got 0)",
+            "output.rows_per_shard: Input should be greater than or equal to 1 (got 0)",
+            "tokenize.tokenizer.special_tokens: bos_token '<|fim_prefix|>' and eos_token '<|endoftext|>' are missing",
+        ],
+        id="corpus build",
+    ),
+    pytest.param(
+        ember_app, ["corpus", "tokenize"],
+        _merge(TOKENIZE, seq_len=1, tokenizer={"pattern": "x", "special_tokens": {"a": 1}}, sources=[{"name": "a b", "path": "p"}]),
+        [
+            "seq_len: Input should be greater than or equal to 2 (got 1)",
+            "tokenizer.pattern: applies to kind 'tiktoken' only",
+            "tokenizer.special_tokens: applies to kind 'tiktoken' only",
+            "sources.0.name: String should match pattern '^[A-Za-z0-9_.-]+$' (got 'a b')",
+        ],
+        id="corpus tokenize",
+    ),
+    pytest.param(
+        midtrain_app, ["train"],
+        _merge(
+            MIDTRAIN,
+            model={"hidden_size": 66, "num_query_groups": 3},
+            moe={"router_topk": 8, "expert_bias": True},
+            optimizer={"lr": -1},
+            train={"global_batch_size": 15},
+        ),
+        [
+            "model: hidden_size 66 is not divisible by num_attention_heads 4",
+            "model: num_attention_heads 4 is not divisible by num_query_groups 3",
+            "moe: router_topk 8 exceeds num_experts 4",
+            "moe: expert_bias needs router_score_function: sigmoid",
+            "optimizer.lr: Input should be greater than 0 (got -1)",
+            "train: global_batch_size 15 is not a multiple of micro_batch_size 4",
+        ],
+        id="midtrain train",
+    ),
+    pytest.param(
+        midtrain_app, ["rl"],
+        _merge(RL, rollouts={"topic_prefix": ""}, rl={"alpha": 3.0, "initial_policy_version": 2**63 - 1}, moe={"router_topk": 9}),
+        [
+            "moe: router_topk 9 exceeds num_experts 4",
+            "rollouts.topic_prefix: String should have at least 1 character (got '')",
+            "rl: alpha 3.0 must be below beta 2.0",
+            "rl: initial_policy_version + steps exceeds 9,223,372,036,854,775,807",
+        ],
+        id="midtrain rl",
+    ),
+    pytest.param(
+        ember_app, ["rollouts", "etl"],
+        _merge(ETL, kafka={"heartbeat_interval_ms": 5000}, groups={"size": 2, "quorum": 3}, batches={"min_fill": 2}),
+        [
+            "kafka: heartbeat_interval_ms (5000) must be at most a third of session_timeout_ms (10000)",
+            "groups: quorum (3) cannot exceed size (2)",
+            "batches.min_fill: Input should be less than or equal to 1 (got 2)",
+        ],
+        id="rollouts etl",
+    ),
+    pytest.param(
+        ember_app, ["rollouts", "etl"],
+        _merge(ETL, advantages={"estimator": "rloo"}, groups={"size": 1}, filters={"max_tokens": 100_000}),
+        [
+            "(top level): advantages.estimator=rloo needs groups.quorum (or size) >= 2",
+            "(top level): filters.max_tokens (100000) exceeds batches.token_budget (65536)",
+        ],
+        id="rollouts etl across sections",
+    ),
+]
+
+
+@pytest.mark.parametrize(("app", "command", "data", "expected"), ALL_AT_ONCE)
+def test_one_load_reports_every_problem_of_the_file(tmp_path, app, command, data, expected):
+    lines = _problems(app, command, _write(tmp_path / "bad.yaml", data))
+    for needle in expected:
+        assert any(line.startswith(needle) for line in lines), (needle, lines)
+
+
+def test_a_validator_with_two_problems_reports_both_under_their_keys():
+    with pytest.raises(ConfigError) as info:
+        configs.validate(
+            MidtrainConfig, {**MIDTRAIN, "parallel": {"expert": 3, "tensor": 3}}, "run.yaml", ConfigError
+        )
+    lines = str(info.value).splitlines()[1:]
+    assert lines == [
+        "  (top level): parallel.expert 3 does not divide moe.num_experts 4",
+        "  (top level): parallel.tensor 3 does not divide model.num_attention_heads",
+    ]
+
+
+SECRET = "s3cr3t-do-not-echo"
+TYPOS = [
+    pytest.param(ember_app, ["corpus", "build"], _merge(CORPUS, dedup={"rows_per_bands": SECRET}),
+                 "dedup.rows_per_bands: unknown key; did you mean rows_per_band?", id="corpus"),
+    pytest.param(ember_app, ["corpus", "build"], _merge(CORPUS, sources=[{**CORPUS["sources"][0], "fileds": SECRET}]),
+                 "sources.0.fileds: unknown key; did you mean fields?", id="corpus list item"),
+    pytest.param(ember_app, ["corpus", "build"],
+                 _merge(CORPUS, filters={"web": {"gopher_quality": {"params": {"max_doc_word": SECRET}}}}),
+                 "filters.web.gopher_quality.params.max_doc_word: unknown key; did you mean max_doc_words?", id="corpus datatrove"),
+    pytest.param(ember_app, ["corpus", "build"], _merge(CORPUS, tokenize={"tokenizer": {**CL100K, "eos_tokn": SECRET}}),
+                 "tokenize.tokenizer.eos_tokn: unknown key; did you mean eos_token?", id="corpus tokenize section"),
+    pytest.param(ember_app, ["corpus", "tokenize"], {**TOKENIZE, "sequences_per_shrad": SECRET},
+                 "sequences_per_shrad: unknown key; did you mean sequences_per_shard?", id="tokenize"),
+    pytest.param(midtrain_app, ["train"], _merge(MIDTRAIN, model={"num_atention_heads": SECRET}),
+                 "model.num_atention_heads: unknown key; did you mean num_attention_heads?", id="midtrain"),
+    pytest.param(midtrain_app, ["rl"], _merge(RL, rl={"clip_hihg": SECRET}),
+                 "rl.clip_hihg: unknown key; did you mean clip_high?", id="rl"),
+    pytest.param(midtrain_app, ["rl"], _merge(RL, rollouts={"security": {"sasl_mechansim": SECRET}}),
+                 "rollouts.security.sasl_mechansim: unknown key; did you mean sasl_mechanism?", id="rl security"),
+    pytest.param(ember_app, ["rollouts", "etl"], _merge(ETL, advantages={"length_penalty": {"max_tokens": 8, "cache_tokes": SECRET}}),
+                 "advantages.length_penalty.cache_tokes: unknown key; did you mean cache_tokens?", id="etl"),
+    pytest.param(ember_app, ["rollouts", "etl"], {**ETL, "kafak": {"topic_prefix": SECRET}},
+                 "kafak: unknown key; did you mean kafka?", id="etl section"),
+]
+
+
+@pytest.mark.parametrize(("app", "command", "data", "expected"), TYPOS)
+def test_a_misspelled_key_gets_the_closest_allowed_key_and_never_its_value(tmp_path, app, command, data, expected):
+    lines = _problems(app, command, _write(tmp_path / "bad.yaml", data))
+    assert any(line.startswith(expected) for line in lines), lines
+    assert not any(SECRET in line for line in lines)
+
+
+def test_a_key_like_no_allowed_one_gets_no_guess():
+    with pytest.raises(ConfigError) as info:
+        configs.validate(MidtrainConfig, _merge(MIDTRAIN, moe={"zzzz": 1}), "run.yaml", ConfigError)
+    assert "  moe.zzzz: unknown key" in str(info.value).splitlines()
+
+
+def test_a_cross_section_problem_is_named_by_the_section_it_is_about(tmp_path):
+    lines = _problems(midtrain_app, ["rl"], _write(tmp_path / "bad.yaml", {**RL, "parallel": {"tensor": 2}}))
+    assert lines == ["parallel: the RL trainer runs one rank per model replica for now (tensor, pipeline, expert = 1)"]

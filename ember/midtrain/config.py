@@ -47,10 +47,12 @@ class ModelConfig(StrictModel):
 
     @model_validator(mode="after")
     def _heads(self) -> "ModelConfig":
+        problems = []
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}")
+            problems.append(f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}")
         if self.num_query_groups and self.num_attention_heads % self.num_query_groups:
-            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not divisible by num_query_groups {self.num_query_groups}")
+            problems.append(f"num_attention_heads {self.num_attention_heads} is not divisible by num_query_groups {self.num_query_groups}")
+        configs.check(problems)
         return self
 
 
@@ -70,12 +72,14 @@ class MoEConfig(StrictModel):
 
     @model_validator(mode="after")
     def _routing(self) -> "MoEConfig":
+        problems = []
         if self.router_topk > self.num_experts:
-            raise ValueError(f"router_topk {self.router_topk} exceeds num_experts {self.num_experts}")
+            problems.append(f"router_topk {self.router_topk} exceeds num_experts {self.num_experts}")
         if self.expert_bias and self.router_score_function != "sigmoid":
-            raise ValueError("expert_bias needs router_score_function: sigmoid")
+            problems.append("expert_bias needs router_score_function: sigmoid")
         if self.router_topk == 1 and self.router_score_function == "softmax":
-            raise ValueError("router_topk 1 with softmax scores gives the router no gradient; use topk >= 2 or sigmoid")
+            problems.append("router_topk 1 with softmax scores gives the router no gradient; use topk >= 2 or sigmoid")
+        configs.check(problems)
         return self
 
 
@@ -233,8 +237,7 @@ class MidtrainConfig(RunDirectory, StrictModel):
             )
         else:
             problems.extend(memory_problems(self.model, self.moe, self.parallel, tokens))
-        if problems:
-            raise ValueError("; ".join(problems))
+        configs.check(problems)
         return self
 
 

@@ -69,13 +69,15 @@ class RLSettings(StrictModel):
 
     @model_validator(mode="after")
     def _bounds(self) -> "RLSettings":
+        problems = []
         if self.alpha >= self.beta:
-            raise ValueError(f"alpha {self.alpha} must be below beta {self.beta}")
+            problems.append(f"alpha {self.alpha} must be below beta {self.beta}")
         if self.initial_policy_version + self.steps > MAX_POLICY_VERSION:
-            raise ValueError(
+            problems.append(
                 f"initial_policy_version + steps exceeds {MAX_POLICY_VERSION:,}, the largest int64 policy version "
                 "a TrainBatch or policy announcement can carry"
             )
+        configs.check(problems)
         return self
 
 
@@ -94,11 +96,10 @@ class RLConfig(RunDirectory, StrictModel):
     @model_validator(mode="after")
     def _single_rank(self) -> "RLConfig":
         p = self.parallel
-        if (p.tensor, p.pipeline, p.expert) != (1, 1, 1):
-            raise ValueError("parallel: the RL trainer runs one rank per model replica for now (tensor, pipeline, expert = 1)")
         problems = memory_problems(self.model, self.moe, self.parallel, tokens=0)
-        if problems:
-            raise ValueError(problems[0])
+        if (p.tensor, p.pipeline, p.expert) != (1, 1, 1):
+            problems.append(("parallel", "the RL trainer runs one rank per model replica for now (tensor, pipeline, expert = 1)"))
+        configs.check(problems)
         return self
 
 

@@ -2,6 +2,8 @@
 
 `build` and `tokenize` pass every option they do not know to Beam untouched (`--runner=...`).
 Exit codes: 0 done, 1 the job or the check failed, 2 the input or the config cannot be used.
+Beam, pyarrow and the tokenizers load inside the commands, after the config is read, so a config error
+comes before seconds of imports.
 """
 
 from __future__ import annotations
@@ -12,8 +14,6 @@ from typing import NoReturn
 import typer
 from rich.console import Console
 from rich.table import Table
-
-from ember.schemas import SchemaValidationError
 
 BEAM_OPTIONS = {"allow_extra_args": True, "ignore_unknown_options": True}
 MIN_FREE_HELP = "Refuse to start unless the output's filesystem has this many MiB free (default: estimated from the inputs)."
@@ -39,13 +39,17 @@ def tokenize(
     Any further arguments go to Beam (default --runner=FnApiRunner), e.g. --direct_num_workers=2.
     """
     from ember.configs import TokenizeConfigError
-    from ember.pipelines.output_guard import OutputUnusable
-    from ember.pipelines.tokenize_pipeline import run
     from ember.tokenize.config import load_config
-    from ember.tokenize.tokenizers import TokenizerLoadError
 
     try:
         settings = load_config(config)
+    except TokenizeConfigError as exc:
+        fail(exc)
+    from ember.pipelines.output_guard import OutputUnusable
+    from ember.pipelines.tokenize_pipeline import run
+    from ember.tokenize.tokenizers import TokenizerLoadError
+
+    try:
         min_free = None if min_free_mb is None else min_free_mb * 2**20
         manifest = run(settings, ctx.args, overwrite=overwrite, min_free_bytes=min_free)
     except (TokenizeConfigError, TokenizerLoadError, OutputUnusable) as exc:
@@ -65,6 +69,7 @@ def tokenize(
 @app.command("verify")
 def verify(directory: str = typer.Argument(..., help="Shard-set directory holding manifest.json.")) -> None:
     """Check a shard set against its manifest: files present, sizes, sha256, row counts."""
+    from ember.schemas import SchemaValidationError
     from ember.tokenize.shardset import verify_shard_set
 
     try:
@@ -87,6 +92,7 @@ def inspect(
     """Trace a training token back to its source document and its index in that document's tokens.
 
     The shard is first checked against its set's manifest (size, sha256, token ids in the vocabulary)."""
+    from ember.schemas import SchemaValidationError
     from ember.tokenize.packing import locate as locate_token
     from ember.tokenize.shardset import ShardError, read_verified_row
 
@@ -127,15 +133,19 @@ def build(
     A rebuild replaces the previous output whole, only once the new one is complete, and refuses to start
     when the output holds files ember did not write."""
     from ember.configs import CorpusConfigError, TokenizeConfigError
-    from ember.pipelines.corpus_build import BuildFailed, build_corpus
     from ember.pipelines.corpus_config import load_config
+
+    try:
+        settings = load_config(str(config))
+    except CorpusConfigError as exc:
+        fail(exc)
+    from ember.pipelines.corpus_build import BuildFailed, build_corpus
     from ember.pipelines.output_guard import OutputUnusable
     from ember.tokenize.tokenizers import TokenizerLoadError
 
     min_free = None if min_free_mb is None else min_free_mb * 2**20
     try:
-        build_corpus(load_config(str(config)), list(beam_args or []), console, min_free_bytes=min_free,
-                     config_path=str(config))
+        build_corpus(settings, list(beam_args or []), console, min_free_bytes=min_free, config_path=str(config))
     except (CorpusConfigError, TokenizeConfigError, TokenizerLoadError, OutputUnusable) as exc:
         fail(exc)
     except BuildFailed as exc:

@@ -8,12 +8,12 @@ models are generated from those signatures, so a threshold datatrove does not ha
 
 from __future__ import annotations
 
+import functools
 import inspect
 import posixpath
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from apache_beam.io.filesystems import FileSystems
 from pydantic import BaseModel, Field, ValidationError, create_model, field_validator, model_validator
 
 from ember import configs
@@ -82,7 +82,9 @@ def _datatrove_params_model(name: str, cls: type) -> type[BaseModel]:
     return create_model(name, __base__=StrictModel, **fields)
 
 
-def _web_filter_models() -> dict[str, type[BaseModel]]:
+@functools.cache
+def web_filter_models() -> dict[str, type[BaseModel]]:
+    """Built on first use: datatrove's import takes seconds, and a config that sets no filter params needs none."""
     from datatrove.pipeline.filters import C4QualityFilter, FineWebQualityFilter, GopherQualityFilter, GopherRepetitionFilter
 
     return {
@@ -93,7 +95,6 @@ def _web_filter_models() -> dict[str, type[BaseModel]]:
     }
 
 
-WEB_FILTER_MODELS = _web_filter_models()
 WEB_FILTER_ORDER = ("gopher_repetition", "gopher_quality", "c4_quality", "fineweb_quality")
 # FineWeb's recipe keeps lines without terminal punctuation in C4's filter; everything else is datatrove's default.
 WEB_FILTER_DEFAULTS: dict[str, dict[str, Any]] = {"c4_quality": {"filter_no_terminal_punct": False}}
@@ -118,19 +119,20 @@ class WebFilters(StrictModel):
     def _params_match_datatrove(self) -> "WebFilters":
         problems = []
         for name in WEB_FILTER_ORDER:
+            params = getattr(self, name).params
+            if params in ({}, WEB_FILTER_DEFAULTS.get(name)):  # datatrove's defaults, or ember's (checked by its tests)
+                continue
+            model = web_filter_models()[name]
             try:
-                WEB_FILTER_MODELS[name].model_validate(getattr(self, name).params)
+                model.model_validate(params)
             except ValidationError as exc:
-                for e in exc.errors():
-                    where = ".".join(str(p) for p in e["loc"])
-                    problems.append(f"{name}.params.{where}: {e['msg']}")
-        if problems:
-            raise ValueError("; ".join(problems))
+                problems += [(f"{name}.params.{key}", message) for key, message in configs.error_items(exc, model=model)]
+        configs.check(problems)
         return self
 
     def validated_params(self, name: str) -> dict[str, Any]:
         """Constructor kwargs with datatrove's types (lists from YAML become the tuples datatrove expects)."""
-        model = WEB_FILTER_MODELS[name].model_validate(getattr(self, name).params)
+        model = web_filter_models()[name].model_validate(getattr(self, name).params)
         return {k: getattr(model, k) for k in getattr(self, name).params}
 
 
@@ -294,11 +296,21 @@ def _resolve(base: str, path: str) -> str:
     return posixpath.normpath(posixpath.join(base, path)) if not _is_url(base) else f"{base.rstrip('/')}/{path}"
 
 
+def _open(path: str):
+    """A local file directly, a URL through Beam's filesystems (whose import takes seconds: a local config's
+    errors come before it)."""
+    if not _is_url(path):
+        return open(path, "rb")
+    from apache_beam.io.filesystems import FileSystems
+
+    return FileSystems.open(path)
+
+
 def load_config(path: str) -> CorpusConfig:
     """Read YAML from any Beam filesystem; relative inputs and output resolve against the file's directory."""
     path = str(path)
     try:
-        with FileSystems.open(path) as handle:
+        with _open(path) as handle:
             data = configs.read_config_bytes(handle.read)
     except Exception as exc:  # Beam wraps every filesystem failure in its own BeamIOError
         raise CorpusConfigError(f"{path}: cannot read the config file: {exc}") from None
@@ -323,6 +335,8 @@ def load_config(path: str) -> CorpusConfig:
 
 def check_inputs(config: CorpusConfig) -> None:
     """Every glob must match at least one file: an empty or unreadable glob is a config error, not an empty corpus."""
+    from apache_beam.io.filesystems import FileSystems
+
     problems = []
     for i, source in enumerate(config.sources):
         for j, pattern in enumerate(source.inputs):

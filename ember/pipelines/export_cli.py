@@ -7,8 +7,6 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from ember.schemas import SchemaValidationError
-
 app = typer.Typer(help="Export shard sets to other trainers' formats.", no_args_is_help=True)
 console = Console()
 
@@ -19,6 +17,7 @@ def export_megatron(
     out_prefix: Path = typer.Argument(..., help="Output prefix: writes OUT_PREFIX.bin and OUT_PREFIX.idx."),
 ) -> None:
     """Write Megatron .bin/.idx, one sequence per packed bin, readable by megatron-core's IndexedDataset."""
+    from ember.schemas import SchemaValidationError
     from ember.tokenize.megatron_export import ExportError
     from ember.tokenize.megatron_export import export_megatron as export
 

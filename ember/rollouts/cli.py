@@ -283,10 +283,7 @@ def etl(
     import signal
     import threading
 
-    from ember.rollouts.etl import EtlService, TopologyError
-    from ember.rollouts.metrics import EtlMetrics
-
-    settings = _etl_config(config)
+    settings = _etl_config(config)  # before Kafka's import: a config error comes at once
     sections: dict[str, dict] = {}
     if metrics_bind is not None:
         sections.setdefault("metrics", {})["bind"] = metrics_bind
@@ -296,6 +293,9 @@ def etl(
         sections["kafka"] = {"create_topics": create_topics}
     if sections:
         settings = _overridden(settings, sections)
+    from ember.rollouts.etl import EtlService, TopologyError
+    from ember.rollouts.metrics import EtlMetrics
+
     # force: an import may already have configured the root logger (Beam warns at import time);
     # a short prefix keeps the status lines within 100 columns
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", force=True)

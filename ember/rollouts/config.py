@@ -168,13 +168,15 @@ class EtlConfig(StrictModel):
 
     @model_validator(mode="after")
     def _estimator_needs_pairs(self) -> "EtlConfig":
+        problems = []
         if self.advantages.estimator is Estimator.RLOO and self.groups.min_samples < 2:
-            raise ValueError("advantages.estimator=rloo needs groups.quorum (or size) >= 2")
+            problems.append("advantages.estimator=rloo needs groups.quorum (or size) >= 2")
         if self.filters.max_tokens > self.batches.token_budget:
-            raise ValueError(
+            problems.append(
                 f"filters.max_tokens ({self.filters.max_tokens}) exceeds batches.token_budget "
                 f"({self.batches.token_budget}): such a rollout could never be packed"
             )
+        configs.check(problems)
         return self
 
     def with_overrides(self, **sections: dict[str, Any]) -> "EtlConfig":

@@ -22,6 +22,23 @@ MAX_SHARD_BYTES = 8 * 2**30
 """A shard is assembled in one worker's memory: its pieces, the assembled rows and the encoded file."""
 
 
+TIKTOKEN_SPECIAL_TOKENS: dict[str, dict[str, int]] = {
+    "cl100k_base": {
+        "<|endoftext|>": 100257, "<|fim_prefix|>": 100258, "<|fim_middle|>": 100259, "<|fim_suffix|>": 100260,
+        "<|endofprompt|>": 100276,
+    },
+    "o200k_base": {"<|endoftext|>": 199999, "<|endofprompt|>": 200018},
+    "p50k_base": {"<|endoftext|>": 50256},
+    "r50k_base": {"<|endoftext|>": 50256},
+    "gpt2": {"<|endoftext|>": 50256},
+}
+"""The special tokens of tiktoken's published encodings (tiktoken_ext.openai_public), keyed by the BPE file's
+stem: a .tiktoken file holds only the ordinary ranks, so a config that names one of these tokens without its
+`special_tokens` entry is told the exact line to add."""
+
+FRAMING_TOKENS = ("bos_token", "eos_token", "pad_token")
+
+
 class TokenizerConfig(StrictModel):
     """Which local tokenizer file to load and how documents are framed with BOS/EOS."""
 
@@ -39,13 +56,45 @@ class TokenizerConfig(StrictModel):
 
     @model_validator(mode="after")
     def _kind_specific(self) -> "TokenizerConfig":
+        problems = []
         if self.kind == "tiktoken" and not self.pattern:
-            raise ValueError("pattern is required for kind 'tiktoken' (the BPE file holds only the ranks)")
-        if self.kind == "huggingface" and (self.pattern or self.special_tokens):
-            raise ValueError("pattern and special_tokens apply to kind 'tiktoken' only; tokenizer.json holds its own")
+            problems.append(("pattern", "required for kind 'tiktoken' (the BPE file holds only the ranks)"))
+        if self.kind == "huggingface":
+            problems += [
+                (key, "applies to kind 'tiktoken' only; tokenizer.json holds its own")
+                for key in ("pattern", "special_tokens")
+                if getattr(self, key)
+            ]
         if self.pad_token is None and self.eos_token is None:
-            raise ValueError("set pad_token (or eos_token, which padding then reuses)")
+            problems.append(("pad_token", "set pad_token (or eos_token, which padding then reuses)"))
+        if self.kind == "tiktoken":
+            problems += self._missing_special_tokens()
+        configs.check(problems)
         return self
+
+    def _missing_special_tokens(self) -> list[tuple[str, str]]:
+        """Framing tokens without a `special_tokens` entry: one problem that shows the YAML lines adding them."""
+        missing = {key: getattr(self, key) for key in FRAMING_TOKENS if getattr(self, key) not in (None, *self.special_tokens)}
+        if not missing:
+            return []
+        published = next((n for n in (self.path.stem, self.name) if n in TIKTOKEN_SPECIAL_TOKENS), None)
+        known = TIKTOKEN_SPECIAL_TOKENS.get(published or "", {})
+        entries = [
+            f"{json.dumps(token)}: {known[token]}   # {published}'s id" if token in known
+            else f"{json.dumps(token)}: ID   # ID: the id the model was trained with"
+            for token in dict.fromkeys(missing.values())  # eos and pad may name the same token
+        ]
+        if self.special_tokens:
+            where, block = "add to it", entries
+        else:
+            where, block = "add under tokenizer", ["special_tokens:", *(f"  {entry}" for entry in entries)]
+        named = " and ".join(f"{key} {token!r}" for key, token in missing.items())
+        return [(
+            "special_tokens",
+            f"{named} {'is' if len(missing) == 1 else 'are'} missing from this mapping (a .tiktoken file holds only "
+            f"the ordinary tokens; special tokens and their ids are listed here); {where}:"
+            + "".join(f"\n      {line}" for line in block),
+        )]
 
 
 class ShardSource(StrictModel):
@@ -95,8 +144,7 @@ class PackSettings(StrictModel):
                 f"{configs.gib(need)} in one worker (three copies of 4-byte tokens); at most {configs.gib(MAX_SHARD_BYTES)} "
                 "(lower sequences_per_shard)"
             )
-        if problems:
-            raise ValueError("; ".join(problems))
+        configs.check(problems)
         return self
 
 

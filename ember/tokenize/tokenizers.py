@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import difflib
 import hashlib
 import json
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ class _Backend(Protocol):
 
     def special_id(self, token: str) -> int | None: ...
 
+    def special_tokens(self) -> list[str]: ...
+
     @property
     def vocab_size(self) -> int: ...
 
@@ -60,6 +63,9 @@ class _HuggingFaceBackend:
 
     def special_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)
+
+    def special_tokens(self) -> list[str]:
+        return [t.content for _, t in sorted(self._tokenizer.get_added_tokens_decoder().items()) if t.special]
 
     @property
     def vocab_size(self) -> int:
@@ -103,6 +109,9 @@ class _TiktokenBackend:
     def special_id(self, token: str) -> int | None:
         return self._special.get(token)
 
+    def special_tokens(self) -> list[str]:
+        return list(self._special)
+
     @property
     def vocab_size(self) -> int:
         return self._encoding.max_token_value + 1
@@ -133,8 +142,18 @@ class Tokenizer:
             return None
         token_id = self._backend.special_id(token)
         if token_id is None:
-            raise TokenizerLoadError(f"tokenizer.{key}: '{token}' is not a token of {self.identity.name}")
+            raise TokenizerLoadError(f"tokenizer.{key}: '{token}' is not a token of {self.identity.name}; {self._choices(token, key)}")
         return token_id
+
+    def _choices(self, token: str, key: str) -> str:
+        """What `key` can name instead: the closest of the tokenizer's special tokens, and all of them."""
+        special = self._backend.special_tokens()
+        if not special:
+            return f"{self.config.path} defines no special tokens"
+        closest = difflib.get_close_matches(token, special, n=1, cutoff=0.6)
+        guess = f"did you mean '{closest[0]}'? " if closest else ""
+        shown = ", ".join(repr(t) for t in special[:20]) + (f" and {len(special) - 20} more" if len(special) > 20 else "")
+        return f"{guess}set tokenizer.{key} to one of the special tokens {self.config.path} defines: {shown}"
 
     def encode_ordinary(self, texts: list[str]) -> list[list[int]]:
         """The library's own ids for the text, no framing."""

@@ -1,4 +1,7 @@
+import re
+
 import pytest
+import yaml
 
 from ember.configs import TokenizeConfigError
 from ember.tokenize.config import load_config, parse_config
@@ -22,7 +25,7 @@ def with_(**changes):
         (with_(packing="first_fit"), "packing: Input should be 'best_fit' or 'concat_chunk'"),
         (with_(sources=[{"name": "code", "path": "a", "weight": -1}]), "sources.0.weight"),
         (with_(sources=[{"name": "c", "path": "a"}, {"name": "c", "path": "b"}]), "repeated: ['c']"),
-        (with_(tokenizer={"kind": "tiktoken", "path": "x.tiktoken", "eos_token": "e"}), "pattern is required"),
+        (with_(tokenizer={"kind": "tiktoken", "path": "x.tiktoken", "eos_token": "e"}), "tokenizer.pattern: required for kind 'tiktoken'"),
         (with_(tokenizer={"kind": "huggingface", "path": "t.json"}), "set pad_token"),
         (with_(tokenizer={**VALID["tokenizer"], "dtype": "int8"}), "tokenizer.dtype"),
     ],
@@ -82,3 +85,49 @@ def test_sizes_that_would_fail_late_are_refused_with_the_bound(changes, named):
 def test_largest_allowed_shard_still_loads():
     config = parse_config(with_(seq_len=2**20, sequences_per_shard=512, rows_per_batch=1024))
     assert config.sequences_per_shard * config.seq_len == 2**29
+
+
+CL100K = {"kind": "tiktoken", "path": "cl100k_base.tiktoken", "pattern": r"\S+|\s+", "eos_token": "<|endoftext|>"}
+
+
+def _suggestion(message: str) -> dict:
+    """The YAML block the special-token error tells the user to add, parsed."""
+    block = message.split("add under tokenizer:\n", 1)[1] if "add under tokenizer:" in message else message.split("add to it:\n", 1)[1]
+    return yaml.safe_load(block)
+
+
+def test_an_eos_token_missing_from_special_tokens_says_which_yaml_line_adds_it():
+    # Was: "eos_token '<|endoftext|>' is not a token of cl100k_base", at tokenizer load, after the other errors.
+    with pytest.raises(TokenizeConfigError) as info:
+        parse_config(with_(tokenizer=CL100K))
+    message = str(info.value)
+    assert "tokenizer.special_tokens: eos_token '<|endoftext|>' is missing from this mapping" in message
+    assert '\n      special_tokens:\n        "<|endoftext|>": 100257   # cl100k_base\'s id' in message
+    fixed = {**CL100K, **_suggestion(message)}
+    assert parse_config(with_(tokenizer=fixed)).tokenizer.special_tokens == {"<|endoftext|>": 100257}
+
+
+def test_a_partial_special_tokens_mapping_gets_the_missing_entries_only():
+    tokenizer = {**CL100K, "bos_token": "<|fim_prefix|>", "special_tokens": {"<|fim_prefix|>": 100258}}
+    with pytest.raises(TokenizeConfigError) as info:
+        parse_config(with_(tokenizer=tokenizer))
+    message = str(info.value)
+    assert "eos_token '<|endoftext|>' is missing from this mapping" in message and "bos_token" not in message
+    assert _suggestion(message) == {"<|endoftext|>": 100257}
+
+
+def test_a_token_of_an_unknown_encoding_gets_a_placeholder_id_and_every_framing_token_is_named():
+    tokenizer = {**CL100K, "path": "mine.tiktoken", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "</s>"}
+    with pytest.raises(TokenizeConfigError) as info:
+        parse_config(with_(tokenizer=tokenizer))
+    message = str(info.value)
+    assert "bos_token '<s>' and eos_token '</s>' and pad_token '</s>' are missing from this mapping" in message
+    assert re.findall(r'^ +"(.*)": (\w+)', message, re.M) == [("<s>", "ID"), ("</s>", "ID")]  # pad reuses eos's line
+
+
+def test_every_problem_of_the_tokenizer_section_is_listed():
+    tokenizer = {"kind": "huggingface", "path": "t.json", "pattern": "x", "special_tokens": {"a": 1}}
+    with pytest.raises(TokenizeConfigError) as info:
+        parse_config(with_(tokenizer=tokenizer))
+    lines = str(info.value).splitlines()[1:]
+    assert [line.split(":")[0].strip() for line in lines] == ["tokenizer.pattern", "tokenizer.special_tokens", "tokenizer.pad_token"]

@@ -2,10 +2,11 @@ from pathlib import Path
 
 import pytest
 import tiktoken
+from pydantic import ValidationError
 from tokenizers import Tokenizer as HFTokenizer
 
 from ember.schemas.shards import Manifest
-from ember.tokenize.config import TokenizerConfig
+from ember.tokenize.config import TIKTOKEN_SPECIAL_TOKENS, TokenizerConfig
 from ember.tokenize.tokenizers import (
     TokenizerLoadError,
     TokenizerMismatchError,
@@ -90,8 +91,6 @@ def test_tokenizer_files_that_do_not_load(tmp_path):
     ranks.write_bytes(b"IQ== 0\nnot base64 at all\n")
     with pytest.raises(TokenizerLoadError, match="line 2 is not"):
         load_tokenizer(cl100k_config(path=ranks))
-    with pytest.raises(TokenizerLoadError, match=r"tokenizer.eos_token: '<\|nope\|>' is not a token"):
-        load_tokenizer(cl100k_config(eos_token="<|nope|>"))
 
 
 def test_identity_is_name_plus_hash_of_files_and_settings(hf_tokenizer_path, tmp_path):
@@ -121,3 +120,24 @@ def test_shards_built_with_another_tokenizer_are_refused(hf_tokenizer_path):
     check_tokenizer_matches(manifest, identity)
     with pytest.raises(TokenizerMismatchError, match="built with tokenizer tokenizer"):
         check_tokenizer_matches(manifest, load_tokenizer(cl100k_config()).identity)
+
+
+def test_the_published_special_token_ids_are_tiktokens_own():
+    assert TIKTOKEN_SPECIAL_TOKENS["cl100k_base"] == CL100K_ENCODING._special_tokens
+    assert CL100K_ENCODING._special_tokens["<|endoftext|>"] == 100257
+
+
+def test_a_tiktoken_framing_token_without_its_id_fails_at_config_time_not_at_load():
+    with pytest.raises(ValidationError, match=r"eos_token '<\|nope\|>' is missing from this mapping"):
+        cl100k_config(eos_token="<|nope|>")
+
+
+def test_a_huggingface_framing_token_the_file_lacks_gets_the_closest_and_the_choices(hf_tokenizer_path):
+    with pytest.raises(TokenizerLoadError) as info:
+        load_tokenizer(hf_config(hf_tokenizer_path, eos_token="<|endoftxt|>"))
+    assert str(info.value) == (
+        f"tokenizer.eos_token: '<|endoftxt|>' is not a token of tokenizer; did you mean '<|endoftext|>'? set "
+        f"tokenizer.eos_token to one of the special tokens {hf_tokenizer_path} defines: {', '.join(map(repr, SPECIAL_TOKENS))}"
+    )
+    with pytest.raises(TokenizerLoadError, match=r"'\[PAD\]' is not a token of tokenizer; set tokenizer.pad_token to one of"):
+        load_tokenizer(hf_config(hf_tokenizer_path, pad_token="[PAD]"))
