@@ -12,10 +12,16 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 app = typer.Typer(help="Megatron-core MoE mid-training on ember shard sets, locally or on Slurm.", no_args_is_help=True)
-console = Console()
-err = Console(stderr=True)
+console = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)  # paths in messages stay whole (no wrap at 80 columns)
+
+
+def _error(message: object) -> None:
+    """A message in red, its text printed as is (a "[midtrain]" or a list in it is not rich markup)."""
+    err.print(f"[red]{escape(str(message))}[/red]", highlight=False)
 
 
 def _load(config: Path, rl: bool = False):
@@ -27,7 +33,7 @@ def _load(config: Path, rl: bool = False):
     try:
         return (load_rl_config if rl else load_config)(config)
     except MidtrainConfigError as exc:
-        err.print(f"[red]{exc}[/red]", highlight=False)
+        _error(exc)
         raise typer.Exit(2)
 
 
@@ -44,7 +50,7 @@ def _check_runnable(cfg, world: int) -> None:
     try:
         check_runnable(cfg, world)
     except (LaunchError, DataError) as exc:
-        err.print(f"[red]{exc}[/red]", highlight=False)
+        _error(exc)
         raise typer.Exit(1)
 
 
@@ -109,7 +115,7 @@ def launch(
     from ember.midtrain.slurm import LaunchError
 
     if mode not in ("train", "rl"):
-        err.print(f"[red]--mode must be train or rl, got {mode!r}[/red]", highlight=False)
+        _error(f"--mode must be train or rl, got {mode!r}")
         raise typer.Exit(2)
     cfg = _load(config, rl=True) if mode == "rl" else _load(config)
     request = LaunchRequest(
@@ -131,13 +137,13 @@ def launch(
             return
         job = submit(cfg, script)
     except (LaunchError, DataError) as exc:
-        err.print(f"[red]{exc}[/red]", highlight=False)
+        _error(exc)
         raise typer.Exit(1)
-    console.print(f"submitted job {job.job_id}", highlight=False)
-    console.print(f"  script:      {job.script}", highlight=False)
-    console.print(f"  slurm log:   {job.slurm_log}", highlight=False)
-    console.print(f"  trainer log: {job.train_logs}", highlight=False)
-    console.print(f"  metrics:     {job.metrics}", highlight=False)
+    console.print(f"submitted job {job.job_id}", highlight=False, markup=False)
+    console.print(f"  script:      {job.script}", highlight=False, markup=False)
+    console.print(f"  slurm log:   {job.slurm_log}", highlight=False, markup=False)
+    console.print(f"  trainer log: {job.train_logs}", highlight=False, markup=False)
+    console.print(f"  metrics:     {job.metrics}", highlight=False, markup=False)
 
 
 STATUS_KEYS = ("JobId", "JobName", "JobState", "Reason", "Restarts", "RunTime", "TimeLimit", "NodeList", "StdOut")
@@ -153,21 +159,21 @@ def status(
     try:
         found = jobs(job_ids)
     except LaunchError as exc:
-        err.print(f"[red]{exc}[/red]", highlight=False)
+        _error(exc)
         raise typer.Exit(1)
     if not found:
-        console.print("no midtrain jobs known to slurmctld (finished jobs are forgotten after MinJobAge)", highlight=False)
+        console.print("no midtrain jobs known to slurmctld (finished jobs are forgotten after MinJobAge)", highlight=False, markup=False)
     for i, fields in enumerate(found):
         if i:
             console.print()
         for key in STATUS_KEYS:
-            console.print(f"{key:>10}: {fields.get(key, '-')}", highlight=False)
+            console.print(f"{key:>10}: {fields.get(key, '-')}", highlight=False, markup=False)
         trainer_logs = job_logs(fields)[1:]
         for path in trainer_logs:
-            console.print(f"{'trainer':>10}: {path}", highlight=False)
+            console.print(f"{'trainer':>10}: {path}", highlight=False, markup=False)
         last = next((l for p in reversed(trainer_logs) if (l := last_line_with(p, "] step ")) is not None), None)
         if last:
-            console.print(f"{'last step':>10}: {last}", highlight=False)
+            console.print(f"{'last step':>10}: {last}", highlight=False, markup=False)
 
 
 @app.command()
@@ -183,15 +189,15 @@ def logs(
     try:
         fields = job_fields(job_id)
     except LaunchError as exc:
-        err.print(f"[red]{exc}[/red]", highlight=False)
+        _error(exc)
         raise typer.Exit(1)
     if follow:
         try:
             state = LogFollower(fields, lambda text: typer.echo(text, nl=False)).follow()
         except KeyboardInterrupt:
-            err.print(f"\nstopped following job {job_id} (the job keeps running)", highlight=False)
+            err.print(f"\nstopped following job {job_id} (the job keeps running)", highlight=False, markup=False)
             raise typer.Exit(130)
-        err.print(f"job {job_id} ended: {state}", highlight=False)
+        err.print(f"job {job_id} ended: {state}", highlight=False, markup=False)
         return
     for path in job_logs(fields):
         typer.echo(f"==> {path} <==")
