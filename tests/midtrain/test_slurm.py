@@ -55,6 +55,9 @@ def test_launch_preempt_requeue_resume_without_repeating_or_skipping(tmp_path, s
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
     job_id = re.search(r"submitted job (\d+)", submitted.stdout).group(1)
     first_log = config.run_dir / "logs" / f"train-{job_id}-0.log"
+    followed_path, follow_err_path = tmp_path / "follow.out", tmp_path / "follow.err"
+    with open(followed_path, "w") as out, open(follow_err_path, "w") as err:
+        follower = subprocess.Popen([*MIDTRAIN, "logs", job_id, "--follow"], stdout=out, stderr=err)
     try:
         _wait("step 2 of the first run", lambda: first_log.exists() and "] step 2/" in first_log.read_text(), 400, job_id)
         subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True, timeout=30)
@@ -71,6 +74,8 @@ def test_launch_preempt_requeue_resume_without_repeating_or_skipping(tmp_path, s
     finally:
         if _job(job_id)["JobState"] not in {"COMPLETED", "FAILED", "CANCELLED"}:
             subprocess.run(["scancel", job_id], timeout=30)
+        if follower.poll() is None and _job(job_id)["JobState"] != "COMPLETED":
+            follower.kill()
     slurm_log = (config.run_dir / "logs" / f"slurm-{job_id}.out").read_text()
     assert done["JobState"] == "COMPLETED" and done["ExitCode"] == "0:0", slurm_log
 
@@ -91,6 +96,12 @@ def test_launch_preempt_requeue_resume_without_repeating_or_skipping(tmp_path, s
     assert records[-1]["loss"] < records[0]["loss"] - 0.3
     assert (config.checkpoint_dir / "latest").read_text() == f"step_{STEPS:08d}"
     assert config.complete_marker.exists()
+
+    follower.wait(timeout=60)  # it ends by itself once the job has
+    followed, follow_err = followed_path.read_text(), follow_err_path.read_text()
+    assert follower.returncode == 0 and f"job {job_id} ended: COMPLETED" in follow_err, follow_err
+    assert "received SIGUSR1" in followed and followed.index("requeueing job") < followed.index(f"finished at step {STEPS}")
+    assert f"==> {config.run_dir / 'logs'}/train-{job_id}-1.log <==" in followed
 
     status = subprocess.run([*MIDTRAIN, "status", job_id], capture_output=True, text=True, timeout=60)
     assert status.returncode == 0 and "COMPLETED" in status.stdout and re.search(r"Restarts: 1", status.stdout)
@@ -127,7 +138,9 @@ echo "slurm done"
 def test_logs_follow_stops_on_ctrl_c_and_leaves_the_job_running(tmp_path, slurm):
     job_id, logs = _sbatch(tmp_path, "midtrain-ctrl-c", 'echo started; sleep 120')
     try:
-        follower = subprocess.Popen([*MIDTRAIN, "logs", job_id, "--follow"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        followed_path, follow_err_path = tmp_path / "follow.out", tmp_path / "follow.err"
+    with open(followed_path, "w") as out, open(follow_err_path, "w") as err:
+        follower = subprocess.Popen([*MIDTRAIN, "logs", job_id, "--follow"], stdout=out, stderr=err)
         _wait("the job's first line", lambda: (logs / f"slurm-{job_id}.out").exists() and "started" in (logs / f"slurm-{job_id}.out").read_text(), 120, job_id)
         time.sleep(2)
         follower.send_signal(signal.SIGINT)
