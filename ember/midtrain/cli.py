@@ -67,7 +67,8 @@ def train(
     argv = [str(config), *(["--threads", str(threads)] if threads else [])]
     if nproc_per_node > 1:
         # torchrun would pin each rank to one thread (with a banner) when OMP_NUM_THREADS is unset
-        os.environ["OMP_NUM_THREADS"] = str(threads or os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // nproc_per_node))
+        shared = max(1, (os.cpu_count() or 1) // nproc_per_node)
+        os.environ["OMP_NUM_THREADS"] = str(threads or os.environ.get("OMP_NUM_THREADS") or shared)
         args = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}",
             "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "-m", "ember.midtrain.train", *argv,
