@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from ember.midtrain.config import load_config
 
@@ -96,6 +97,9 @@ def test_launch_preempt_requeue_resume_without_repeating_or_skipping(tmp_path, s
     assert records[-1]["loss"] < records[0]["loss"] - 0.3
     assert (config.checkpoint_dir / "latest").read_text() == f"step_{STEPS:08d}"
     assert config.complete_marker.exists()
+    events = EventAccumulator(str(config.run_dir))  # both runs' event files: one loss per step
+    events.Reload()
+    assert [(e.step, round(e.value, 4)) for e in events.Scalars("loss")] == [(r["step"], round(r["loss"], 4)) for r in records]
 
     follower.wait(timeout=60)  # it ends by itself once the job has
     followed, follow_err = followed_path.read_text(), follow_err_path.read_text()
