@@ -12,10 +12,16 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 app = typer.Typer(help="Megatron-core MoE mid-training on ember shard sets, locally or on Slurm.", no_args_is_help=True)
-console = Console()
-err = Console(stderr=True)
+console = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)  # paths in messages stay whole (no wrap at 80 columns)
+
+
+def _error(message: object) -> None:
+    """A message in red, its text printed as is (a "[midtrain]" or a list in it is not rich markup)."""
+    err.print(f"[red]{escape(str(message))}[/red]", highlight=False)
 
 
 def _load(config: Path, rl: bool = False):
@@ -27,35 +33,63 @@ def _load(config: Path, rl: bool = False):
     try:
         return (load_rl_config if rl else load_config)(config)
     except MidtrainConfigError as exc:
-        err.print(f"[red]{exc}[/red]", highlight=False)
+        _error(exc)
         raise typer.Exit(2)
+
+
+THREADS_HELP = "CPU threads per rank (torch and OMP_NUM_THREADS); default: parallel.threads"
+
+
+def _check_runnable(cfg, world: int) -> None:
+    """Layout, shard sets or init checkpoint, before any process group or megatron import: one line and
+    exit 1, as `midtrain launch` reports them."""
+    from ember.midtrain.data import DataError
+    from ember.midtrain.launch import check_runnable
+    from ember.midtrain.slurm import LaunchError
+
+    try:
+        check_runnable(cfg, world)
+    except (LaunchError, DataError) as exc:
+        _error(exc)
+        raise typer.Exit(1)
 
 
 @app.command()
 def train(
     config: Path = typer.Argument(..., help="Run config YAML (see ember/midtrain/examples/)."),
     nproc_per_node: int = typer.Option(1, "--nproc-per-node", min=1, help="Ranks on this machine (>1 runs torchrun)."),
+    threads: int = typer.Option(None, "--threads", min=1, help=THREADS_HELP + "; else this machine's CPUs / ranks."),
 ) -> None:
     """Train in this process (one rank), or as N local ranks under torchrun; resumes from the latest checkpoint."""
-    _load(config)
+    cfg = _load(config)
+    _check_runnable(cfg, nproc_per_node)
+    threads = threads or cfg.parallel.threads
+    argv = [str(config), *(["--threads", str(threads)] if threads else [])]
     if nproc_per_node > 1:
+        # torchrun would pin each rank to one thread (with a banner) when OMP_NUM_THREADS is unset
+        shared = max(1, (os.cpu_count() or 1) // nproc_per_node)
+        os.environ["OMP_NUM_THREADS"] = str(threads or os.environ.get("OMP_NUM_THREADS") or shared)
         args = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}",
-            "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "-m", "ember.midtrain.train", str(config),
+            "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "-m", "ember.midtrain.train", *argv,
         ]
         os.execv(sys.executable, args)
     from ember.midtrain.train import main
 
-    raise typer.Exit(main([str(config)]))
+    raise typer.Exit(main(argv))
 
 
 @app.command()
-def rl(config: Path = typer.Argument(..., help="RL config YAML (see ember/midtrain/examples/rl_tiny_cpu.yaml).")) -> None:
+def rl(
+    config: Path = typer.Argument(..., help="RL config YAML (see ember/midtrain/examples/rl_tiny_cpu.yaml)."),
+    threads: int = typer.Option(None, "--threads", min=1, help=THREADS_HELP + "."),
+) -> None:
     """RL steps on rollout batches from Kafka in this process; resumes from the latest checkpoint."""
-    _load(config, rl=True)
+    cfg = _load(config, rl=True)
+    _check_runnable(cfg, 1)
     from ember.midtrain.rl import main
 
-    raise typer.Exit(main([str(config)]))
+    raise typer.Exit(main([str(config), *(["--threads", str(threads)] if threads else [])]))
 
 
 @app.command()
@@ -71,13 +105,18 @@ def launch(
     signal_seconds: int = typer.Option(120, "--signal-seconds", min=1, help="USR1 this long before the time limit."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the sbatch script; submit nothing."),
     mode: str = typer.Option("train", "--mode", help="train: mid-training; rl: the RL trainer on an RL config."),
+    threads: int = typer.Option(
+        None, "--threads", min=1,
+        help=THREADS_HELP + "; else 1 per CPU rank, 8 per GPU. Sets --cpus-per-task to this x ranks per node.",
+    ),
 ) -> None:
     """Render the sbatch script for CONFIG, check data and partition, and submit it."""
     from ember.midtrain.data import DataError
-    from ember.midtrain.launch import LaunchError, LaunchRequest, preflight, render_sbatch, submit
+    from ember.midtrain.launch import LaunchRequest, preflight, render_sbatch, submit
+    from ember.midtrain.slurm import LaunchError
 
     if mode not in ("train", "rl"):
-        err.print(f"[red]--mode must be train or rl, got {mode!r}[/red]", highlight=False)
+        _error(f"--mode must be train or rl, got {mode!r}")
         raise typer.Exit(2)
     cfg = _load(config, rl=True) if mode == "rl" else _load(config)
     request = LaunchRequest(
@@ -89,6 +128,7 @@ def launch(
         time=time,
         signal_seconds=signal_seconds,
         mode=mode,
+        threads=threads,
     )
     try:
         preflight(cfg, request, need_slurm=not dry_run)
@@ -98,46 +138,69 @@ def launch(
             return
         job = submit(cfg, script)
     except (LaunchError, DataError) as exc:
-        err.print(f"[red]{exc}[/red]", highlight=False)
+        _error(exc)
         raise typer.Exit(1)
-    console.print(f"submitted job {job.job_id}", highlight=False)
-    console.print(f"  script:      {job.script}", highlight=False)
-    console.print(f"  slurm log:   {job.slurm_log}", highlight=False)
-    console.print(f"  trainer log: {job.train_logs}", highlight=False)
-    console.print(f"  metrics:     {job.metrics}", highlight=False)
+    console.print(f"submitted job {job.job_id}", highlight=False, markup=False)
+    console.print(f"  script:      {job.script}", highlight=False, markup=False)
+    console.print(f"  slurm log:   {job.slurm_log}", highlight=False, markup=False)
+    console.print(f"  trainer log: {job.train_logs}", highlight=False, markup=False)
+    console.print(f"  metrics:     {job.metrics}", highlight=False, markup=False)
+
+
+STATUS_KEYS = ("JobId", "JobName", "JobState", "Reason", "Restarts", "RunTime", "TimeLimit", "NodeList", "StdOut")
 
 
 @app.command()
-def status(job_id: str = typer.Argument(...)) -> None:
-    """State, restarts and log paths of a job, and the last step its trainer logged."""
-    from ember.midtrain.launch import LaunchError, job_fields, job_logs
+def status(
+    job_ids: list[str] = typer.Argument(None, help="Job ids; default: every midtrain job slurmctld knows."),
+) -> None:
+    """State, restarts and log paths of jobs, and the last step each trainer logged (one scontrol call)."""
+    from ember.midtrain.slurm import LaunchError, job_logs, jobs, last_line_with
+
+    try:
+        found = jobs(job_ids)
+    except LaunchError as exc:
+        _error(exc)
+        raise typer.Exit(1)
+    if not found:
+        console.print("no midtrain jobs known to slurmctld (finished jobs are forgotten after MinJobAge)", highlight=False, markup=False)
+    for i, fields in enumerate(found):
+        if i:
+            console.print()
+        for key in STATUS_KEYS:
+            console.print(f"{key:>10}: {fields.get(key, '-')}", highlight=False, markup=False)
+        trainer_logs = job_logs(fields)[1:]
+        for path in trainer_logs:
+            console.print(f"{'trainer':>10}: {path}", highlight=False, markup=False)
+        last = next((l for p in reversed(trainer_logs) if (l := last_line_with(p, "] step ")) is not None), None)
+        if last:
+            console.print(f"{'last step':>10}: {last}", highlight=False, markup=False)
+
+
+@app.command()
+def logs(
+    job_id: str = typer.Argument(...),
+    follow: bool = typer.Option(
+        False, "--follow", "-f", help="Keep printing what the logs gain (a requeue's new trainer log too) until the job ends."
+    ),
+) -> None:
+    """Print the job's Slurm log and each restart's trainer log, oldest first."""
+    from ember.midtrain.slurm import LaunchError, LogFollower, job_fields, job_logs
 
     try:
         fields = job_fields(job_id)
     except LaunchError as exc:
-        err.print(f"[red]{exc}[/red]", highlight=False)
+        _error(exc)
         raise typer.Exit(1)
-    for key in ("JobId", "JobName", "JobState", "Reason", "Restarts", "RunTime", "TimeLimit", "NodeList", "StdOut"):
-        console.print(f"{key:>10}: {fields.get(key, '-')}", highlight=False)
-    logs = job_logs(fields)
-    for path in logs[1:]:
-        console.print(f"{'trainer':>10}: {path}", highlight=False)
-    lines = [l for p in logs[1:] if p.exists() for l in p.read_text(errors="replace").splitlines() if "] step " in l]
-    if lines:
-        console.print(f"{'last step':>10}: {lines[-1]}", highlight=False)
-
-
-@app.command()
-def logs(job_id: str = typer.Argument(...)) -> None:
-    """Print the job's Slurm log and each restart's trainer log, oldest first."""
-    from ember.midtrain.launch import LaunchError, job_fields, job_logs
-
-    try:
-        paths = job_logs(job_fields(job_id))
-    except LaunchError as exc:
-        err.print(f"[red]{exc}[/red]", highlight=False)
-        raise typer.Exit(1)
-    for path in paths:
+    if follow:
+        try:
+            state = LogFollower(fields, lambda text: typer.echo(text, nl=False)).follow()
+        except KeyboardInterrupt:
+            err.print(f"\nstopped following job {job_id} (the job keeps running)", highlight=False, markup=False)
+            raise typer.Exit(130)
+        err.print(f"job {job_id} ended: {state}", highlight=False, markup=False)
+        return
+    for path in job_logs(fields):
         typer.echo(f"==> {path} <==")
         typer.echo(path.read_text(errors="replace") if path.exists() else "(not written yet)")
 

@@ -90,6 +90,12 @@ class ParallelConfig(StrictModel):
     tensor: Annotated[int, RANKS] = Field(default=1, gt=0)
     pipeline: Annotated[int, RANKS] = Field(default=1, gt=0)
     expert: Annotated[int, RANKS] = Field(default=1, gt=0)
+    threads: Annotated[int | None, at_most(1024, "CPU threads of one rank; more than any node has cores")] = Field(
+        default=None, gt=0,
+        description="CPU threads per rank (torch.set_num_threads, OMP_NUM_THREADS); a Slurm job asks for this x ranks per "
+        "node as --cpus-per-task. null: 1 per CPU rank and 8 per GPU rank on Slurm, this machine's CPUs shared by the "
+        "ranks locally; --threads overrides it",
+    )
 
 
 class OptimizerConfig(StrictModel):

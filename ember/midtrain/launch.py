@@ -14,7 +14,6 @@ the trainer resumes from the latest checkpoint. Trainer logs are keyed by
 
 from __future__ import annotations
 
-import re
 import shutil
 import subprocess
 import sys
@@ -24,12 +23,10 @@ from string import Template
 
 from ember.midtrain.config import MidtrainConfig
 from ember.midtrain.data import ShardSetSpec, check_model_compatible, open_manifests
+from ember.midtrain.rl_config import RLConfig
+from ember.midtrain.slurm import LaunchError, partition_resources
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-class LaunchError(RuntimeError):
-    """Something the user must fix before the job can run; the message says what."""
 
 
 class _SbatchTemplate(Template):
@@ -53,7 +50,7 @@ SBATCH_TEMPLATE = _SbatchTemplate(
 set -uo pipefail
 
 export PYTHONPATH=%%{pythonpath}${PYTHONPATH:+:$PYTHONPATH}
-export OMP_NUM_THREADS=%%{omp_threads}
+export OMP_NUM_THREADS=%%{threads}
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export PYTHONUNBUFFERED=1
@@ -85,7 +82,7 @@ srun --kill-on-bad-exit=1 --ntasks-per-node=1 \
   %%{python} -m ember.midtrain.torchrun \
     --nnodes "$SLURM_JOB_NUM_NODES" --nproc-per-node %%{procs_per_node} \
     --rdzv-backend c10d --rdzv-endpoint "$HEAD:$PORT" --rdzv-id "$SLURM_JOB_ID" \
-    -m %%{module} %%{config} >>"$TRAIN_LOG" 2>&1 &
+    -m %%{module} %%{config} --threads %%{threads} >>"$TRAIN_LOG" 2>&1 &
 TRAIN_PID=$!
 wait "$TRAIN_PID"
 status=$?
@@ -105,23 +102,34 @@ class LaunchRequest:
     time: str
     signal_seconds: int
     mode: str = "train"  # "rl": the RL trainer (`ember.midtrain.rl`, one rank) on an RLConfig
+    threads: int | None = None  # CPU threads per rank; None: the config's parallel.threads, else the default
 
 
-def render_sbatch(config: MidtrainConfig, request: LaunchRequest) -> str:
+GPU_THREADS = 8
+"""CPU threads per GPU rank when neither --threads nor parallel.threads says (data loading, host work)."""
+
+
+def threads_per_rank(config: MidtrainConfig | RLConfig, request: LaunchRequest) -> int:
+    """--threads, else the config's parallel.threads, else 1 per CPU rank or GPU_THREADS per GPU rank."""
+    return request.threads or config.parallel.threads or (GPU_THREADS if request.gpus_per_node else 1)
+
+
+def render_sbatch(config: MidtrainConfig | RLConfig, request: LaunchRequest) -> str:
     """The batch script text; a pure function of the config and the request."""
     gpus = f"#SBATCH --gpus-per-node={request.gpus_per_node}" if request.gpus_per_node else "# CPU job: no GPUs requested"
+    threads = threads_per_rank(config, request)
     return SBATCH_TEMPLATE.substitute(
         config=str(request.config_path.resolve()),
         job_name=f"midtrain-{config.run_dir.name}",
         nodes=request.nodes,
-        cpus_per_task=request.procs_per_node if not request.gpus_per_node else 8 * request.gpus_per_node,
+        cpus_per_task=threads * request.procs_per_node,
         gpus_directive=gpus,
         partition=request.partition,
         time=request.time,
         log_dir=str(config.run_dir / "logs"),
         signal_seconds=request.signal_seconds,
         pythonpath=str(REPO_ROOT),
-        omp_threads=1 if not request.gpus_per_node else 8,
+        threads=threads,
         complete_marker=str(config.complete_marker),
         python=sys.executable,
         procs_per_node=request.procs_per_node,
@@ -159,38 +167,36 @@ def check_data(config: MidtrainConfig) -> None:
     )
 
 
-def partition_resources(partition: str) -> tuple[int, int]:
-    """(nodes, GPUs per node) of a partition, from sinfo; GPUs counted from its gres."""
-    result = subprocess.run(
-        ["sinfo", "-h", "-p", partition, "-o", "%D|%G"], capture_output=True, text=True, timeout=30
-    )
-    if result.returncode != 0:
-        raise LaunchError(f"sinfo failed for partition {partition!r}: {result.stderr.strip()}")
-    lines = [l for l in result.stdout.splitlines() if l.strip()]
-    if not lines:
-        raise LaunchError(f"partition {partition!r} does not exist (sinfo lists none); see `sinfo -s`")
-    nodes, gpus = 0, None
-    for line in lines:
-        count, gres = line.split("|", 1)
-        nodes += int(count)
-        found = [int(m) for m in re.findall(r"gpu(?::[^:,(]+)?:(\d+)", gres)]
-        per_node = max(found) if found else 0
-        gpus = per_node if gpus is None else max(gpus, per_node)
-    return nodes, gpus or 0
+def check_runnable(config: MidtrainConfig | RLConfig, world: int) -> None:
+    """What a valid config can still get wrong for this run, checked before any process group or
+    model exists: the layout for `world` ranks, the shard sets (mid-training) or the init checkpoint (RL).
 
-
-def preflight(config: MidtrainConfig, request: LaunchRequest, *, need_slurm: bool) -> None:
-    world = request.nodes * request.procs_per_node
-    if request.mode == "rl":  # an RLConfig: one rank, batches come from Kafka (no shard sets to check)
-        problems = [] if world == 1 else [f"the RL trainer runs as one rank, got {world} (use --nodes 1 --procs-per-node 1)"]
+    Raises LaunchError (layout, checkpoint) or DataError (shard sets), each naming what to fix.
+    """
+    if isinstance(config, RLConfig):
+        problems = [] if world == 1 else [f"the RL trainer runs as one rank, got {world} (one process: --nodes 1 --procs-per-node 1)"]
     else:
         problems = _world_size_problems(config, world)
-    if request.gpus_per_node and request.procs_per_node != request.gpus_per_node:
-        problems.append(f"--procs-per-node {request.procs_per_node} must equal --gpus-per-node {request.gpus_per_node}")
     if problems:
         raise LaunchError("the requested layout cannot run this config: " + "; ".join(problems))
-    if request.mode != "rl":
+    if isinstance(config, RLConfig):
+        init = config.init_checkpoint
+        if init is not None and not (init / "metadata.json").is_file():
+            raise LaunchError(
+                f"init_checkpoint {init} is not a checkpoint ({'no metadata.json in it' if init.is_dir() else 'does not exist'}); "
+                "name a step_* directory under a run's checkpoints/"
+            )
+    else:
         check_data(config)
+
+
+def preflight(config: MidtrainConfig | RLConfig, request: LaunchRequest, *, need_slurm: bool) -> None:
+    if request.gpus_per_node and request.procs_per_node != request.gpus_per_node:
+        raise LaunchError(
+            f"the requested layout cannot run this config: --procs-per-node {request.procs_per_node} "
+            f"must equal --gpus-per-node {request.gpus_per_node}"
+        )
+    check_runnable(config, request.nodes * request.procs_per_node)
     if not need_slurm:
         return
     if shutil.which("sbatch") is None:
@@ -198,13 +204,19 @@ def preflight(config: MidtrainConfig, request: LaunchRequest, *, need_slurm: boo
             "sbatch is not on PATH: run on a Slurm login node, or start the local cluster with "
             "`ember dev up --only slurm` (or use --dry-run to only print the script)"
         )
-    nodes, gpus = partition_resources(request.partition)
+    nodes, gpus, cpus = partition_resources(request.partition)
     if request.nodes > nodes:
         raise LaunchError(f"--nodes {request.nodes}: partition {request.partition!r} has {nodes} node(s)")
     if request.gpus_per_node > gpus:
         raise LaunchError(
             f"--gpus-per-node {request.gpus_per_node}: partition {request.partition!r} has {gpus} GPU(s) per node"
             + ("; use --gpus-per-node 0 for a CPU run" if gpus == 0 else "")
+        )
+    threads = threads_per_rank(config, request)
+    if threads * request.procs_per_node > cpus:
+        raise LaunchError(
+            f"{threads} thread(s) x {request.procs_per_node} rank(s) = {threads * request.procs_per_node} CPUs per node: "
+            f"partition {request.partition!r} has {cpus}; lower --threads (or parallel.threads)"
         )
 
 
@@ -233,24 +245,3 @@ def submit(config: MidtrainConfig, script_text: str) -> Submitted:
         train_logs=str(logs / f"train-{job_id}-<restart>.log"),
         metrics=config.metrics_path,
     )
-
-
-def job_fields(job_id: str) -> dict[str, str]:
-    """`scontrol show job` as a dict (no slurmdbd: finished jobs stay visible for MinJobAge)."""
-    result = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
-    if result.returncode != 0:
-        raise LaunchError(
-            f"job {job_id} is not known to slurmctld ({result.stderr.strip()}); finished jobs are forgotten "
-            "after MinJobAge: read the logs under the run directory's logs/ instead"
-        )
-    return dict(re.findall(r"(\w+)=(\S*)", result.stdout))
-
-
-def job_logs(fields: dict[str, str]) -> list[Path]:
-    """The Slurm log and every restart's trainer log of a job, oldest first."""
-    slurm_log = Path(fields["StdOut"])
-    job_id = fields["JobId"]
-    restarts = sorted(
-        slurm_log.parent.glob(f"train-{job_id}-*.log"), key=lambda p: int(p.stem.rsplit("-", 1)[1])
-    )
-    return [slurm_log, *restarts]

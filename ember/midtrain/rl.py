@@ -10,14 +10,18 @@ exit 0. The training itself is `ember.midtrain.rl_trainer`, which never sees Kaf
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any, Iterator
 
+from ember.configs import MidtrainConfigError
+from ember.midtrain import runtime
+from ember.midtrain.launch import check_runnable
 from ember.midtrain.rl_batch import RLBatch, rl_batch
 from ember.midtrain.rl_config import RLConfig, load_rl_config
-from ember.midtrain.rl_trainer import RLTrainer, run_rl
 from ember.midtrain.runtime import StopRequest
+from ember.midtrain.slurm import LaunchError
 from ember.rollouts.security import KafkaSecurity
 
 # How often the idle trainer wakes up to notice a stop signal or its idle timeout.
@@ -91,6 +95,8 @@ class KafkaTransport:
 
 
 def run(config: RLConfig, stop: StopRequest) -> int:
+    from ember.midtrain.rl_trainer import RLTrainer, run_rl  # megatron: after main's checks and warning filters
+
     trainer = RLTrainer(config)
     transport = KafkaTransport(config, trainer.data_position, stop)
     try:
@@ -102,14 +108,19 @@ def run(config: RLConfig, stop: StopRequest) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point for `python -m ember.midtrain.rl CONFIG`."""
+    """Entry point for `python -m ember.midtrain.rl CONFIG [--threads N]`; the config is checked before
+    megatron loads (a mistake is one line on stderr and exit 2)."""
     stop = StopRequest()
     stop.install()
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m ember.midtrain.rl CONFIG.yaml", file=sys.stderr)
+    runtime.silence_known_warnings()
+    args = runtime.parse_entry_args("python -m ember.midtrain.rl", sys.argv[1:] if argv is None else argv)
+    try:
+        config = runtime.with_threads(load_rl_config(args.config), args.threads)
+        check_runnable(config, int(os.environ.get("WORLD_SIZE", "1")))
+    except (MidtrainConfigError, LaunchError) as exc:
+        print(f"[rl] {exc}", file=sys.stderr, flush=True)
         return 2
-    return run(load_rl_config(args[0]), stop)
+    return run(config, stop)
 
 
 if __name__ == "__main__":

@@ -291,28 +291,29 @@ def run_rl(trainer: RLTrainer, batches: Iterable[RLBatch], publish: Callable[[in
     """Trains until rl.steps, a stop request or the end of `batches`; after every step, `publish(version)`
     announces the new policy. Checkpoints every save_interval steps and once at the end."""
     config, rl = trainer.config, trainer.config.rl
-    metrics = MetricsLog(config.metrics_path, enabled=True)
-    if trainer.resumed_from is not None:
-        metrics.write({"event": "resumed", "step": trainer.state.step, "checkpoint": str(trainer.resumed_from)})
-        print(f"[rl] resumed from {trainer.resumed_from} at step {trainer.state.step}", flush=True)
-    if trainer.cpu_patched:
-        print("[rl] no GPU: CPU compatibility patches active, gloo backend, fp32, grad clipping off", flush=True)
-    saved_step = trainer.state.step if trainer.resumed_from is not None else None
-    pending = iter(batches)
-    while trainer.state.step < rl.steps and stop.signal is None:
-        batch = next(pending, None)
-        if batch is None:
-            break
-        record = trainer.train_step(batch)
-        record["offset"] = batch.offset
-        if rl.save_interval and trainer.state.step % rl.save_interval == 0:
+    with MetricsLog(config.metrics_path, enabled=True, first_step=trainer.state.step + 1) as metrics:
+        if trainer.resumed_from is not None:
+            metrics.write({"event": "resumed", "step": trainer.state.step, "checkpoint": str(trainer.resumed_from)})
+            print(f"[rl] resumed from {trainer.resumed_from} at step {trainer.state.step}", flush=True)
+        if trainer.cpu_patched:
+            print("[rl] no GPU: CPU compatibility patches active, gloo backend, fp32, grad clipping off", flush=True)
+        print(f"[rl] {torch.get_num_threads()} CPU thread(s)", flush=True)
+        saved_step = trainer.state.step if trainer.resumed_from is not None else None
+        pending = iter(batches)
+        while trainer.state.step < rl.steps and stop.signal is None:
+            batch = next(pending, None)
+            if batch is None:
+                break
+            record = trainer.train_step(batch)
+            record["offset"] = batch.offset
+            if rl.save_interval and trainer.state.step % rl.save_interval == 0:
+                trainer.save()
+                saved_step = trainer.state.step
+            metrics.write(record)
+            publish(trainer.policy_version)
+            _print_step(record, rl.steps)
+        if saved_step != trainer.state.step:
             trainer.save()
-            saved_step = trainer.state.step
-        metrics.write(record)
-        publish(trainer.policy_version)
-        _print_step(record, rl.steps)
-    if saved_step != trainer.state.step:
-        trainer.save()
-    if trainer.state.step >= rl.steps:
-        config.complete_marker.write_text(f"{trainer.state.step}\n")
-    print(f"[rl] {'finished' if trainer.state.step >= rl.steps else 'stopped'} at step {trainer.state.step}", flush=True)
+        if trainer.state.step >= rl.steps:
+            config.complete_marker.write_text(f"{trainer.state.step}\n")
+        print(f"[rl] {'finished' if trainer.state.step >= rl.steps else 'stopped'} at step {trainer.state.step}", flush=True)

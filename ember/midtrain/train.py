@@ -21,9 +21,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ember.configs import MidtrainConfigError
 from ember.midtrain import runtime
 from ember.midtrain.config import MidtrainConfig, load_config
 from ember.midtrain.data import (
+    DataError,
     GlobalOrderSampler,
     MidtrainDataset,
     ShardSetSpec,
@@ -31,7 +33,9 @@ from ember.midtrain.data import (
     open_manifests,
     thd_cu_seqlens,
 )
+from ember.midtrain.launch import check_runnable
 from ember.midtrain.runtime import MetricsLog, StopRequest
+from ember.midtrain.slurm import LaunchError
 from ember.midtrain.sampling import num_microbatches
 from ember.midtrain.schedule import wsd_lr
 
@@ -113,7 +117,10 @@ class Trainer:
             router.register_forward_hook(self._count_routed_tokens)
         self._forward_backward = get_forward_backward_func()
         self.device = runtime.compute_device()
-        self.metrics = MetricsLog(config.metrics_path, enabled=self.rank == 0)
+        self.metrics = MetricsLog(config.metrics_path, enabled=self.rank == 0, first_step=self.state.step + 1)
+        self.threads = torch.get_num_threads()
+        if self.rank == 0:
+            print(f"[midtrain] {dist.get_world_size()} rank(s), dp {self.dp_size}, {self.threads} CPU thread(s) per rank", flush=True)
         self.counts_experts = parallel_state.get_tensor_model_parallel_rank() == 0
         self.counts_metrics = parallel_state.is_pipeline_last_stage() and self.counts_experts
         self.restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
@@ -267,6 +274,7 @@ class Trainer:
             "rows": [rows[i] for i in order],
             "restart": self.restart,
             "dp_size": self.dp_size,
+            "threads": self.threads,
         }
 
     def _log(self, result: StepResult, reduced: ReducedStep) -> None:
@@ -324,19 +332,28 @@ class Trainer:
             )
 
     def close(self) -> None:
+        self.metrics.close()
         dist.barrier()
         runtime.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point for `python -m ember.midtrain.train CONFIG` (what torchrun runs per rank)."""
+    """Entry point for `python -m ember.midtrain.train CONFIG [--threads N]` (what torchrun runs per rank).
+
+    The config, layout and shard sets are checked before the process group or megatron exist, so a
+    mistake is one line on stderr and exit 2, not a traceback per rank.
+    """
     stop = StopRequest()
     stop.install()  # before the slow imports, so an early preemption signal is not fatal
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m ember.midtrain.train CONFIG.yaml", file=sys.stderr)
+    runtime.silence_known_warnings()
+    args = runtime.parse_entry_args("python -m ember.midtrain.train", sys.argv[1:] if argv is None else argv)
+    try:
+        config = runtime.with_threads(load_config(args.config), args.threads)
+        check_runnable(config, int(os.environ.get("WORLD_SIZE", "1")))
+    except (MidtrainConfigError, LaunchError, DataError) as exc:
+        print(f"[midtrain] {exc}", file=sys.stderr, flush=True)
         return 2
-    trainer = Trainer(load_config(args[0]), stop)
+    trainer = Trainer(config, stop)
     trainer.train()
     trainer.close()
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from ember.midtrain.launch import LaunchRequest, render_sbatch
 from .configs import tiny_run
 
 runner = CliRunner()
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +113,65 @@ def test_partition_limits_come_from_the_real_cluster(config_path, slurm):
 def test_status_of_an_unknown_job(slurm):
     result = runner.invoke(app, ["status", "999999"])
     assert result.exit_code == 1 and "job 999999 is not known to slurmctld" in _out(result)
+
+
+def test_threads_set_cpus_per_task_omp_and_the_trainer_flag(config_path, tmp_path):
+    result = runner.invoke(app, ["launch", str(config_path), "--dry-run", "--procs-per-node", "2", "--threads", "3"])
+    assert result.exit_code == 0, result.output
+    assert "#SBATCH --cpus-per-task=6" in result.output.splitlines()
+    assert "export OMP_NUM_THREADS=3" in result.output.splitlines()
+    assert f"-m ember.midtrain.train {config_path.resolve()} --threads 3 " in result.output
+    data = yaml.safe_load(config_path.read_text())
+    data["parallel"] = {"threads": 4}
+    configured = config_path.parent / "threads.yaml"
+    configured.write_text(yaml.safe_dump(data))
+    result = runner.invoke(app, ["launch", str(configured), "--dry-run", "--procs-per-node", "2"])
+    assert "#SBATCH --cpus-per-task=8" in result.output.splitlines() and "--threads 4 " in result.output
+    result = runner.invoke(app, ["launch", str(configured), "--dry-run", "--threads", "1"])
+    assert "#SBATCH --cpus-per-task=1" in result.output.splitlines() and "export OMP_NUM_THREADS=1" in result.output
+
+
+def _midtrain(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ember.midtrain.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_train_reports_data_and_layout_errors_before_distributed_init(tmp_path):
+    """What `launch --dry-run` refuses, `train` refuses the same way: one line, no rank traceback."""
+    path = tiny_run(tmp_path, steps=4, save_interval=2)
+    good = yaml.safe_load(path.read_text())
+    bad = {**good, "model": {**good["model"], "vocab_size": 999}}
+    path.write_text(yaml.safe_dump(bad))
+    for nproc in ("1", "2"):
+        result = _midtrain("train", str(path), "--nproc-per-node", nproc)
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert "vocab_size" in result.stderr and "999" in result.stderr
+        assert "Traceback" not in result.stderr + result.stdout and "[rank" not in result.stderr
+    path.write_text(yaml.safe_dump(good))
+    result = _midtrain("train", str(path), "--nproc-per-node", "3")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "global_batch_size 8 is not a multiple of micro_batch_size 2 x data-parallel size 3" in " ".join(result.stderr.split())
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_rank_entry_point_refuses_a_bad_config_in_one_line(tmp_path):
+    """`python -m ember.midtrain.train` (what torchrun and the sbatch script run) checks before megatron loads."""
+    path = tiny_run(tmp_path, steps=4, save_interval=2)
+    data = yaml.safe_load(path.read_text())
+    data["model"]["vocab_size"] = 999
+    path.write_text(yaml.safe_dump(data))
+    result = subprocess.run([sys.executable, "-m", "ember.midtrain.train", str(path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.startswith("[midtrain] ") and "model.vocab_size is 999" in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_rl_refuses_a_missing_init_checkpoint_before_megatron(tmp_path):
+    data = yaml.safe_load((REPO / "ember" / "midtrain" / "examples" / "rl_tiny_cpu.yaml").read_text())
+    data.update(run_dir=str(tmp_path / "run"), init_checkpoint=str(tmp_path / "no-such-step"))
+    path = tmp_path / "rl.yaml"
+    path.write_text(yaml.safe_dump(data))
+    result = _midtrain("rl", str(path))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"init_checkpoint {tmp_path / 'no-such-step'} is not a checkpoint (does not exist)" in " ".join(result.stderr.split())
+    result = runner.invoke(app, ["launch", str(path), "--mode", "rl", "--dry-run"])
+    assert result.exit_code == 1 and "is not a checkpoint" in _out(result)

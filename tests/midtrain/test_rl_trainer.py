@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import yaml
 
@@ -84,3 +85,14 @@ def test_run_rl_on_in_memory_batches_replays_routing_publishes_and_checkpoints(t
     assert off[0]["mismatch"]["mean_abs_delta_logp"] > replay[0]["mismatch"]["mean_abs_delta_logp"] > 0
     assert (tmp_path / "replay" / "checkpoints" / "latest").read_text() == f"step_{GROUPS:08d}"
     assert (tmp_path / "replay" / "COMPLETE").read_text() == f"{GROUPS}\n"
+    # TensorBoard events beside metrics.jsonl carry the mismatch metrics at the same steps
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "off"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {f"mismatch/{key}" for key in off[0]["mismatch"]} | {"loss", "clip_frac", "routing_disagreement"} <= tags
+    assert "routing_disagreement_per_layer/1" in tags and not any(t.startswith(("batch_id", "replayed")) for t in tags)
+    kl = events.Scalars("mismatch/kl_mu_pi")
+    assert [e.step for e in kl] == [r["step"] for r in off]
+    assert [e.value for e in kl] == pytest.approx([r["mismatch"]["kl_mu_pi"] for r in off], rel=1e-6)

@@ -9,12 +9,17 @@ checkpoints, the script requeues the job and the second run resumes from the che
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from ember.midtrain.config import load_config
 
@@ -51,6 +56,9 @@ def test_launch_preempt_requeue_resume_without_repeating_or_skipping(tmp_path, s
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
     job_id = re.search(r"submitted job (\d+)", submitted.stdout).group(1)
     first_log = config.run_dir / "logs" / f"train-{job_id}-0.log"
+    followed_path, follow_err_path = tmp_path / "follow.out", tmp_path / "follow.err"
+    with open(followed_path, "w") as out, open(follow_err_path, "w") as err:
+        follower = subprocess.Popen([*MIDTRAIN, "logs", job_id, "--follow"], stdout=out, stderr=err)
     try:
         _wait("step 2 of the first run", lambda: first_log.exists() and "] step 2/" in first_log.read_text(), 400, job_id)
         subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True, timeout=30)
@@ -67,6 +75,8 @@ def test_launch_preempt_requeue_resume_without_repeating_or_skipping(tmp_path, s
     finally:
         if _job(job_id)["JobState"] not in {"COMPLETED", "FAILED", "CANCELLED"}:
             subprocess.run(["scancel", job_id], timeout=30)
+        if follower.poll() is None and _job(job_id)["JobState"] != "COMPLETED":
+            follower.kill()
     slurm_log = (config.run_dir / "logs" / f"slurm-{job_id}.out").read_text()
     assert done["JobState"] == "COMPLETED" and done["ExitCode"] == "0:0", slurm_log
 
@@ -87,9 +97,87 @@ def test_launch_preempt_requeue_resume_without_repeating_or_skipping(tmp_path, s
     assert records[-1]["loss"] < records[0]["loss"] - 0.3
     assert (config.checkpoint_dir / "latest").read_text() == f"step_{STEPS:08d}"
     assert config.complete_marker.exists()
+    events = EventAccumulator(str(config.run_dir))  # both runs' event files: one loss per step
+    events.Reload()
+    losses = events.Scalars("loss")
+    assert [e.step for e in losses] == [r["step"] for r in records]
+    assert [e.value for e in losses] == pytest.approx([r["loss"] for r in records], rel=1e-6)
+
+    follower.wait(timeout=60)  # it ends by itself once the job has
+    followed, follow_err = followed_path.read_text(), follow_err_path.read_text()
+    assert follower.returncode == 0 and f"job {job_id} ended: COMPLETED" in follow_err, follow_err
+    assert "received SIGUSR1" in followed and followed.index("requeueing job") < followed.index(f"finished at step {STEPS}")
+    assert f"==> {config.run_dir / 'logs'}/train-{job_id}-1.log <==" in followed
 
     status = subprocess.run([*MIDTRAIN, "status", job_id], capture_output=True, text=True, timeout=60)
     assert status.returncode == 0 and "COMPLETED" in status.stdout and re.search(r"Restarts: 1", status.stdout)
     logs = subprocess.run([*MIDTRAIN, "logs", job_id], capture_output=True, text=True, timeout=60)
     assert logs.returncode == 0
     assert logs.stdout.index(f"train-{job_id}-0.log") < logs.stdout.index(f"train-{job_id}-1.log")
+
+
+def _sbatch(tmp_path, name: str, body: str) -> tuple[str, Path]:
+    """Submits a bash job named `name` whose Slurm log sits where a midtrain job's does; returns (job id, logs/)."""
+    logs = tmp_path / "logs"
+    logs.mkdir(exist_ok=True)
+    script = tmp_path / f"{name}.sh"
+    script.write_text(f"#!/bin/bash\n#SBATCH --job-name={name}\n#SBATCH --output={logs}/slurm-%j.out\n#SBATCH --time=00:05:00\n{body}\n")
+    out = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=60, check=True)
+    return out.stdout.strip().split(";")[0], logs
+
+
+def test_logs_follow_prints_a_growing_job_and_a_new_trainer_log_until_it_ends(tmp_path, slurm):
+    job_id, logs = _sbatch(tmp_path, "midtrain-follow", f"""
+for i in 1 2 3; do echo "slurm line $i"; sleep 1; done
+for i in 1 2 3; do echo "trainer line $i" >> "{tmp_path}/logs/train-$SLURM_JOB_ID-0.log"; sleep 1; done
+echo "slurm done"
+""")
+    follow = subprocess.run([*MIDTRAIN, "logs", job_id, "--follow"], capture_output=True, text=True, timeout=180)
+    assert follow.returncode == 0, follow.stderr
+    assert f"job {job_id} ended: COMPLETED" in follow.stderr
+    out = follow.stdout
+    assert f"==> {logs}/slurm-{job_id}.out <==" in out and f"==> {logs}/train-{job_id}-0.log <==" in out
+    lines = [l for l in out.splitlines() if "line" in l or "done" in l]
+    assert lines == [f"slurm line {i}" for i in (1, 2, 3)] + [f"trainer line {i}" for i in (1, 2, 3)] + ["slurm done"]
+
+
+def test_logs_follow_stops_on_ctrl_c_and_leaves_the_job_running(tmp_path, slurm):
+    job_id, logs = _sbatch(tmp_path, "midtrain-ctrl-c", 'echo started; sleep 120')
+    try:
+        followed_path, follow_err_path = tmp_path / "follow.out", tmp_path / "follow.err"
+    with open(followed_path, "w") as out, open(follow_err_path, "w") as err:
+        follower = subprocess.Popen([*MIDTRAIN, "logs", job_id, "--follow"], stdout=out, stderr=err)
+        _wait("the job's first line", lambda: (logs / f"slurm-{job_id}.out").exists() and "started" in (logs / f"slurm-{job_id}.out").read_text(), 120, job_id)
+        time.sleep(2)
+        follower.send_signal(signal.SIGINT)
+        out, err = follower.communicate(timeout=30)
+        assert follower.returncode == 130, err
+        assert "started" in out and f"stopped following job {job_id} (the job keeps running)" in err and "Traceback" not in err
+        assert _job(job_id)["JobState"] == "RUNNING"
+    finally:
+        subprocess.run(["scancel", job_id], timeout=30)
+
+
+def test_status_of_every_midtrain_job_takes_one_scontrol_call(tmp_path, slurm):
+    """`midtrain status` with no id lists every midtrain job; with ids, all of them from the same single call."""
+    calls = tmp_path / "calls"
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    real = shutil.which("scontrol")
+    (shim / "scontrol").write_text(f'#!/bin/bash\necho "$@" >> {calls}\nexec {real} "$@"\n')
+    (shim / "scontrol").chmod(0o755)
+    env = {**os.environ, "PATH": f"{shim}:{os.environ['PATH']}"}
+    ids = [_sbatch(tmp_path, name, "sleep 120")[0] for name in ("midtrain-status-a", "midtrain-status-b")]
+    try:
+        (tmp_path / "logs" / f"train-{ids[0]}-0.log").write_text("[midtrain] step 1/9 loss 5\n[midtrain] step 2/9 loss 4\n")
+        listed = subprocess.run([*MIDTRAIN, "status"], capture_output=True, text=True, timeout=60, env=env)
+        assert listed.returncode == 0, listed.stderr
+        assert all(f"JobId: {i}" in listed.stdout for i in ids) and "midtrain-status-b" in listed.stdout
+        assert calls.read_text().splitlines() == ["show job -o"]
+        named = subprocess.run([*MIDTRAIN, "status", *ids], capture_output=True, text=True, timeout=60, env=env)
+        assert named.returncode == 0, named.stderr
+        assert named.stdout.index(f"JobId: {ids[0]}") < named.stdout.index(f"JobId: {ids[1]}")
+        assert "last step: [midtrain] step 2/9 loss 4" in named.stdout
+        assert calls.read_text().splitlines() == ["show job -o"] * 2
+    finally:
+        subprocess.run(["scancel", *ids], timeout=30)
