@@ -353,8 +353,12 @@ def main(argv: list[str] | None = None) -> int:
     except (MidtrainConfigError, LaunchError, DataError) as exc:
         print(f"[midtrain] {exc}", file=sys.stderr, flush=True)
         return 2
-    trainer = Trainer(config, stop)
-    trainer.train()
+    try:
+        trainer = Trainer(config, stop)
+        trainer.train()
+    except DataError as exc:  # a corrupt, missing or changed shard: every rank names it and stops, no traceback
+        print(f"[midtrain] {exc}", file=sys.stderr, flush=True)
+        return 2
     trainer.close()
     return 0
 

@@ -126,3 +126,17 @@ def test_demo_stage_trains_a_few_steps_on_a_shard_set(tmp_path):
     assert losses[-1] < losses[0]
     assert "vocab 128, seq_len 32" in rows["midtrain model"]
     assert Path(rows["midtrain checkpoint"], "latest").read_text() == f"step_{demo_stage.DEMO_STEPS:08d}"
+
+
+def test_a_corrupt_shard_stops_training_with_its_name_and_no_traceback(tmp_path):
+    config_path = tiny_run(tmp_path, steps=3, save_interval=3)
+    shard = sorted((tmp_path / "code").glob("*.arrow"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    result = subprocess.run(
+        [sys.executable, "-m", "ember.midtrain.train", str(config_path)], capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert f"{shard}: sha256 mismatch" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
