@@ -143,11 +143,10 @@ echo "slurm done"
 
 def test_logs_follow_stops_on_ctrl_c_and_leaves_the_job_running(tmp_path, slurm):
     job_id, logs = _sbatch(tmp_path, "midtrain-ctrl-c", 'echo started; sleep 120')
+    slurm_log = logs / f"slurm-{job_id}.out"
     try:
-        followed_path, follow_err_path = tmp_path / "follow.out", tmp_path / "follow.err"
-    with open(followed_path, "w") as out, open(follow_err_path, "w") as err:
-        follower = subprocess.Popen([*MIDTRAIN, "logs", job_id, "--follow"], stdout=out, stderr=err)
-        _wait("the job's first line", lambda: (logs / f"slurm-{job_id}.out").exists() and "started" in (logs / f"slurm-{job_id}.out").read_text(), 120, job_id)
+        follower = subprocess.Popen([*MIDTRAIN, "logs", job_id, "--follow"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        _wait("the job's first line", lambda: slurm_log.exists() and "started" in slurm_log.read_text(), 120, job_id)
         time.sleep(2)
         follower.send_signal(signal.SIGINT)
         out, err = follower.communicate(timeout=30)
