@@ -1,7 +1,11 @@
 """`ember corpus ...`: build and report a corpus, tokenize it into a shard set, verify and inspect shards.
 
 `build` and `tokenize` pass every option they do not know to Beam untouched (`--runner=...`).
-Exit codes: 0 done, 1 the job or the check failed, 2 the input or the config cannot be used.
+Exit codes: 0 done, 1 the job or the check failed, 2 the input or the config cannot be used,
+3 (`build --strict`) the build finished but a source lost more than `warn_share` of its documents to one reason.
+
+Beam's, absl's and grpc's own logging (driver and workers) goes to `<output>.log` beside the output,
+and to the terminal too with `--verbose`; the terminal shows progress, the summary and warnings.
 """
 
 from __future__ import annotations
@@ -16,10 +20,12 @@ from rich.table import Table
 from ember.schemas import SchemaValidationError
 
 BEAM_OPTIONS = {"allow_extra_args": True, "ignore_unknown_options": True}
+VERBOSE_HELP = "Also show Beam's, absl's and grpc's logs on stderr (they always go to <output>.log beside the output)."
+STRICT_EXIT = 3
 MIN_FREE_HELP = "Refuse to start unless the output's filesystem has this many MiB free (default: estimated from the inputs)."
 
 app = typer.Typer(help="Corpus builds and the shard sets they produce.", no_args_is_help=True)
-console = Console()
+console = Console(width=min(100, Console().width))
 
 
 def fail(message: object, code: int = 2) -> NoReturn:
@@ -33,23 +39,28 @@ def tokenize(
     config: Path = typer.Argument(..., help="YAML config (see ember/tokenize/examples/tokenize.yaml)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a previous build in output_dir."),
     min_free_mb: int | None = typer.Option(None, "--min-free-mb", min=0, help=MIN_FREE_HELP),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help=VERBOSE_HELP),
 ) -> None:
     """Tokenize deduplicated Document Parquet, best-fit pack, write shuffled Arrow shards + manifest.
 
     Any further arguments go to Beam (default --runner=FnApiRunner), e.g. --direct_num_workers=2.
     """
-    from ember.configs import TokenizeConfigError
-    from ember.pipelines.output_guard import OutputUnusable
-    from ember.pipelines.tokenize_pipeline import run
-    from ember.tokenize.config import load_config
-    from ember.tokenize.tokenizers import TokenizerLoadError
+    from ember.pipelines.job_logs import job_logs, log_path_for
 
-    try:
-        settings = load_config(config)
-        min_free = None if min_free_mb is None else min_free_mb * 2**20
-        manifest = run(settings, ctx.args, overwrite=overwrite, min_free_bytes=min_free)
-    except (TokenizeConfigError, TokenizerLoadError, OutputUnusable) as exc:
-        fail(exc)
+    with job_logs(verbose) as logs:
+        from ember.configs import TokenizeConfigError
+        from ember.pipelines.output_guard import OutputUnusable
+        from ember.pipelines.tokenize_pipeline import run
+        from ember.tokenize.config import load_config
+        from ember.tokenize.tokenizers import TokenizerLoadError
+
+        try:
+            settings = load_config(config)
+            console.print(f"log: {logs.write_to(log_path_for(str(settings.output_dir)))}", highlight=False)
+            min_free = None if min_free_mb is None else min_free_mb * 2**20
+            manifest = run(settings, ctx.args, overwrite=overwrite, min_free_bytes=min_free, console=console)
+        except (TokenizeConfigError, TokenizerLoadError, OutputUnusable) as exc:
+            fail(exc)
     table = Table("source", "documents", "tokens", "sequences", "padding", "fill", "split docs", "rejected")
     for name, stats in manifest.sources.items():
         rejected = sum((manifest.model_extra.get("rejected") or {}).get(name, {}).values())
@@ -116,24 +127,35 @@ def build(
         "--direct_running_mode=multi_processing --direct_num_workers=<cores>.",
     ),
     min_free_mb: int | None = typer.Option(None, "--min-free-mb", min=0, help=MIN_FREE_HELP),
+    strict: bool = typer.Option(
+        False, "--strict", help=f"Exit {STRICT_EXIT} (after writing the output) when a source lost more than warn_share "
+        "of its documents to one reason."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help=VERBOSE_HELP),
 ) -> None:
     """Read, filter, redact and deduplicate code and web corpora into Parquet, with stats.json and a report;
     with a `tokenize:` section, also tokenize and pack the kept documents into a verified shard set.
     A rebuild replaces the previous output whole, only once the new one is complete, and refuses to start
     when the output holds files ember did not write."""
-    from ember.configs import CorpusConfigError, TokenizeConfigError
-    from ember.pipelines.corpus_build import BuildFailed, build_corpus
-    from ember.pipelines.corpus_config import load_config
-    from ember.pipelines.output_guard import OutputUnusable
-    from ember.tokenize.tokenizers import TokenizerLoadError
+    from ember.pipelines.job_logs import job_logs, log_path_for
 
-    min_free = None if min_free_mb is None else min_free_mb * 2**20
-    try:
-        build_corpus(load_config(str(config)), list(beam_args or []), console, min_free_bytes=min_free)
-    except (CorpusConfigError, TokenizeConfigError, TokenizerLoadError, OutputUnusable) as exc:
-        fail(exc)
-    except BuildFailed as exc:
-        fail(exc, 1)
+    with job_logs(verbose) as logs:
+        from ember.configs import CorpusConfigError, TokenizeConfigError
+        from ember.pipelines.corpus_build import BuildFailed, build_corpus
+        from ember.pipelines.corpus_config import load_config
+        from ember.pipelines.output_guard import OutputUnusable
+        from ember.tokenize.tokenizers import TokenizerLoadError
+
+        min_free = None if min_free_mb is None else min_free_mb * 2**20
+        try:
+            settings = load_config(str(config))
+            console.print(f"log: {logs.write_to(log_path_for(settings.output.directory))}", highlight=False)
+            outcome = build_corpus(settings, list(beam_args or []), console, min_free_bytes=min_free)
+        except (CorpusConfigError, TokenizeConfigError, TokenizerLoadError, OutputUnusable) as exc:
+            fail(exc)
+        except BuildFailed as exc:
+            fail(f"{exc} (the log: {logs.path})", 1)
+    if strict and outcome.warnings:
+        fail(f"--strict: {len(outcome.warnings)} source warning(s) above; the output is written", STRICT_EXIT)
 
 
 @app.command("report")
