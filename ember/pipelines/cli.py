@@ -16,6 +16,7 @@ from typing import NoReturn
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from ember.schemas import SchemaValidationError
 
@@ -94,10 +95,14 @@ def inspect(
     locate: tuple[Path, int, int] = typer.Option(
         ..., "--locate", metavar="SHARD ROW TOKEN", help="Map token TOKEN of row ROW of shard file SHARD to its source."
     ),
+    window: int = typer.Option(200, "--window", min=0, help="Characters of the document's text shown either side."),
 ) -> None:
-    """Trace a training token back to its source document and its index in that document's tokens."""
+    """Trace a training token back to its source document: the document's id and source path/URL, the
+    token's index in the document's tokens, and the stored (redacted) text around it."""
+    from ember.pipelines.locate import LocateError, locate_text
     from ember.tokenize.packing import locate as locate_token
     from ember.tokenize.shards import read_row
+    from ember.tokenize.tokenizers import TokenizerLoadError
 
     shard, row, token = locate
     try:
@@ -107,15 +112,25 @@ def inspect(
         found = locate_token(record["cu_seqlens"], record["segments"], token)
     except (OSError, IndexError, ValueError) as exc:
         fail(f"{shard}: {exc}")
-    console.print(f"shard {shard} row {row} token {token}: id {record['tokens'][token]}, source {record['source']}")
+    console.print(f"shard {shard} row {row} token {token}: id {record['tokens'][token]}, source {record['source']}",
+                  highlight=False)
     if found is None:
         console.print(f"padding (the row's documents end at token {record['cu_seqlens'][-1]})")
         return
     segment, index = found
     console.print(
         f"document {segment['document_id']} token {index} "
-        f"(this row holds its tokens [{segment['doc_token_start']}, {segment['doc_token_end']}))"
+        f"(this row holds its tokens [{segment['doc_token_start']}, {segment['doc_token_end']}))", highlight=False
     )
+    try:
+        where = locate_text(shard, record["source"], segment["document_id"], index, window)
+    except (LocateError, TokenizerLoadError, OSError) as exc:
+        fail(f"the document's text cannot be shown: {exc}", 1)
+    console.print(f"from {where.origin}", highlight=False)
+    console.print(f"stored in {where.documents_file}", highlight=False)
+    at = f"characters [{where.span[0]}, {where.span[1]})" if where.span else f"the document's {where.framing} token"
+    console.print(f"text around {at}, redacted as stored:", highlight=False)
+    console.print(Text.assemble(where.before, (where.token_text or f"<{where.framing}>", "reverse bold"), where.after))
 
 
 @app.command("build", context_settings=BEAM_OPTIONS)

@@ -174,10 +174,11 @@ def _build(config: CorpusConfig, final: CorpusConfig, args: list[str], options, 
         recorded = _recorded(settings, final)
         if config.shards_directory != final.shards_directory:  # inside the staged output: written in place
             Path(settings.output_dir).mkdir(parents=True)
-            write_shard_set(settings, args, tokenizer, recorded)
+            write_shard_set(settings, args, tokenizer, recorded, console=console)
             shards = read_manifest(settings.output_dir)
         else:
-            shards = tokenize(settings, args, overwrite=True, tokenizer=tokenizer, min_free_bytes=min_free_bytes, recorded=recorded)
+            shards = tokenize(settings, args, overwrite=True, tokenizer=tokenizer, min_free_bytes=min_free_bytes, recorded=recorded,
+                              console=console)
         if console is not None:
             console.print(shards_table(shards))
     return BuildOutcome("DONE", args, stats, report, shards, warnings)
