@@ -54,10 +54,11 @@ def find_document(pattern: str, document_id: str) -> tuple[str, dict]:
         raise LocateError(f"no Document Parquet matches {pattern} any more (moved or deleted since the shard set was written)")
     for path in paths:
         with FileSystems.open(path) as handle:
-            table = pq.read_table(handle, columns=["id", "text", "metadata"])
+            table = pq.read_table(handle)  # tokenize needs only id, source and text: metadata may be absent
         rows = table.filter(pc.equal(table["id"], document_id))
         if rows.num_rows:
-            return path, rows.slice(0, 1).to_pylist()[0]
+            row = rows.slice(0, 1).to_pylist()[0]
+            return path, {"text": row["text"], "metadata": row.get("metadata")}
     raise LocateError(f"document {document_id} is in none of the {len(paths)} files matching {pattern}")
 
 
