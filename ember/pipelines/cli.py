@@ -15,6 +15,7 @@ from typing import NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -99,6 +100,9 @@ def inspect(
 ) -> None:
     """Trace a training token back to its source document: the document's id and source path/URL, the
     token's index in the document's tokens, and the stored (redacted) text around it."""
+    from ember.pipelines.job_logs import quiet_third_party
+
+    quiet_third_party()
     from ember.pipelines.locate import LocateError, locate_text
     from ember.tokenize.packing import locate as locate_token
     from ember.tokenize.shards import read_row
@@ -174,14 +178,25 @@ def build(
 
 
 @app.command("report")
-def report(directory: str = typer.Argument(..., help="Output directory of a finished build (local or gs://...).")) -> None:
-    """(Re)write report.md from a build's outputs, e.g. after a Dataflow job, and print the summary."""
+def report(
+    directory: str = typer.Argument(..., help="Output directory of a finished build (local or gs://...)."),
+    warn_share: float | None = typer.Option(
+        None, "--warn-share", min=0, max=1,
+        help="Warn about a reason rejecting more than this share of a source (default: the config default, 0.5)."),
+) -> None:
+    """(Re)write report.md from a build's outputs, e.g. after a Dataflow job, and print the summary and warnings."""
+    from ember.pipelines.job_logs import quiet_third_party
+
+    quiet_third_party()
     from ember.pipelines.corpus_build import summary_table
-    from ember.pipelines.corpus_report import read_stats, write_report
+    from ember.pipelines.corpus_config import DEFAULT_WARN_SHARE
+    from ember.pipelines.corpus_report import build_warnings, read_stats, write_report
 
     try:
         path = write_report(directory)
     except FileNotFoundError as exc:
         fail(f"{directory} holds no finished build: {exc}")
     console.print(summary_table(read_stats(directory)))
-    console.print(f"report: {path}")
+    for warning in build_warnings(directory, DEFAULT_WARN_SHARE if warn_share is None else warn_share):
+        console.print(f"[yellow]warning:[/yellow] {escape(warning.message())}", highlight=False)
+    console.print(f"report: {path}", highlight=False)

@@ -78,6 +78,23 @@ class JobLog:
         return True
 
 
+class _OwnOrSevere(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.name.startswith("ember") or record.levelno >= logging.ERROR
+
+
+def quiet_third_party() -> None:
+    """For commands that use Beam's filesystems but run no job (report, inspect): ember's own warnings
+    and anyone's errors reach stderr, third-party INFO/WARNING (Beam's import-time "apitools not
+    found") do not. A root handler also keeps `logging.warning` from installing its own."""
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.addFilter(_OwnOrSevere())
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+
+
 @contextmanager
 def job_logs(verbose: bool = False) -> Iterator[JobLog]:
     """Send every log of the job (driver and worker processes) to the log file the caller names with

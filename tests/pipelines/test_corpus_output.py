@@ -105,6 +105,10 @@ def test_a_build_that_drops_a_source_warns_strict_fails_and_beam_logs_go_to_the_
     assert "apitools not found" in log and "sdk_worker" in log, "driver and worker logs are in the log file"
     assert f"log: {tmp_path / 'out.log'}" in out
 
+    report = ember("corpus", "report", str(tmp_path / "out"))  # e.g. after a Dataflow job: the same warning, no noise
+    assert report.returncode == 0 and report.stderr == "", report.stderr
+    assert "lgpl-2.1 (7)" in report.stdout and all(len(line) <= 100 for line in report.stdout.splitlines())
+
 
 @pytest.fixture(scope="module")
 def verbose_build(tmp_path_factory: pytest.TempPathFactory, hf_tokenizer_path: Path) -> tuple[Path, subprocess.CompletedProcess]:
