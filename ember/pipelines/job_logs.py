@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -46,10 +47,16 @@ class JobLog:
         self._thread.start()
 
     def write_to(self, path: Path) -> Path:
-        """Name the log file (created or truncated); what was logged so far goes in first."""
-        path.parent.mkdir(parents=True, exist_ok=True)
+        """Name the log file (created or truncated); what was logged so far goes in first. Where `path`
+        cannot be written (the output's own checks say why, next) the log goes to the temp directory."""
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            log = open(path, "wb")
+        except OSError:
+            path = Path(tempfile.gettempdir()) / path.name
+            log = open(path, "wb")
         with self._lock:
-            self._file = open(path, "wb")
+            self._file = log
             self._file.write(b"".join(self._pending))
             self._file.flush()
             self._pending.clear()

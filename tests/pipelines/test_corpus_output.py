@@ -8,10 +8,13 @@ worker processes' own stderr is what the test sees."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import subprocess
 import sys
+import tempfile
+import uuid
 from pathlib import Path
 
 import polars as pl
@@ -24,6 +27,7 @@ from ember.pipelines.cli import app
 from ember.pipelines.code_filters import check_code
 from ember.pipelines.corpus_config import parse_config
 from ember.pipelines.corpus_report import source_warnings
+from ember.pipelines.job_logs import job_logs, log_path_for
 from ember.pipelines.locate import locate_text
 from ember.schemas.shards import read_manifest
 from ember.tokenize.packing import locate as locate_token
@@ -155,3 +159,19 @@ def test_locate_prints_the_source_path_and_the_stored_text_around_the_token(verb
     assert f"from {document['metadata']['path']}" in shown.output
     assert f"characters [{start}, {end})" in shown.output
     assert where.before.splitlines()[-1] + where.token_text in shown.output
+
+
+def test_the_log_keeps_lines_from_before_it_was_named_and_finds_a_place_when_beside_the_output_is_unwritable(
+    tmp_path: Path,
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with job_logs() as logs:
+        os.write(2, b"early worker line\n")
+        logging.getLogger("apache_beam.runners").info("driver info")
+        path = logs.write_to(log_path_for(str(blocker / f"out-{uuid.uuid4().hex}")))
+        os.write(2, b"late worker line\n")
+    assert path.parent == Path(tempfile.gettempdir())
+    text = path.read_text()
+    path.unlink()
+    assert "early worker line" in text and "apache_beam.runners: driver info" in text and "late worker line" in text
