@@ -102,39 +102,39 @@ def inspect(
     token's index in the document's tokens, and the stored (redacted) text around it."""
     from ember.pipelines.job_logs import quiet_third_party
 
-    quiet_third_party()
-    from ember.pipelines.locate import LocateError, locate_text
-    from ember.tokenize.packing import locate as locate_token
-    from ember.tokenize.shards import read_row
-    from ember.tokenize.tokenizers import TokenizerLoadError
+    with quiet_third_party():
+        from ember.pipelines.locate import LocateError, locate_text
+        from ember.tokenize.packing import locate as locate_token
+        from ember.tokenize.shards import read_row
+        from ember.tokenize.tokenizers import TokenizerLoadError
 
-    shard, row, token = locate
-    try:
-        record = read_row(shard, row)
-        if not 0 <= token < len(record["tokens"]):
-            raise IndexError(f"token {token} is outside the row's {len(record['tokens'])} tokens")
-        found = locate_token(record["cu_seqlens"], record["segments"], token)
-    except (OSError, IndexError, ValueError) as exc:
-        fail(f"{shard}: {exc}")
-    console.print(f"shard {shard} row {row} token {token}: id {record['tokens'][token]}, source {record['source']}",
-                  highlight=False)
-    if found is None:
-        console.print(f"padding (the row's documents end at token {record['cu_seqlens'][-1]})")
-        return
-    segment, index = found
-    console.print(
-        f"document {segment['document_id']} token {index} "
-        f"(this row holds its tokens [{segment['doc_token_start']}, {segment['doc_token_end']}))", highlight=False
-    )
-    try:
-        where = locate_text(shard, record["source"], segment["document_id"], index, window)
-    except (LocateError, TokenizerLoadError, OSError) as exc:
-        fail(f"the document's text cannot be shown: {exc}", 1)
-    console.print(f"from {where.origin}", highlight=False)
-    console.print(f"stored in {where.documents_file}", highlight=False)
-    at = f"characters [{where.span[0]}, {where.span[1]})" if where.span else f"the document's {where.framing} token"
-    console.print(f"text around {at}, redacted as stored:", highlight=False)
-    console.print(Text.assemble(where.before, (where.token_text or f"<{where.framing}>", "reverse bold"), where.after))
+        shard, row, token = locate
+        try:
+            record = read_row(shard, row)
+            if not 0 <= token < len(record["tokens"]):
+                raise IndexError(f"token {token} is outside the row's {len(record['tokens'])} tokens")
+            found = locate_token(record["cu_seqlens"], record["segments"], token)
+        except (OSError, IndexError, ValueError) as exc:
+            fail(f"{shard}: {exc}")
+        console.print(f"shard {shard} row {row} token {token}: id {record['tokens'][token]}, source {record['source']}",
+                      highlight=False)
+        if found is None:
+            console.print(f"padding (the row's documents end at token {record['cu_seqlens'][-1]})")
+            return
+        segment, index = found
+        console.print(
+            f"document {segment['document_id']} token {index} "
+            f"(this row holds its tokens [{segment['doc_token_start']}, {segment['doc_token_end']}))", highlight=False
+        )
+        try:
+            where = locate_text(shard, record["source"], segment["document_id"], index, window)
+        except (LocateError, TokenizerLoadError, OSError) as exc:
+            fail(f"the document's text cannot be shown: {exc}", 1)
+        console.print(f"from {where.origin}", highlight=False)
+        console.print(f"stored in {where.documents_file}", highlight=False)
+        at = f"characters [{where.span[0]}, {where.span[1]})" if where.span else f"the document's {where.framing} token"
+        console.print(f"text around {at}, redacted as stored:", highlight=False)
+        console.print(Text.assemble(where.before, (where.token_text or f"<{where.framing}>", "reverse bold"), where.after))
 
 
 @app.command("build", context_settings=BEAM_OPTIONS)
@@ -187,16 +187,16 @@ def report(
     """(Re)write report.md from a build's outputs, e.g. after a Dataflow job, and print the summary and warnings."""
     from ember.pipelines.job_logs import quiet_third_party
 
-    quiet_third_party()
-    from ember.pipelines.corpus_build import summary_table
-    from ember.pipelines.corpus_config import DEFAULT_WARN_SHARE
-    from ember.pipelines.corpus_report import build_warnings, read_stats, write_report
+    with quiet_third_party():
+        from ember.pipelines.corpus_build import summary_table
+        from ember.pipelines.corpus_config import DEFAULT_WARN_SHARE
+        from ember.pipelines.corpus_report import build_warnings, read_stats, write_report
 
-    try:
-        path = write_report(directory)
-    except FileNotFoundError as exc:
-        fail(f"{directory} holds no finished build: {exc}")
-    console.print(summary_table(read_stats(directory)))
-    for warning in build_warnings(directory, DEFAULT_WARN_SHARE if warn_share is None else warn_share):
-        console.print(f"[yellow]warning:[/yellow] {escape(warning.message())}", highlight=False)
-    console.print(f"report: {path}", highlight=False)
+        try:
+            path = write_report(directory)
+        except FileNotFoundError as exc:
+            fail(f"{directory} holds no finished build: {exc}")
+        console.print(summary_table(read_stats(directory)))
+        for warning in build_warnings(directory, DEFAULT_WARN_SHARE if warn_share is None else warn_share):
+            console.print(f"[yellow]warning:[/yellow] {escape(warning.message())}", highlight=False)
+        console.print(f"report: {path}", highlight=False)

@@ -90,16 +90,21 @@ class _OwnOrSevere(logging.Filter):
         return record.name.startswith("ember") or record.levelno >= logging.ERROR
 
 
-def quiet_third_party() -> None:
+@contextmanager
+def quiet_third_party() -> Iterator[None]:
     """For commands that use Beam's filesystems but run no job (report, inspect): ember's own warnings
     and anyone's errors reach stderr, third-party INFO/WARNING (Beam's import-time "apitools not
     found") do not. A root handler also keeps `logging.warning` from installing its own."""
     root = logging.getLogger()
-    if not root.handlers:
-        handler = logging.StreamHandler()
-        handler.addFilter(_OwnOrSevere())
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        root.addHandler(handler)
+    handler = logging.StreamHandler()
+    handler.addFilter(_OwnOrSevere())
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    saved = root.handlers[:]
+    root.handlers = [handler]
+    try:
+        yield
+    finally:
+        root.handlers = saved
 
 
 @contextmanager
