@@ -124,7 +124,7 @@ def _watch_live(directory: str | Path, done: threading.Event, console: Console, 
                 expected: dict[str, int], title: str) -> None:
     columns = (
         TextColumn("{task.description:<12}"), BarColumn(bar_width=24), TextColumn("{task.fields[count]:>22}"),
-        TextColumn("{task.fields[rate]:>11}"), TextColumn("ETA"), TimeRemainingColumn(), TimeElapsedColumn(),
+        TextColumn("{task.fields[rate]:>11}"), TextColumn("{task.fields[eta]}"), TimeRemainingColumn(), TimeElapsedColumn(),
     )
     with Progress(*columns, console=console, transient=False, refresh_per_second=4) as progress:
         console.print(title, highlight=False)
@@ -134,7 +134,7 @@ def _watch_live(directory: str | Path, done: threading.Event, console: Console, 
             for stage in stages.ordered():
                 n, total = stages.totals.get(stage, 0), expected.get(stage)
                 if stage not in tasks:
-                    tasks[stage] = progress.add_task(stage, total=total, count="", rate="")
+                    tasks[stage] = progress.add_task(stage, total=total, count="", rate="", eta="ETA" if total else "   ")
                 count = f"{n:,} of {total:,}" if total else f"{n:,} docs"
                 progress.update(tasks[stage], completed=n, count=count, rate=_rate(n, stages.seconds(stage)))
 
