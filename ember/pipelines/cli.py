@@ -1,9 +1,13 @@
 """`ember corpus ...`: build and report a corpus, tokenize it into a shard set, verify and inspect shards.
 
 `build` and `tokenize` pass every option they do not know to Beam untouched (`--runner=...`).
-Exit codes: 0 done, 1 the job or the check failed, 2 the input or the config cannot be used.
+Exit codes: 0 done, 1 the job or the check failed, 2 the input or the config cannot be used,
+3 (`build --strict`) the build finished but a source lost more than `warn_share` of its documents to one reason.
 Beam, pyarrow and the tokenizers load inside the commands, after the config is read, so a config error
 comes before seconds of imports.
+
+Beam's, absl's and grpc's own logging (driver and workers) goes to `<output>.log` beside the output,
+and to the terminal too with `--verbose`; the terminal shows progress, the summary and warnings.
 """
 
 from __future__ import annotations
@@ -13,13 +17,17 @@ from typing import NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 BEAM_OPTIONS = {"allow_extra_args": True, "ignore_unknown_options": True}
+VERBOSE_HELP = "Also show Beam's, absl's and grpc's logs on stderr (they always go to <output>.log beside the output)."
+STRICT_EXIT = 3
 MIN_FREE_HELP = "Refuse to start unless the output's filesystem has this many MiB free (default: estimated from the inputs)."
 
 app = typer.Typer(help="Corpus builds and the shard sets they produce.", no_args_is_help=True)
-console = Console()
+console = Console(width=min(100, Console().width))
 
 
 def fail(message: object, code: int = 2) -> NoReturn:
@@ -33,6 +41,7 @@ def tokenize(
     config: Path = typer.Argument(..., help="YAML config (see ember/tokenize/examples/tokenize.yaml)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a previous build in output_dir."),
     min_free_mb: int | None = typer.Option(None, "--min-free-mb", min=0, help=MIN_FREE_HELP),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help=VERBOSE_HELP),
 ) -> None:
     """Tokenize deduplicated Document Parquet, best-fit pack, write shuffled Arrow shards + manifest.
 
@@ -45,15 +54,19 @@ def tokenize(
         settings = load_config(config)
     except TokenizeConfigError as exc:
         fail(exc)
-    from ember.pipelines.output_guard import OutputUnusable
-    from ember.pipelines.tokenize_pipeline import run
-    from ember.tokenize.tokenizers import TokenizerLoadError
+    from ember.pipelines.job_logs import job_logs, log_path_for
 
-    try:
-        min_free = None if min_free_mb is None else min_free_mb * 2**20
-        manifest = run(settings, ctx.args, overwrite=overwrite, min_free_bytes=min_free)
-    except (TokenizeConfigError, TokenizerLoadError, OutputUnusable) as exc:
-        fail(exc)
+    with job_logs(verbose) as logs:
+        console.print(f"log: {logs.write_to(log_path_for(str(settings.output_dir)))}", highlight=False)
+        from ember.pipelines.output_guard import OutputUnusable
+        from ember.pipelines.tokenize_pipeline import run
+        from ember.tokenize.tokenizers import TokenizerLoadError
+
+        try:
+            min_free = None if min_free_mb is None else min_free_mb * 2**20
+            manifest = run(settings, ctx.args, overwrite=overwrite, min_free_bytes=min_free, console=console)
+        except (TokenizeConfigError, TokenizerLoadError, OutputUnusable) as exc:
+            fail(exc)
     table = Table("source", "documents", "tokens", "sequences", "padding", "fill", "split docs", "rejected")
     for name, stats in manifest.sources.items():
         rejected = sum((manifest.model_extra.get("rejected") or {}).get(name, {}).values())
@@ -88,34 +101,51 @@ def inspect(
     locate: tuple[Path, int, int] = typer.Option(
         ..., "--locate", metavar="SHARD ROW TOKEN", help="Map token TOKEN of row ROW of shard file SHARD to its source."
     ),
+    window: int = typer.Option(200, "--window", min=0, help="Characters of the document's text shown either side."),
 ) -> None:
-    """Trace a training token back to its source document and its index in that document's tokens.
+    """Trace a training token back to its source document: the document's id and source path/URL, the
+    token's index in the document's tokens, and the stored (redacted) text around it.
 
     The shard is first checked against its set's manifest (size, sha256, token ids in the vocabulary)."""
-    from ember.schemas import SchemaValidationError
-    from ember.tokenize.packing import locate as locate_token
-    from ember.tokenize.shardset import ShardError, read_verified_row
+    from ember.pipelines.job_logs import quiet_third_party
 
-    shard, row, token = locate
-    try:
-        record = read_verified_row(shard, row)
-    except (ShardError, SchemaValidationError) as exc:
-        fail(exc)
-    try:
-        if not 0 <= token < len(record["tokens"]):
-            raise IndexError(f"token {token} is outside the row's {len(record['tokens'])} tokens")
-        found = locate_token(record["cu_seqlens"], record["segments"], token)
-    except (IndexError, ValueError) as exc:
-        fail(f"{shard}: {exc}")
-    console.print(f"shard {shard} row {row} token {token}: id {record['tokens'][token]}, source {record['source']}")
-    if found is None:
-        console.print(f"padding (the row's documents end at token {record['cu_seqlens'][-1]})")
-        return
-    segment, index = found
-    console.print(
-        f"document {segment['document_id']} token {index} "
-        f"(this row holds its tokens [{segment['doc_token_start']}, {segment['doc_token_end']}))"
-    )
+    with quiet_third_party():
+        from ember.pipelines.locate import LocateError, locate_text
+        from ember.schemas import SchemaValidationError
+        from ember.tokenize.packing import locate as locate_token
+        from ember.tokenize.shardset import ShardError, read_verified_row
+        from ember.tokenize.tokenizers import TokenizerLoadError
+
+        shard, row, token = locate
+        try:
+            record = read_verified_row(shard, row)
+        except (ShardError, SchemaValidationError) as exc:
+            fail(exc)
+        try:
+            if not 0 <= token < len(record["tokens"]):
+                raise IndexError(f"token {token} is outside the row's {len(record['tokens'])} tokens")
+            found = locate_token(record["cu_seqlens"], record["segments"], token)
+        except (IndexError, ValueError) as exc:
+            fail(f"{shard}: {exc}")
+        console.print(f"shard {shard} row {row} token {token}: id {record['tokens'][token]}, source {record['source']}",
+                      highlight=False)
+        if found is None:
+            console.print(f"padding (the row's documents end at token {record['cu_seqlens'][-1]})")
+            return
+        segment, index = found
+        console.print(
+            f"document {segment['document_id']} token {index} "
+            f"(this row holds its tokens [{segment['doc_token_start']}, {segment['doc_token_end']}))", highlight=False
+        )
+        try:
+            where = locate_text(shard, record["source"], segment["document_id"], index, window)
+        except (LocateError, TokenizerLoadError, OSError) as exc:
+            fail(f"the document's text cannot be shown: {exc}", 1)
+        console.print(f"from {where.origin}", highlight=False)
+        console.print(f"stored in {where.documents_file}", highlight=False)
+        at = f"characters [{where.span[0]}, {where.span[1]})" if where.span else f"the document's {where.framing} token"
+        console.print(f"text around {at}, redacted as stored:", highlight=False)
+        console.print(Text.assemble(where.before, (where.token_text or f"<{where.framing}>", "reverse bold"), where.after))
 
 
 @app.command("build", context_settings=BEAM_OPTIONS)
@@ -127,6 +157,10 @@ def build(
         "--direct_running_mode=multi_processing --direct_num_workers=<cores>.",
     ),
     min_free_mb: int | None = typer.Option(None, "--min-free-mb", min=0, help=MIN_FREE_HELP),
+    strict: bool = typer.Option(
+        False, "--strict", help=f"Exit {STRICT_EXIT} (after writing the output) when a source lost more than warn_share "
+        "of its documents to one reason."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help=VERBOSE_HELP),
 ) -> None:
     """Read, filter, redact and deduplicate code and web corpora into Parquet, with stats.json and a report;
     with a `tokenize:` section, also tokenize and pack the kept documents into a verified shard set.
@@ -139,33 +173,50 @@ def build(
         settings = load_config(str(config))
     except CorpusConfigError as exc:
         fail(exc)
-    from ember.pipelines.corpus_build import BuildFailed, build_corpus
-    from ember.pipelines.output_guard import OutputUnusable
-    from ember.tokenize.tokenizers import TokenizerLoadError
+    from ember.pipelines.job_logs import job_logs, log_path_for
 
-    min_free = None if min_free_mb is None else min_free_mb * 2**20
-    try:
-        build_corpus(settings, list(beam_args or []), console, min_free_bytes=min_free, config_path=str(config))
-    except (CorpusConfigError, TokenizeConfigError, TokenizerLoadError, OutputUnusable) as exc:
-        fail(exc)
-    except BuildFailed as exc:
-        fail(exc, 1)
+    with job_logs(verbose) as logs:
+        console.print(f"log: {logs.write_to(log_path_for(settings.output.directory))}", highlight=False)
+        from ember.pipelines.corpus_build import BuildFailed, build_corpus
+        from ember.pipelines.output_guard import OutputUnusable
+        from ember.tokenize.tokenizers import TokenizerLoadError
+
+        min_free = None if min_free_mb is None else min_free_mb * 2**20
+        try:
+            outcome = build_corpus(settings, list(beam_args or []), console, min_free_bytes=min_free, config_path=str(config))
+        except (CorpusConfigError, TokenizeConfigError, TokenizerLoadError, OutputUnusable) as exc:
+            fail(exc)
+        except BuildFailed as exc:
+            fail(f"{exc} (the log: {logs.path})", 1)
+    if strict and outcome.warnings:
+        fail(f"--strict: {len(outcome.warnings)} source warning(s) above; the output is written", STRICT_EXIT)
 
 
 @app.command("report")
-def report(directory: str = typer.Argument(..., help="Output directory of a finished build (local or gs://...).")) -> None:
+def report(
+    directory: str = typer.Argument(..., help="Output directory of a finished build (local or gs://...)."),
+    warn_share: float | None = typer.Option(
+        None, "--warn-share", min=0, max=1,
+        help="Warn about a reason rejecting more than this share of a source (default: the config default, 0.5)."),
+) -> None:
     """(Re)write report.md and report.html from a build's outputs, e.g. after a Dataflow job, and print the
-    summary. A shard set in DIR/shards (the tokenize stage's default) adds the token-length histogram."""
-    from ember.pipelines.corpus_build import summary_table
-    from ember.pipelines.corpus_report import read_stats, write_report
-    from ember.pipelines.corpus_report_html import write_html_report
+    summary and warnings. A shard set in DIR/shards (the tokenize stage's default) adds the token-length histogram."""
+    from ember.pipelines.job_logs import quiet_third_party
 
-    shards = f"{directory.rstrip('/')}/shards"
-    try:
-        path = write_report(directory)
-        html_path = write_html_report(directory, shards_directory=shards if Path(shards).is_dir() else None)
-    except FileNotFoundError as exc:
-        fail(f"{directory} holds no finished build: {exc}")
-    console.print(summary_table(read_stats(directory)))
-    console.print(f"report: {path}")
-    console.print(f"report with charts: {html_path}")
+    with quiet_third_party():
+        from ember.pipelines.corpus_build import summary_table
+        from ember.pipelines.corpus_config import DEFAULT_WARN_SHARE
+        from ember.pipelines.corpus_report import build_warnings, read_stats, write_report
+        from ember.pipelines.corpus_report_html import write_html_report
+
+        shards = f"{directory.rstrip('/')}/shards"
+        try:
+            path = write_report(directory)
+            html_path = write_html_report(directory, shards_directory=shards if Path(shards).is_dir() else None)
+        except FileNotFoundError as exc:
+            fail(f"{directory} holds no finished build: {exc}")
+        console.print(summary_table(read_stats(directory)))
+        for warning in build_warnings(directory, DEFAULT_WARN_SHARE if warn_share is None else warn_share):
+            console.print(f"[yellow]warning:[/yellow] {escape(warning.message())}", highlight=False)
+        console.print(f"report: {path}", highlight=False)
+        console.print(f"report with charts: {html_path}", highlight=False)

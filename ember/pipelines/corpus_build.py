@@ -21,13 +21,14 @@ from typing import TYPE_CHECKING, Any
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ember.configs import CorpusConfigError
 from ember.pipelines import corpus_pipeline
 from ember.pipelines.corpus_config import CorpusConfig, check_inputs
 from ember.pipelines.corpus_outputs import require_empty_output
-from ember.pipelines.corpus_report import read_stats, summary_rows, write_report
+from ember.pipelines.corpus_report import SourceWarning, build_warnings, read_stats, summary_rows, write_report
 from ember.pipelines.corpus_report_html import write_html_report
 from ember.schemas.documents import REPORT_FILE, REPORT_HTML_FILE
 from ember.pipelines.output_guard import (
@@ -57,6 +58,7 @@ class BuildOutcome:
     stats: dict[str, Any]
     report: str
     shards: Manifest | None = None
+    warnings: tuple[SourceWarning, ...] = ()
 
 
 def prepare_options(beam_args: list[str]) -> tuple[list[str], PipelineOptions]:
@@ -71,7 +73,7 @@ def prepare_options(beam_args: list[str]) -> tuple[list[str], PipelineOptions]:
 
 
 def summary_table(stats: dict[str, Any]) -> Table:
-    table = Table(title="corpus build summary")
+    table = Table(title="corpus build summary", show_header=False)
     table.add_column("", no_wrap=True)
     table.add_column("", justify="right")
     for label, value in summary_rows(stats):
@@ -157,31 +159,36 @@ def _build(config: CorpusConfig, final: CorpusConfig, args: list[str], options, 
     write_report(directory, shown_as=final.output.directory)
     report = f"{final.output.directory.rstrip('/')}/{REPORT_FILE}"
     stats = read_stats(directory)
+    warnings = tuple(build_warnings(directory, config.warn_share))
     if console is not None:
+        console.print()
         console.print(summary_table(stats))
-        console.print(f"report: {report}")
+        for warning in warnings:
+            console.print(f"[yellow]warning:[/yellow] {escape(warning.message())}", highlight=False)
+        console.print(f"report: {report}", highlight=False)
     shards = None
     if config.tokenize is not None:
         from ember.pipelines.tokenize_pipeline import run as tokenize, write_shard_set
 
         if console is not None:
-            console.print(f"tokenize + pack -> {final.shards_directory}")
+            console.print(f"\ntokenize + pack -> {final.shards_directory}", highlight=False)
         settings = shards_config(config)
         recorded = _recorded(settings, final)
         if config.shards_directory != final.shards_directory:  # inside the staged output: written in place
             Path(settings.output_dir).mkdir(parents=True)
-            write_shard_set(settings, args, tokenizer, recorded)
+            write_shard_set(settings, args, tokenizer, recorded, console=console)
             shards = read_manifest(settings.output_dir)
         else:
-            shards = tokenize(settings, args, overwrite=True, tokenizer=tokenizer, min_free_bytes=min_free_bytes, recorded=recorded)
+            shards = tokenize(settings, args, overwrite=True, tokenizer=tokenizer, min_free_bytes=min_free_bytes, recorded=recorded,
+                              console=console)
         if console is not None:
             console.print(shards_table(shards))
     # After tokenize, so the page's token-length histogram reads the shard set the build just made.
     write_html_report(directory, config_path, config.shards_directory if shards else None,
                       shown_as=(final.output.directory, final.shards_directory if shards else None))
     if console is not None:
-        console.print(f"report with charts: {final.output.directory.rstrip('/')}/{REPORT_HTML_FILE}")
-    return BuildOutcome("DONE", args, stats, report, shards)
+        console.print(f"report with charts: {final.output.directory.rstrip('/')}/{REPORT_HTML_FILE}", highlight=False)
+    return BuildOutcome("DONE", args, stats, report, shards, warnings)
 
 
 def build_corpus(config: CorpusConfig, beam_args: list[str], console: Console | None = None,

@@ -4,6 +4,10 @@ Every model forbids unknown keys so a typo fails loudly; `load_config` turns pyd
 one `CorpusConfigError` whose lines name the bad key by its dotted path (`sources.1.format: ...`). The
 datatrove web filters take exactly the keyword arguments of their datatrove constructors: their
 models are generated from those signatures, so a threshold datatrove does not have is an error here.
+
+Defaults fit a code corpus: the licence allow-list (`PERMISSIVE_LICENSES`) keeps the permissive OSI
+licences StarCoder-class corpora keep, PSF-2.0 (the Python standard library) and MPL-2.0 included, and
+`warn_share` makes a build say so when one reason drops most of a source (`--strict` fails it).
 """
 
 from __future__ import annotations
@@ -24,10 +28,15 @@ from ember.tokenize.config import PackSettings
 
 
 PERMISSIVE_LICENSES = (
+    # permissive: The Stack / StarCoder keep permissively licensed code (Kocetkov et al. 2022, "The Stack:
+    # 3 TB of permissively licensed source code", after the Blue Oak Council's permissive list); these are
+    # its OSI-approved entries that are common on GitHub
     "mit",
+    "mit-0",
     "apache-2.0",
     "bsd-2-clause",
     "bsd-3-clause",
+    "bsd-3-clause-clear",
     "isc",
     "unlicense",
     "cc0-1.0",
@@ -36,8 +45,20 @@ PERMISSIVE_LICENSES = (
     "artistic-2.0",
     "bsl-1.0",
     "python-2.0",
+    "psf-2.0",  # the CPython standard library's licence
+    "upl-1.0",
+    "ncsa",
+    "postgresql",
+    "x11",
+    "afl-3.0",
+    # weak, file-level copyleft: a choice, kept by default because the files stay under their own licence
     "mpl-2.0",
 )
+"""The default licence allow-list (SPDX ids, lower case) of `filters.code.licenses` and of
+`dedup.permissive_licenses`: the OSI licences StarCoder-class code corpora keep, plus MPL-2.0.
+Strong copyleft (GPL, AGPL, LGPL) and unknown licences are left out; a config narrows or widens it."""
+
+DEFAULT_WARN_SHARE = 0.5
 
 
 class FieldMapping(StrictModel):
@@ -260,6 +281,10 @@ class CorpusConfig(StrictModel):
     dedup: Dedup = Field(default_factory=Dedup)
     output: Output
     tokenize: TokenizeStage | None = None
+    warn_share: float = Field(
+        default=DEFAULT_WARN_SHARE, gt=0, le=1,
+        description="warn when one reason rejects more than this share of a source's documents; --strict fails then",
+    )
 
     @model_validator(mode="after")
     def _shards_are_local(self) -> "CorpusConfig":

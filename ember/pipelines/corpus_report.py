@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import io
 import json
+import re
+from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import polars as pl
@@ -84,6 +87,83 @@ def summary_rows(stats: dict[str, Any]) -> list[tuple[str, str]]:
     files, unreadable = file_counts(stats)
     rows.append(("input files unreadable past a point", f"{unreadable:,} of {files:,}" + (f" ({BREAK_RULE})" if unreadable else "")))
     return rows
+
+
+@dataclass(frozen=True)
+class SourceWarning:
+    """One reason that rejected more than the warn share of a source's documents, and what to change."""
+
+    source: str
+    reason: str  # "stage:reason" as in stats.json
+    rejected: int
+    docs_in: int
+    fix: str
+
+    @property
+    def share(self) -> float:
+        return self.rejected / self.docs_in
+
+    def message(self) -> str:
+        return (f"source {self.source!r}: {self.reason} rejected {self.rejected:,} of {self.docs_in:,} "
+                f"documents ({self.share:.0%}). Fix: {self.fix}")
+
+
+_LICENSE_DETAIL = re.compile(r"^license (['\"])(.*)\1$")
+
+FIXES = {
+    "filter:license_not_allowed": "add the licences to filters.code.licenses (or set it to null: no licence filter)",
+    "filter:language_not_allowed": "add the languages to filters.code.languages (null keeps every language)",
+    "filter:too_short": "lower filters.code.min_chars (null: off)",
+    "filter:too_long": "raise filters.code.max_chars (null: off)",
+    "filter:max_line_length": "raise filters.code.max_line_length (null: off)",
+    "filter:mean_line_length": "raise filters.code.max_mean_line_length (null: off)",
+    "filter:alphanum_fraction": "lower filters.code.min_alphanum_fraction (null: off)",
+    "filter:data_file": "raise filters.code.data_max_chars or shorten filters.code.data_extensions",
+    "filter:encoded_data": "raise filters.code.max_encoded_fraction (null: off)",
+    "read:unreadable_file": "the input files break part way; the rejects' locations say where",
+    "read:missing_text_field": "fields.text names no field of these records; point it at the text field",
+    "read:missing_id_field": "fields.id names no field of these records; fix it or set it to null",
+    "read:control_characters": "set the source's control_characters: strip",
+    "unique_ids:duplicate_id": "fields.id is not unique in this source; set it to null for content-addressed ids",
+    "exact_dedup:exact_duplicate": "the inputs repeat themselves; check the source's globs for overlaps",
+    "near_dedup:near_duplicate": "more dedup.bands x rows_per_band raise the threshold; dedup.near: false turns it off",
+}
+
+
+def _seen_licenses(rejects: pl.LazyFrame, source: str, top: int = 5) -> list[tuple[str, int]]:
+    """The licences of a source's license_not_allowed rejects, most frequent first (from each reject's detail)."""
+    details = rejects.filter((pl.col("source") == source) & (pl.col("reason") == "license_not_allowed")).collect()["detail"]
+    counts: dict[str, int] = {}
+    for detail in details:
+        match = _LICENSE_DETAIL.match(detail or "")
+        if match:
+            counts[match.group(2)] = counts.get(match.group(2), 0) + 1
+    return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
+
+
+def source_warnings(stats: dict[str, Any], rejects: Callable[[], pl.LazyFrame], warn_share: float) -> list[SourceWarning]:
+    """Every (source, reason) that rejected more than `warn_share` of the source's documents; `rejects`
+    is read only for a licence warning, whose fix names the licences seen."""
+    found = []
+    for name, source in stats["sources"].items():
+        docs_in = source["docs_in"]
+        for reason, n in sorted(source["rejected"].items(), key=lambda kv: (-kv[1], kv[0])):
+            if not docs_in or n / docs_in <= warn_share:
+                continue
+            fix = FIXES.get(reason, f"see the {reason} rejects in rejects/ and the filters' settings")
+            if reason == "filter:license_not_allowed":
+                seen = _seen_licenses(rejects(), name)
+                if seen:
+                    listed = ", ".join(f"{lic} ({k:,})" for lic, k in seen)
+                    fix = (f"licences seen most: {listed}; if they are acceptable, add "
+                           f"[{', '.join(lic.lower() for lic, _ in seen)}] to filters.code.licenses")
+            found.append(SourceWarning(name, reason, n, docs_in, fix))
+    return found
+
+
+def build_warnings(directory: str, warn_share: float) -> list[SourceWarning]:
+    """`source_warnings` of the finished build in `directory`."""
+    return source_warnings(read_stats(directory), lambda: read_output(directory, "rejects").lazy(), warn_share)
 
 
 def _duplicates(stats: dict[str, Any], clusters: pl.DataFrame) -> list[str]:

@@ -2,8 +2,8 @@
 
 Beam's FnApiRunner reports metrics only when the job ends and its workers are separate processes,
 so each DoFn instance writes `{stage: documents}` to its own small JSON file (atomically, at most every
-half second); the driver polls the directory and renders documents/s per stage. Display only: the
-counts of record are in stats.json.
+half second); the driver polls the directory and shows documents/s per stage - a rich progress display
+on a terminal, plain periodic lines otherwise. Display only: the counts of record are in stats.json.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ import uuid
 from pathlib import Path
 
 from rich.console import Console
-from rich.live import Live
-from rich.table import Table
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 STAGES = ("read", "filter", "redact", "exact_dedup", "near_dedup", "write")
 FLUSH_SECONDS = 0.5
@@ -60,22 +59,103 @@ def read_progress(directory: str | Path) -> dict[str, int]:
     return totals
 
 
-def _table(totals: dict[str, int], elapsed: float) -> Table:
-    table = Table("stage", "documents", "docs/s", title=f"corpus build — {elapsed:5.1f} s")
-    for stage in STAGES:
-        n = totals.get(stage, 0)
-        table.add_row(stage, f"{n:,}", f"{n / elapsed:,.0f}" if elapsed > 0 else "-")
-    return table
+PLAIN_EVERY_SECONDS = 15.0
+"""How often the plain display (stdout not a terminal: CI logs, pipes) prints the stages that moved."""
 
 
-def watch(directory: str | Path, done: threading.Event, console: Console) -> dict[str, int]:
-    """Render the live table until `done` is set; returns the last totals."""
-    start = time.monotonic()
-    totals: dict[str, int] = {}
-    with Live(_table(totals, 0.0), console=console, refresh_per_second=4, transient=False) as live:
+def _rate(n: int, seconds: float) -> str:
+    return f"{n / seconds:,.0f}/s" if seconds > 0 else "-"
+
+
+def _plain_line(stage: str, n: int, total: int | None, elapsed: float, stage_seconds: float) -> str:
+    """One stage's line, at most ~70 columns: elapsed, stage, documents (of the total), documents/s."""
+    of = f" of {total:,}" if total else ""
+    return f"[{elapsed:7.1f} s] {stage:<12} {n:>13,}{of} docs  {_rate(n, stage_seconds):>12}"
+
+
+class _Stages:
+    """Per-stage counts and when each stage started (the poll before its first count), for documents/s."""
+
+    def __init__(self, stages: tuple[str, ...]):
+        self.stages = stages
+        self.start = self.last_poll = time.monotonic()
+        self.first_seen: dict[str, float] = {}
+        self.totals: dict[str, int] = {}
+
+    def update(self, totals: dict[str, int]) -> None:
+        for stage, n in totals.items():
+            if n:
+                self.first_seen.setdefault(stage, self.last_poll)
+        self.totals = totals
+        self.last_poll = time.monotonic()
+
+    def ordered(self) -> list[str]:
+        known = [s for s in self.stages if s in self.first_seen]
+        return known + sorted(s for s in self.first_seen if s not in self.stages)
+
+    def seconds(self, stage: str) -> float:
+        return time.monotonic() - self.first_seen.get(stage, self.start)
+
+
+def _watch_plain(directory: str | Path, done: threading.Event, console: Console, stages: _Stages,
+                 expected: dict[str, int]) -> None:
+    printed: dict[str, int] = {}
+
+    def emit(final: bool) -> None:
+        elapsed = time.monotonic() - stages.start
+        for stage in stages.ordered():
+            n = stages.totals.get(stage, 0)
+            if final or printed.get(stage) != n:
+                console.print(_plain_line(stage, n, expected.get(stage), elapsed, stages.seconds(stage)),
+                              highlight=False, soft_wrap=True)
+                printed[stage] = n
+
+    last = time.monotonic()
+    while not done.wait(FLUSH_SECONDS):
+        stages.update(read_progress(directory))
+        if time.monotonic() - last >= PLAIN_EVERY_SECONDS:
+            emit(final=False)
+            last = time.monotonic()
+    stages.update(read_progress(directory))
+    emit(final=True)
+
+
+def _watch_live(directory: str | Path, done: threading.Event, console: Console, stages: _Stages,
+                expected: dict[str, int], title: str) -> None:
+    columns = (
+        TextColumn("{task.description:<12}"), BarColumn(bar_width=24), TextColumn("{task.fields[count]:>22}"),
+        TextColumn("{task.fields[rate]:>11}"), TextColumn("{task.fields[eta]}"), TimeRemainingColumn(), TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, transient=False, refresh_per_second=4) as progress:
+        console.print(title, highlight=False)
+        tasks: dict[str, TaskID] = {}
+
+        def refresh() -> None:
+            for stage in stages.ordered():
+                n, total = stages.totals.get(stage, 0), expected.get(stage)
+                if stage not in tasks:
+                    tasks[stage] = progress.add_task(stage, total=total, count="", rate="", eta="ETA" if total else "   ")
+                count = f"{n:,} of {total:,}" if total else f"{n:,} docs"
+                progress.update(tasks[stage], completed=n, count=count, rate=_rate(n, stages.seconds(stage)))
+
         while not done.wait(FLUSH_SECONDS):
-            totals = read_progress(directory)
-            live.update(_table(totals, time.monotonic() - start))
-        totals = read_progress(directory)
-        live.update(_table(totals, time.monotonic() - start))
-    return totals
+            stages.update(read_progress(directory))
+            refresh()
+        stages.update(read_progress(directory))
+        refresh()
+        for stage, task in tasks.items():  # finished: no bar left pulsing, an ETA of zero
+            progress.update(task, total=stages.totals.get(stage, 0))
+
+
+def watch(directory: str | Path, done: threading.Event, console: Console, *, title: str = "corpus build",
+          stages: tuple[str, ...] = STAGES, expected: dict[str, int] | None = None) -> dict[str, int]:
+    """Show per-stage progress until `done` is set and return the last totals: a rich progress display
+    (documents/s, ETA for stages whose total is `expected`) on a terminal, otherwise a plain line per
+    stage that moved every `PLAIN_EVERY_SECONDS` and one per stage at the end, so CI logs stay short."""
+    state = _Stages(stages)
+    if console.is_terminal:
+        _watch_live(directory, done, console, state, expected or {}, title)
+    else:
+        console.print(f"{title}: progress every {PLAIN_EVERY_SECONDS:.0f} s", highlight=False)
+        _watch_plain(directory, done, console, state, expected or {})
+    return state.totals

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import tempfile
+import threading
 from dataclasses import asdict, astuple, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -31,9 +33,12 @@ import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions
+from rich.console import Console
 
 from ember.configs import TokenizeConfigError
 from ember.pipelines.output_guard import MIN_FREE_BYTES, check_room, refuse_foreign, staged
+from ember.pipelines.progress import ProgressWriter, watch
+from ember.pipelines.runners import runs_locally
 from ember.schemas import SchemaValidationError
 from ember.schemas.documents import REJECTED_SCHEMA, reject_row
 from ember.schemas.shards import MANIFEST_FILENAME, Manifest, read_manifest, write_manifest
@@ -56,7 +61,9 @@ class TokenizeDocuments(beam.DoFn):
 
     REJECTS = "rejects"
 
-    def __init__(self, tokenizer: TokenizerConfig, source: ShardSource, location: str, batch_documents: int):
+    def __init__(self, tokenizer: TokenizerConfig, source: ShardSource, location: str, batch_documents: int,
+                 progress_dir: str | None = None):
+        self._progress_dir = progress_dir
         self._tokenizer_config = tokenizer
         self._source = source
         self._location = location
@@ -67,6 +74,10 @@ class TokenizeDocuments(beam.DoFn):
 
     def setup(self) -> None:
         self._tok: Tokenizer = load_tokenizer(self._tokenizer_config)
+        self._progress = ProgressWriter(self._progress_dir)
+
+    def finish_bundle(self) -> None:
+        self._progress.flush()
 
     def _reject(self, document_id: str | None, reason: str, detail: str = "") -> beam.pvalue.TaggedOutput:
         self._rejected.inc()
@@ -89,6 +100,7 @@ class TokenizeDocuments(beam.DoFn):
                 else:
                     keep.append(i)
             encoded = self._tok.encode_batch([texts[i] for i in keep])
+            self._progress.add(STAGE, chunk.num_rows)
             for i, tokens, content in zip(keep, encoded.tokens, encoded.content_lengths):
                 if content == 0:
                     yield self._reject(ids[i], "empty_after_tokenization", f"{len(texts[i])} characters")
@@ -215,6 +227,7 @@ def _finish(
     pad_id: int,
     dtype: str,
     config_hash: str,
+    provenance: dict,
     shards: list[dict],
     stats: list,
     rejected: list,
@@ -249,13 +262,16 @@ def _finish(
         fill_ratio=fill,
         rejected=rejects,
         rejected_file=REJECTED_FILE if rejected_files else None,
+        provenance=provenance,  # where each source's documents and the tokenizer are: `ember corpus inspect --locate`
     )
     return str(write_manifest(config.output_dir, manifest))
 
 
-def build(pipeline: beam.Pipeline, config: TokenizeConfig, tokenizer: Tokenizer, recorded: TokenizeConfig | None = None) -> None:
+def build(pipeline: beam.Pipeline, config: TokenizeConfig, tokenizer: Tokenizer, recorded: TokenizeConfig | None = None,
+          progress_dir: str | None = None) -> None:
     """Adds the whole tokenize-and-pack graph to `pipeline`. `recorded`, when `config` reads from or writes
-    to a staging directory, is the final config: rejects name its source paths, the manifest its hash."""
+    to a staging directory, is the final config: rejects name its source paths, the manifest its hash.
+    With `progress_dir`, the tokenize step counts its documents there (ember/pipelines/progress.py)."""
     recorded = recorded or config
     source_paths = {s.name: s.path for s in recorded.sources}
     tokenized, rejects = [], []
@@ -265,7 +281,8 @@ def build(pipeline: beam.Pipeline, config: TokenizeConfig, tokenizer: Tokenizer,
             | f"Read {source.name}" >> beam.io.ReadFromParquetBatched(source.path, columns=list(REQUIRED_COLUMNS))
             | f"Tokenize {source.name}"
             >> beam.ParDo(
-                TokenizeDocuments(config.tokenizer, source, source_paths[source.name], config.encode_batch_documents)
+                TokenizeDocuments(config.tokenizer, source, source_paths[source.name], config.encode_batch_documents,
+                                  progress_dir)
             ).with_outputs(
                 TokenizeDocuments.REJECTS, main="documents"
             )
@@ -312,11 +329,14 @@ def build(pipeline: beam.Pipeline, config: TokenizeConfig, tokenizer: Tokenizer,
     )
     stats = packed[PackWindow.STATS] | "Stats per source" >> beam.CombinePerKey(_sum_stats)
     all_rejects = rejects | "All rejects" >> beam.Flatten()
-    _rejects_and_manifest(pipeline, config, recorded.config_hash(tokenizer.identity.hash), tokenizer, entries, stats, all_rejects)
+    provenance = {"documents": source_paths, "tokenizer": recorded.tokenizer.model_dump(mode="json")}
+    _rejects_and_manifest(pipeline, config, recorded.config_hash(tokenizer.identity.hash), tokenizer, entries, stats, all_rejects,
+                          provenance)
 
 
 def _rejects_and_manifest(
-    pipeline: beam.Pipeline, config: TokenizeConfig, config_hash: str, tokenizer: Tokenizer, entries, stats, all_rejects
+    pipeline: beam.Pipeline, config: TokenizeConfig, config_hash: str, tokenizer: Tokenizer, entries, stats, all_rejects,
+    provenance: dict,
 ) -> None:
     """rejected.parquet, then - once every shard is written - the manifest."""
     reject_counts = (
@@ -338,6 +358,7 @@ def _rejects_and_manifest(
             pad_id=tokenizer.pad_id,
             dtype=tokenizer.dtype,
             config_hash=config_hash,
+            provenance=provenance,
             shards=beam.pvalue.AsList(entries),
             stats=beam.pvalue.AsList(stats),
             rejected=beam.pvalue.AsList(reject_counts),
@@ -399,10 +420,40 @@ def pipeline_options(beam_args: list[str]) -> PipelineOptions:
     return PipelineOptions(args)
 
 
-def write_shard_set(config: TokenizeConfig, beam_args: list[str], tokenizer: Tokenizer, recorded: TokenizeConfig | None = None) -> None:
-    """Runs the pipeline into `config.output_dir`, which must be new or empty (see `build` for `recorded`)."""
-    with beam.Pipeline(options=pipeline_options(beam_args)) as pipeline:
-        build(pipeline, config, tokenizer, recorded)
+def source_documents(config: TokenizeConfig) -> int:
+    """Documents in the sources by their Parquet footers (no data read): the total the progress display's ETA needs."""
+    total = 0
+    for source in config.sources:
+        for result in FileSystems.match([source.path]):
+            for m in result.metadata_list:
+                with FileSystems.open(m.path) as handle:
+                    total += pq.ParquetFile(handle).metadata.num_rows
+    return total
+
+
+def write_shard_set(config: TokenizeConfig, beam_args: list[str], tokenizer: Tokenizer, recorded: TokenizeConfig | None = None,
+                    console: Console | None = None) -> None:
+    """Runs the pipeline into `config.output_dir`, which must be new or empty (see `build` for `recorded`);
+    with a console, a local run shows documents/s and an ETA while it tokenizes."""
+    options = pipeline_options(beam_args)
+    if console is None or not runs_locally(options):
+        with beam.Pipeline(options=options) as pipeline:
+            build(pipeline, config, tokenizer, recorded)
+        return
+    with tempfile.TemporaryDirectory(prefix="ember-progress-") as progress_dir:
+        done = threading.Event()
+        watcher = threading.Thread(
+            target=watch, args=(progress_dir, done, console),
+            kwargs={"title": "tokenize", "stages": (STAGE,), "expected": {STAGE: source_documents(config)}},
+            name="tokenize-progress", daemon=True,
+        )
+        watcher.start()
+        try:
+            with beam.Pipeline(options=options) as pipeline:
+                build(pipeline, config, tokenizer, recorded, progress_dir)
+        finally:
+            done.set()
+            watcher.join()
 
 
 def run(
@@ -412,16 +463,19 @@ def run(
     tokenizer: Tokenizer | None = None,
     min_free_bytes: int | None = None,
     recorded: TokenizeConfig | None = None,
+    console: Console | None = None,
 ) -> Manifest:
     """Validates everything that can be checked up front, runs the pipeline into a staging directory and
     swaps it in, returns the manifest. `tokenizer`, when the caller has already loaded `config.tokenizer`,
     is used instead of loading it again; `min_free_bytes` overrides the free-space floor estimated from the sources;
-    `recorded` is the config the manifest describes when `config`'s sources are themselves staged (see `build`)."""
+    `recorded` is the config the manifest describes when `config`'s sources are themselves staged (see `build`);
+    with a console, a local run shows its progress."""
     tokenizer = tokenizer or load_tokenizer(config.tokenizer)
     check_sources(config)
     target = Path(os.path.abspath(config.output_dir))
     check_output(target, overwrite)
     check_room(target, free_space_needed(config) if min_free_bytes is None else min_free_bytes, "output_dir")
     with staged(target, shard_set_files, "output_dir") as staging:
-        write_shard_set(config.model_copy(update={"output_dir": staging}), beam_args, tokenizer, recorded=recorded or config)
+        write_shard_set(config.model_copy(update={"output_dir": staging}), beam_args, tokenizer, recorded=recorded or config,
+                        console=console)
     return read_manifest(target)

@@ -122,7 +122,7 @@ def test_cli_build_on_the_default_multiprocess_runner(sample: SampleCorpus, buil
     result = CliRunner().invoke(app, ["build", str(config)])
     assert result.exit_code == 0, result.output
     assert "corpus build summary" in result.output and "balanced (in = kept + rejected)" in result.output
-    assert re.search(r"read\s*│\s*66\b", result.output), "worker progress files reached the live table"
+    assert re.search(r"\] read +66 docs", result.output), "worker progress files reached the progress lines"
     report = (tmp_path / "out" / "report.md").read_text()
     assert "## Rejects by stage and reason" in report and "near_duplicate" in report
     assert (tmp_path / "out" / "report.html").read_text().count('class="plotly-graph-div"') >= 5
@@ -182,7 +182,7 @@ def test_one_command_builds_a_verified_shard_set_identically_on_fnapi_and_flink(
     fnapi, flink = outcomes["fnapi"].shards, outcomes["flink"].shards
     kept = {name: s["kept"] for name, s in outcomes["fnapi"].stats["sources"].items()}
     assert {name: s.documents for name, s in fnapi.sources.items()} == {n: k for n, k in kept.items() if k}
-    differ = {"created_at", "config_hash"}  # the hash covers the source paths, which differ here
+    differ = {"created_at", "config_hash", "provenance"}  # the hash and the provenance cover the source paths, which differ here
     assert fnapi.model_dump(exclude=differ) == flink.model_dump(exclude=differ)
     shard_files = [{k: v for k, v in file_digests(tmp_path / r / "shards").items() if k != "manifest.json"} for r in outcomes]
     assert shard_files[0] == shard_files[1] and shard_files[0]

@@ -152,6 +152,7 @@ def test_locate_maps_a_training_token_to_its_document(built, corpus):
     assert code == 0, output
     doc_id, index = re.search(r"document (\S+) token (\d+)", output).groups()
     assert expected[doc_id][int(index)] == row["tokens"][position]
+    assert "text around characters [" in output, "documents without metadata still show their text"
     if row["cu_seqlens"][-1] < SEQ_LEN:
         code, output = invoke("corpus", "inspect", "--locate", shard, 3, SEQ_LEN - 1)
         assert code == 0 and "padding" in output

@@ -1,0 +1,133 @@
+"""Where a local Beam job's logs go: always into a log file, to the terminal only with `--verbose`.
+
+Beam, absl and grpc log at INFO/WARNING in the driver and in every SDK worker process (the
+FnApiRunner's multi-process workers are `sdk_worker_main` subprocesses that log to the stderr they
+inherit, and importing Beam warns "apitools not found" once per process). None of it is the
+operator's business unless something breaks, so for the duration of a job file descriptor 2 - the
+driver's and, by inheritance, the workers' - is a pipe that a thread copies into the log file (and,
+when verbose, on to the terminal's stderr); the driver's Python logging writes to the same descriptor
+at INFO. The terminal keeps stdout: progress, the summary, warnings and errors.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+DRAIN_SECONDS = 5.0
+"""How long the copy thread may take to drain the pipe after the job (a stray worker keeping the pipe
+open is left behind rather than holding up the exit)."""
+
+
+def log_path_for(output: str) -> Path:
+    """`<output>.log` beside a local output directory (outside it: the output is staged and swapped
+    whole, and holds only ember's own files); for a URL output, `<its last part>.log` here."""
+    if "://" in output:
+        return Path.cwd() / f"{output.rstrip('/').rsplit('/', 1)[-1] or 'output'}.log"
+    target = Path(os.path.abspath(output))
+    return target.with_name(target.name + ".log")
+
+
+class JobLog:
+    """The copy of fd 2 into the log file; lines that come before the file is named wait in memory."""
+
+    def __init__(self, read_fd: int, echo_fd: int | None):
+        self._read_fd, self._echo_fd = read_fd, echo_fd
+        self._lock = threading.Lock()
+        self._pending: list[bytes] = []
+        self._file = None
+        self.path: Path | None = None
+        self._thread = threading.Thread(target=self._copy, name="job-logs", daemon=True)
+        self._thread.start()
+
+    def write_to(self, path: Path) -> Path:
+        """Name the log file (created or truncated); what was logged so far goes in first. Where `path`
+        cannot be written (the output's own checks say why, next) the log goes to the temp directory."""
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            log = open(path, "wb")
+        except OSError:
+            path = Path(tempfile.gettempdir()) / path.name
+            log = open(path, "wb")
+        with self._lock:
+            self._file = log
+            self._file.write(b"".join(self._pending))
+            self._file.flush()
+            self._pending.clear()
+            self.path = path
+        return path
+
+    def _copy(self) -> None:
+        while chunk := os.read(self._read_fd, 65536):
+            with self._lock:
+                if self._file is None:
+                    self._pending.append(chunk)
+                else:
+                    self._file.write(chunk)
+                    self._file.flush()
+            if self._echo_fd is not None:
+                os.write(self._echo_fd, chunk)
+
+    def finish(self) -> bool:
+        """Wait for the pipe to drain; False when a stray worker still holds it open."""
+        self._thread.join(DRAIN_SECONDS)
+        if self._thread.is_alive():
+            return False
+        os.close(self._read_fd)
+        if self._file is not None:
+            self._file.close()
+        return True
+
+
+class _OwnOrSevere(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.name.startswith("ember") or record.levelno >= logging.ERROR
+
+
+@contextmanager
+def quiet_third_party() -> Iterator[None]:
+    """For commands that use Beam's filesystems but run no job (report, inspect): ember's own warnings
+    and anyone's errors reach stderr, third-party INFO/WARNING (Beam's import-time "apitools not
+    found") do not. A root handler also keeps `logging.warning` from installing its own."""
+    root = logging.getLogger()
+    handler = logging.StreamHandler()
+    handler.addFilter(_OwnOrSevere())
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    saved = root.handlers[:]
+    root.handlers = [handler]
+    try:
+        yield
+    finally:
+        root.handlers = saved
+
+
+@contextmanager
+def job_logs(verbose: bool = False) -> Iterator[JobLog]:
+    """Send every log of the job (driver and worker processes) to the log file the caller names with
+    `JobLog.write_to` (and to stderr when `verbose`); nothing is lost before it is named."""
+    root = logging.getLogger()
+    saved_level, saved_handlers = root.level, root.handlers[:]
+    saved_stderr = os.dup(2)
+    read_fd, write_fd = os.pipe()
+    log = JobLog(read_fd, saved_stderr if verbose else None)
+    os.dup2(write_fd, 2)
+    os.close(write_fd)
+    stream = open(2, "w", closefd=False, buffering=1)  # fd 2 itself, whatever sys.stderr is
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    root.handlers = [handler]
+    root.setLevel(logging.INFO)
+    try:
+        yield log
+    finally:
+        stream.flush()
+        root.handlers, root.level = saved_handlers, saved_level
+        os.dup2(saved_stderr, 2)  # the driver's last reference to the pipe's write end: EOF once workers are gone
+        if log.finish():
+            os.close(saved_stderr)

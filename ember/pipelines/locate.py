@@ -1,0 +1,120 @@
+"""`ember corpus inspect --locate`: from a training token back to its document's source and text.
+
+The shard row names the document and the token's index in the document's tokens; the manifest's
+`provenance` names where each source's documents are (Document Parquet) and the tokenizer. The
+document's row gives its source path/URL (metadata) and its text - redacted, as stored - and the
+token's character span is found by encoding prefixes of that text (a binary search: BPE pre-splits
+on whitespace and punctuation, so a prefix's token count matches the full encoding's up to the span).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from apache_beam.io.filesystems import FileSystems
+
+from ember.schemas.shards import MANIFEST_FILENAME, Manifest, read_manifest
+from ember.tokenize.config import TokenizerConfig
+from ember.tokenize.tokenizers import Tokenizer, load_tokenizer
+
+WINDOW_CHARS = 200
+
+
+class LocateError(ValueError):
+    """The document or its text cannot be found from the shard set's records."""
+
+
+@dataclass(frozen=True)
+class Located:
+    document_id: str
+    documents_file: str  # the Document Parquet file holding it
+    origin: str  # url, or repo/path, or path, from the document's metadata
+    span: tuple[int, int] | None  # the token's characters in the text; None for a BOS/EOS token
+    framing: str | None  # "BOS" / "EOS" when the token is the document's framing token
+    before: str
+    token_text: str
+    after: str
+
+
+def manifest_of(shard: Path) -> tuple[Path, Manifest]:
+    """The shard set holding `shard`: the nearest directory above it with a manifest."""
+    for directory in Path(shard).resolve().parents:
+        if (directory / MANIFEST_FILENAME).exists():
+            return directory, read_manifest(directory)
+    raise LocateError(f"{shard}: no {MANIFEST_FILENAME} in any directory above it")
+
+
+def find_document(pattern: str, document_id: str) -> tuple[str, dict]:
+    """The Document Parquet row with this id among the files `pattern` matches (any Beam filesystem)."""
+    paths = sorted(m.path for r in FileSystems.match([pattern]) for m in r.metadata_list)
+    if not paths:
+        raise LocateError(f"no Document Parquet matches {pattern} any more (moved or deleted since the shard set was written)")
+    for path in paths:
+        with FileSystems.open(path) as handle:
+            table = pq.read_table(handle)  # tokenize needs only id, source and text: metadata may be absent
+        rows = table.filter(pc.equal(table["id"], document_id))
+        if rows.num_rows:
+            row = rows.slice(0, 1).to_pylist()[0]
+            return path, {"text": row["text"], "metadata": row.get("metadata")}
+    raise LocateError(f"document {document_id} is in none of the {len(paths)} files matching {pattern}")
+
+
+def origin(metadata: dict | None) -> str:
+    metadata = metadata or {}
+    if metadata.get("url"):
+        return metadata["url"]
+    if metadata.get("repo") and metadata.get("path"):
+        return f"{metadata['repo']}/{metadata['path']}"
+    return metadata.get("path") or "(no url, repo or path in the document's metadata)"
+
+
+def char_span(tokenizer: Tokenizer, text: str, index: int) -> tuple[int, int]:
+    """Characters [start, end) of content token `index`: the longest prefix with at most `index` tokens
+    ends where the token starts, the shortest with more than `index` ends where it ends."""
+
+    def count(n: int) -> int:
+        return len(tokenizer.encode_ordinary([text[:n]])[0])
+
+    lo, hi = 0, len(text)
+    while lo < hi:  # smallest n with count(n) > index
+        mid = (lo + hi) // 2
+        if count(mid) > index:
+            hi = mid
+        else:
+            lo = mid + 1
+    end = lo
+    lo, hi = 0, end
+    while lo < hi:  # largest n < end with count(n) <= index
+        mid = (lo + hi + 1) // 2
+        if count(mid) <= index:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo, end
+
+
+def locate_text(shard: Path, source: str, document_id: str, doc_token: int, window: int = WINDOW_CHARS) -> Located:
+    """Source path/URL of the document and the text around token `doc_token` of it."""
+    _, manifest = manifest_of(shard)
+    provenance = manifest.model_extra.get("provenance") or {}
+    pattern = (provenance.get("documents") or {}).get(source)
+    if pattern is None or "tokenizer" not in provenance:
+        raise LocateError("the manifest records no provenance for its sources (a shard set written before ember recorded it)")
+    path, row = find_document(pattern, document_id)
+    tokenizer = load_tokenizer(TokenizerConfig.model_validate(provenance["tokenizer"]))
+    if tokenizer.identity.hash != manifest.tokenizer.hash:
+        raise LocateError(f"the tokenizer at {provenance['tokenizer']['path']} changed since the shard set was written")
+    text = row["text"]
+    index = doc_token - (1 if tokenizer.bos_id is not None else 0)
+    content = len(tokenizer.encode_ordinary([text])[0])
+    if index < 0 or index >= content:
+        framing = "BOS" if index < 0 else "EOS"
+        at = 0 if index < 0 else len(text)
+        return Located(document_id, path, origin(row["metadata"]), None, framing,
+                       text[max(0, at - window):at], "", text[at:at + window])
+    start, end = char_span(tokenizer, text, index)
+    return Located(document_id, path, origin(row["metadata"]), (start, end), None,
+                   text[max(0, start - window):start], text[start:end], text[end:end + window])
