@@ -31,7 +31,7 @@ console = Console(width=min(100, Console().width))
 
 
 def fail(message: object, code: int = 2) -> NoReturn:
-    console.print(f"[red]{message}[/red]")
+    console.print(f"[red]{escape(str(message))}[/red]", soft_wrap=True)  # paths in messages stay whole
     raise typer.Exit(code)
 
 
