@@ -1,7 +1,8 @@
 """`ember corpus ...`: build and report a corpus, tokenize it into a shard set, verify and inspect shards.
 
 `build` and `tokenize` pass every option they do not know to Beam untouched (`--runner=...`).
-Exit codes: 0 done, 1 the job or the check failed, 2 the input or the config cannot be used.
+Exit codes: 0 done, 1 the job or the check failed, 2 the input or the config cannot be used,
+130 / 143 stopped by SIGINT / SIGTERM (workers stopped, the previous output left as it was).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def tokenize(
     Any further arguments go to Beam (default --runner=FnApiRunner), e.g. --direct_num_workers=2.
     """
     from ember.configs import TokenizeConfigError
+    from ember.pipelines.job_process import Interrupted, stop_on_signals
     from ember.pipelines.output_guard import OutputUnusable
     from ember.pipelines.tokenize_pipeline import run
     from ember.tokenize.config import load_config
@@ -47,9 +49,15 @@ def tokenize(
     try:
         settings = load_config(config)
         min_free = None if min_free_mb is None else min_free_mb * 2**20
-        manifest = run(settings, ctx.args, overwrite=overwrite, min_free_bytes=min_free)
+        with stop_on_signals():
+            manifest = run(settings, ctx.args, overwrite=overwrite, min_free_bytes=min_free)
     except (TokenizeConfigError, TokenizerLoadError, OutputUnusable) as exc:
         fail(exc)
+    except Interrupted as exc:
+        out = settings.output_dir
+        exc.state = exc.state or (f"output_dir {out} holds the previous shard set, unchanged" if out.exists()
+                                  else f"output_dir {out} was not created") + "; a rerun starts the tokenize job over"
+        fail(f"interrupted: {exc}", exc.exit_code)
     table = Table("source", "documents", "tokens", "sequences", "padding", "fill", "split docs", "rejected")
     for name, stats in manifest.sources.items():
         rejected = sum((manifest.model_extra.get("rejected") or {}).get(name, {}).values())
@@ -120,20 +128,25 @@ def build(
     """Read, filter, redact and deduplicate code and web corpora into Parquet, with stats.json and a report;
     with a `tokenize:` section, also tokenize and pack the kept documents into a verified shard set.
     A rebuild replaces the previous output whole, only once the new one is complete, and refuses to start
-    when the output holds files ember did not write."""
+    when the output holds files ember did not write. Ctrl-C (SIGINT) or SIGTERM stops it within seconds
+    (exit 130 / 143); a rerun of the same config skips the phases that are complete."""
     from ember.configs import CorpusConfigError, TokenizeConfigError
     from ember.pipelines.corpus_build import BuildFailed, build_corpus
     from ember.pipelines.corpus_config import load_config
+    from ember.pipelines.job_process import Interrupted, stop_on_signals
     from ember.pipelines.output_guard import OutputUnusable
     from ember.tokenize.tokenizers import TokenizerLoadError
 
     min_free = None if min_free_mb is None else min_free_mb * 2**20
     try:
-        build_corpus(load_config(str(config)), list(beam_args or []), console, min_free_bytes=min_free)
+        with stop_on_signals():
+            build_corpus(load_config(str(config)), list(beam_args or []), console, min_free_bytes=min_free)
     except (CorpusConfigError, TokenizeConfigError, TokenizerLoadError, OutputUnusable) as exc:
         fail(exc)
     except BuildFailed as exc:
         fail(exc, 1)
+    except Interrupted as exc:
+        fail(f"interrupted: {exc}", exc.exit_code)
 
 
 @app.command("report")

@@ -33,6 +33,7 @@ from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from ember.configs import TokenizeConfigError
+from ember.pipelines.job_process import isolating, run_job
 from ember.pipelines.output_guard import MIN_FREE_BYTES, check_room, refuse_foreign, staged
 from ember.schemas import SchemaValidationError
 from ember.schemas.documents import REJECTED_SCHEMA, reject_row
@@ -400,9 +401,17 @@ def pipeline_options(beam_args: list[str]) -> PipelineOptions:
 
 
 def write_shard_set(config: TokenizeConfig, beam_args: list[str], tokenizer: Tokenizer, recorded: TokenizeConfig | None = None) -> None:
-    """Runs the pipeline into `config.output_dir`, which must be new or empty (see `build` for `recorded`)."""
+    """Runs the pipeline into `config.output_dir`, which must be new or empty (see `build` for `recorded`).
+    Under `stop_on_signals()` it runs in a job process that a stop signal ends whole (the tokenizer is loaded there)."""
+    if isolating():
+        run_job(_write_in_job_process, config, list(beam_args), recorded)
+        return
     with beam.Pipeline(options=pipeline_options(beam_args)) as pipeline:
         build(pipeline, config, tokenizer, recorded)
+
+
+def _write_in_job_process(config: TokenizeConfig, beam_args: list[str], recorded: TokenizeConfig | None) -> None:
+    write_shard_set(config, beam_args, load_tokenizer(config.tokenizer), recorded)
 
 
 def run(
