@@ -22,6 +22,7 @@ from ember.demo.sample_corpus import SampleCorpus, write_sample_corpus
 from ember.pipelines.corpus_build import build_corpus
 from ember.pipelines.corpus_config import parse_config
 from ember.pipelines.corpus_phases import COMPLETE_FILE, cache_root, documents_key, output_key
+from ember.pipelines.output_guard import OWNERSHIP_FILE
 
 from .corpus_support import IN_PROCESS, file_digests
 
@@ -52,19 +53,23 @@ def leftovers(out: Path) -> list[str]:
 
 
 def comparable(out: Path) -> dict[str, str]:
-    """File digests, the report's one line naming its own output directory aside."""
+    """File digests, the report's line naming its own output directory (and so the report's size in the
+    ownership file) aside."""
     digests = file_digests(out)
     digests["report.md"] = (out / "report.md").read_text().replace(str(out), "<out>")
+    ownership = json.loads((out / OWNERSHIP_FILE).read_text())
+    ownership["sizes"].pop("report.md")
+    digests[OWNERSHIP_FILE] = ownership
     return digests
 
 
 class Build:
-    """`ember corpus build` (this worktree's code) as a real process, its output lines collected as they come."""
+    """`ember corpus build` (or `tokenize`; this worktree's code) as a real process, its output lines collected as they come."""
 
-    def __init__(self, config: Path):
+    def __init__(self, config: Path, command: str = "build"):
         env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "ember.cli", "corpus", "build", str(config)],
+            [sys.executable, "-m", "ember.cli", "corpus", command, str(config)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
         )
         self.lines: list[str] = []
@@ -85,13 +90,14 @@ class Build:
     def descendants(self) -> list[psutil.Process]:
         return psutil.Process(self.process.pid).children(recursive=True)
 
-    def stop(self, signum: int) -> tuple[int, float, list[psutil.Process]]:
-        """Sends `signum` once the job's worker processes run; returns exit code, seconds to exit, the processes it had."""
+    def stop(self, signum: int, processes: int = 2, settle: float = 2) -> tuple[int, float, list[psutil.Process]]:
+        """Sends `signum` once `processes` descendants run (the job process, then SDK workers) and `settle` seconds
+        more have passed; returns the exit code, the seconds to exit, and the processes it had."""
         deadline = time.monotonic() + START_TIMEOUT_SECONDS
-        while len(self.descendants()) < 2:  # the job process and at least one SDK worker (or its tools)
+        while len(self.descendants()) < processes:
             assert self.process.poll() is None and time.monotonic() < deadline, self.output
             time.sleep(0.2)
-        time.sleep(2)
+        time.sleep(settle)
         tree = self.descendants()
         sent = time.monotonic()
         self.process.send_signal(signum)
@@ -214,3 +220,20 @@ def test_sigint_stops_a_running_build_and_leaves_the_previous_output(big_sample:
     assert file_digests(out) == before
     assert leftovers(out) == []
     assert not cache_root(out).exists() or not any(cache_root(out).iterdir())
+
+
+def test_sigint_stops_a_running_tokenize_job(reference: Path, hf_tokenizer_path: Path, tmp_path: Path) -> None:
+    out = tmp_path / "shards"
+    config = write_config(tmp_path / "tokenize.yaml", {
+        "output_dir": str(out), "seq_len": 64, "window_documents": 8, "sequences_per_shard": 4, "rows_per_batch": 2,
+        "tokenizer": {"kind": "huggingface", "path": str(hf_tokenizer_path), "eos_token": "<|endoftext|>",
+                      "pad_token": "<|pad|>"},
+        "sources": [{"name": "web", "path": str(reference / "documents" / "web" / "*.parquet")}],
+    })
+    job = Build(config, command="tokenize")
+    code, elapsed, tree = job.stop(signal.SIGINT, processes=1, settle=5)  # tokenize runs in-process in its job process
+    assert code == 130, job.output
+    assert elapsed < STOP_WITHIN_SECONDS
+    assert alive(tree) == [], f"left running: {alive(tree)}"
+    assert f"interrupted by SIGINT; output_dir {out} was not created; a rerun starts the tokenize job over" in job.output
+    assert not out.exists() and leftovers(out) == []
