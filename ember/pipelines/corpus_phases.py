@@ -2,7 +2,7 @@
 
   documents  read -> unique ids -> filter -> redact; the surviving rows, the rejects so far and the
              summed stats events go to a cache entry beside the output:
-             `<output parent>/.<output name>.ember-cache/documents-<key>/`
+             `<output parent>/.<output name>-ember-cache/documents-<key>/`
   output     exact + near dedup and the final write, from that entry, into the staged output.
 
 Each phase is content-addressed: its key hashes the config sections it depends on and (for
@@ -52,7 +52,7 @@ CACHED_DOCUMENT_SCHEMA = pa.schema([*DOCUMENT_SCHEMA, pa.field("location", pa.st
 
 
 def cache_root(target: Path) -> Path:
-    return target.parent / f".{target.name}.ember-cache"
+    return target.parent / f".{target.name}-ember-cache"
 
 
 def _digest(payload: Any) -> str:

@@ -70,7 +70,7 @@ class Build:
         env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "ember.cli", "corpus", command, str(config)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
         )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -90,9 +90,10 @@ class Build:
     def descendants(self) -> list[psutil.Process]:
         return psutil.Process(self.process.pid).children(recursive=True)
 
-    def stop(self, signum: int, processes: int = 2, settle: float = 2) -> tuple[int, float, list[psutil.Process]]:
+    def stop(self, signum: int, processes: int = 2, settle: float = 2, group: bool = False) -> tuple[int, float, list[psutil.Process]]:
         """Sends `signum` once `processes` descendants run (the job process, then SDK workers) and `settle` seconds
-        more have passed; returns the exit code, the seconds to exit, and the processes it had."""
+        more have passed - to the command's whole process group with `group`, as a terminal's Ctrl-C does, else
+        to the command alone, as `kill` does; returns the exit code, the seconds to exit, and the processes it had."""
         deadline = time.monotonic() + START_TIMEOUT_SECONDS
         while len(self.descendants()) < processes:
             assert self.process.poll() is None and time.monotonic() < deadline, self.output
@@ -100,7 +101,10 @@ class Build:
         time.sleep(settle)
         tree = self.descendants()
         sent = time.monotonic()
-        self.process.send_signal(signum)
+        if group:
+            os.killpg(self.process.pid, signum)
+        else:
+            self.process.send_signal(signum)
         try:
             code = self.process.wait(timeout=STOP_WITHIN_SECONDS)
         except subprocess.TimeoutExpired:
@@ -209,7 +213,7 @@ def test_sigint_stops_a_running_build_and_leaves_the_previous_output(big_sample:
     config["output"]["rows_per_shard"] = 1000
     build = Build(write_config(tmp_path / "build.yaml", config))
     build.wait_for("phase documents: running")
-    code, elapsed, tree = build.stop(signal.SIGINT)
+    code, elapsed, tree = build.stop(signal.SIGINT, group=True)
     assert code == 130, build.output
     assert elapsed < STOP_WITHIN_SECONDS
     assert len(tree) >= 2 and alive(tree) == [], f"left running: {alive(tree)}"
@@ -231,7 +235,7 @@ def test_sigint_stops_a_running_tokenize_job(reference: Path, hf_tokenizer_path:
         "sources": [{"name": "web", "path": str(reference / "documents" / "web" / "*.parquet")}],
     })
     job = Build(config, command="tokenize")
-    code, elapsed, tree = job.stop(signal.SIGINT, processes=1, settle=5)  # tokenize runs in-process in its job process
+    code, elapsed, tree = job.stop(signal.SIGINT, processes=1, settle=5, group=True)  # tokenize runs in-process in its job process
     assert code == 130, job.output
     assert elapsed < STOP_WITHIN_SECONDS
     assert alive(tree) == [], f"left running: {alive(tree)}"
