@@ -28,6 +28,15 @@ def fail(message: object, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
+def stopped(exc: BaseException) -> NoReturn:
+    """The one line an interrupted build or tokenize ends with (soft-wrapped: a terminal may fold it, a log keeps it
+    whole), and its exit code: 128 + the signal."""
+    from rich.text import Text
+
+    console.print(Text(f"interrupted: {exc}", style="red"), soft_wrap=True)
+    raise typer.Exit(exc.exit_code)
+
+
 @app.command("tokenize", context_settings=BEAM_OPTIONS)
 def tokenize(
     ctx: typer.Context,
@@ -57,7 +66,7 @@ def tokenize(
         out = settings.output_dir
         exc.state = exc.state or (f"output_dir {out} holds the previous shard set, unchanged" if out.exists()
                                   else f"output_dir {out} was not created") + "; a rerun starts the tokenize job over"
-        fail(f"interrupted: {exc}", exc.exit_code)
+        stopped(exc)
     table = Table("source", "documents", "tokens", "sequences", "padding", "fill", "split docs", "rejected")
     for name, stats in manifest.sources.items():
         rejected = sum((manifest.model_extra.get("rejected") or {}).get(name, {}).values())
@@ -146,7 +155,7 @@ def build(
     except BuildFailed as exc:
         fail(exc, 1)
     except Interrupted as exc:
-        fail(f"interrupted: {exc}", exc.exit_code)
+        stopped(exc)
 
 
 @app.command("report")
