@@ -21,10 +21,12 @@ from rich.console import Console
 from ember.demo.sample_corpus import SampleCorpus, write_sample_corpus
 from ember.pipelines.corpus_build import build_corpus
 from ember.pipelines.corpus_config import parse_config
+from ember.pipelines.corpus_io import write_parquet
 from ember.pipelines.corpus_phases import COMPLETE_FILE, cache_root, documents_key, output_key
 from ember.pipelines.output_guard import OWNERSHIP_FILE
+from ember.schemas.documents import DOCUMENT_SCHEMA
 
-from .corpus_support import IN_PROCESS, file_digests
+from .corpus_support import IN_PROCESS, file_digests, rows
 
 REPO = Path(__file__).resolve().parents[2]
 STOP_WITHIN_SECONDS = 30  # liveness bound, not a speed measurement
@@ -228,11 +230,16 @@ def test_sigint_stops_a_running_build_and_leaves_the_previous_output(big_sample:
 
 def test_sigint_stops_a_running_tokenize_job(reference: Path, hf_tokenizer_path: Path, tmp_path: Path) -> None:
     out = tmp_path / "shards"
+    kept = [d for d in rows(reference, "documents") if d["source"] == "web"]
+    documents = tmp_path / "documents"
+    documents.mkdir()
+    many = [{**d, "id": f"{d['id']}-{i}"} for i in range(400) for d in kept]  # enough to be running when stopped
+    write_parquet(str(documents / "part-0.parquet"), many, DOCUMENT_SCHEMA)
     config = write_config(tmp_path / "tokenize.yaml", {
         "output_dir": str(out), "seq_len": 64, "window_documents": 8, "sequences_per_shard": 4, "rows_per_batch": 2,
         "tokenizer": {"kind": "huggingface", "path": str(hf_tokenizer_path), "eos_token": "<|endoftext|>",
                       "pad_token": "<|pad|>"},
-        "sources": [{"name": "web", "path": str(reference / "documents" / "web" / "*.parquet")}],
+        "sources": [{"name": "web", "path": str(documents / "*.parquet")}],
     })
     job = Build(config, command="tokenize")
     code, elapsed, tree = job.stop(signal.SIGINT, processes=1, settle=5, group=True)  # tokenize runs in-process in its job process
