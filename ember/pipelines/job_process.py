@@ -46,7 +46,7 @@ class Interrupted(BaseException):
 
     def __str__(self) -> str:
         where = f" during {self.where}" if self.where else ""
-        return f"interrupted by {signal.Signals(self.signum).name}{where}" + (f"; {self.state}" if self.state else "")
+        return f"{signal.Signals(self.signum).name}{where}" + (f"; {self.state}" if self.state else "")
 
 
 class JobProcessFailed(RuntimeError):

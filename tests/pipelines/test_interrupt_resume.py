@@ -186,7 +186,7 @@ def test_sigterm_in_the_output_phase_stops_and_a_rerun_resumes_byte_identical(sa
     assert code == 143, build.output
     assert elapsed < STOP_WITHIN_SECONDS
     assert alive(tree) == [], f"left running: {alive(tree)}"
-    assert "interrupted by SIGTERM during phase output" in build.output
+    assert "interrupted: SIGTERM during phase output" in build.output
     assert f"output.directory {out} was not created" in build.output
     assert "phase documents is complete in" in build.output and "resumes after it" in build.output
     assert not out.exists() and leftovers(out) == []
@@ -219,7 +219,7 @@ def test_sigint_stops_a_running_build_and_leaves_the_previous_output(big_sample:
     assert code == 130, build.output
     assert elapsed < STOP_WITHIN_SECONDS
     assert len(tree) >= 2 and alive(tree) == [], f"left running: {alive(tree)}"
-    assert "interrupted by SIGINT during phase documents" in build.output
+    assert "interrupted: SIGINT during phase documents" in build.output
     assert f"output.directory {out} holds the previous build, unchanged" in build.output
     assert "no phase completed, so a rerun starts over" in build.output
     assert "Traceback" not in build.output
@@ -246,5 +246,5 @@ def test_sigint_stops_a_running_tokenize_job(reference: Path, hf_tokenizer_path:
     assert code == 130, job.output
     assert elapsed < STOP_WITHIN_SECONDS
     assert alive(tree) == [], f"left running: {alive(tree)}"
-    assert f"interrupted by SIGINT; output_dir {out} was not created; a rerun starts the tokenize job over" in job.output
+    assert f"interrupted: SIGINT; output_dir {out} was not created; a rerun starts the tokenize job over" in job.output
     assert not out.exists() and leftovers(out) == []
