@@ -2,7 +2,8 @@
 
 `build` and `tokenize` pass every option they do not know to Beam untouched (`--runner=...`).
 Exit codes: 0 done, 1 the job or the check failed, 2 the input or the config cannot be used,
-3 (`build --strict`) the build finished but a source lost more than `warn_share` of its documents to one reason.
+3 (`build --strict`) the build finished but a source lost more than `warn_share` of its documents to one reason,
+130 / 143 stopped by SIGINT / SIGTERM (workers stopped, the previous output left as it was).
 Beam, pyarrow and the tokenizers load inside the commands, after the config is read, so a config error
 comes before seconds of imports.
 
@@ -35,6 +36,15 @@ def fail(message: object, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
+def stopped(exc: BaseException) -> NoReturn:
+    """The one line an interrupted build or tokenize ends with (soft-wrapped: a terminal may fold it, a log keeps it
+    whole), and its exit code: 128 + the signal."""
+    from rich.text import Text
+
+    console.print(Text(f"interrupted: {exc}", style="red"), soft_wrap=True)
+    raise typer.Exit(exc.exit_code)
+
+
 @app.command("tokenize", context_settings=BEAM_OPTIONS)
 def tokenize(
     ctx: typer.Context,
@@ -55,6 +65,7 @@ def tokenize(
     except TokenizeConfigError as exc:
         fail(exc)
     from ember.pipelines.job_logs import job_logs, log_path_for
+    from ember.pipelines.job_process import Interrupted, stop_on_signals
 
     with job_logs(verbose) as logs:
         console.print(f"log: {logs.write_to(log_path_for(str(settings.output_dir)))}", highlight=False)
@@ -64,9 +75,15 @@ def tokenize(
 
         try:
             min_free = None if min_free_mb is None else min_free_mb * 2**20
-            manifest = run(settings, ctx.args, overwrite=overwrite, min_free_bytes=min_free, console=console)
+            with stop_on_signals():
+                manifest = run(settings, ctx.args, overwrite=overwrite, min_free_bytes=min_free, console=console)
         except (TokenizeConfigError, TokenizerLoadError, OutputUnusable) as exc:
             fail(exc)
+        except Interrupted as exc:
+            out = settings.output_dir
+            exc.state = exc.state or (f"output_dir {out} holds the previous shard set, unchanged" if out.exists()
+                                      else f"output_dir {out} was not created") + "; a rerun starts the tokenize job over"
+            stopped(exc)
     table = Table("source", "documents", "tokens", "sequences", "padding", "fill", "split docs", "rejected")
     for name, stats in manifest.sources.items():
         rejected = sum((manifest.model_extra.get("rejected") or {}).get(name, {}).values())
@@ -165,7 +182,8 @@ def build(
     """Read, filter, redact and deduplicate code and web corpora into Parquet, with stats.json and a report;
     with a `tokenize:` section, also tokenize and pack the kept documents into a verified shard set.
     A rebuild replaces the previous output whole, only once the new one is complete, and refuses to start
-    when the output holds files ember did not write."""
+    when the output holds files ember did not write. Ctrl-C (SIGINT) or SIGTERM stops it within seconds
+    (exit 130 / 143); a rerun of the same config skips the phases that are complete."""
     from ember.configs import CorpusConfigError, TokenizeConfigError
     from ember.pipelines.corpus_config import load_config
 
@@ -174,6 +192,7 @@ def build(
     except CorpusConfigError as exc:
         fail(exc)
     from ember.pipelines.job_logs import job_logs, log_path_for
+    from ember.pipelines.job_process import Interrupted, stop_on_signals
 
     with job_logs(verbose) as logs:
         console.print(f"log: {logs.write_to(log_path_for(settings.output.directory))}", highlight=False)
@@ -183,11 +202,14 @@ def build(
 
         min_free = None if min_free_mb is None else min_free_mb * 2**20
         try:
-            outcome = build_corpus(settings, list(beam_args or []), console, min_free_bytes=min_free, config_path=str(config))
+            with stop_on_signals():
+                outcome = build_corpus(settings, list(beam_args or []), console, min_free_bytes=min_free, config_path=str(config))
         except (CorpusConfigError, TokenizeConfigError, TokenizerLoadError, OutputUnusable) as exc:
             fail(exc)
         except BuildFailed as exc:
             fail(f"{exc} (the log: {logs.path})", 1)
+        except Interrupted as exc:
+            stopped(exc)
     if strict and outcome.warnings:
         fail(f"--strict: {len(outcome.warnings)} source warning(s) above; the output is written", STRICT_EXIT)
 

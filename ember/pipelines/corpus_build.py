@@ -7,14 +7,21 @@ room for the new output), built whole in a staging directory next to it - docume
 clusters, stats, report and a shard set inside it - and swapped in only when complete
 (ember/pipelines/output_guard.py). A shard set outside the output is staged and swapped the same way,
 just before the output. A URL output (gs://) must be new or empty: the job never deletes there.
+
+A local build runs in two checkpointed phases (ember/pipelines/corpus_phases.py): a rerun of the same
+config skips what is complete and verified, and an interrupted one resumes from the last finished phase.
+Under `stop_on_signals()` (the CLI) each Beam job runs in a child process that SIGINT/SIGTERM stop whole
+(ember/pipelines/job_process.py); `Interrupted` leaves here saying what state the output is in.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,15 +32,16 @@ from rich.markup import escape
 from rich.table import Table
 
 from ember.configs import CorpusConfigError
-from ember.pipelines import corpus_pipeline
+from ember.pipelines import corpus_phases, corpus_pipeline
 from ember.pipelines.corpus_config import CorpusConfig, check_inputs
 from ember.pipelines.corpus_outputs import require_empty_output
 from ember.pipelines.corpus_report import SourceWarning, build_warnings, read_stats, summary_rows, write_report
 from ember.pipelines.corpus_report_html import write_html_report
 from ember.schemas.documents import REPORT_FILE, REPORT_HTML_FILE
 from ember.pipelines.output_guard import (
-    MIN_FREE_BYTES, check_room, is_local, owned_by_ownership_file, refuse_foreign, staged, write_ownership,
+    MIN_FREE_BYTES, check_room, is_local, owned_by_ownership_file, refuse_foreign, staged, up_to_date, write_ownership,
 )
+from ember.pipelines.job_process import Interrupted, run_job, signals_deferred
 from ember.pipelines.progress import watch
 from ember.pipelines.runners import dataflow_problems, runner_name, runs_locally, with_defaults
 from ember.schemas import Manifest, read_manifest
@@ -59,6 +67,7 @@ class BuildOutcome:
     report: str
     shards: Manifest | None = None
     warnings: tuple[SourceWarning, ...] = ()
+    phases: dict[str, str] = field(default_factory=dict)  # phase -> "ran" or "skipped" (local builds)
 
 
 def prepare_options(beam_args: list[str]) -> tuple[list[str], PipelineOptions]:
@@ -131,17 +140,23 @@ def _recorded(shards: TokenizeConfig, final: CorpusConfig) -> TokenizeConfig:
     return shards.model_copy(update={"sources": sources, "output_dir": Path(final.shards_directory)})
 
 
-def _run_job(config: CorpusConfig, options, console: Console | None) -> None:
+def _whole_job(config: CorpusConfig, args: list[str], progress_dir: str | None) -> str:
+    """The one-graph build (URL outputs), at module level so it can run in a job process."""
+    return corpus_pipeline.run(config, PipelineOptions(args), progress_dir)
+
+
+def _run_job(job: Callable[..., str], job_args: tuple, options, console: Console | None) -> None:
+    """`job(*job_args, progress_dir)` to the end, with live progress for local runs."""
     with tempfile.TemporaryDirectory(prefix="ember-progress-") as progress_dir:
-        # The job runs on this (main) thread: portable runners' job servers install signal handlers,
-        # which Python allows only there. The live progress table renders from a helper thread.
+        # The job runs on a main thread (here, or a job process's): portable runners' job servers install
+        # signal handlers, which Python allows only there. The live progress table renders from a helper thread.
         done = threading.Event()
         watcher = None
         if console is not None and runs_locally(options):
             watcher = threading.Thread(target=watch, args=(progress_dir, done, console), name="corpus-progress", daemon=True)
             watcher.start()
         try:
-            state = corpus_pipeline.run(config, options, progress_dir if watcher else None)
+            state = run_job(job, *job_args, progress_dir if watcher else None)
         finally:
             done.set()
             if watcher:
@@ -151,10 +166,12 @@ def _run_job(config: CorpusConfig, options, console: Console | None) -> None:
 
 
 def _build(config: CorpusConfig, final: CorpusConfig, args: list[str], options, tokenizer: Tokenizer | None,
-           console: Console | None, min_free_bytes: int | None, config_path: str | None) -> BuildOutcome:
+           console: Console | None, min_free_bytes: int | None, config_path: str | None,
+           job: tuple[Callable[..., str], tuple]) -> BuildOutcome:
     """The job, the reports and the shard set, written where `config` says; `final` is where they will live.
-    `config_path` (the YAML file the config came from) only titles report.html."""
-    _run_job(config, options, console)
+    `config_path` (the YAML file the config came from) only titles report.html; `job` is the Beam job's
+    function and its leading arguments (the progress directory is added)."""
+    _run_job(job[0], job[1], options, console)
     directory = config.output.directory
     write_report(directory, shown_as=final.output.directory)
     report = f"{final.output.directory.rstrip('/')}/{REPORT_FILE}"
@@ -218,7 +235,7 @@ def build_corpus(config: CorpusConfig, beam_args: list[str], console: Console | 
         check_room(shards, need, "tokenize.output_dir")
     if target is None:
         require_empty_output(config.output.directory)
-        return _build(config, config, args, options, tokenizer, console, min_free_bytes, config_path)
+        return _build(config, config, args, options, tokenizer, console, min_free_bytes, config_path, (_whole_job, (config, args)))
     final = config.model_copy(update={"output": config.output.model_copy(update={"directory": str(target)})})
 
     def owned(directory: Path) -> set[str]:
@@ -230,11 +247,90 @@ def build_corpus(config: CorpusConfig, beam_args: list[str], console: Console | 
 
     refuse_foreign(target, owned(target), "output.directory")
     check_room(target, need, "output.directory")
-    with staged(target, owned, "output.directory") as staging:
-        outcome = _build(_staged_config(final, staging, target), final, args, options, tokenizer, console, min_free_bytes,
-                         config_path)
-        write_ownership(staging)
-    return outcome
+    keys = corpus_phases.documents_key(final)
+    keys = (keys, corpus_phases.output_key(final, keys))
+    phase = "phase documents"
+    try:
+        if shards is None or inside is not None:  # a shard set elsewhere may have changed since: rebuilt, not trusted
+            if up_to_date(target, keys[1]):
+                return _unchanged(final, target, args, keys, console)
+        entry, marker = _documents_phase(final, target, args, options, console, keys[0])
+        phase = "phase output"
+        _say(console, f"phase output: running (key {keys[1]})")
+        with staged(target, owned, "output.directory") as staging:
+            job = (corpus_phases.run_output, (_staged_config(final, staging, target), args, str(entry), marker))
+            outcome = _build(_staged_config(final, staging, target), final, args, options, tokenizer, console, min_free_bytes,
+                             config_path, job)
+            write_ownership(staging, build_key=keys[1])
+    except Interrupted as exc:
+        exc.where = exc.where or phase
+        exc.state = exc.state or _interrupted_state(target, keys)
+        raise
+    removed = corpus_phases.prune(corpus_phases.cache_root(target), entry.name)
+    if removed:
+        _say(console, f"cache: removed {len(removed)} superseded entr{'y' if len(removed) == 1 else 'ies'}")
+    return BuildOutcome(outcome.state, args, outcome.stats, outcome.report, outcome.shards, outcome.warnings, {
+        "documents": "skipped" if marker.get("reused") else "ran", "output": "ran",
+    })
+
+
+def _say(console: Console | None, message: str) -> None:
+    if console is not None:
+        console.print(message, highlight=False)
+
+
+def _documents_phase(config: CorpusConfig, target: Path, args: list[str], options, console: Console | None,
+                     key: str) -> tuple[Path, dict[str, Any]]:
+    """The `documents` phase's verified cache entry, reused when complete, else built (under a partial name
+    until sealed, so an interrupted one is never taken for done)."""
+    root = corpus_phases.cache_root(target)
+    entry = root / f"documents-{key}"
+    marker = corpus_phases.verified(entry)
+    if marker is not None:
+        _say(console, f"phase documents: up to date (key {key}), skipped")
+        return entry, {**marker, "reused": True}
+    _say(console, f"phase documents: running (key {key})")
+    partial = corpus_phases.partial_entry(root, entry.name)
+    try:
+        _run_job(corpus_phases.run_documents, (config, args, str(partial)), options, console)
+        with signals_deferred():
+            corpus_phases.publish_entry(partial, entry)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    marker = corpus_phases.verified(entry)
+    if marker is None:
+        raise BuildFailed(f"the documents phase's cache entry {entry} does not verify right after it was written")
+    return entry, marker
+
+
+def _unchanged(final: CorpusConfig, target: Path, args: list[str], keys: tuple[str, str], console: Console | None) -> BuildOutcome:
+    """A rerun of the config that built `target`, over the same inputs: nothing to do."""
+    _say(console, f"phase documents: up to date (key {keys[0]}), skipped")
+    _say(console, f"phase output: up to date (key {keys[1]}), skipped")
+    stats = read_stats(str(target))
+    warnings = tuple(build_warnings(str(target), final.warn_share))
+    report = f"{target}/{REPORT_FILE}"
+    if console is not None:
+        console.print(summary_table(stats))
+        for warning in warnings:
+            console.print(f"[yellow]warning:[/yellow] {escape(warning.message())}", highlight=False)
+        console.print(f"report: {report}", highlight=False)
+        console.print(f"report with charts: {target}/{REPORT_HTML_FILE}", highlight=False)
+    shards = read_manifest(final.shards_directory) if final.shards_directory else None
+    return BuildOutcome("DONE", args, stats, report, shards, warnings, {"documents": "skipped", "output": "skipped"})
+
+
+def _interrupted_state(target: Path, keys: tuple[str, str]) -> str:
+    """Where an interrupted build left things, in one clause for the "interrupted: ..." line."""
+    if up_to_date(target, keys[1]):
+        return f"the build had finished: output.directory {target} is complete"
+    output = (f"output.directory {target} holds the previous build, unchanged" if target.exists()
+              else f"output.directory {target} was not created")
+    entry = corpus_phases.cache_root(target) / f"documents-{keys[0]}"
+    if corpus_phases.verified(entry) is not None:
+        return f"{output}; phase documents is complete in {entry}, so a rerun of this config resumes after it"
+    return f"{output}; no phase completed, so a rerun starts over"
 
 
 def shards_table(manifest: Manifest) -> Table:

@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from ember.pipelines.job_process import signals_deferred
+
 OWNERSHIP_FILE = ".ember-output.json"
 OWNERSHIP_SCHEMA = "ember.output_files"
 MIN_FREE_BYTES = 64 * 1024 * 1024  # below this no build is worth starting, whatever its inputs
@@ -44,10 +46,27 @@ def files_under(directory: Path) -> list[str]:
     return sorted(found)
 
 
-def write_ownership(directory: Path) -> None:
-    """Record every file now under `directory` as ember's own; written last, like a manifest."""
-    payload = {"schema": OWNERSHIP_SCHEMA, "version": 1, "files": [f for f in files_under(directory) if f != OWNERSHIP_FILE]}
+def write_ownership(directory: Path, build_key: str | None = None) -> None:
+    """Record every file now under `directory` (with its size) as ember's own; written last, like a manifest.
+    `build_key` names the inputs and settings the output was built from, so a rerun can tell it is up to date."""
+    files = [f for f in files_under(directory) if f != OWNERSHIP_FILE]
+    payload: dict = {"schema": OWNERSHIP_SCHEMA, "version": 1, "files": files,
+                     "sizes": {f: (directory / f).lstat().st_size for f in files}}
+    if build_key is not None:
+        payload["build_key"] = build_key
     write_bytes_atomically(directory / OWNERSHIP_FILE, (json.dumps(payload, indent=1) + "\n").encode("utf-8"))
+
+
+def up_to_date(directory: Path, build_key: str) -> bool:
+    """`directory` is a complete output built under `build_key`: its ownership file records that key and
+    every file it lists is present with the recorded size."""
+    try:
+        payload = json.loads((directory / OWNERSHIP_FILE).read_text(encoding="utf-8"))
+        if payload.get("schema") != OWNERSHIP_SCHEMA or payload.get("build_key") != build_key:
+            return False
+        return all((directory / f).lstat().st_size == size for f, size in payload["sizes"].items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
 
 
 def owned_by_ownership_file(directory: Path) -> set[str]:
@@ -163,8 +182,9 @@ def staged(target: Path, owned: Callable[[Path], set[str]], what: str) -> Iterat
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    try:
-        refuse_foreign(target, owned(target), what)
-    except OutputUnusable as exc:
-        raise OutputUnusable(f"{exc} The new output is complete in {staging}.") from None
-    swap_in(staging, target)
+    with signals_deferred():  # a stop signal during the swap takes effect once the swap is done
+        try:
+            refuse_foreign(target, owned(target), what)
+        except OutputUnusable as exc:
+            raise OutputUnusable(f"{exc} The new output is complete in {staging}.") from None
+        swap_in(staging, target)

@@ -36,6 +36,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from rich.console import Console
 
 from ember.configs import TokenizeConfigError
+from ember.pipelines.job_process import isolating, run_job
 from ember.pipelines.output_guard import MIN_FREE_BYTES, check_room, refuse_foreign, staged
 from ember.pipelines.progress import ProgressWriter, watch
 from ember.pipelines.runners import runs_locally
@@ -437,8 +438,7 @@ def write_shard_set(config: TokenizeConfig, beam_args: list[str], tokenizer: Tok
     with a console, a local run shows documents/s and an ETA while it tokenizes."""
     options = pipeline_options(beam_args)
     if console is None or not runs_locally(options):
-        with beam.Pipeline(options=options) as pipeline:
-            build(pipeline, config, tokenizer, recorded)
+        _run_pipeline(config, beam_args, tokenizer, recorded, None)
         return
     with tempfile.TemporaryDirectory(prefix="ember-progress-") as progress_dir:
         done = threading.Event()
@@ -449,11 +449,26 @@ def write_shard_set(config: TokenizeConfig, beam_args: list[str], tokenizer: Tok
         )
         watcher.start()
         try:
-            with beam.Pipeline(options=options) as pipeline:
-                build(pipeline, config, tokenizer, recorded, progress_dir)
+            _run_pipeline(config, beam_args, tokenizer, recorded, progress_dir)
         finally:
             done.set()
             watcher.join()
+
+
+def _run_pipeline(config: TokenizeConfig, beam_args: list[str], tokenizer: Tokenizer, recorded: TokenizeConfig | None,
+                  progress_dir: str | None) -> None:
+    """The Beam job; under `stop_on_signals()` in a job process that a stop signal ends whole (the tokenizer is
+    loaded there)."""
+    if isolating():
+        run_job(_pipeline_in_job_process, config, list(beam_args), recorded, progress_dir)
+        return
+    with beam.Pipeline(options=pipeline_options(beam_args)) as pipeline:
+        build(pipeline, config, tokenizer, recorded, progress_dir)
+
+
+def _pipeline_in_job_process(config: TokenizeConfig, beam_args: list[str], recorded: TokenizeConfig | None,
+                             progress_dir: str | None) -> None:
+    _run_pipeline(config, beam_args, load_tokenizer(config.tokenizer), recorded, progress_dir)
 
 
 def run(

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import shutil
 from pathlib import Path
 
 import pyarrow.parquet as pq
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from ember.pipelines.corpus_config import CorpusConfig, check_inputs
+from ember.pipelines.corpus_phases import cache_root
 from ember.pipelines.corpus_pipeline import run
+from ember.pipelines.output_guard import OWNERSHIP_FILE
 
 IN_PROCESS = ["--runner=FnApiRunner"]
 
@@ -33,3 +37,13 @@ def rows(directory: Path, name: str) -> list[dict]:
     for path in sorted((directory / name).rglob("*.parquet")):
         found += pq.read_table(path).to_pylist()
     return found
+
+
+def forget_build(output: Path) -> None:
+    """Make the next build of `output` run both phases again (no phase cache, no build key): a rerun of an
+    unchanged config is otherwise skipped as up to date (tests/pipelines/test_interrupt_resume.py)."""
+    ownership = output / OWNERSHIP_FILE
+    payload = json.loads(ownership.read_text())
+    payload.pop("build_key", None)
+    ownership.write_text(json.dumps(payload, indent=1) + "\n")
+    shutil.rmtree(cache_root(output), ignore_errors=True)

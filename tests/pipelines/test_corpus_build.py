@@ -25,7 +25,7 @@ from ember.schemas.documents import CLUSTER_SCHEMA, DOCUMENT_SCHEMA, REJECTED_SC
 from ember.schemas.versioning import schema_identity
 from ember.tokenize.shardset import verify_shard_set
 
-from .corpus_support import IN_PROCESS, build, file_digests, rows
+from .corpus_support import IN_PROCESS, build, file_digests, forget_build, rows
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,9 @@ def test_rerun_writes_byte_identical_outputs(sample: SampleCorpus, built: Path, 
     config = parse_config(sample.config(str(tmp_path / "out")))
     build_corpus(config, IN_PROCESS)
     before = file_digests(tmp_path / "out")
-    build_corpus(config, IN_PROCESS)  # replaces the previous build whole (tests/pipelines/test_output_safety.py)
+    forget_build(tmp_path / "out")
+    rerun = build_corpus(config, IN_PROCESS)  # replaces the previous build whole (tests/pipelines/test_output_safety.py)
+    assert rerun.phases == {"documents": "ran", "output": "ran"}
     after = file_digests(tmp_path / "out")
     assert after.pop("report.html") != "" and before.pop("report.html") != ""  # the page records when it was written
     assert after == before

@@ -26,7 +26,7 @@ from ember.pipelines.tokenize_pipeline import run as tokenize
 from ember.schemas import read_manifest
 from ember.tokenize.shardset import verify_shard_set
 
-from .corpus_support import IN_PROCESS, file_digests, rows
+from .corpus_support import IN_PROCESS, file_digests, forget_build, rows
 from .test_corpus_build import with_tokenize
 
 
@@ -120,7 +120,9 @@ def test_a_rebuild_replaces_documents_and_shard_set_together(sample: SampleCorpu
     staged_names = [p for p in previous.rglob("*") if p.is_file() and b".staging-" in p.read_bytes()]
     assert staged_names == [], "no output names the staging directory it was built in"
     before_again = file_digests(previous)
+    forget_build(previous)
     again = build_corpus(parse_config(config), IN_PROCESS)
+    assert again.phases == {"documents": "ran", "output": "ran"}
     assert again.shards.config_hash == outcome.shards.config_hash, "the random staging path is in no hash"
     timed = ("shards/manifest.json", "report.html")  # both record when they were written
     assert {k: v for k, v in file_digests(previous).items() if k not in timed} == {

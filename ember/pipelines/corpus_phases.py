@@ -1,0 +1,223 @@
+"""A local corpus build in two checkpointed phases, so an interrupted build resumes instead of starting over.
+
+  documents  read -> unique ids -> filter -> redact; the surviving rows, the rejects so far and the
+             summed stats events go to a cache entry beside the output:
+             `<output parent>/.<output name>-ember-cache/documents-<key>/`
+  output     exact + near dedup and the final write, from that entry, into the staged output.
+
+Each phase is content-addressed: its key hashes the config sections it depends on and (for
+`documents`) every input file's path, size and mtime_ns, so a changed filter or a touched input
+invalidates exactly what depends on it. A cache entry is written under a temporary name, its marker
+(`COMPLETE_FILE`, every file with size and sha256) written last, then renamed to its key; a rerun
+reuses an entry only when the marker is there and every file still matches it. The `output` phase's
+key is recorded in the output's ownership file: a rerun whose key matches skips the whole build.
+A completed build removes every other cache entry of that output (superseded keys) and keeps the
+current one, so a later change to dedup or output settings still skips `documents`.
+
+Both graphs end in the same `write_outputs` as the one-graph build (ember/pipelines/corpus_pipeline.py),
+fed the same rows, so a resumed build writes byte-identical files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import apache_beam as beam
+import pyarrow as pa
+import pyarrow.parquet as pq
+from apache_beam.io.filesystems import FileSystems
+from apache_beam.options.pipeline_options import PipelineOptions
+
+from ember.pipelines.corpus_config import CorpusConfig
+from ember.pipelines.corpus_outputs import WriteParquetParts, write_outputs
+from ember.pipelines.corpus_pipeline import corpus_stages
+from ember.pipelines.corpus_stages import ExactDedup, NearDedup, StageOutput
+from ember.pipelines.output_guard import write_bytes_atomically
+from ember.schemas.documents import DOCUMENT_SCHEMA, REJECTED_SCHEMA
+
+PHASE_VERSION = 1  # bump when a phase's graph or cache layout changes: old entries then never match
+COMPLETE_FILE = ".complete.json"
+COMPLETE_SCHEMA = "ember.phase_cache"
+EVENTS_FILE = "events.json"
+CACHE_ROWS_PER_SHARD = 50_000
+# Kept rows carry their location into dedup (representative order, cluster rows, rejects).
+CACHED_DOCUMENT_SCHEMA = pa.schema([*DOCUMENT_SCHEMA, pa.field("location", pa.string(), nullable=False)])
+
+
+def cache_root(target: Path) -> Path:
+    return target.parent / f".{target.name}-ember-cache"
+
+
+def _digest(payload: Any) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode("utf-8")).hexdigest()[:16]
+
+
+def input_listing(config: CorpusConfig) -> list[list[Any]]:
+    """Every matched input as [source, path, size, mtime_ns] (a remote file's update time where no mtime_ns)."""
+    listing = []
+    for source in config.sources:
+        for pattern in source.inputs:
+            for m in sorted(FileSystems.match([pattern])[0].metadata_list, key=lambda m: m.path):
+                if "://" in m.path:
+                    listing.append([source.name, m.path, m.size_in_bytes, m.last_updated_in_seconds])
+                else:
+                    st = os.stat(m.path)
+                    listing.append([source.name, m.path, st.st_size, st.st_mtime_ns])
+    return listing
+
+
+def documents_key(config: CorpusConfig) -> str:
+    """What the `documents` phase reads and decides with: sources, filters, redaction, and the inputs as they are now."""
+    return _digest({
+        "phase": "documents", "version": PHASE_VERSION,
+        "sources": [s.model_dump(mode="json") for s in config.sources],
+        "filters": config.filters.model_dump(mode="json"),
+        "redaction": config.redaction.model_dump(mode="json"),
+        "inputs": input_listing(config),
+    })
+
+
+def output_key(config: CorpusConfig, documents: str) -> str:
+    """The `output` phase: the documents it starts from, and every other setting (dedup, output, tokenize)."""
+    settings = config.model_dump(mode="json", exclude={"sources", "filters", "redaction"})
+    settings["output"].pop("directory")
+    return _digest({"phase": "output", "version": PHASE_VERSION, "documents": documents, "settings": settings})
+
+
+# ---------------------------------------------------------------- cache entries
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def seal(entry: Path) -> None:
+    """The marker, written last: every file of the entry with its size and sha256."""
+    files = {}
+    for path in sorted(p for p in entry.rglob("*") if p.is_file() and p.name != COMPLETE_FILE):
+        files[path.relative_to(entry).as_posix()] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    payload = {"schema": COMPLETE_SCHEMA, "version": PHASE_VERSION, "files": files}
+    write_bytes_atomically(entry / COMPLETE_FILE, (json.dumps(payload, indent=1) + "\n").encode("utf-8"))
+
+
+def verified(entry: Path) -> dict[str, Any] | None:
+    """The entry's marker when the entry is complete and every file in it matches; None otherwise."""
+    try:
+        marker = json.loads((entry / COMPLETE_FILE).read_text(encoding="utf-8"))
+        files = marker["files"]
+        for name, expected in files.items():
+            path = entry / name
+            if path.stat().st_size != expected["size"] or _sha256(path) != expected["sha256"]:
+                return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return marker if marker.get("schema") == COMPLETE_SCHEMA else None
+
+
+def partial_entry(root: Path, name: str) -> Path:
+    """A fresh directory for a phase's output, renamed to `root/name` by `publish_entry` once sealed."""
+    root.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(dir=root, prefix=f".{name}.partial-"))
+
+
+def publish_entry(partial: Path, entry: Path) -> None:
+    seal(partial)
+    if entry.exists():  # an entry that failed verification
+        shutil.rmtree(entry)
+    os.rename(partial, entry)
+
+
+def prune(root: Path, keep: str) -> list[str]:
+    """Removes every cache entry (and leftover partial) of this output except `keep`; returns what it removed."""
+    if not root.is_dir():
+        return []
+    removed = []
+    for path in sorted(root.iterdir()):
+        if path.name != keep:
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return removed
+
+
+# ---------------------------------------------------------------- the two graphs
+
+
+def documents_pipeline(p: beam.Pipeline, config: CorpusConfig, entry: str, progress_dir: str | None) -> None:
+    """read .. redact into `entry`: documents/<source>/part-*.parquet, rejects/part-*.parquet, events.json."""
+    documents, outputs = p, []
+    for stage in corpus_stages(config, progress_dir):
+        if isinstance(stage, (ExactDedup, NearDedup)):
+            break
+        output = documents | stage
+        outputs.append(output)
+        documents = output.documents
+    rejects, stats = ([getattr(o, name) for o in outputs] | f"All{name.title()}" >> beam.Flatten() for name in ("rejects", "stats"))
+    _ = documents | "CacheDocuments" >> WriteParquetParts(
+        f"{entry}/documents", CACHED_DOCUMENT_SCHEMA, "source", "id", ("id", "location"), CACHE_ROWS_PER_SHARD, None
+    )
+    _ = rejects | "CacheRejects" >> WriteParquetParts(
+        f"{entry}/rejects", REJECTED_SCHEMA, None, "location", ("source", "location", "stage", "reason", "document_id"),
+        CACHE_ROWS_PER_SHARD, None,
+    )
+    _ = (
+        stats
+        | "SumEvents" >> beam.CombinePerKey(sum)
+        | "CollectEvents" >> beam.combiners.ToList()
+        | "CacheEvents" >> beam.Map(_write_events, f"{entry}/{EVENTS_FILE}")
+    )
+
+
+def _write_events(events: list, path: str) -> None:
+    write_bytes_atomically(Path(path), json.dumps(sorted([list(k), v] for k, v in events)).encode("utf-8"))
+
+
+def _read_rows(path: str) -> Iterator[dict[str, Any]]:
+    yield from pq.read_table(path).to_pylist()
+
+
+def output_pipeline(p: beam.Pipeline, config: CorpusConfig, entry: str, marker: dict[str, Any], progress_dir: str | None) -> None:
+    """dedup + write from a verified `documents` entry, into `config.output.directory`."""
+    def cached(kind: str) -> beam.PCollection:
+        paths = sorted(f"{entry}/{name}" for name in marker["files"] if name.startswith(f"{kind}/"))
+        return (
+            p
+            | f"{kind.title()}Files" >> beam.Create(paths)
+            | f"Spread{kind.title()}" >> beam.Reshuffle()
+            | f"Read{kind.title()}" >> beam.FlatMap(_read_rows)
+        )
+
+    documents = cached("documents")
+    events = json.loads(Path(entry, EVENTS_FILE).read_text(encoding="utf-8"))
+    rejects, clusters = [cached("rejects")], []
+    stats = [p | "CachedEvents" >> beam.Create([(tuple(k), v) for k, v in events])]
+    for stage in corpus_stages(config, progress_dir):
+        if isinstance(stage, (ExactDedup, NearDedup)):
+            output = documents | stage
+            rejects.append(output.rejects)
+            clusters.append(output.clusters)
+            stats.append(output.stats)
+            documents = output.documents
+    flat = [parts | f"All{name}" >> beam.Flatten() if parts else p | f"No{name}" >> beam.Create([])
+            for name, parts in (("Rejects", rejects), ("Clusters", clusters), ("Stats", stats))]
+    write_outputs(StageOutput(documents, *flat), config, progress_dir)
+
+
+def run_documents(config: CorpusConfig, args: list[str], entry: str, progress_dir: str | None) -> str:
+    """The `documents` phase as one Beam job; returns its final state (module level: it may run in a child process)."""
+    p = beam.Pipeline(options=PipelineOptions(args))
+    documents_pipeline(p, config, entry, progress_dir)
+    return str(p.run().wait_until_finish())
+
+
+def run_output(config: CorpusConfig, args: list[str], entry: str, marker: dict[str, Any], progress_dir: str | None) -> str:
+    p = beam.Pipeline(options=PipelineOptions(args))
+    output_pipeline(p, config, entry, marker, progress_dir)
+    return str(p.run().wait_until_finish())
