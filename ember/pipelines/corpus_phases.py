@@ -39,7 +39,7 @@ from ember.pipelines.corpus_config import CorpusConfig
 from ember.pipelines.corpus_outputs import WriteParquetParts, write_outputs
 from ember.pipelines.corpus_pipeline import corpus_stages
 from ember.pipelines.corpus_stages import ExactDedup, NearDedup, StageOutput
-from ember.pipelines.output_guard import write_bytes_atomically
+from ember.files import write_atomically
 from ember.schemas.documents import DOCUMENT_SCHEMA, REJECTED_SCHEMA
 
 PHASE_VERSION = 1  # bump when a phase's graph or cache layout changes: old entries then never match
@@ -105,7 +105,7 @@ def seal(entry: Path) -> None:
     for path in sorted(p for p in entry.rglob("*") if p.is_file() and p.name != COMPLETE_FILE):
         files[path.relative_to(entry).as_posix()] = {"size": path.stat().st_size, "sha256": _sha256(path)}
     payload = {"schema": COMPLETE_SCHEMA, "version": PHASE_VERSION, "files": files}
-    write_bytes_atomically(entry / COMPLETE_FILE, (json.dumps(payload, indent=1) + "\n").encode("utf-8"))
+    write_atomically(entry / COMPLETE_FILE, (json.dumps(payload, indent=1) + "\n").encode("utf-8"))
 
 
 def verified(entry: Path) -> dict[str, Any] | None:
@@ -176,7 +176,7 @@ def documents_pipeline(p: beam.Pipeline, config: CorpusConfig, entry: str, progr
 
 
 def _write_events(events: list, path: str) -> None:
-    write_bytes_atomically(Path(path), json.dumps(sorted([list(k), v] for k, v in events)).encode("utf-8"))
+    write_atomically(Path(path), json.dumps(sorted([list(k), v] for k, v in events)).encode("utf-8"))
 
 
 def _read_rows(path: str) -> Iterator[dict[str, Any]]:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from ember.files import write_atomically
 from ember.pipelines.job_process import signals_deferred
 
 OWNERSHIP_FILE = ".ember-output.json"
@@ -54,7 +55,7 @@ def write_ownership(directory: Path, build_key: str | None = None) -> None:
                      "sizes": {f: (directory / f).lstat().st_size for f in files}}
     if build_key is not None:
         payload["build_key"] = build_key
-    write_bytes_atomically(directory / OWNERSHIP_FILE, (json.dumps(payload, indent=1) + "\n").encode("utf-8"))
+    write_atomically(directory / OWNERSHIP_FILE, (json.dumps(payload, indent=1) + "\n").encode("utf-8"))
 
 
 def up_to_date(directory: Path, build_key: str) -> bool:
@@ -119,22 +120,6 @@ def check_room(target: Path, need_bytes: int, what: str) -> None:
             f"{need_bytes / 2**20:,.0f} MiB (the new output is written next to the old one before it replaces it). "
             "Free some space, choose another output path, or set the floor with --min-free-mb. Nothing was started."
         )
-
-
-def write_bytes_atomically(path: Path, data: bytes) -> None:
-    """`path` appears only complete: a hidden temporary in the same directory, fsync, then os.replace;
-    on failure (a full disk) the temporary is removed and nothing is left under either name."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; outputs are read by other users' jobs
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 _RENAME_EXCHANGE = 2

@@ -174,10 +174,10 @@ def decode_message(message: ConsumerRecord) -> DecodedMessage | BadMessage:
 
 
 def read_messages(consumer: KafkaConsumer, *, limit: int, idle_timeout_s: float = 10.0) -> Iterator[DecodedMessage | BadMessage]:
-    """Poll until `limit` messages arrived or nothing came for `idle_timeout_s`."""
+    """Poll until `limit` messages arrived or nothing came for `idle_timeout_s`; never more than `limit`."""
     seen = 0
     while seen < limit:
-        batch = consumer.poll(timeout_ms=int(idle_timeout_s * 1000), max_records=500)
+        batch = consumer.poll(timeout_ms=int(idle_timeout_s * 1000), max_records=min(500, limit - seen))
         if not batch:
             return
         for messages in batch.values():

@@ -56,6 +56,16 @@ def test_10k_rollouts_round_trip_exactly_through_the_broker(kafka, topic_prefix)
         assert_same(message.record, sent[message.record.rollout_id])
 
 
+def test_reading_stops_at_the_limit_even_inside_one_poll(kafka, topic_prefix):
+    topic = make_topic(kafka, Topics(topic_prefix).rollouts, partitions=1)
+    rng = np.random.default_rng(2)
+    with RecordWriter(topic) as writer:
+        for i in range(50):
+            writer.write(synthetic_rollout(rng, group_id=f"g{i}", prompt_id="p", num_tokens=16, layers=None))
+    assert len(consume_all(topic, limit=50)) == 50  # all there, so one poll could return them all
+    assert len(consume_all(topic, limit=7)) == 7
+
+
 def test_a_group_lives_in_one_partition(kafka, topic_prefix):
     topic = make_topic(kafka, Topics(topic_prefix).rewards, partitions=6)
     rng = np.random.default_rng(1)
