@@ -356,7 +356,7 @@ def _rejects_and_manifest(
             _finish,
             config=config,
             tokenizer=tokenizer.identity.model_dump(),
-            framing={"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token},  # eos may be the encoding's
+            framing={"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token, "eos_token_id": tokenizer.eos_id},
             pad_id=tokenizer.pad_id,
             dtype=tokenizer.dtype,
             config_hash=config_hash,
