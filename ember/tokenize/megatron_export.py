@@ -147,10 +147,17 @@ def _spans(path: Path, rows: int, manifest: Manifest) -> Iterator[_Spans]:
                 cu_flat = pc.list_flatten(cu).to_numpy()
                 cu_first = np.asarray(cu.offsets)[:-1] - cu.offsets[0].as_py()
                 at = cu_first[row] + (np.arange(len(row)) - seg_first[row])
-                yield _Spans(
+                spans = _Spans(
                     tokens, row, cu_flat[at], cu_flat[at + 1],
                     flat.field("doc_token_start").to_numpy(), flat.field("doc_token_end").to_numpy(), batch,
                 )
+                wrong = np.flatnonzero(spans.end - spans.begin != spans.doc_end - spans.doc_start)
+                if len(wrong):
+                    raise ExportError(
+                        f"{path} row {seen - batch.num_rows + int(row[wrong[0]])}: a segment's token range does not match its "
+                        "span in cu_seqlens (the provenance cannot place its tokens)"
+                    )
+                yield spans
     except ExportError:
         raise
     except (pa.ArrowException, ValueError, IndexError) as exc:  # bytes that match a manifest written over a bad file

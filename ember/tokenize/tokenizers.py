@@ -86,15 +86,16 @@ class _HuggingFaceBackend:
 class _TiktokenBackend:
     def __init__(self, encoding):
         self._encoding = encoding
+        self.special = {token: encoding.encode_single_token(token) for token in encoding.special_tokens_set}
 
     def encode_ordinary_batch(self, texts: list[str]) -> list[list[int]]:
         return self._encoding.encode_ordinary_batch(texts, num_threads=1)
 
     def special_id(self, token: str) -> int | None:
-        return self._encoding._special_tokens.get(token)
+        return self.special.get(token)
 
     def special_tokens(self) -> list[str]:
-        return sorted(self._encoding._special_tokens, key=self._encoding._special_tokens.get)
+        return sorted(self.special, key=self.special.__getitem__)
 
     @property
     def vocab_size(self) -> int:
@@ -148,7 +149,8 @@ def cached_hf_repos(cache: Path) -> list[str]:
 
 
 def _tiktoken_bpe_bytes(encoding) -> bytes:
-    """The encoding's ranks in the .tiktoken file format: its sha256 is the one tiktoken pins for the file."""
+    """The encoding's ranks in the .tiktoken file format: its sha256 is the one tiktoken pins for the file.
+    (tiktoken has no public accessor for the ranks or the regex; `_mergeable_ranks` and `_pat_str` are read.)"""
     ranks = sorted(encoding._mergeable_ranks.items(), key=lambda item: item[1])
     return b"".join(base64.b64encode(token) + b" " + str(rank).encode() + b"\n" for token, rank in ranks)
 
@@ -174,16 +176,17 @@ def _load_tiktoken(name: str, registered: str) -> _Found:
         encoding = tiktoken.get_encoding(registered)
     except Exception as exc:  # a plugin whose shipped file is missing or damaged
         raise TokenizerLoadError(f"tokenizer.name: tiktoken encoding {name} did not load ({exc})") from None
+    backend = _TiktokenBackend(encoding)
     data = _tiktoken_bpe_bytes(encoding)
     digest = hashlib.sha256(data)
     # The regex and special tokens change the ids as much as the ranks (the same digest as ember computed
     # when they were pasted into the YAML, so older shard sets of the same encoding still match).
-    digest.update(json.dumps([encoding._pat_str, sorted(encoding._special_tokens.items())]).encode())
+    digest.update(json.dumps([encoding._pat_str, sorted(backend.special.items())]).encode())
     module = tiktoken.registry.ENCODING_CONSTRUCTORS[registered].__module__
     eot = encoding.eot_token
-    default_eos = next((token for token, i in encoding._special_tokens.items() if i == eot), None)
+    default_eos = next((token for token, i in backend.special.items() if i == eot), None)
     return _Found(
-        _TiktokenBackend(encoding), name, f"tiktoken plugin {module}:{registered}", hashlib.sha256(data).hexdigest(),
+        backend, name, f"tiktoken plugin {module}:{registered}", hashlib.sha256(data).hexdigest(),
         digest.hexdigest(), default_eos, f"tiktoken encoding {name} has no end-of-text token",
     )
 

@@ -10,7 +10,7 @@ from ember.cli import app
 from ember.schemas import Manifest, write_manifest
 from ember.schemas.documents import Document
 from ember.tokenize.config import TokenizerConfig
-from ember.tokenize.megatron_export import export_megatron
+from ember.tokenize.megatron_export import ExportError, export_megatron
 from ember.tokenize.packing import Segment, assemble, pack
 from ember.tokenize.shards import ShardRow, write_shard
 from ember.tokenize.tokenizers import load_tokenizer
@@ -151,3 +151,13 @@ def test_documents_whose_pieces_do_not_join_up_are_left_out_and_named(tmp_path, 
     assert cli.exit_code == 3, output
     assert f"{len(left_out)} documents left out, their pieces do not join up in the shard rows:" in output
     assert f"code/{headless_doc} (its first piece (token 0) is in no row)" in output
+
+
+def test_a_segment_whose_range_does_not_match_its_span_is_refused(tmp_path, hf_tokenizer_path):
+    tokenizer = load("huggingface", hf_tokenizer_path)
+    rows = shuffled_rows(tokenizer, documents(), "best_fit", seed=7)
+    rows[3].row.segments[0]["doc_token_end"] += 1  # provenance that no longer places the tokens
+    write_set(tmp_path / "set", rows, tokenizer)
+    with pytest.raises(ExportError, match=r"shard-000000.arrow row 3: a segment's token range does not match its span"):
+        export_megatron(tmp_path / "set", tmp_path / "docs", documents=True)
+    assert not list(tmp_path.glob("docs*")) and not list(tmp_path.glob(".docs*"))
