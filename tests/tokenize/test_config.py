@@ -25,8 +25,9 @@ def with_(**changes):
         (with_(packing="first_fit"), "packing: Input should be 'best_fit' or 'concat_chunk'"),
         (with_(sources=[{"name": "code", "path": "a", "weight": -1}]), "sources.0.weight"),
         (with_(sources=[{"name": "c", "path": "a"}, {"name": "c", "path": "b"}]), "repeated: ['c']"),
-        (with_(tokenizer={"kind": "tiktoken", "path": "x.tiktoken", "eos_token": "e"}), "tokenizer.pattern: required for kind 'tiktoken'"),
-        (with_(tokenizer={"kind": "huggingface", "path": "t.json"}), "set pad_token"),
+        (with_(tokenizer={"kind": "tiktoken", "path": "x.tiktoken"}), "tokenizer.path: a .tiktoken file holds only the BPE ranks"),
+        (with_(tokenizer={"eos_token": "e"}), "tokenizer.name: set tokenizer.name (a tiktoken encoding such as cl100k_base"),
+        (with_(tokenizer={"name": "cl100k_base", "revision": ""}), "tokenizer.revision: String should have at least 1 character"),
         (with_(tokenizer={**VALID["tokenizer"], "dtype": "int8"}), "tokenizer.dtype"),
     ],
 )
@@ -72,8 +73,6 @@ def test_unreadable_config_files(tmp_path):
         ({"window_documents": 10**9}, "window_documents: at most 10,000,000"),
         ({"seq_len": 2**20, "rows_per_batch": 2048}, "Arrow's 32-bit list offsets hold fewer than 2^31"),
         ({"seq_len": 2**20, "sequences_per_shard": 4096}, "tokens per shard need about 48.0 GiB in one worker"),
-        ({"tokenizer": {"kind": "tiktoken", "path": "x", "pattern": "p", "eos_token": "e", "special_tokens": {"e": 2**32}}},
-         "tokenizer.special_tokens.e: Input should be less than 4294967296"),
     ],
 )
 def test_sizes_that_would_fail_late_are_refused_with_the_bound(changes, named):
@@ -87,47 +86,31 @@ def test_largest_allowed_shard_still_loads():
     assert config.sequences_per_shard * config.seq_len == 2**29
 
 
-CL100K = {"kind": "tiktoken", "path": "cl100k_base.tiktoken", "pattern": r"\S+|\s+", "eos_token": "<|endoftext|>"}
+def test_a_name_leaves_the_path_unset_and_is_kept_as_written(tmp_path):
+    path = tmp_path / "build.yaml"
+    path.write_text(yaml.safe_dump(with_(tokenizer={"name": "acme/tiny-coder", "revision": "v1"})))
+    tokenizer = load_config(path).tokenizer
+    assert (tokenizer.name, tokenizer.path, tokenizer.revision, tokenizer.eos_token) == ("acme/tiny-coder", None, "v1", None)
 
 
-def _suggestion(message: str) -> dict:
-    """The YAML block the special-token error tells the user to add, parsed."""
-    block = message.split("add under tokenizer:\n", 1)[1] if "add under tokenizer:" in message else message.split("add to it:\n", 1)[1]
-    return yaml.safe_load(block)
-
-
-def test_an_eos_token_missing_from_special_tokens_says_which_yaml_line_adds_it():
-    # Was: "eos_token '<|endoftext|>' is not a token of cl100k_base", at tokenizer load, after the other errors.
+def test_the_old_pasted_regex_form_says_what_replaces_it():
+    old = {"kind": "tiktoken", "path": "cl100k_base.tiktoken", "pattern": r"\S+|\s+", "special_tokens": {"<|endoftext|>": 100257}}
     with pytest.raises(TokenizeConfigError) as info:
-        parse_config(with_(tokenizer=CL100K))
-    message = str(info.value)
-    assert "tokenizer.special_tokens: eos_token '<|endoftext|>' is missing from this mapping" in message
-    assert '\n      special_tokens:\n        "<|endoftext|>": 100257   # cl100k_base\'s id' in message
-    fixed = {**CL100K, **_suggestion(message)}
-    assert parse_config(with_(tokenizer=fixed)).tokenizer.special_tokens == {"<|endoftext|>": 100257}
-
-
-def test_a_partial_special_tokens_mapping_gets_the_missing_entries_only():
-    tokenizer = {**CL100K, "bos_token": "<|fim_prefix|>", "special_tokens": {"<|fim_prefix|>": 100258}}
-    with pytest.raises(TokenizeConfigError) as info:
-        parse_config(with_(tokenizer=tokenizer))
-    message = str(info.value)
-    assert "eos_token '<|endoftext|>' is missing from this mapping" in message and "bos_token" not in message
-    assert _suggestion(message) == {"<|endoftext|>": 100257}
-
-
-def test_a_token_of_an_unknown_encoding_gets_a_placeholder_id_and_every_framing_token_is_named():
-    tokenizer = {**CL100K, "path": "mine.tiktoken", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "</s>"}
-    with pytest.raises(TokenizeConfigError) as info:
-        parse_config(with_(tokenizer=tokenizer))
-    message = str(info.value)
-    assert "bos_token '<s>' and eos_token '</s>' and pad_token '</s>' are missing from this mapping" in message
-    assert re.findall(r'^ +"(.*)": (\w+)', message, re.M) == [("<s>", "ID"), ("</s>", "ID")]  # pad reuses eos's line
+        parse_config(with_(tokenizer=old))
+    assert str(info.value).splitlines()[1:] == [
+        "  tokenizer.pattern: no longer set by hand: the regex comes from the encoding itself; name the encoding "
+        "instead (tokenizer.name: cl100k_base)",
+        "  tokenizer.special_tokens: no longer set by hand: special tokens and their ids come from the encoding itself; "
+        "name the encoding instead (tokenizer.name: cl100k_base)",
+    ]
+    # The config a manifest recorded before names existed holds them empty: it still loads.
+    recorded = {"kind": "huggingface", "path": "t.json", "name": None, "pattern": None, "special_tokens": {}, "eos_token": "e"}
+    assert parse_config(with_(tokenizer=recorded)).tokenizer.path.name == "t.json"
 
 
 def test_every_problem_of_the_tokenizer_section_is_listed():
-    tokenizer = {"kind": "huggingface", "path": "t.json", "pattern": "x", "special_tokens": {"a": 1}}
+    tokenizer = {"kind": "tiktoken", "path": "t.tiktoken", "revision": "v1"}
     with pytest.raises(TokenizeConfigError) as info:
         parse_config(with_(tokenizer=tokenizer))
     lines = str(info.value).splitlines()[1:]
-    assert [line.split(":")[0].strip() for line in lines] == ["tokenizer.pattern", "tokenizer.special_tokens", "tokenizer.pad_token"]
+    assert [line.split(":")[0].strip() for line in lines] == ["tokenizer.path", "tokenizer.revision"]

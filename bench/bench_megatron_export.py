@@ -1,0 +1,124 @@
+"""Megatron export: `ember export megatron` (rows, and --documents) vs megatron-core's own builder.
+
+One synthetic shard set: --documents documents of long-tailed lengths (random ids below a 50k
+vocabulary, uint16, each ending with an EOS id as ember frames them), best-fit packed into rows of
+--seq-len tokens, the rows shuffled over shards of 256 rows as ember's global shuffle leaves them
+(so split documents' pieces are scattered). In one run, medians over --repeats:
+
+- anchor: megatron-core's `IndexedDatasetBuilder` writing the same documents from memory, one
+  `add_document` each - the write half of `preprocess_data.py`, with the documents already whole;
+- ember rows: one Megatron sequence per packed row (the default mode);
+- ember documents: `--documents`, rebuilding every document from the rows' provenance.
+
+The documents export must equal the anchor's files byte for byte (same documents, same order);
+that is checked, timing is only reported.
+
+    .venv/bin/python bench/bench_megatron_export.py [--documents 20000] [--seq-len 2048] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ember.schemas import Manifest, write_manifest
+from ember.tokenize.megatron_export import export_megatron
+from ember.tokenize.packing import Segment, assemble, best_fit_decreasing
+from ember.tokenize.shards import ShardRow, write_shard
+from ember.tokenize.shardset import ShardVerifier
+
+VOCAB = 50_000
+EOS = VOCAB - 2
+PAD = VOCAB - 1
+ROWS_PER_SHARD = 256
+
+
+def synthetic_documents(n: int, seq_len: int, seed: int) -> list[np.ndarray]:
+    """Long-tailed lengths (log-normal, median ~seq_len/4, a tail past several rows), EOS-terminated."""
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(rng.lognormal(np.log(seq_len / 4), 1.2, size=n).astype(int), 2, 20 * seq_len)
+    return [np.append(rng.integers(0, EOS, size=k - 1, dtype=np.uint32), np.uint32(EOS)) for k in lengths]
+
+
+def write_set(directory: Path, docs: list[np.ndarray], seq_len: int, seed: int) -> list[ShardRow]:
+    packing = best_fit_decreasing([len(d) for d in docs], seq_len)
+    rows = [
+        ShardRow(assemble([Segment(f"doc{p.doc}", p.start, p.end, docs[p.doc][p.start : p.end]) for p in pieces], seq_len, PAD), "code")
+        for pieces in packing.bins
+    ]
+    rows = [rows[i] for i in np.random.default_rng(seed).permutation(len(rows))]
+    directory.mkdir(parents=True)
+    entries = [
+        write_shard(directory, i, rows[start : start + ROWS_PER_SHARD], rows_per_batch=16)
+        for i, start in enumerate(range(0, len(rows), ROWS_PER_SHARD))
+    ]
+    tokens = sum(len(d) for d in docs)
+    padding = len(rows) * seq_len - tokens
+    write_manifest(directory, Manifest(
+        tokenizer={"name": "synthetic", "hash": "b" * 16, "vocab_size": VOCAB}, seq_len=seq_len, dtype="uint16",
+        sources={"code": {"documents": len(docs), "tokens": tokens, "sequences": len(rows), "padding_tokens": padding}},
+        padding_tokens=padding, pad_token_id=PAD, shards=entries, config_hash="0123456789ab",
+        created_at="2026-12-03T00:00:00Z", framing={"eos_token_id": EOS},
+    ))
+    return rows
+
+
+def megatron_builder(prefix: Path, docs: list[np.ndarray]) -> None:
+    import torch  # imported by main before any timing
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+    for doc in docs:
+        builder.add_document(torch.from_numpy(doc.astype(np.int64)), [len(doc)])
+    builder.finalize(f"{prefix}.idx")
+
+
+def median_seconds(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--documents", type=int, default=20_000)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    import megatron.core.datasets.indexed_dataset  # noqa: F401  (torch and megatron-core load outside the timings)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        docs = synthetic_documents(args.documents, args.seq_len, seed=1)
+        rows = write_set(root / "set", docs, args.seq_len, seed=2)
+        order = [int(s["document_id"][3:]) for r in rows for s in r.row.segments if s["doc_token_start"] == 0]
+        ordered = [docs[i] for i in order]
+        verifier = ShardVerifier(root / "markers")
+        export_megatron(root / "set", root / "warm", verifier)  # shards hashed once; every timed run skips that
+        split = sum(1 for d in docs if len(d) > args.seq_len)
+        tokens = sum(len(d) for d in docs)
+        print(f"{len(docs):,} documents ({split:,} split), {tokens:,} tokens, {len(rows):,} rows of {args.seq_len}, "
+              f"{-(-len(rows) // ROWS_PER_SHARD)} shards; medians of {args.repeats}")
+        anchor = median_seconds(lambda: megatron_builder(root / "anchor", ordered), args.repeats)
+        by_row = median_seconds(lambda: export_megatron(root / "set", root / "rows", verifier), args.repeats)
+        by_doc = median_seconds(lambda: export_megatron(root / "set", root / "docs", verifier, documents=True), args.repeats)
+        for suffix in (".bin", ".idx"):
+            same = (root / f"docs{suffix}").read_bytes() == (root / f"anchor{suffix}").read_bytes()
+            print(f"documents{suffix} equals megatron-core's: {same}")
+        print("| mode | s | M tokens/s | vs anchor |")
+        print("|---|---|---|---|")
+        for label, seconds in (("megatron-core IndexedDatasetBuilder (anchor)", anchor), ("ember rows", by_row),
+                               ("ember --documents", by_doc)):
+            print(f"| {label} | {seconds:.3f} | {tokens / seconds / 1e6:.1f} | {anchor / seconds:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
