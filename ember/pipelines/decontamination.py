@@ -205,15 +205,22 @@ class Tokens:
 
     @classmethod
     def of(cls, text: str) -> "Tokens":
+        """Per distinct token once: its hash, whether it can be a name, whether it is a quote; then numpy."""
         tokens = TOKEN.findall(text.lower())
-        units = np.fromiter((_token_hash(t) for t in tokens), dtype=np.uint64, count=len(tokens))
-        back = np.full(len(tokens), -1, dtype=np.int64)  # -1: not an identifier
-        last: dict[str, int] = {}
-        for i, t in enumerate(tokens):
-            if t not in KEPT_WORDS and IDENTIFIER.fullmatch(t) and (i == 0 or tokens[i - 1] not in QUOTES):
-                back[i] = i - last[t] if t in last else _FAR
-                last[t] = i
-        return cls(units, back)
+        distinct = {t: k for k, t in enumerate(dict.fromkeys(tokens))}
+        codes = np.array(list(map(distinct.__getitem__, tokens)), dtype=np.int64)
+        hashes = np.fromiter((_token_hash(t) for t in distinct), dtype=np.uint64, count=len(distinct))
+        nameable = np.fromiter((t not in KEPT_WORDS and IDENTIFIER.fullmatch(t) is not None for t in distinct),
+                               dtype=bool, count=len(distinct))
+        quote = np.fromiter((t in QUOTES for t in distinct), dtype=bool, count=len(distinct))
+        is_name = nameable[codes]
+        is_name[1:] &= ~quote[codes[:-1]]
+        back = np.where(is_name, _FAR, -1)  # -1: not an identifier; _FAR: no earlier use of the name
+        at = np.flatnonzero(is_name)
+        order = at[np.argsort(codes[at], kind="stable")]  # each name's uses, in text order, name after name
+        same = codes[order[1:]] == codes[order[:-1]]
+        back[order[1:][same]] = order[1:][same] - order[:-1][same]
+        return cls(hashes[codes], back)
 
     def __len__(self) -> int:
         return len(self.units)
@@ -269,11 +276,35 @@ class Settings:
         return self.min_informative if self.min_informative is not None else math.ceil(2 * self.n_grams / 3)
 
 
+class _Keys:
+    """A set of 64-bit hashes searched a whole document at a time: a bitmap on the low bits rules out almost
+    every absent hash with one gather, and a sorted array settles the few candidates."""
+
+    BITS = 22
+
+    def __init__(self, keys: Iterable[int]):
+        self.keys = np.array(sorted(keys), dtype=np.uint64)
+        self._mask = np.uint64((1 << self.BITS) - 1)
+        self._bitmap = np.zeros(1 << self.BITS, dtype=bool)
+        self._bitmap[(self.keys & self._mask).astype(np.int64)] = True
+
+    def present(self, hashes: np.ndarray) -> np.ndarray:
+        """Positions of `hashes` that are keys."""
+        candidates = np.flatnonzero(self._bitmap[(hashes & self._mask).astype(np.int64)])
+        if not len(candidates):
+            return candidates
+        at = np.minimum(np.searchsorted(self.keys, hashes[candidates]), len(self.keys) - 1)
+        return candidates[self.keys[at] == hashes[candidates]]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
 class _Table:
-    """n-gram hash -> owners (item, field) as a sorted array plus a dict read only on hits."""
+    """n-gram hash -> owners (item, field): `_Keys` plus a dict read only on hits."""
 
     def __init__(self, owners: dict[int, list[tuple[int, int]]]):
-        self.keys = np.array(sorted(owners), dtype=np.uint64)
+        self.keys = _Keys(owners)
         self.owners = owners
         self.totals: dict[tuple[int, int], int] = defaultdict(int)  # (item, field) -> its n-grams in the table
         for members in owners.values():
@@ -283,9 +314,7 @@ class _Table:
     def hits(self, hashes: np.ndarray) -> Iterator[int]:
         if not len(self.keys) or not len(hashes):
             return
-        at = np.searchsorted(self.keys, hashes)
-        found = hashes[self.keys[np.minimum(at, len(self.keys) - 1)] == hashes]
-        yield from np.unique(found).tolist()
+        yield from np.unique(hashes[self.keys.present(hashes)]).tolist()
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -345,7 +374,7 @@ class BenchmarkIndex:
             self.ignored[benchmark] = ignored
         self._exact, self._renamed = _Table(exact), _Table(renamed)
         self._anchors = dict(anchors)
-        self._anchor_keys = np.array(sorted(self._anchors), dtype=np.uint64)
+        self._anchor_keys = _Keys(self._anchors)
 
     def sizes(self) -> dict[str, int]:
         return {"items": len(self.items), "ngrams": len(self._exact), "renamed_ngrams": len(self._renamed),
@@ -356,8 +385,7 @@ class BenchmarkIndex:
         if not len(self._anchor_keys) or len(tokens) < a:
             return None
         starts = windows(tokens.units, a)
-        at = np.searchsorted(self._anchor_keys, starts)
-        positions = np.flatnonzero(self._anchor_keys[np.minimum(at, len(self._anchor_keys) - 1)] == starts)
+        positions = self._anchor_keys.present(starts)
         best: tuple[int, int, int] | None = None
         for p in positions.tolist():
             for i, f, units in self._anchors[int(starts[p])]:
