@@ -16,7 +16,7 @@ import functools
 import inspect
 import posixpath
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, create_model, field_validator, model_validator
 
@@ -25,6 +25,9 @@ from ember.configs import CorpusConfigError, StrictModel, at_most
 from ember.pipelines import minhash
 from ember.schemas.documents import METADATA_KEYS
 from ember.tokenize.config import PackSettings
+
+if TYPE_CHECKING:  # the matcher loads with the stage, not with every config
+    from ember.pipelines.decontamination import BenchmarkItem, Settings
 
 
 PERMISSIVE_LICENSES = (
@@ -309,7 +312,7 @@ class Decontamination(StrictModel):
     def _unique_benchmarks(cls, benchmarks: list[Benchmark]) -> list[Benchmark]:
         return configs.unique_names(benchmarks, "benchmark names")
 
-    def settings(self):
+    def settings(self) -> Settings:
         """The matching parameters in the pure module's form."""
         from ember.pipelines.decontamination import Settings
 
@@ -317,7 +320,7 @@ class Decontamination(StrictModel):
                         max_item_share=self.max_item_share, min_overlap=self.min_overlap, min_shared=self.min_shared,
                         identifiers=self.identifiers)
 
-    def read_items(self) -> list:
+    def read_items(self) -> list[BenchmarkItem]:
         """Every benchmark's items; a missing or malformed file is a `CorpusConfigError` naming it."""
         from ember.pipelines.decontamination import DecontaminationError, read_items
 
