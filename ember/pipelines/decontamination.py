@@ -7,18 +7,19 @@ case never matter. Three checks, strongest first:
 
 - `substring`: a whole prompt or solution of at least `min_substring_tokens` tokens appears, in order, in
   the document (StarCoder2's rule, on normalised text).
-- `ngram`: the document holds at least `min_overlap` (half by default) of the distinct n-grams of an item's
-  prompt or solution (13 tokens by default; datatrove drops a document on one shared 12-word n-gram, which on
-  code flags lists of digits and docstring boilerplate: measured in bench/bench_decontamination.py).
+- `ngram`: the document holds at least `min_overlap` (half) and at least `min_shared` (3) of the distinct
+  n-grams of an item's prompt or solution (13 tokens by default). datatrove drops a document on one shared
+  12-word n-gram; on code that flags lists of digits and docstring sentences (bench/bench_decontamination.py).
 - `renamed_ngram`: the same on n-grams whose identifiers are replaced by "the identifier k tokens back" or
   "a new identifier" (alpha-renaming within the window), so consistently renamed variables still match.
-  Keywords and builtins keep their spelling, and a window needs `min_informative` tokens that are not a new
-  identifier: a run of fresh names (prose, in this view) says nothing.
+  Keywords and builtins keep their spelling, a word right after a quote (string data) too, and a window needs
+  `min_informative` tokens that are not a new identifier: a run of fresh names (prose, in this view) says nothing.
 
 N-grams found in more than `max_item_share` of a benchmark's items (boilerplate such as
-`from typing import List`, docstring markers, `if __name__ == "__main__":`) are ignored, as are n-grams
-shared by every item when a benchmark has one or two. The index is a sorted uint64 array searched with numpy,
-so a document costs one pass of hashing and one `searchsorted`, whatever the benchmark size.
+`from typing import List`, docstring markers, `if __name__ == "__main__":`) are ignored (one item may always
+hold an n-gram; all items of a benchmark of several never). Lookups go a whole document at a time through
+numpy: a bitmap on the hashes' low bits, then a sorted array, so a document costs one tokenisation and three
+hashing passes whatever the benchmark size.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from ember.pipelines.minhash import splitmix64
 TOKEN = re.compile(r"\w+|[^\w\s]")
 IDENTIFIER = re.compile(r"[^\W\d]\w*")
 MATCH_FIELDS = ("prompt", "solution", "tests")
-KINDS = ("substring", "ngram", "renamed_ngram")
+MATCH_KINDS = ("substring", "ngram", "renamed_ngram")
 QUOTES = frozenset("'\"`")  # a word right after a quote starts a string literal: data, never renamed
 
 # Words that keep their spelling in the identifier-insensitive view: Python's keywords and builtins, and the
@@ -89,7 +90,7 @@ class Match:
     benchmark: str
     item_id: str
     field: str
-    kind: str  # one of KINDS
+    kind: str  # one of MATCH_KINDS
     shared: int  # substring: tokens matched; n-gram checks: distinct n-grams shared with the item's field
     total: int  # substring: the field's tokens; n-gram checks: the field's distinct (uncommon) n-grams
 
@@ -341,44 +342,45 @@ class BenchmarkIndex:
             per_benchmark[item.benchmark].append(i)
         exact: dict[int, list[tuple[int, int]]] = {}
         renamed: dict[int, list[tuple[int, int]]] = {}
-        anchors: dict[int, list[tuple[int, int, np.ndarray]]] = defaultdict(list)
-        s = settings
-        self.ignored: dict[str, int] = {}
+        self._anchors: dict[int, list[tuple[int, int, np.ndarray]]] = defaultdict(list)
+        self.ignored: dict[str, int] = {}  # benchmark -> n-grams left out as common
         for benchmark, members in per_benchmark.items():
             checked = (match_fields or {}).get(benchmark, ("prompt", "solution"))
-            bench_exact: dict[int, set[tuple[int, int]]] = defaultdict(set)
-            bench_renamed: dict[int, set[tuple[int, int]]] = defaultdict(set)
-            for i in members:
-                for f in checked:
-                    text = self.items[i].field(f)
-                    if not text.strip():
-                        continue
-                    tokens = Tokens.of(text)
-                    owner = (i, self.fields.index(f))
-                    for h in np.unique(windows(tokens.units, s.n_grams)).tolist():
-                        bench_exact[h].add(owner)
-                    if s.identifiers:
-                        for h in np.unique(renamed_windows(tokens, s.n_grams, s.informative)).tolist():
-                            bench_renamed[h].add(owner)
-                    if len(tokens) >= s.min_substring_tokens:
-                        anchor = int(windows(tokens.units[: s.min_substring_tokens], s.min_substring_tokens)[0])
-                        anchors[anchor].append((i, owner[1], tokens.units))
-            cut = _common_cut(len(members), s.max_item_share)
+            bench_exact, bench_renamed = self._add_fields(members, checked)
+            cut = _common_cut(len(members), settings.max_item_share)
             ignored = 0
-            for source, target in ((bench_exact, exact), (bench_renamed, renamed)):
-                for h, owners in source.items():
+            for found, table in ((bench_exact, exact), (bench_renamed, renamed)):
+                for h, owners in found.items():
                     if len({i for i, _ in owners}) > cut:
                         ignored += 1
-                        continue
-                    target.setdefault(h, []).extend(sorted(owners))
+                    else:
+                        table.setdefault(h, []).extend(sorted(owners))
             self.ignored[benchmark] = ignored
         self._exact, self._renamed = _Table(exact), _Table(renamed)
-        self._anchors = dict(anchors)
+        self._anchors = dict(self._anchors)  # read only from here on: a miss must not insert
         self._anchor_keys = _Keys(self._anchors)
 
-    def sizes(self) -> dict[str, int]:
-        return {"items": len(self.items), "ngrams": len(self._exact), "renamed_ngrams": len(self._renamed),
-                "substrings": sum(len(v) for v in self._anchors.values())}
+    def _add_fields(self, members: list[int], checked: Sequence[str]) -> tuple[dict, dict]:
+        """One benchmark's n-gram hash -> {(item, field)} (exact and renamed); whole fields go to the anchors."""
+        s = self.settings
+        exact: dict[int, set[tuple[int, int]]] = defaultdict(set)
+        renamed: dict[int, set[tuple[int, int]]] = defaultdict(set)
+        for i in members:
+            for f in checked:
+                text = self.items[i].field(f)
+                if not text.strip():
+                    continue
+                tokens = Tokens.of(text)
+                owner = (i, self.fields.index(f))
+                for h in np.unique(windows(tokens.units, s.n_grams)).tolist():
+                    exact[h].add(owner)
+                if s.identifiers:
+                    for h in np.unique(renamed_windows(tokens, s.n_grams, s.informative)).tolist():
+                        renamed[h].add(owner)
+                if len(tokens) >= s.min_substring_tokens:
+                    anchor = int(windows(tokens.units[: s.min_substring_tokens], s.min_substring_tokens)[0])
+                    self._anchors[anchor].append((i, owner[1], tokens.units))
+        return exact, renamed
 
     def _substring(self, tokens: Tokens) -> Match | None:
         a = self.settings.min_substring_tokens
