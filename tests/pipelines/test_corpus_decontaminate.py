@@ -231,3 +231,15 @@ def test_decontaminate_refuses_unusable_input(tmp_path: Path, benchmark_file: Pa
     no_section.write_text("sources: []\n")
     result = CliRunner().invoke(app, ["decontaminate", str(prompts), "--config", str(no_section), "--out", str(tmp_path / "o")])
     assert result.exit_code == 2 and "no decontamination: section" in result.output
+
+
+def test_build_refuses_a_missing_benchmark_file_before_beam_starts(corpus: tuple[Path, dict], tmp_path: Path) -> None:
+    _, config = corpus
+    gone = tmp_path / "benchmarks" / "apps.jsonl"
+    path = tmp_path / "c.yaml"
+    path.write_text(json.dumps({**config, "output": {"directory": str(tmp_path / "out")},
+                                "decontamination": {"benchmarks": [{"name": "apps", "paths": [str(gone)]}]}}))
+    result = CliRunner().invoke(app, ["build", str(path), "--runner=FnApiRunner"])
+    assert result.exit_code == 2
+    assert f"decontamination.benchmarks.0.paths.0: benchmark file '{gone}' not found" in result.output
+    assert not (tmp_path / "out").exists()
