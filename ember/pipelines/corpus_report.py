@@ -16,6 +16,8 @@ import pyarrow.parquet as pq
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 
+from ember.pipelines.corpus_decontaminate import REASON_PREFIX as DECONTAMINATION_REASON, STAGE as DECONTAMINATION_STAGE
+from ember.pipelines.decontamination import item_of
 from ember.schemas.documents import CORPUS_TABLES, REPORT_FILE, STATS_FILE
 
 BAR_WIDTH = 30
@@ -188,6 +190,33 @@ def _duplicates(stats: dict[str, Any], clusters: pl.DataFrame) -> list[str]:
     return out
 
 
+def _decontamination(stats: dict[str, Any], rejects: pl.DataFrame, top: int = 10) -> list[str]:
+    """Per benchmark: documents removed per source, and the items matched most (from the rejects' details)."""
+    if not any(DECONTAMINATION_STAGE in s["stages"] for s in stats["sources"].values()):
+        return []
+    out = ["\n\n## Decontamination\n"]
+    removed = rejects.filter(pl.col("stage") == DECONTAMINATION_STAGE)
+    if not removed.height:
+        return out + ["No document held a benchmark item."]
+    removed = removed.with_columns(
+        pl.col("reason").str.strip_prefix(DECONTAMINATION_REASON).alias("benchmark"),
+        pl.col("detail").map_elements(item_of, return_dtype=pl.String).alias("item"),
+    )
+    for (benchmark,), rows in sorted(removed.group_by("benchmark"), key=lambda kv: kv[0]):
+        out.append(f"\n### {benchmark}: {rows.height:,} documents removed\n")
+        by_source = rows.group_by("source").agg(pl.len().alias("n")).sort(["n", "source"], descending=[True, False])
+        out.append(_table(["source", "documents removed"], [list(r) for r in by_source.iter_rows()]))
+        items = (
+            rows.group_by("item").agg(pl.len().alias("n"), pl.col("detail").sort().first().alias("example"))
+            .sort(["n", "item"], descending=[True, False]).head(top)
+        )
+        largest = int(items["n"].max())
+        out.append(f"\n\nItems matched most (top {top}):\n")
+        out.append(_table(["item", "documents", "", "first match"],
+                          [[item, n, _bar(n, largest), example] for item, n, example in items.iter_rows()]))
+    return out
+
+
 def _kept_documents(documents: pl.DataFrame) -> list[str]:
     out = ["\n\n## Kept documents\n"]
     if not documents.height:
@@ -265,6 +294,7 @@ def render_report(directory: str, shown_as: str | None = None) -> str:
     else:
         out.append("None.")
 
+    out += _decontamination(stats, rejects)
     out += _duplicates(stats, clusters)
     out += _kept_documents(documents)
     return "\n".join(out) + "\n"

@@ -38,9 +38,11 @@ FUNNEL_STEPS: tuple[tuple[str, frozenset[str]], ...] = (
     ("read", frozenset({"read", "unique_ids"})),
     ("filtered", frozenset({"filter"})),
     ("redacted", frozenset({"redact"})),
+    ("decontaminated", frozenset({"decontaminate"})),
     ("exact dedup", frozenset({"exact_dedup"})),
     ("near dedup", frozenset({"near_dedup"})),
 )
+OPTIONAL_STEPS = frozenset({"decontaminated"})  # shown only when a build ran that stage
 NOT_RECORDED = "(not recorded)"
 DOCUMENT_COLUMNS = ["source", "kind", "text", "metadata.language", "metadata.license"]
 # Text is read in batches of this many documents through a small read buffer, so memory follows the batch
@@ -69,6 +71,7 @@ def bin_label(b: int) -> str:
 def funnel(stats: dict[str, Any]) -> dict[str, list[tuple[str, int]]]:
     """Per source, (step, documents left): `in`, each of FUNNEL_STEPS, then `written` (the kept documents)."""
     out = {}
+    ran = {stage for source in stats["sources"].values() for stage in source["stages"]}
     for name, source in stats["sources"].items():
         removed: Counter[str] = Counter()
         for key, n in source["rejected"].items():
@@ -76,6 +79,8 @@ def funnel(stats: dict[str, Any]) -> dict[str, list[tuple[str, int]]]:
         left = source["docs_in"]
         steps = [("in", left)]
         for step, stages in FUNNEL_STEPS:
+            if step in OPTIONAL_STEPS and not stages & ran:
+                continue
             left -= sum(removed[s] for s in stages)
             steps.append((step, left))
         steps.append(("written", source["kept"]))

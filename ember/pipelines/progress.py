@@ -18,7 +18,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-STAGES = ("read", "filter", "redact", "exact_dedup", "near_dedup", "write")
+STAGES = ("read", "filter", "redact", "decontaminate", "exact_dedup", "near_dedup", "write")
 FLUSH_SECONDS = 0.5
 
 
