@@ -113,6 +113,15 @@ class CorpusSource(StrictModel):
         "reject the document (reason control_characters) or strip those characters",
     )
 
+    @model_validator(mode="after")
+    def _markup_is_web(self) -> "CorpusSource":
+        if self.format in MARKUP_FORMATS:
+            if self.kind != "web":
+                raise ValueError(f"format {self.format} reads web pages: set kind: web")
+            if self.fields != FieldMapping():
+                raise ValueError(f"format {self.format} takes no fields mapping (id, url and text come from the pages)")
+        return self
+
 
 def _datatrove_params_model(name: str, cls: type) -> type[BaseModel]:
     """A strict model of `cls.__init__`'s tunable keyword arguments (writer and language are ember's to set)."""

@@ -75,7 +75,7 @@ class _Remembering(io.RawIOBase):
         if self.error is not None:
             return 0
         try:
-            data = self._stream.read(len(buffer))
+            data = self._stream.read1(len(buffer))  # one raw read: a read() that fails part way loses what it had
         except (EOFError, OSError, gzip.BadGzipFile) as exc:  # a cut or corrupt gzip member, an I/O error
             self.error = exc
             return 0
@@ -111,11 +111,13 @@ def read_warc(raw: Any) -> Iterator[WarcPage | WarcReject | WarcBreak]:
         records = ArchiveIterator(io.BufferedReader(stream))
         for record in records:
             offset = records.offset
+            if record.format != "warc":  # warcio reads any five-word line as an ARC header
+                raise ArchiveLoadFailed(f"record {whole + 1} is no WARC record (warcio reads it as {record.format})")
             if not (record.rec_headers.get_header("Content-Length") or "").strip().isdigit():  # mandatory: cut headers
                 raise EOFError(f"record {whole + 1} has no Content-Length (its WARC headers end early)")
             item = _item(record, whole + 1, offset)
             short = getattr(record.raw_stream, "limit", 0)  # bytes of the Content-Length never read
-            if short or stream.error is not None:
+            if short:  # the stream ended (or broke: read errors end it) inside this record
                 raise stream.error or EOFError(f"record {whole + 1} ends {short:,} bytes before its Content-Length")
             whole += 1
             if item is not None:
