@@ -39,8 +39,8 @@ from apache_beam.io.filesystems import FileSystems
 
 from ember.pipelines.code_filters import language_from_path
 from ember.pipelines.corpus_config import CorpusSource
-from ember.pipelines.html_text import ExtractOptions, thread_extractor
-from ember.pipelines.warc_input import WarcBreak, WarcReject, read_warc
+from ember.pipelines.html_text import ExtractOptions, HtmlExtractor, Submitted, thread_extractor
+from ember.pipelines.warc_input import WarcBreak, WarcPage, WarcReject, read_warc
 from ember.schemas.documents import METADATA_KEYS, content_hash, make_document_id, reject_row
 
 READ_STAGE = "read"
@@ -300,11 +300,14 @@ def _parquet_rows(path: str, source: CorpusSource) -> Iterator[tuple[Row | None,
         yield None, reject_row(name, path, READ_STAGE, "empty_file")
 
 
-def _page_row(html: bytes, charset: str | None, source: CorpusSource, location: str, doc_id: str,
+def _extractor(source: CorpusSource) -> HtmlExtractor:
+    return thread_extractor(ExtractOptions(source.html.time_limit_s, source.html.max_bytes, source.html.main_content))
+
+
+def _page_row(extracted: tuple[str, str, str], source: CorpusSource, location: str, doc_id: str,
               metadata: dict[str, Any]) -> tuple[Row | None, Row | None]:
-    """One HTML page's document, or its reject: extraction (under the source's time limit) then the text checks."""
-    options = ExtractOptions(source.html.time_limit_s, source.html.max_bytes, source.html.main_content)
-    text, reason, detail = thread_extractor(options).extract(html, charset)
+    """One HTML page's document, or its reject: the extraction's verdict, then the text checks."""
+    text, reason, detail = extracted
     if not reason:
         text, reason, detail = _checked_text(text, source)
     if reason:
@@ -312,28 +315,45 @@ def _page_row(html: bytes, charset: str | None, source: CorpusSource, location: 
     return _document_row(text, source, location, doc_id, metadata), None
 
 
+def _warc_item_row(item: WarcBreak | WarcReject, path: str, name: str) -> Row:
+    if isinstance(item, WarcReject):
+        return reject_row(name, f"{path}:record={item.number}", READ_STAGE, item.reason, f"{item.url or item.record_id}: {item.detail}")
+    return reject_row(
+        name, f"{path}:record={item.whole + 1}", READ_STAGE, UNREADABLE,
+        f"{type(item.error).__name__}: {item.error}; at byte {item.offset:,} of the (decompressed) WARC, "
+        f"read stopped after record {item.whole} of {path}, what followed is unknown",
+    )
+
+
 def _warc_rows(path: str, source: CorpusSource) -> Iterator[tuple[Row | None, Row | None]]:
     """Each HTML response record: a document with id `<source>:<WARC-Record-ID>` (the target URI where a record
-    has none), or a reject at `path:record=N`; a cut or corrupt archive ends with one unreadable_file reject."""
+    has none), or a reject at `path:record=N`; a cut or corrupt archive ends with one unreadable_file reject.
+
+    A page goes to the extraction child before the next record is read, so reading and extraction overlap;
+    units still come out in file order."""
     name = source.name
+    extractor = _extractor(source)
     units = 0
+    pending: tuple[WarcPage, Submitted] | None = None
+
+    def finished(page: WarcPage, submitted: Submitted) -> tuple[Row | None, Row | None]:
+        location = f"{path}:record={page.number}"
+        metadata = {"url": page.url, "fetch_date": page.date, "content_type": page.content_type}
+        return _page_row(extractor.collect(submitted), source, location, f"{name}:{page.record_id or page.url or location}", metadata)
+
     try:
         with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as raw:
             for item in read_warc(raw):
                 units += 1
-                if isinstance(item, WarcBreak):
-                    yield None, reject_row(
-                        name, f"{path}:record={item.whole + 1}", READ_STAGE, UNREADABLE,
-                        f"{type(item.error).__name__}: {item.error}; at byte {item.offset:,} of the (decompressed) WARC, "
-                        f"read stopped after record {item.whole} of {path}, what followed is unknown",
-                    )
-                    continue
-                location = f"{path}:record={item.number}"
-                if isinstance(item, WarcReject):
-                    yield None, reject_row(name, location, READ_STAGE, item.reason, f"{item.url or item.record_id}: {item.detail}")
-                    continue
-                metadata = {"url": item.url, "fetch_date": item.date, "content_type": item.content_type}
-                yield _page_row(item.payload, item.charset, source, location, f"{name}:{item.record_id or item.url or location}", metadata)
+                if pending is not None:
+                    yield finished(*pending)
+                    pending = None
+                if isinstance(item, WarcPage):
+                    pending = item, extractor.submit(item.payload, item.charset)
+                else:
+                    yield None, _warc_item_row(item, path, name)
+            if pending is not None:
+                yield finished(*pending)
     except Exception as exc:  # the file vanished or cannot be opened
         yield None, _broken(name, path, "record", 0, exc)
         return
@@ -352,7 +372,7 @@ def _html_file_rows(path: str, source: CorpusSource) -> Iterator[tuple[Row | Non
     if not html:
         yield None, reject_row(source.name, path, READ_STAGE, "empty_file")
         return
-    yield _page_row(html, None, source, path, f"{source.name}:{path}", {"path": path, "content_type": "text/html"})
+    yield _page_row(_extractor(source).extract(html), source, path, f"{source.name}:{path}", {"path": path, "content_type": "text/html"})
 
 
 def read_file(path: str, source: CorpusSource) -> Iterator[tuple[Row | None, Row | None]]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -76,6 +77,15 @@ def _serve(conn: Connection, main_content: bool) -> None:
         conn.send(extract(data, charset, main_content))
 
 
+@dataclass(frozen=True)
+class Submitted:
+    """A page handed to the child: its size and deadline, or its result already (too large, child gone)."""
+
+    size: int
+    deadline: float
+    result: tuple[str, str, str] | None = None
+
+
 class HtmlExtractor:
     """Extraction in a kept child process; a page over the time limit kills it (a new one starts for the next)."""
 
@@ -83,6 +93,7 @@ class HtmlExtractor:
         self.options = options
         self._process: Any = None
         self._conn: Connection | None = None
+        self._busy = False  # a page is in the child
 
     def _start(self) -> Connection:
         context = multiprocessing.get_context("forkserver")  # never fork a threaded Beam worker
@@ -95,6 +106,7 @@ class HtmlExtractor:
         return parent
 
     def close(self) -> None:
+        self._busy = False
         if self._conn is not None:
             self._conn.close()
             self._conn = None
@@ -103,21 +115,43 @@ class HtmlExtractor:
             self._process.join()
             self._process = None
 
-    def extract(self, data: bytes, charset: str | None = None) -> tuple[str, str, str]:
-        """(text, "", "") or ("", reason, detail): too large, decode error, empty, extractor error or timeout."""
+    def submit(self, data: bytes, charset: str | None = None) -> Submitted:
+        """Hand a page to the child and return at once, so the caller can read the next record meanwhile;
+        `collect` waits for it until `time_limit_s` after the hand-over (the child starts on it right away)."""
         limit = self.options.max_bytes
         if len(data) > limit:
-            return "", TOO_LARGE, f"{len(data):,} bytes of HTML > html.max_bytes {limit:,}"
+            return Submitted(len(data), 0.0, ("", TOO_LARGE, f"{len(data):,} bytes of HTML > html.max_bytes {limit:,}"))
+        if self._busy:  # an earlier page was never collected (its reader was abandoned): its answer must not leak
+            self.close()
         conn = self._conn or self._start()
         try:
             conn.send((data, charset))
-            if conn.poll(self.options.time_limit_s):
-                return conn.recv()
-            reason, detail = TIMEOUT, f"extraction of {len(data):,} bytes took over html.time_limit_s {self.options.time_limit_s}s"
+        except OSError as exc:  # the child died (out of memory, a native crash)
+            self.close()
+            return Submitted(len(data), 0.0, ("", EXTRACT_ERROR, f"the extraction process ended: {type(exc).__name__}: {exc}"))
+        self._busy = True
+        return Submitted(len(data), time.monotonic() + self.options.time_limit_s)
+
+    def collect(self, submitted: Submitted) -> tuple[str, str, str]:
+        """(text, "", "") or ("", reason, detail): too large, decode error, empty, extractor error or timeout."""
+        if submitted.result is not None:
+            return submitted.result
+        conn = self._conn
+        assert conn is not None and self._busy, "collect() follows its submit()"
+        try:
+            if conn.poll(max(0.0, submitted.deadline - time.monotonic())):
+                result = conn.recv()
+                self._busy = False
+                return result
+            reason = TIMEOUT
+            detail = f"extraction of {submitted.size:,} bytes took over html.time_limit_s {self.options.time_limit_s}s"
         except (EOFError, OSError) as exc:  # the child died (out of memory, a native crash)
             reason, detail = EXTRACT_ERROR, f"the extraction process ended: {type(exc).__name__}: {exc}"
         self.close()
         return "", reason, detail
+
+    def extract(self, data: bytes, charset: str | None = None) -> tuple[str, str, str]:
+        return self.collect(self.submit(data, charset))
 
     def __enter__(self) -> HtmlExtractor:
         return self

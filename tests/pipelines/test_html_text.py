@@ -70,3 +70,12 @@ def test_each_thread_keeps_one_extractor_per_settings() -> None:
     options = ExtractOptions(time_limit_s=5, max_bytes=1000)
     assert thread_extractor(options) is thread_extractor(options)
     assert thread_extractor(options) is not thread_extractor(ExtractOptions(time_limit_s=5, max_bytes=1001))
+
+
+def test_a_page_never_collected_does_not_answer_for_the_next() -> None:
+    """A reader abandoned between submit and collect leaves an answer in the pipe: the next page restarts the child."""
+    with HtmlExtractor(ExtractOptions(time_limit_s=30, max_bytes=1_000_000)) as ex:
+        ex.submit(b"<main><p>first page</p></main>")
+        assert ex.extract(b"<main><p>second page</p></main>")[0] == "second page"
+        submitted = ex.submit(b"<main><p>third page</p></main>")
+        assert ex.collect(submitted)[0] == "third page"
