@@ -1,8 +1,9 @@
 """Web input throughput: WARC -> text documents/s, and language ID documents/s, ember against anchors.
 
 One generated .warc.gz of --pages HTML responses (nav, sidebar, scripts and styles around an article
-of 6-14 paragraphs in one of six languages, ~25 kB of HTML each; one in ten responses is a PDF).
-All paths read the same file and extract with resiliparse (main_content=True):
+of 6-14 paragraphs in one of six languages, ~46 kB of HTML each; one in ten responses is a PDF).
+All paths read the same file and extract with resiliparse (main_content=True); the paths take turns
+within each repeat:
 
   raw         warcio + resiliparse in this process, no time limit: the ceiling
   datatrove   warcio + datatrove's BaseExtractor/ExtractorSandbox (its per-document time limit: a child
