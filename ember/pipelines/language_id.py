@@ -51,7 +51,7 @@ class LanguageIdentifier:
 
 @functools.cache
 def identifier(candidates: tuple[str, ...], low_accuracy: bool, max_chars: int) -> LanguageIdentifier:
-    """One detector per process and settings: a DoFn's threads share it (lingua's detector is thread-safe)."""
+    """One detector per process and settings, shared by the worker's threads (building it loads the models)."""
     return LanguageIdentifier(candidates, low_accuracy, max_chars)
 
 
