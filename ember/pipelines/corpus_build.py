@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
 # Output bytes per input byte, a generous ceiling: outputs are zstd Parquet, so plain JSONL shrinks;
 # compressed inputs (Parquet, gzip, zstd) expand to their text first. A shard set inside the output doubles it.
-OUTPUT_PER_INPUT_BYTE = {"jsonl": 1, "parquet": 3, "jsonl.gz": 4, "jsonl.zst": 4}
+OUTPUT_PER_INPUT_BYTE = {"jsonl": 1, "parquet": 3, "jsonl.gz": 4, "jsonl.zst": 4, "warc": 4, "html": 1}
 
 
 class BuildFailed(RuntimeError):

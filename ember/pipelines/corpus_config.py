@@ -23,7 +23,9 @@ from pydantic import BaseModel, Field, ValidationError, create_model, field_vali
 from ember import configs
 from ember.configs import CorpusConfigError, StrictModel, at_most
 from ember.pipelines import minhash
-from ember.schemas.documents import METADATA_KEYS
+from ember.pipelines.language_id import DEFAULT_CANDIDATES, unknown_codes
+from ember.pipelines.url_blocklist import normalize_domain
+from ember.schemas.documents import DERIVED_METADATA_KEYS, METADATA_KEYS
 from ember.tokenize.config import PackSettings
 
 if TYPE_CHECKING:  # the matcher loads with the stage, not with every config
@@ -77,23 +79,51 @@ class FieldMapping(StrictModel):
         unknown = sorted(set(mapping) - set(METADATA_KEYS))
         if unknown:
             raise ValueError(f"unknown metadata keys {unknown}; Document metadata has {list(METADATA_KEYS)}")
+        derived = sorted(set(mapping) & set(DERIVED_METADATA_KEYS))
+        if derived:
+            raise ValueError(f"metadata keys {derived} are set by the build (language ID), not mapped from a field")
         return mapping
 
 
+class HtmlExtraction(StrictModel):
+    """HTML -> text of `format: warc` and `format: html` sources (resiliparse, in a child process per worker thread)."""
+
+    time_limit_s: float = Field(default=5.0, gt=0, le=600, description="per page; an overrun is an html_timeout reject")
+    max_bytes: int = Field(default=10 * 2**20, ge=1, le=2**30, description="larger pages are html_too_large rejects")
+    main_content: bool = Field(default=True, description="keep the main content only (no navigation, footers)")
+
+
+MARKUP_FORMATS = ("warc", "html")
+
+
 class CorpusSource(StrictModel):
-    """One corpus: its inputs on any Beam filesystem, their format, field mapping and mixture weight."""
+    """One corpus: its inputs on any Beam filesystem, their format, field mapping and mixture weight.
+
+    `warc` reads WARC files (.warc.gz or .warc; each HTML response record is one document, its
+    WARC-Record-ID the id); `html` reads one HTML page per file (the path is the id). Both extract the
+    text with `html` settings; their documents are `kind: web` and take no `fields` mapping."""
 
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     kind: Literal["code", "web"]
     inputs: list[str] = Field(min_length=1, description="file globs: local, gs://, s3://")
-    format: Literal["jsonl", "jsonl.gz", "jsonl.zst", "parquet"] = "jsonl"
+    format: Literal["jsonl", "jsonl.gz", "jsonl.zst", "parquet", "warc", "html"] = "jsonl"
     fields: FieldMapping = Field(default_factory=FieldMapping)
+    html: HtmlExtraction = Field(default_factory=HtmlExtraction)
     weight: float = Field(default=1.0, ge=0)
     control_characters: Literal["reject", "strip"] = Field(
         default="reject",
         description="text with C0 control characters other than tab, newline, CR, form feed (NUL, ESC, ...): "
         "reject the document (reason control_characters) or strip those characters",
     )
+
+    @model_validator(mode="after")
+    def _markup_is_web(self) -> "CorpusSource":
+        if self.format in MARKUP_FORMATS:
+            if self.kind != "web":
+                raise ValueError(f"format {self.format} reads web pages: set kind: web")
+            if self.fields != FieldMapping():
+                raise ValueError(f"format {self.format} takes no fields mapping (id, url and text come from the pages)")
+        return self
 
 
 def _datatrove_params_model(name: str, cls: type) -> type[BaseModel]:
@@ -131,13 +161,57 @@ class DatatroveFilter(StrictModel):
     params: dict[str, Any] = Field(default_factory=dict)
 
 
-class WebFilters(StrictModel):
-    """FineWeb's heuristic stack, run with datatrove's own filter classes in this order."""
+class LanguageId(StrictModel):
+    """lingua over the first `max_chars` characters of each web document, among `candidates` (ISO 639-1)."""
 
+    enabled: bool = True
+    candidates: list[str] = Field(default_factory=lambda: list(DEFAULT_CANDIDATES), min_length=2)
+    low_accuracy: bool = Field(default=False, description="lingua's low-accuracy mode: faster, weaker on short text")
+    max_chars: int = Field(default=2000, ge=1)
+
+    @field_validator("candidates")
+    @classmethod
+    def _lingua_knows(cls, codes: list[str]) -> list[str]:
+        unknown = unknown_codes(codes)
+        if unknown:
+            raise ValueError(f"{unknown} are not ISO 639-1 codes of a language lingua detects")
+        return list(dict.fromkeys(codes))
+
+
+class UrlBlocklistSettings(StrictModel):
+    """Web documents whose URL's host is (or is under) a listed domain are rejected as url_blocklist:<domain>."""
+
+    domains: list[str] = Field(default_factory=list)
+    file: str | None = Field(default=None, min_length=1, description="a file of domains, one a line (# comments)")
+
+    @field_validator("domains")
+    @classmethod
+    def _domains(cls, domains: list[str]) -> list[str]:
+        return [normalize_domain(d) for d in domains]
+
+
+class WebFilters(StrictModel):
+    """FineWeb's order: URL block-list, language ID (and the `languages` allow-list), then the heuristic
+    stack run with datatrove's own filter classes in this order."""
+
+    url_blocklist: UrlBlocklistSettings = Field(default_factory=UrlBlocklistSettings)
+    language_id: LanguageId = Field(default_factory=LanguageId)
+    languages: list[str] | None = Field(default=None, description="ISO 639-1 allow-list; null keeps every language")
+    min_language_score: float = Field(default=0.65, ge=0, le=1, description="lingua confidence an allowed language needs")
     gopher_repetition: DatatroveFilter = Field(default_factory=DatatroveFilter)
     gopher_quality: DatatroveFilter = Field(default_factory=DatatroveFilter)
     c4_quality: DatatroveFilter = Field(default_factory=lambda: DatatroveFilter(params=WEB_FILTER_DEFAULTS["c4_quality"]))
     fineweb_quality: DatatroveFilter = Field(default_factory=DatatroveFilter)
+
+    @model_validator(mode="after")
+    def _languages_detectable(self) -> "WebFilters":
+        if self.languages is not None:
+            if not self.language_id.enabled:
+                raise ValueError("languages needs language_id.enabled: true")
+            missing = [c for c in self.languages if c not in self.language_id.candidates]
+            if missing:
+                raise ValueError(f"languages {missing} are not among language_id.candidates, so never detected; add them there")
+        return self
 
     @model_validator(mode="after")
     def _params_match_datatrove(self) -> "WebFilters":
@@ -431,6 +505,10 @@ def load_config(path: str) -> CorpusConfig:
                 "output_dir": tokenize.output_dir and _resolve(base, tokenize.output_dir),
             }
         )
+    blocklist = config.filters.web.url_blocklist
+    if blocklist.file is not None:
+        web = config.filters.web.model_copy(update={"url_blocklist": blocklist.model_copy(update={"file": _resolve(base, blocklist.file)})})
+        config = config.model_copy(update={"filters": config.filters.model_copy(update={"web": web})})
     return config.model_copy(
         update={
             "sources": [s.model_copy(update={"inputs": [_resolve(base, g) for g in s.inputs]}) for s in config.sources],
@@ -479,5 +557,8 @@ def check_inputs(config: CorpusConfig) -> None:
             for j, path in enumerate(benchmark.paths):
                 if not Path(path).is_file():
                     problems.append(f"decontamination.benchmarks.{i}.paths.{j}: benchmark file '{path}' not found")
+    blocklist = config.filters.web.url_blocklist.file
+    if blocklist is not None and not FileSystems.exists(blocklist):
+        problems.append(f"filters.web.url_blocklist.file: '{blocklist}' does not exist")
     if problems:
         raise CorpusConfigError("inputs are unusable:\n  " + "\n  ".join(problems))

@@ -11,6 +11,11 @@ rule: the units read before the break are kept, and the break is one `unreadable
 line/row reached. How many lines followed the break cannot be known, so that one reject stands for
 all of them; the read stage counts such files as `files_unreadable` and the report says so.
 
+WARC archives (`format: warc`, ember/pipelines/warc_input.py) give one unit per response record,
+at `path:record=N`, and HTML files (`format: html`) one per file; their pages become text in
+ember/pipelines/html_text.py, and a page that does not (too large, undecodable, empty, over the time
+limit) is a reject with that reason. A cut WARC follows the rule above at the record reached.
+
 Text with C0 control characters other than tab, newline, carriage return and form feed (a NUL from an
 escaped `\u0000`, ESC, ...) is never kept as is: a source's `control_characters` policy rejects the
 document (`control_characters`, with the first one's code point and offset, never the text) or
@@ -34,6 +39,8 @@ from apache_beam.io.filesystems import FileSystems
 
 from ember.pipelines.code_filters import language_from_path
 from ember.pipelines.corpus_config import CorpusSource
+from ember.pipelines.html_text import ExtractOptions, HtmlExtractor, Submitted, thread_extractor
+from ember.pipelines.warc_input import WarcBreak, WarcPage, WarcReject, read_warc
 from ember.schemas.documents import METADATA_KEYS, content_hash, make_document_id, reject_row
 
 READ_STAGE = "read"
@@ -94,6 +101,32 @@ def _control_detail(text: str, first: re.Match[str]) -> str:
     return f"{count} control character(s), the first U+{ord(first.group()):04X} at character {first.start()}"
 
 
+def _checked_text(text: str, source: CorpusSource) -> tuple[str, str, str]:
+    """(text, "", "") with the control-character policy applied, or ("", reason, detail)."""
+    if source.control_characters == "strip":
+        text = CONTROL_CHARACTERS.sub("", text)
+    if not text.strip():
+        return "", "empty_text", ""
+    if not _encodable(text):
+        return "", "invalid_unicode", "text holds lone surrogates"
+    control = CONTROL_CHARACTERS.search(text)
+    if control:
+        return "", "control_characters", _control_detail(text, control)
+    return text, "", ""
+
+
+def _document_row(text: str, source: CorpusSource, location: str, doc_id: str, metadata: dict[str, Any]) -> Row:
+    return {
+        "id": doc_id,
+        "source": source.name,
+        "kind": source.kind,
+        "text": text,
+        "content_hash": content_hash(text),
+        "metadata": {k: metadata.get(k) for k in METADATA_KEYS},
+        "location": location,
+    }
+
+
 def record_to_row(record: Any, source: CorpusSource, location: str) -> tuple[Row | None, Row | None]:
     """(document row, None) or (None, reject row) for one decoded record."""
     name = source.name
@@ -108,15 +141,9 @@ def record_to_row(record: Any, source: CorpusSource, location: str) -> tuple[Row
         return bad("missing_text_field", f"no field '{source.fields.text}'")
     if not isinstance(text, str):
         return bad("text_not_string", f"field '{source.fields.text}' is {type(text).__name__}")
-    if source.control_characters == "strip":
-        text = CONTROL_CHARACTERS.sub("", text)
-    if not text.strip():
-        return bad("empty_text")
-    if not _encodable(text):
-        return bad("invalid_unicode", "text holds lone surrogates")
-    control = CONTROL_CHARACTERS.search(text)
-    if control:
-        return bad("control_characters", _control_detail(text, control))
+    text, reason, detail = _checked_text(text, source)
+    if reason:
+        return bad(reason, detail)
     metadata, problem = _metadata(record, source)
     if problem:
         return bad("invalid_metadata", problem)
@@ -129,16 +156,7 @@ def record_to_row(record: Any, source: CorpusSource, location: str) -> tuple[Row
         doc_id = f"{name}:{raw_id}"
     else:
         doc_id = make_document_id(name, text)
-    row = {
-        "id": doc_id,
-        "source": name,
-        "kind": source.kind,
-        "text": text,
-        "content_hash": content_hash(text),
-        "metadata": {k: metadata.get(k) for k in METADATA_KEYS},
-        "location": location,
-    }
-    return row, None
+    return _document_row(text, source, location, doc_id, metadata), None
 
 
 class TruncatedStream(EOFError):
@@ -282,10 +300,89 @@ def _parquet_rows(path: str, source: CorpusSource) -> Iterator[tuple[Row | None,
         yield None, reject_row(name, path, READ_STAGE, "empty_file")
 
 
+def _extractor(source: CorpusSource) -> HtmlExtractor:
+    return thread_extractor(ExtractOptions(source.html.time_limit_s, source.html.max_bytes, source.html.main_content))
+
+
+def _page_row(extracted: tuple[str, str, str], source: CorpusSource, location: str, doc_id: str,
+              metadata: dict[str, Any]) -> tuple[Row | None, Row | None]:
+    """One HTML page's document, or its reject: the extraction's verdict, then the text checks."""
+    text, reason, detail = extracted
+    if not reason:
+        text, reason, detail = _checked_text(text, source)
+    if reason:
+        return None, reject_row(source.name, location, READ_STAGE, reason, detail)
+    return _document_row(text, source, location, doc_id, metadata), None
+
+
+def _warc_item_row(item: WarcBreak | WarcReject, path: str, name: str) -> Row:
+    if isinstance(item, WarcReject):
+        return reject_row(name, f"{path}:record={item.number}", READ_STAGE, item.reason, f"{item.url or item.record_id}: {item.detail}")
+    return reject_row(
+        name, f"{path}:record={item.whole + 1}", READ_STAGE, UNREADABLE,
+        f"{type(item.error).__name__}: {item.error}; at byte {item.offset:,} of the (decompressed) WARC, "
+        f"read stopped after record {item.whole} of {path}, what followed is unknown",
+    )
+
+
+def _warc_rows(path: str, source: CorpusSource) -> Iterator[tuple[Row | None, Row | None]]:
+    """Each HTML response record: a document with id `<source>:<WARC-Record-ID>` (the target URI where a record
+    has none), or a reject at `path:record=N`; a cut or corrupt archive ends with one unreadable_file reject.
+
+    A page goes to the extraction child before the next record is read, so reading and extraction overlap;
+    units still come out in file order."""
+    name = source.name
+    extractor = _extractor(source)
+    units = 0
+    pending: tuple[WarcPage, Submitted] | None = None
+
+    def finished(page: WarcPage, submitted: Submitted) -> tuple[Row | None, Row | None]:
+        location = f"{path}:record={page.number}"
+        metadata = {"url": page.url, "fetch_date": page.date, "content_type": page.content_type}
+        return _page_row(extractor.collect(submitted), source, location, f"{name}:{page.record_id or page.url or location}", metadata)
+
+    try:
+        with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as raw:
+            for item in read_warc(raw):
+                units += 1
+                if pending is not None:
+                    yield finished(*pending)
+                    pending = None
+                if isinstance(item, WarcPage):
+                    pending = item, extractor.submit(item.payload, item.charset)
+                else:
+                    yield None, _warc_item_row(item, path, name)
+            if pending is not None:
+                yield finished(*pending)
+    except Exception as exc:  # the file vanished or cannot be opened
+        yield None, _broken(name, path, "record", 0, exc)
+        return
+    if units == 0:
+        yield None, reject_row(name, path, READ_STAGE, "empty_file", "no HTML response record")
+
+
+def _html_file_rows(path: str, source: CorpusSource) -> Iterator[tuple[Row | None, Row | None]]:
+    """One HTML page per file, its path the id; the charset comes from the page (<meta>) or detection."""
+    try:
+        with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as raw:
+            html = raw.read(source.html.max_bytes + 1)  # a larger file is rejected unread past its limit
+    except Exception as exc:
+        yield None, _broken(source.name, path, "page", 0, exc)
+        return
+    if not html:
+        yield None, reject_row(source.name, path, READ_STAGE, "empty_file")
+        return
+    yield _page_row(_extractor(source).extract(html), source, path, f"{source.name}:{path}", {"path": path, "content_type": "text/html"})
+
+
 def read_file(path: str, source: CorpusSource) -> Iterator[tuple[Row | None, Row | None]]:
     """Every input unit of one file, in file order, as (row, None) or (None, reject)."""
     if source.format == "parquet":
         return _parquet_rows(path, source)
+    if source.format == "warc":
+        return _warc_rows(path, source)
+    if source.format == "html":
+        return _html_file_rows(path, source)
     return _jsonl_rows(path, source)
 
 

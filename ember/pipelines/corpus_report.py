@@ -126,6 +126,9 @@ FIXES = {
     "read:missing_text_field": "fields.text names no field of these records; point it at the text field",
     "read:missing_id_field": "fields.id names no field of these records; fix it or set it to null",
     "read:control_characters": "set the source's control_characters: strip",
+    "read:html_timeout": "raise the source's html.time_limit_s",
+    "read:html_too_large": "raise the source's html.max_bytes",
+    "read:html_empty": "set the source's html.main_content: false (keeps all visible text)",
     "unique_ids:duplicate_id": "fields.id is not unique in this source; set it to null for content-addressed ids",
     "exact_dedup:exact_duplicate": "the inputs repeat themselves; check the source's globs for overlaps",
     "near_dedup:near_duplicate": "more dedup.bands x rows_per_band raise the threshold; dedup.near: false turns it off",
@@ -236,8 +239,22 @@ def _kept_documents(documents: pl.DataFrame) -> list[str]:
             .group_by("language").agg(pl.len().alias("n")).sort(["n", "language"], descending=[True, False])
         )
         largest = int(languages["n"].max())
-        out.append("\n\nCode languages:\n")
+        out.append("\n\nCode languages (programming language per document):\n")
         out.append(_table(["language", "n", ""], [[lang, n, _bar(n, largest)] for lang, n in languages.iter_rows()]))
+    web = documents.filter(pl.col("kind") == "web")
+    if web.height:
+        metadata = pl.col("metadata")
+        languages = (
+            web.select(metadata.struct.field("language").fill_null("not identified").alias("language"),
+                       metadata.struct.field("language_score").alias("score"))
+            .group_by("language").agg(pl.len().alias("n"), pl.col("score").mean().alias("mean confidence"))
+            .sort(["n", "language"], descending=[True, False])
+        )
+        largest = int(languages["n"].max())
+        out.append("\n\nWeb languages (language ID, ISO 639-1):\n")
+        out.append(_table(["language", "n", "mean confidence", ""], [
+            [lang, n, "" if score is None else float(score), _bar(n, largest)] for lang, n, score in languages.iter_rows()
+        ]))
     return out
 
 

@@ -111,6 +111,7 @@ class DocumentMix:
 
     char_bins: Counter[tuple[str, int]] = field(default_factory=Counter)
     languages: Counter[tuple[str, str]] = field(default_factory=Counter)
+    kind_languages: Counter[tuple[str, str]] = field(default_factory=Counter)  # (kind, language): code and web apart
     licences: Counter[tuple[str, str]] = field(default_factory=Counter)
 
     def add(self, batch: pa.RecordBatch) -> None:
@@ -125,6 +126,7 @@ class DocumentMix:
         for counter, keys, rows in (
             (self.char_bins, ["source", "bin"], frame),
             (self.languages, ["source", "language"], frame),
+            (self.kind_languages, ["kind", "language"], frame),
             (self.licences, ["source", "license"], frame.filter(pl.col("kind") == "code")),
         ):
             for *key, n in rows.group_by(keys).len().iter_rows():
@@ -378,6 +380,12 @@ def render_html(data: ReportData, config: str | None = None) -> str:
         "<h2>Sources</h2>", _html_table(["source", "kind", "weight", "in", "kept", "kept %", "MB kept"], sources),
         "<h2>Documents left after each step</h2>",
         _html_table(["source", *step_names], [[name, *(n for _, n in rows)] for name, rows in steps.items()]),
+        "<h2>Languages</h2>",
+        "<p>Kept documents per language: the programming language of code documents, the language ID "
+        "(ISO 639-1) of web documents.</p>",
+        _html_table(["kind", "language", "documents"], [
+            [kind, language, n] for (kind, language), n in sorted(data.mix.kind_languages.items(), key=lambda kv: (kv[0][0], -kv[1], kv[0][1]))
+        ]),
         "<h2>Charts</h2>",
     ]
     parts += [f"<p>{html.escape(note)}</p>" for note in _notes(data, charts)]

@@ -13,16 +13,19 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import apache_beam as beam
+from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.pvalue import PCollection, TaggedOutput
 
 from ember.pipelines import minhash
 from ember.pipelines.code_filters import check_code
 from ember.pipelines.components import ConnectedComponents, Unconverged
-from ember.pipelines.corpus_config import CorpusSource, Dedup, Filters, Redaction
+from ember.pipelines.corpus_config import CorpusSource, Dedup, Filters, Redaction, UrlBlocklistSettings
 from ember.pipelines.corpus_io import READ_STAGE, UNREADABLE, Row, read_file
+from ember.pipelines.language_id import identifier, language_verdict
 from ember.pipelines.progress import ProgressWriter
 from ember.pipelines.redaction import redact_fields
+from ember.pipelines.url_blocklist import UrlBlocklist, parse_domain_lines
 from ember.pipelines.web_filters import WebFilterStack
 from ember.schemas.documents import cluster_row, content_hash, reject_row
 
@@ -204,8 +207,18 @@ class UniqueIds(beam.PTransform):
 # ---------------------------------------------------------------- filter + redact
 
 
+def load_blocklist(settings: UrlBlocklistSettings) -> UrlBlocklist:
+    """The config's domains plus its file's (read on the worker, from any Beam filesystem)."""
+    domains = list(settings.domains)
+    if settings.file is not None:
+        with FileSystems.open(settings.file, compression_type=CompressionTypes.UNCOMPRESSED) as f:
+            domains += parse_domain_lines(f.read().decode("utf-8").splitlines(), settings.file)
+    return UrlBlocklist(domains)
+
+
 class FilterDocuments(CorpusFn):
-    """datatrove's web filters (built once per worker in setup) or the code heuristics, by document kind."""
+    """Web documents: URL block-list, language ID (into metadata) and its allow-list, then datatrove's filters
+    (all built once per worker in setup); code documents: the code heuristics."""
 
     STAGE = "filter"
 
@@ -215,13 +228,30 @@ class FilterDocuments(CorpusFn):
 
     def setup(self) -> None:
         super().setup()
-        self._web = WebFilterStack(self._filters.web)
+        web = self._filters.web
+        self._web = WebFilterStack(web)
+        self._blocklist = load_blocklist(web.url_blocklist)
+        lid = web.language_id
+        self._language = identifier(tuple(lid.candidates), lid.low_accuracy, lid.max_chars) if lid.enabled else None
+
+    def _web_verdict(self, row: Row) -> tuple[Row, str, str]:
+        metadata = row["metadata"] or {}
+        blocked = self._blocklist.blocked_by(metadata.get("url"))
+        if blocked is not None:
+            return row, f"url_blocklist:{blocked}", f"host {metadata.get('url')!r} is under {blocked}"
+        if self._language is not None:
+            code, score = self._language.identify(row["text"])
+            row = {**row, "metadata": {**metadata, "language": code, "language_score": score}}
+            reason, detail = language_verdict(code, score, self._filters.web.languages, self._filters.web.min_language_score)
+            if reason:
+                return row, reason, detail
+        text, reason, detail = self._web.apply(row["text"])
+        return {**row, "text": text}, reason, detail
 
     def process(self, row: Row) -> Iterator[Any]:
         self.advance()
         if row["kind"] == "web":
-            text, reason, detail = self._web.apply(row["text"])
-            row = {**row, "text": text}
+            row, reason, detail = self._web_verdict(row)
         else:
             reason, detail = check_code(row["text"], row["metadata"] or {}, self._filters.code)
         yield self.reject(row, reason, detail) if reason else row

@@ -14,7 +14,7 @@ import pyarrow as pa
 from ember.schemas.errors import FieldIssue, raise_if_issues
 from ember.schemas.versioning import versioned_schema
 
-DOCUMENT_SCHEMA_VERSION = 1
+DOCUMENT_SCHEMA_VERSION = 2  # 2: metadata.fetch_date, content_type, language_score (web input)
 REJECTED_SCHEMA_VERSION = 1
 CLUSTER_SCHEMA_VERSION = 1
 
@@ -29,9 +29,14 @@ METADATA_TYPE = pa.struct(
         pa.field("license", pa.string()),
         pa.field("language", pa.string()),
         pa.field("stars", pa.int64()),
+        pa.field("fetch_date", pa.string()),  # WARC-Date of a crawled page
+        pa.field("content_type", pa.string()),  # its HTTP media type
+        pa.field("language_score", pa.float64()),  # language ID's confidence in `language` (web documents)
     ]
 )
 METADATA_KEYS: tuple[str, ...] = tuple(f.name for f in METADATA_TYPE)
+DERIVED_METADATA_KEYS: tuple[str, ...] = ("language_score",)
+"""Set by the build itself, never mapped from a record field."""
 
 DOCUMENT_SCHEMA = versioned_schema(
     "Document",
@@ -126,6 +131,9 @@ class Document:
         stars = self.metadata.get("stars")
         if stars is not None and not isinstance(stars, int):
             found.append(FieldIssue("metadata.stars", f"must be an integer, got {stars!r}"))
+        score = self.metadata.get("language_score")
+        if score is not None and not isinstance(score, (int, float)):
+            found.append(FieldIssue("metadata.language_score", f"must be a number, got {score!r}"))
         return found
 
     def validate(self) -> "Document":

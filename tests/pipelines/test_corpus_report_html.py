@@ -96,6 +96,7 @@ def test_document_and_cluster_aggregates_from_hand_built_parquet(tmp_path: Path)
     assert mix.char_bins == Counter({("web", 1): 1, ("web", 2): 2, ("web", 7): 1, ("code", 3): 2, ("code", 11): 1})
     assert mix.languages == Counter({("web", NOT_RECORDED): 4, ("code", "python"): 2, ("code", "go"): 1})
     assert mix.licences == Counter({("code", "mit"): 2, ("code", NOT_RECORDED): 1}), "licences count code only"
+    assert mix.kind_languages == Counter({("web", NOT_RECORDED): 4, ("code", "python"): 2, ("code", "go"): 1})
     assert cluster_sizes(str(tmp_path)) == Counter({("near_dedup", 3): 1, ("near_dedup", 2): 2, ("exact_dedup", 2): 1})
     data = collect(str(tmp_path))
     assert data.tokens is None and "no token counts" in render_html(data, "hand.yaml")

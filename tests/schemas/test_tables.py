@@ -31,7 +31,7 @@ def test_rollout_table_round_trip(rollout):
 
 def test_tables_carry_schema_name_and_version():
     table = documents_to_table([Document("stack", "code", "print(1)")])
-    assert schema_identity(table.schema) == ("Document", 1)
+    assert schema_identity(table.schema) == ("Document", 2)
     assert table.schema.equals(DOCUMENT_SCHEMA, check_metadata=True)
 
 
@@ -88,6 +88,21 @@ def test_old_data_without_a_new_optional_field_stays_readable():
     read = conform(old, v2)
     assert read.column("judge").to_pylist() == [None, None]
     assert read.column("id").to_pylist() == ["a", "b"]
+
+
+def test_version_1_documents_read_with_the_web_metadata_fields_empty():
+    """Document v2 added metadata.fetch_date, content_type and language_score (web input); v1 files conform."""
+    v1_metadata = pa.struct([f for f in DOCUMENT_SCHEMA.field("metadata").type if f.name in
+                             ("url", "repo", "path", "license", "language", "stars")])
+    v1 = versioned_schema("Document", 1, [*(f for f in DOCUMENT_SCHEMA if f.name != "metadata"),
+                                          pa.field("metadata", v1_metadata)])
+    row = {"id": "s:1", "source": "s", "kind": "web", "text": "t", "content_hash": "h",
+           "metadata": {"url": "https://example.org/", "repo": None, "path": None, "license": None,
+                        "language": "en", "stars": None}}
+    read = conform(pa.Table.from_pylist([row], schema=v1), DOCUMENT_SCHEMA)
+    metadata = read.column("metadata").to_pylist()[0]
+    assert metadata["url"] == "https://example.org/" and metadata["language"] == "en"
+    assert (metadata["fetch_date"], metadata["content_type"], metadata["language_score"]) == (None, None, None)
 
 
 def test_new_data_with_extra_columns_reads_in_an_old_reader():
