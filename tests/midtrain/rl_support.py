@@ -82,6 +82,20 @@ def sample_main(config_path: str, groups: int, out_dir: str) -> None:
         (Path(out_dir) / f"{g:04d}.batch").write_bytes(encode_train_batch(batch))
 
 
+class Channel:
+    """`run_rl`'s PolicyChannel in memory: counts steps, keeps the announcements."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.announced: list = []
+
+    def step_done(self) -> None:
+        self.steps += 1
+
+    def announce(self, version) -> None:
+        self.announced.append(version)
+
+
 def memory_main(config_path: str, batch_dir: str, out: str) -> None:
     """`run_rl` on the batches in `batch_dir`, no broker; writes the policy versions it published."""
     from ember.midtrain.rl_batch import rl_batch
@@ -91,10 +105,11 @@ def memory_main(config_path: str, batch_dir: str, out: str) -> None:
 
     trainer = RLTrainer(load_rl_config(config_path))
     batches = [rl_batch(decode_train_batch(p.read_bytes())) for p in sorted(Path(batch_dir).glob("*.batch"))]
-    published: list[int] = []
-    run_rl(trainer, batches, published.append, StopRequest())
+    channel = Channel()
+    run_rl(trainer, batches, channel, StopRequest())
     trainer.close()
-    Path(out).write_text(json.dumps({"published": published, "batch_ids": [b.batch_id for b in batches]}))
+    published = [v.policy_version for v in channel.announced]
+    Path(out).write_text(json.dumps({"published": published, "steps": channel.steps, "batch_ids": [b.batch_id for b in batches]}))
 
 
 def toy_main(config_path: str, iterations: int, out: str) -> None:
