@@ -5,6 +5,8 @@ in a subprocess.
 sample from the trainer's own policy (ember.demo.sampler), reward, publish, ETL, RL steps.
 `python -m tests.midtrain.rl_support sample CONFIG GROUPS DIR` writes batches sampled by the reference
 sampler (router weights perturbed); `... memory CONFIG DIR OUT.json` runs `run_rl` on them, no broker.
+`... score CONFIG IN.json OUT.json` scores IN's {"sequences": [...]} with the trainer's model at its latest
+checkpoint (megatron forward, as the trainer computes log-probs).
 """
 
 from __future__ import annotations
@@ -112,6 +114,18 @@ def memory_main(config_path: str, batch_dir: str, out: str) -> None:
     Path(out).write_text(json.dumps({"published": published, "steps": channel.steps, "batch_ids": [b.batch_id for b in batches]}))
 
 
+def score_main(config_path: str, source: str, out: str) -> None:
+    from ember.demo.sampler import score
+    from ember.midtrain.rl_config import load_rl_config
+    from ember.midtrain.rl_trainer import RLTrainer
+
+    trainer = RLTrainer(load_rl_config(config_path))
+    sequences = [np.array(s, dtype=np.int64) for s in json.loads(Path(source).read_text())["sequences"]]
+    logprobs = [logp.tolist() for logp, _ in score(trainer.model, sequences)]
+    Path(out).write_text(json.dumps({"step": trainer.state.step, "logprobs": logprobs}))
+    trainer.close()
+
+
 def toy_main(config_path: str, iterations: int, out: str) -> None:
     """On-policy loop through the real data path; writes the mean reward of every iteration."""
     from ember.midtrain.rl_batch import rl_batch
@@ -162,5 +176,7 @@ if __name__ == "__main__":
         sample_main(args[0], int(args[1]), args[2])
     elif mode == "memory":
         memory_main(args[0], args[1], args[2])
+    elif mode == "score":
+        score_main(args[0], args[1], args[2])
     else:
         raise SystemExit(f"unknown mode {mode}")
