@@ -278,7 +278,6 @@ class RLTrainer:
     def save(self) -> Path:
         """A checkpoint of the model, optimizer, step and the position of the last trained batch."""
         from ember.midtrain import checkpoint
-
         from ember.midtrain.export_hf import architecture_record
 
         return checkpoint.save(
@@ -311,10 +310,12 @@ class RLTrainer:
         return PolicyVersion.now(version, exported.uri, exported.sha256)
 
     def _drop_old_versions(self) -> None:
+        """Exports beyond the newest keep_versions, and temporaries of exports a killed run left behind
+        (this rank is the run's only writer and is not exporting now)."""
         found = sorted(
             (int(m.group(1)), p) for p in self.config.versions_dir.iterdir() if (m := VERSION_DIR.fullmatch(p.name))
         )
-        for _, old in found[: -self.config.rl.keep_versions]:
+        for old in [p for _, p in found[: -self.config.rl.keep_versions]] + list(self.config.versions_dir.glob(".version_*.tmp")):
             shutil.rmtree(old)
 
     def load_checkpoint(self, path: Path) -> None:

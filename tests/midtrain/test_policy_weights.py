@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -125,14 +126,25 @@ def _batches(count: int) -> list[TrainBatch]:
     return batches
 
 
-def _trainer(config: Path, fault: str | None) -> subprocess.CompletedProcess:
+def _trainer(config: Path, fault: str | None, log: Path) -> tuple[int, str]:
+    """`midtrain rl` in its own session; after it exits (or kills itself at `fault`) the session is ended,
+    so the checkpoint writer's helper process a SIGKILL orphans does not outlive the test."""
     env = {k: v for k, v in os.environ.items() if k != "EMBER_FAULT"}
     if fault:
         env["EMBER_FAULT"] = fault
-    return subprocess.run(
-        [sys.executable, "-m", "ember.midtrain.cli", "rl", str(config)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-    )
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ember.midtrain.cli", "rl", str(config)],
+            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        try:
+            code = proc.wait(timeout=400)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return code, log.read_text()
 
 
 def _announced(prefix: str) -> list[PolicyVersion]:
@@ -167,9 +179,9 @@ def run(kafka, tmp_path_factory):
     # run 1: announces version 0, trains steps 1 and 2, checkpoints step 2 and dies before exporting it
     # run 2: resumes at 2, exports and announces it, trains 3 and 4, exports 4 and dies before announcing it
     # run 3: resumes at 4, announces the export run 2 left, trains 5 and 6 and announces 6
-    for fault in ("rl.before_export:2", "rl.before_announce:2", None):
-        result = _trainer(config, fault)
-        assert result.returncode == (-9 if fault else 0), result.stdout[-3000:] + result.stderr[-3000:]
+    for i, fault in enumerate(("rl.before_export:2", "rl.before_announce:2", None)):
+        code, output = _trainer(config, fault, root / f"trainer-{i}.log")
+        assert code == (-signal.SIGKILL if fault else 0), output[-4000:]
         seen.append(_announced(prefix))
     return root, prefix, config, seen
 
@@ -270,3 +282,26 @@ def test_the_etl_measures_staleness_against_announced_versions_and_old_records(k
     assert sorted(rid for rid in found.batched if rid.startswith("v6-")) == [f"v6-{i}" for i in range(4)]
     stale = [o for o in found.dropped if o.group_id == "v2"]
     assert [o.reason for o in stale] == ["stale"] * 4 and stale[0].detail["lag_versions"] == 5
+
+
+@pytest.mark.integration
+def test_export_hf_command_writes_the_bytes_the_trainer_announced(run, tmp_path):
+    from typer.testing import CliRunner
+
+    from ember.midtrain.cli import app
+
+    root, _, config, seen = run
+    checkpoint = root / "run" / "checkpoints" / f"step_{STEPS:08d}"
+    result = CliRunner().invoke(app, ["export-hf", str(checkpoint), "--out", str(tmp_path / "hf")])
+    assert result.exit_code == 0, result.output
+    assert f"sha256: {seen[-1][-1].weights_sha256}" in result.output, "the same checkpoint exports to the same bytes"
+    config_json = json.loads((tmp_path / "hf" / CONFIG_FILE).read_text())
+    assert config_json["architectures"] == ["MixtralForCausalLM"]
+    assert {k: config_json[k] for k in ("vocab_size", "num_local_experts", "num_experts_per_tok", "rope_theta", "max_position_embeddings")} == {
+        "vocab_size": 16, "num_local_experts": 8, "num_experts_per_tok": 2, "rope_theta": 10000.0, "max_position_embeddings": 64,
+    }
+    assert config_json["ember"] == {"tokenizer": "toy", "tokenizer_vocab_size": 16}
+    again = CliRunner().invoke(app, ["export-hf", str(checkpoint), "--out", str(tmp_path / "hf")])
+    assert again.exit_code == 1 and "exists" in again.output
+    missing = CliRunner().invoke(app, ["export-hf", str(tmp_path), "--out", str(tmp_path / "hf2")])
+    assert missing.exit_code == 1 and "not a megatron dist checkpoint" in missing.output
