@@ -175,26 +175,28 @@ def run(kafka, tmp_path_factory):
     data = yaml.safe_load(config.read_text())
     data["model"]["num_query_groups"] = 2  # grouped-query attention, so the export's q/k/v split is exercised
     config.write_text(yaml.safe_dump(data, sort_keys=False))
-    seen = []
+    seen, on_disk = [], []
     # run 1: announces version 0, trains steps 1 and 2, checkpoints step 2 and dies before exporting it
     # run 2: resumes at 2, exports and announces it, trains 3 and 4, exports 4 and dies before announcing it
     # run 3: resumes at 4, announces the export run 2 left, trains 5 and 6 and announces 6
     for i, fault in enumerate(("rl.before_export:2", "rl.before_announce:2", None)):
         code, output = _trainer(config, fault, root / f"trainer-{i}.log")
         assert code == (-signal.SIGKILL if fault else 0), output[-4000:]
+        versions = root / "run" / "versions"
+        on_disk.append(sorted(p.name for p in versions.iterdir()) if versions.exists() else [])
         seen.append(_announced(prefix))
-    return root, prefix, config, seen
+    return root, prefix, config, seen, on_disk
 
 
 @pytest.mark.integration
 def test_a_version_is_announced_only_after_its_export_is_durable_even_across_kill_9(run):
-    root, _, _, seen = run
+    root, _, _, seen, on_disk = run
     versions = root / "run" / "versions"
     after_first, after_second, final = ([v.policy_version for v in announced] for announced in seen)
     assert after_first == [0], "killed after checkpoint 2, before its export: nothing announced for it"
-    assert not (versions / "version_2").exists() and not list(versions.glob(".version_2.*")), "no partial export left"
+    assert on_disk[0] == ["version_0"], "and nothing exported for it, not even a temporary"
     assert after_second == [0, 2], "killed after exporting 4, before announcing it"
-    assert (versions / "version_4" / WEIGHTS_FILE).is_file()
+    assert on_disk[1] == ["version_0", "version_2", "version_4"], "version 4 complete on disk, not announced"
     assert final == [0, 2, 4, 6], "the restart announced the export it found, once, in order"
     for record in seen[-1]:
         path = versions / f"version_{record.policy_version}"
@@ -207,7 +209,7 @@ def test_a_version_is_announced_only_after_its_export_is_durable_even_across_kil
 
 @pytest.mark.integration
 def test_a_separate_sampler_process_scores_the_announced_version_as_the_trainer_does(run, tmp_path):
-    root, _, config, seen = run
+    root, _, config, seen, _ = run
     last = seen[-1][-1]
     rng = np.random.default_rng(9)
     probe = tmp_path / "probe.json"
@@ -236,7 +238,7 @@ def test_a_separate_sampler_process_scores_the_announced_version_as_the_trainer_
 
 @pytest.mark.integration
 def test_the_sampler_refuses_weights_that_do_not_match_the_announcement(run):
-    last = run[3][-1][-1]
+    last = run[3][-1][-1]  # the announcements after the last run, the newest
     with pytest.raises(PolicyFetchError, match="not the announced weights"):
         load_policy(last.weights_uri, "0" * 64)
     with pytest.raises(PolicyFetchError, match="only file://"):
@@ -255,7 +257,7 @@ def test_the_etl_measures_staleness_against_announced_versions_and_old_records(k
     from ember.rollouts.transport import RewardWriter, RolloutWriter
     from tests.rollouts.etl_support import books, etl_settings
 
-    _, prefix, _, _ = run
+    prefix = run[1]
     topics = Topics(prefix)
     published = CliRunner().invoke(rollouts_app, ["publish-policy", "7", "--prefix", prefix])
     assert published.exit_code == 0, published.output
@@ -290,7 +292,7 @@ def test_export_hf_command_writes_the_bytes_the_trainer_announced(run, tmp_path)
 
     from ember.midtrain.cli import app
 
-    root, _, config, seen = run
+    root, _, _, seen, _ = run
     checkpoint = root / "run" / "checkpoints" / f"step_{STEPS:08d}"
     result = CliRunner().invoke(app, ["export-hf", str(checkpoint), "--out", str(tmp_path / "hf")])
     assert result.exit_code == 0, result.output
