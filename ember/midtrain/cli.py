@@ -1,4 +1,4 @@
-"""The `midtrain` command line: train, launch on Slurm, job status and logs.
+"""The `midtrain` command line: train, RL, export a policy, launch on Slurm, job status and logs.
 
 Imports stay light at module level: megatron-core loads only inside `train`, and this module is
 what multiprocessing re-imports in dist_checkpointing's spawned helper process.
@@ -90,6 +90,53 @@ def rl(
     from ember.midtrain.rl import main
 
     raise typer.Exit(main([str(config), *(["--threads", str(threads)] if threads else [])]))
+
+
+@app.command("export-hf")
+def export_hf(
+    checkpoint: Path = typer.Argument(..., help="A checkpoint directory (run_dir/checkpoints/step_*)."),
+    out: Path = typer.Option(..., "--out", help="New directory for config.json, model.safetensors and export.json."),
+    config: Path = typer.Option(
+        None, "--config", help="The run config (mid-training or RL) whose model and moe sections the checkpoint was "
+        "trained with; needed only for checkpoints that do not record them (mid-training ones)."
+    ),
+) -> None:
+    """Write the checkpoint's policy as a Hugging Face MixtralForCausalLM directory (safetensors + config.json),
+    atomically; prints the directory and the sha256 of its weights."""
+    import time
+
+    from ember.configs import MidtrainConfigError
+    from ember.midtrain import export_hf as export
+
+    started = time.perf_counter()
+    try:
+        recorded = export.read_checkpoint_common(checkpoint).get("extra", {}).get("architecture")
+        if config is not None:
+            cfg = _load_any(config)
+            model, moe = cfg.model, cfg.moe
+            if recorded is not None and export.architecture_from_record(recorded) != (model, moe):
+                raise export.ExportError(f"{config}'s model/moe sections differ from what {checkpoint} recorded")
+        elif recorded is not None:
+            model, moe = export.architecture_from_record(recorded)
+        else:
+            raise export.ExportError(f"{checkpoint} does not record its architecture: pass --config with its run config")
+        done = export.export_checkpoint(checkpoint, out, model, moe)
+    except (export.ExportError, MidtrainConfigError, OSError) as exc:
+        _error(exc)
+        raise typer.Exit(1)
+    console.print(f"exported {done.path} in {time.perf_counter() - started:.2f}s", highlight=False, markup=False)
+    console.print(f"  uri:    {done.uri}", highlight=False, markup=False)
+    console.print(f"  sha256: {done.sha256}", highlight=False, markup=False)
+
+
+def _load_any(config: Path):
+    """A mid-training or an RL config, whichever this file is (both carry model and moe)."""
+    from ember.configs import MidtrainConfigError, read_yaml_mapping
+    from ember.midtrain.config import load_config
+    from ember.midtrain.rl_config import load_rl_config
+
+    data = read_yaml_mapping(config, MidtrainConfigError, sections="model, moe, ...")
+    return (load_rl_config if "rl" in data else load_config)(config)
 
 
 @app.command()

@@ -1,7 +1,8 @@
 """`midtrain rl CONFIG` (`python -m ember.midtrain.rl`): the RL trainer wired to Kafka.
 
 Batches come from `<prefix>.train-batches` through `RolloutBatchReader` (read_committed only); after
-each step the reader commits and the new policy version is announced on the policy-versions topic.
+each step the reader commits. Policy versions are announced on the policy-versions topic once their
+checkpoint is exported (URI + sha256 in the record, see `rl_trainer.run_rl` for which versions).
 Each batch carries the reader position it leaves behind, the trainer checkpoints it, and a restart
 hands it back to the reader, so the run resumes on the batch after the checkpoint even if it had
 stepped (and committed) further before it crashed. SIGTERM/SIGUSR1 finish the step, checkpoint and
@@ -22,6 +23,7 @@ from ember.midtrain.rl_batch import RLBatch, rl_batch
 from ember.midtrain.rl_config import RLConfig, load_rl_config
 from ember.midtrain.runtime import StopRequest
 from ember.midtrain.slurm import LaunchError
+from ember.rollouts.records import PolicyVersion
 from ember.rollouts.security import KafkaSecurity
 
 # How often the idle trainer wakes up to notice a stop signal or its idle timeout.
@@ -29,7 +31,7 @@ _POLL_S = 1.0
 
 
 class PolicyVersionPublisher:
-    """Announces each new policy version, in the encoding the ETL's PolicyWatcher reads."""
+    """Announces policy versions, in the encoding the ETL's PolicyWatcher reads; waits for the broker's ack."""
 
     def __init__(self, prefix: str, bootstrap: str, security: KafkaSecurity):
         from kafka import KafkaProducer
@@ -43,10 +45,8 @@ class PolicyVersionPublisher:
         self.topic = spec.name
         self.producer = KafkaProducer(**producer_config(security, bootstrap_servers=bootstrap))
 
-    def publish(self, version: int) -> None:
-        from ember.rollouts.records import PolicyVersion
-
-        self.producer.send(self.topic, key=b"policy", value=PolicyVersion.now(version).encode()).get(timeout=30)
+    def publish(self, version: PolicyVersion) -> None:
+        self.producer.send(self.topic, key=b"policy", value=version.encode()).get(timeout=30)
 
     def close(self) -> None:
         self.producer.close()
@@ -84,9 +84,12 @@ class KafkaTransport:
             yield rl_batch(read.batch, offset=read.offset, position=read.position)
             idle_since = time.monotonic()
 
-    def step_done(self, version: int) -> None:
-        """The step on the last batch finished: commit the read position, then announce the new policy."""
+    def step_done(self) -> None:
+        """The step on the last batch finished: commit the read position."""
         self.reader.commit()
+
+    def announce(self, version: PolicyVersion) -> None:
+        """A policy version whose weights are exported (`run_rl` calls this only after the export is durable)."""
         self.publisher.publish(version)
 
     def close(self) -> None:
@@ -100,7 +103,7 @@ def run(config: RLConfig, stop: StopRequest) -> int:
     trainer = RLTrainer(config)
     transport = KafkaTransport(config, trainer.data_position, stop)
     try:
-        run_rl(trainer, transport.batches(), transport.step_done, stop)
+        run_rl(trainer, transport.batches(), transport, stop)
     finally:
         transport.close()
     trainer.close()

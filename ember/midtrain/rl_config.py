@@ -65,7 +65,16 @@ class RLSettings(StrictModel):
     seed: Annotated[int, at_most(2**31 - 1, SEED_WHY)] = Field(default=1234, ge=0)
     save_interval: int = Field(default=1, ge=0, description="steps between checkpoints; 0: only at the end and on signal")
     keep_checkpoints: Annotated[int, at_most(1000, "each one is a full model and optimizer state on disk")] = Field(default=2, gt=0)
-    initial_policy_version: int = Field(default=0, ge=0, description="the version of the starting weights; step k publishes this + k")
+    initial_policy_version: int = Field(default=0, ge=0, description="the version of the starting weights; step k is this + k")
+    publish_interval: int | None = Field(
+        default=None, gt=0,
+        description="steps between announced policy versions, each exported (safetensors + config.json) and announced "
+        "with its URI and sha256; a multiple of save_interval, so only checkpointed weights are announced and a resume "
+        "never retrains an announced version. null: every checkpoint. The starting and the final version are always announced",
+    )
+    keep_versions: Annotated[int, at_most(1000, "each one is a full copy of the weights on disk")] = Field(
+        default=4, gt=0, description="exported versions kept under run_dir/versions; older ones are removed"
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> "RLSettings":
@@ -77,8 +86,21 @@ class RLSettings(StrictModel):
                 f"initial_policy_version + steps exceeds {MAX_POLICY_VERSION:,}, the largest int64 policy version "
                 "a TrainBatch or policy announcement can carry"
             )
+        if self.publish_interval is not None and (not self.save_interval or self.publish_interval % self.save_interval):
+            saves = f"every {self.save_interval} steps" if self.save_interval else "only at the end: save_interval 0"
+            problems.append((
+                "publish_interval",
+                f"{self.publish_interval} announces versions that are not checkpointed (saves happen "
+                f"{saves}): a restart would retrain them with other weights. Set publish_interval to a multiple of "
+                "save_interval, or null to announce every checkpoint",
+            ))
         configs.check(problems)
         return self
+
+    def announces(self, step: int) -> bool:
+        """Whether the version reached at `step` is announced (besides the run's first and last)."""
+        interval = self.publish_interval or self.save_interval
+        return interval > 0 and step % interval == 0
 
 
 class RLConfig(RunDirectory, StrictModel):
@@ -92,6 +114,11 @@ class RLConfig(RunDirectory, StrictModel):
     optimizer: OptimizerConfig
     rollouts: RolloutsConfig
     rl: RLSettings
+
+    @property
+    def versions_dir(self) -> Path:
+        """Announced policy versions, exported as Hugging Face safetensors (version_<N>/)."""
+        return self.run_dir / "versions"
 
     @model_validator(mode="after")
     def _single_rank(self) -> "RLConfig":

@@ -5,8 +5,10 @@ megatron-core router replay when configured; the train/inference mismatch measur
 KL(mu||pi), routing disagreement) and corrected (TIS, MIS or sequence-level geometric masking); a PPO
 clipped policy-gradient loss on the batch's advantages, masked to policy tokens; an optimizer step.
 
-The trainer never owns the transport: `run_rl` takes an iterable of batches and a callback that
-announces each new policy version (Kafka in `midtrain rl`, a list in the tests and benchmarks). A
+The trainer never owns the transport: `run_rl` takes an iterable of batches and a `PolicyChannel`
+told of every finished step and of every announced policy version (Kafka in `midtrain rl`, lists in
+the tests and benchmarks). A version is announced only once it is checkpointed and exported
+(`export_hf`, durable, hashed): the announcement carries the export's URI and sha256. A
 checkpoint holds the transport position of the last trained batch, so a restart resumes on the
 batch after it. One JSON line per step in metrics.jsonl; a restart appends
 {"event": "resumed", "step": S}: lines of steps after S before it were redone.
@@ -14,11 +16,13 @@ batch after it. One JSON line per step in metrics.jsonl; a restart appends
 
 from __future__ import annotations
 
+import re
+import shutil
 import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Protocol
 
 import numpy as np
 import torch
@@ -29,6 +33,19 @@ from ember.midtrain.model import moe_routers
 from ember.midtrain.rl_batch import RLBatch
 from ember.midtrain.rl_config import RLConfig, RLSettings
 from ember.midtrain.runtime import MetricsLog, StopRequest
+from ember.rollouts.faults import crash_point
+from ember.rollouts.records import PolicyVersion
+
+VERSION_DIR = re.compile(r"version_(\d+)")
+
+
+class PolicyChannel(Protocol):
+    """Where `run_rl` reports: every finished step (the transport commits its read position) and every
+    announced policy version (its weights already durable where the record's URI points)."""
+
+    def step_done(self) -> None: ...
+
+    def announce(self, version: PolicyVersion) -> None: ...
 
 
 def policy_model_config(config: RLConfig) -> RLConfig:
@@ -261,11 +278,45 @@ class RLTrainer:
     def save(self) -> Path:
         """A checkpoint of the model, optimizer, step and the position of the last trained batch."""
         from ember.midtrain import checkpoint
+        from ember.midtrain.export_hf import architecture_record
 
         return checkpoint.save(
             self.config.checkpoint_dir, self.model, self.optimizer, self.state, self.config.rollouts.batches_topic,
-            self.config.rl.keep_checkpoints, extra={"reader": self.data_position},
+            self.config.rl.keep_checkpoints,
+            extra={"reader": self.data_position, "architecture": architecture_record(self.config.model, self.config.moe)},
         )
+
+    def export_version(self, checkpoint_path: Path) -> PolicyVersion | None:
+        """Exports the checkpointed policy (`checkpoint_path`, this step's) as version `policy_version` under
+        run_dir/versions and returns its announcement; None on ranks other than 0. An export left by a run
+        that died before announcing it is checked against its hash and announced as is."""
+        from ember.midtrain.export_hf import export_checkpoint, read_manifest, verify_export
+
+        if dist.get_rank() != 0:
+            return None
+        version = self.policy_version
+        out = self.config.versions_dir / f"version_{version}"
+        if out.exists():
+            exported = verify_export(out)
+            made_from = read_manifest(out).get("source_checkpoint")
+            if made_from != str(checkpoint_path.resolve()):
+                raise ValueError(f"{out} was exported from {made_from}, not {checkpoint_path}: another lineage of this run")
+        else:
+            exported = export_checkpoint(
+                checkpoint_path, out, self.config.model, self.config.moe,
+                {"policy_version": version, "step": self.state.step},
+            )
+        self._drop_old_versions()
+        return PolicyVersion.now(version, exported.uri, exported.sha256)
+
+    def _drop_old_versions(self) -> None:
+        """Exports beyond the newest keep_versions, and temporaries of exports a killed run left behind
+        (this rank is the run's only writer and is not exporting now)."""
+        found = sorted(
+            (int(m.group(1)), p) for p in self.config.versions_dir.iterdir() if (m := VERSION_DIR.fullmatch(p.name))
+        )
+        for old in [p for _, p in found[: -self.config.rl.keep_versions]] + list(self.config.versions_dir.glob(".version_*.tmp")):
+            shutil.rmtree(old)
 
     def load_checkpoint(self, path: Path) -> None:
         from ember.midtrain import checkpoint
@@ -287,9 +338,20 @@ def _print_step(record: dict[str, Any], steps: int) -> None:
     )
 
 
-def run_rl(trainer: RLTrainer, batches: Iterable[RLBatch], publish: Callable[[int], None], stop: StopRequest) -> None:
-    """Trains until rl.steps, a stop request or the end of `batches`; after every step, `publish(version)`
-    announces the new policy. Checkpoints every save_interval steps and once at the end."""
+def _announce(trainer: RLTrainer, channel: PolicyChannel, checkpoint: Path) -> None:
+    """Exports the checkpointed policy, then announces it: never the other way round."""
+    crash_point("rl.before_export")
+    record = trainer.export_version(checkpoint)
+    crash_point("rl.before_announce")
+    if record is not None:
+        channel.announce(record)
+
+
+def run_rl(trainer: RLTrainer, batches: Iterable[RLBatch], channel: PolicyChannel, stop: StopRequest) -> None:
+    """Trains until rl.steps, a stop request or the end of `batches`; `channel.step_done()` after every step.
+    Checkpoints every save_interval steps and once at the end. Announced, each after its checkpoint and
+    export: the starting version (after a crash, maybe a checkpoint that was never announced), every
+    checkpointed version `rl.announces`, and the last."""
     config, rl = trainer.config, trainer.config.rl
     with MetricsLog(config.metrics_path, enabled=True, first_step=trainer.state.step + 1) as metrics:
         if trainer.resumed_from is not None:
@@ -298,7 +360,9 @@ def run_rl(trainer: RLTrainer, batches: Iterable[RLBatch], publish: Callable[[in
         if trainer.cpu_patched:
             print("[rl] no GPU: CPU compatibility patches active, gloo backend, fp32, grad clipping off", flush=True)
         print(f"[rl] {torch.get_num_threads()} CPU thread(s)", flush=True)
-        saved_step = trainer.state.step if trainer.resumed_from is not None else None
+        checkpoint = trainer.resumed_from or trainer.save()
+        _announce(trainer, channel, checkpoint)
+        saved_step = announced_step = trainer.state.step
         pending = iter(batches)
         while trainer.state.step < rl.steps and stop.signal is None:
             batch = next(pending, None)
@@ -307,13 +371,17 @@ def run_rl(trainer: RLTrainer, batches: Iterable[RLBatch], publish: Callable[[in
             record = trainer.train_step(batch)
             record["offset"] = batch.offset
             if rl.save_interval and trainer.state.step % rl.save_interval == 0:
-                trainer.save()
-                saved_step = trainer.state.step
+                checkpoint, saved_step = trainer.save(), trainer.state.step
+                if rl.announces(trainer.state.step):
+                    _announce(trainer, channel, checkpoint)
+                    announced_step = trainer.state.step
             metrics.write(record)
-            publish(trainer.policy_version)
+            channel.step_done()
             _print_step(record, rl.steps)
         if saved_step != trainer.state.step:
-            trainer.save()
+            checkpoint = trainer.save()
+        if announced_step != trainer.state.step:
+            _announce(trainer, channel, checkpoint)
         if trainer.state.step >= rl.steps:
             config.complete_marker.write_text(f"{trainer.state.step}\n")
         print(f"[rl] {'finished' if trainer.state.step >= rl.steps else 'stopped'} at step {trainer.state.step}", flush=True)

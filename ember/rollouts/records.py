@@ -3,13 +3,15 @@
 - `Outcome`: the ETL's ledger (topic `<prefix>.outcomes`), one record per emitted batch, per dropped
   rollout or reward, per dead letter. Written in the same transaction as the batches, so counting the
   ledger counts exactly what the trainer can see; `ember rollouts stats` reads it.
-- `PolicyVersion`: the trainer announces each new policy version (topic `<prefix>.policy-versions`).
+- `PolicyVersion`: the trainer announces each new policy version (topic `<prefix>.policy-versions`), with
+  where its exported weights are and their sha256 once they are durable.
 - `ShardSnapshot`: the ETL's crash-recovery state for one partition pair (topic `<prefix>.etl-state`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from enum import Enum
@@ -116,13 +118,38 @@ class Outcome:
             raise ValueError(f"outcome record has unexpected fields: {exc}") from None
 
 
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+MAX_URI_CHARS = 4096
+
+
 @dataclass(frozen=True)
 class PolicyVersion:
+    """One announced policy version. `weights_uri` and `weights_sha256` (schema 2, both or neither) say where
+    its exported weights lie and the sha256 of their safetensors file; the trainer announces a version only
+    once those files are durable. Version-1 records (the integer alone, e.g. from `ember rollouts
+    simulate`) still decode, with both None, and version-1 readers ignore the new keys."""
+
     policy_version: int
     published_at_us: int
+    weights_uri: str | None = None
+    weights_sha256: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.weights_uri is None) != (self.weights_sha256 is None):
+            raise ValueError("a policy-version record carries weights_uri and weights_sha256 together or neither")
+        if self.weights_uri is not None and not (
+            isinstance(self.weights_uri, str) and 0 < len(self.weights_uri) <= MAX_URI_CHARS and "://" in self.weights_uri
+        ):
+            raise ValueError(f"weights_uri must be a URI (scheme://...) of at most {MAX_URI_CHARS} characters, got {str(self.weights_uri)[:60]!r}")
+        if self.weights_sha256 is not None and not (isinstance(self.weights_sha256, str) and _SHA256.fullmatch(self.weights_sha256)):
+            raise ValueError(f"weights_sha256 must be 64 lowercase hex digits, got {str(self.weights_sha256)[:70]!r}")
+
+    @property
+    def carries_weights(self) -> bool:
+        return self.weights_uri is not None
 
     def encode(self) -> bytes:
-        return _dumps(asdict(self))
+        return _dumps({k: v for k, v in asdict(self).items() if v is not None})
 
     @staticmethod
     def decode(raw: bytes | None) -> "PolicyVersion":
@@ -132,11 +159,11 @@ class PolicyVersion:
             raise ValueError(f"policy_version must be an integer in [0, 2**63 - 1], got {str(version)[:40]}")
         if not isinstance(published, int) or abs(published) > INT64_MAX:
             raise ValueError(f"published_at_us must be an int64, got {str(published)[:40]}")
-        return PolicyVersion(version, published)
+        return PolicyVersion(version, published, value.get("weights_uri"), value.get("weights_sha256"))
 
     @staticmethod
-    def now(version: int) -> "PolicyVersion":
-        return PolicyVersion(version, time.time_ns() // 1000)
+    def now(version: int, weights_uri: str | None = None, weights_sha256: str | None = None) -> "PolicyVersion":
+        return PolicyVersion(version, time.time_ns() // 1000, weights_uri, weights_sha256)
 
 
 def offsets_to_ranges(offsets: list[int]) -> list[list[int]]:

@@ -94,7 +94,8 @@ def _dead_letter(message: ConsumerRecord) -> str:
 
 def _policy(p: PolicyVersion) -> str:
     at = datetime.fromtimestamp(p.published_at_us / 1e6, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-    return f"policy version {p.policy_version} announced {at}"
+    weights = f" weights {p.weights_uri} sha256 {p.weights_sha256[:12]}" if p.carries_weights else ""
+    return f"policy version {p.policy_version} announced {at}{weights}"
 
 
 def _snapshot(s: ShardSnapshot) -> str:

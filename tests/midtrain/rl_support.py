@@ -5,6 +5,8 @@ in a subprocess.
 sample from the trainer's own policy (ember.demo.sampler), reward, publish, ETL, RL steps.
 `python -m tests.midtrain.rl_support sample CONFIG GROUPS DIR` writes batches sampled by the reference
 sampler (router weights perturbed); `... memory CONFIG DIR OUT.json` runs `run_rl` on them, no broker.
+`... score CONFIG IN.json OUT.json` scores IN's {"sequences": [...]} with the trainer's model at its latest
+checkpoint (megatron forward, as the trainer computes log-probs).
 """
 
 from __future__ import annotations
@@ -82,6 +84,20 @@ def sample_main(config_path: str, groups: int, out_dir: str) -> None:
         (Path(out_dir) / f"{g:04d}.batch").write_bytes(encode_train_batch(batch))
 
 
+class Channel:
+    """`run_rl`'s PolicyChannel in memory: counts steps, keeps the announcements."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.announced: list = []
+
+    def step_done(self) -> None:
+        self.steps += 1
+
+    def announce(self, version) -> None:
+        self.announced.append(version)
+
+
 def memory_main(config_path: str, batch_dir: str, out: str) -> None:
     """`run_rl` on the batches in `batch_dir`, no broker; writes the policy versions it published."""
     from ember.midtrain.rl_batch import rl_batch
@@ -91,10 +107,23 @@ def memory_main(config_path: str, batch_dir: str, out: str) -> None:
 
     trainer = RLTrainer(load_rl_config(config_path))
     batches = [rl_batch(decode_train_batch(p.read_bytes())) for p in sorted(Path(batch_dir).glob("*.batch"))]
-    published: list[int] = []
-    run_rl(trainer, batches, published.append, StopRequest())
+    channel = Channel()
+    run_rl(trainer, batches, channel, StopRequest())
     trainer.close()
-    Path(out).write_text(json.dumps({"published": published, "batch_ids": [b.batch_id for b in batches]}))
+    published = [v.policy_version for v in channel.announced]
+    Path(out).write_text(json.dumps({"published": published, "steps": channel.steps, "batch_ids": [b.batch_id for b in batches]}))
+
+
+def score_main(config_path: str, source: str, out: str) -> None:
+    from ember.demo.sampler import score
+    from ember.midtrain.rl_config import load_rl_config
+    from ember.midtrain.rl_trainer import RLTrainer
+
+    trainer = RLTrainer(load_rl_config(config_path))
+    sequences = [np.array(s, dtype=np.int64) for s in json.loads(Path(source).read_text())["sequences"]]
+    logprobs = [logp.tolist() for logp, _ in score(trainer.model, sequences)]
+    Path(out).write_text(json.dumps({"step": trainer.state.step, "logprobs": logprobs}))
+    trainer.close()
 
 
 def toy_main(config_path: str, iterations: int, out: str) -> None:
@@ -147,5 +176,7 @@ if __name__ == "__main__":
         sample_main(args[0], int(args[1]), args[2])
     elif mode == "memory":
         memory_main(args[0], args[1], args[2])
+    elif mode == "score":
+        score_main(args[0], args[1], args[2])
     else:
         raise SystemExit(f"unknown mode {mode}")

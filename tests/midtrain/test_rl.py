@@ -93,7 +93,7 @@ def test_replay_forces_the_sampler_routing_and_off_reports_the_mismatch(batches)
     assert off[0]["mismatch"]["kl_mu_pi"] > 0 and 0 <= off[0]["correction_kept_frac"] <= 1
     assert "routing-disagree" in outputs["off"] and "|dlogp|" in outputs["off"]
     versions = [PolicyVersion.decode(r.value).policy_version for r in read_topic(Topics(prefix).policy_versions)]
-    assert sorted(versions) == [1, 1, 2, 2, 3, 3]
+    assert sorted(versions) == [0, 0, 1, 1, 2, 2, 3, 3], "each run: its start, then every checkpoint"
     assert (root / "replay" / "checkpoints" / "latest").read_text() == "step_00000003"
 
 

@@ -76,7 +76,8 @@ def test_run_rl_on_in_memory_batches_replays_routing_publishes_and_checkpoints(t
     records = {mode: [json.loads(line) for line in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()] for mode in runs}
     replay, off = records["replay"], records["off"]
     assert [r["batch_id"] for r in replay] == [r["batch_id"] for r in off] == found["replay"]["batch_ids"]
-    assert found["replay"]["published"] == found["off"]["published"] == [1, 2, 3]
+    assert found["replay"]["published"] == found["off"]["published"] == [0, 1, 2, 3], "the start, then every checkpoint"
+    assert found["replay"]["steps"] == GROUPS
     for r in replay:
         assert r["replayed"] and r["routing_disagreement_per_layer"] == [0.0, 0.0] and r["offset"] is None
     for r in off:
