@@ -4,7 +4,7 @@ in a subprocess.
 `python -m tests.midtrain.rl_support toy CONFIG ITERATIONS OUT.json` runs the verifiable-task loop:
 sample from the trainer's own policy (ember.demo.sampler), reward, publish, ETL, RL steps.
 `python -m tests.midtrain.rl_support sample CONFIG GROUPS DIR` writes batches sampled by the reference
-sampler (router weights perturbed); `... memory CONFIG DIR OUT.json` runs `run_rl` on them, no broker.
+sampler (router weights perturbed); `... memory CONFIG DIR OUT.json` runs `run_rl` on them, no broker (under torchrun: on every rank).
 """
 
 from __future__ import annotations
@@ -83,18 +83,24 @@ def sample_main(config_path: str, groups: int, out_dir: str) -> None:
 
 
 def memory_main(config_path: str, batch_dir: str, out: str) -> None:
-    """`run_rl` on the batches in `batch_dir`, no broker; writes the policy versions it published."""
-    from ember.midtrain.rl_batch import rl_batch
+    """`run_rl` on the encoded batches in `batch_dir`, no broker, on one rank or each rank of a torchrun
+    group (rank 0 reads the files, every rank decodes its share); rank 0 writes the versions it published."""
     from ember.midtrain.rl_config import load_rl_config
+    from ember.midtrain.rl_ranks import BatchMessage
     from ember.midtrain.rl_trainer import RLTrainer, run_rl
     from ember.midtrain.runtime import StopRequest
 
     trainer = RLTrainer(load_rl_config(config_path))
-    batches = [rl_batch(decode_train_batch(p.read_bytes())) for p in sorted(Path(batch_dir).glob("*.batch"))]
+    paths = sorted(Path(batch_dir).glob("*.batch"))
+    lead = trainer.rank == 0
+    stop = StopRequest()
     published: list[int] = []
-    run_rl(trainer, batches, published.append, StopRequest())
+    messages = [BatchMessage(p.read_bytes()) for p in paths] if lead else None
+    run_rl(trainer, trainer.rank_batches(messages, stop), published.append if lead else None, stop)
     trainer.close()
-    Path(out).write_text(json.dumps({"published": published, "batch_ids": [b.batch_id for b in batches]}))
+    if lead:
+        ids = [decode_train_batch(p.read_bytes()).batch_id for p in paths]
+        Path(out).write_text(json.dumps({"published": published, "batch_ids": ids}))
 
 
 def toy_main(config_path: str, iterations: int, out: str) -> None:
