@@ -63,6 +63,31 @@ def train_batch(rollouts: list[Rollout], rewards: list[Reward], step: int) -> Tr
     ).validate()
 
 
+class BatchFeed:
+    """A fresh `<prefix>.train-batches` topic that a test fills by hand with encoded batches, so a trainer
+    can never run ahead of the point where the test stops, kills or preempts it."""
+
+    def __init__(self, prefix: str):
+        from kafka import KafkaProducer
+
+        from ember.rollouts.admin import ensure_topics
+        from ember.rollouts.config import kafka_bootstrap
+        from ember.rollouts.security import KafkaSecurity
+        from ember.rollouts.topics import Topics
+
+        spec = Topics(prefix).specs()["train_batches"]
+        ensure_topics(kafka_bootstrap(), [spec], KafkaSecurity())
+        self.topic = spec.name
+        self.producer = KafkaProducer(bootstrap_servers=kafka_bootstrap())
+
+    def send(self, values: list[bytes]) -> None:
+        for value in values:
+            self.producer.send(self.topic, value=value).get(timeout=30)
+
+    def close(self) -> None:
+        self.producer.close()
+
+
 def sample_main(config_path: str, groups: int, out_dir: str) -> None:
     """Saves the initial policy (step 0 in the config's run_dir), samples `groups` groups with perturbed
     routers and writes one encoded batch per group to `out_dir`, as the ETL would publish them."""
