@@ -135,7 +135,7 @@ def _wait_records(metrics: Path, count: int, proc: subprocess.Popen, log: Path) 
 
 
 def test_kill_9_of_one_rank_restarts_both_from_the_checkpoint_and_trains_every_batch_once(batches):
-    """Two ranks under torchrun (--max-restarts 1); rank 1 dies by SIGKILL after step 3 (checkpoint at 2):
+    """`midtrain rl --nproc-per-node 2 --max-restarts 1`; rank 1 dies by SIGKILL after step 3 (checkpoint at 2):
     torchrun restarts both, they resume from step 2 and train each batch exactly once after it."""
     import psutil
 
@@ -153,9 +153,9 @@ def test_kill_9_of_one_rank_restarts_both_from_the_checkpoint_and_trains_every_b
     # A log file, not a pipe: the killed rank's orphaned checkpoint-writer helper would hold a pipe open.
     with open(log, "w") as out_file:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-             "-m", "ember.midtrain.rl", str(config)],
-            cwd=REPO, stdout=out_file, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+            [sys.executable, "-m", "ember.midtrain.cli", "rl", str(config), "--nproc-per-node", "2", "--max-restarts", "1",
+             "--threads", "1"],
+            cwd=REPO, stdout=out_file, stderr=subprocess.STDOUT,
         )
     killed: list[psutil.Process] = []
     try:
