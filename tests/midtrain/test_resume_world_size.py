@@ -23,7 +23,7 @@ from ember.midtrain.config import load_config
 
 from .configs import tiny_run
 
-# Several megatron processes one after another (5 runs of 1-2 ranks): more than the default timeout on a busy machine.
+# Several megatron processes one after another (4 runs of 1-2 ranks): more than the default timeout on a busy machine.
 pytestmark = pytest.mark.timeout(1500)
 
 STEPS = 10

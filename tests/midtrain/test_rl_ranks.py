@@ -21,7 +21,7 @@ from ember.schemas import DecodeError, TrainBatch, decode_train_batch, encode_tr
 
 from .rl_support import rl_config
 
-# Several megatron processes one after another (5 runs of 1-2 ranks): more than the default timeout on a busy machine.
+# Several megatron processes one after another (4 runs of 1-2 ranks): more than the default timeout on a busy machine.
 pytestmark = pytest.mark.timeout(1500)
 
 REPO = Path(__file__).resolve().parents[2]
