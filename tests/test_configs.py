@@ -306,4 +306,7 @@ def test_a_key_like_no_allowed_one_gets_no_guess():
 
 def test_a_cross_section_problem_is_named_by_the_section_it_is_about(tmp_path):
     lines = _problems(midtrain_app, ["rl"], _write(tmp_path / "bad.yaml", {**RL, "parallel": {"tensor": 2}}))
-    assert lines == ["parallel: the RL trainer runs one rank per model replica for now (tensor, pipeline, expert = 1)"]
+    assert lines == [
+        "parallel: the RL step runs each batch share as one micro-batch through the whole model: tensor and pipeline "
+        "must be 1 (data- and expert-parallel ranks are supported)"
+    ]

@@ -66,14 +66,7 @@ def train(
     threads = threads or cfg.parallel.threads
     argv = [str(config), *(["--threads", str(threads)] if threads else [])]
     if nproc_per_node > 1:
-        # torchrun would pin each rank to one thread (with a banner) when OMP_NUM_THREADS is unset
-        shared = max(1, (os.cpu_count() or 1) // nproc_per_node)
-        os.environ["OMP_NUM_THREADS"] = str(threads or os.environ.get("OMP_NUM_THREADS") or shared)
-        args = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}",
-            "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "-m", "ember.midtrain.train", *argv,
-        ]
-        os.execv(sys.executable, args)
+        _exec_torchrun(nproc_per_node, threads, "ember.midtrain.train", argv)
     from ember.midtrain.train import main
 
     raise typer.Exit(main(argv))
@@ -82,14 +75,38 @@ def train(
 @app.command()
 def rl(
     config: Path = typer.Argument(..., help="RL config YAML (see ember/midtrain/examples/rl_tiny_cpu.yaml)."),
+    nproc_per_node: int = typer.Option(1, "--nproc-per-node", min=1, help="Ranks on this machine (>1 runs torchrun)."),
+    max_restarts: int = typer.Option(
+        0, "--max-restarts", min=0, help="With --nproc-per-node: restart every rank from the checkpoint this often when one dies."
+    ),
     threads: int = typer.Option(None, "--threads", min=1, help=THREADS_HELP + "."),
 ) -> None:
-    """RL steps on rollout batches from Kafka in this process; resumes from the latest checkpoint."""
+    """RL steps on rollout batches from Kafka in this process, or as N local ranks under torchrun (each
+    trains its share of every batch); resumes from the latest checkpoint."""
     cfg = _load(config, rl=True)
-    _check_runnable(cfg, 1)
+    _check_runnable(cfg, nproc_per_node)
+    threads = threads or cfg.parallel.threads
+    argv = [str(config), *(["--threads", str(threads)] if threads else [])]
+    if nproc_per_node > 1:
+        _exec_torchrun(nproc_per_node, threads, "ember.midtrain.rl", argv, max_restarts)
     from ember.midtrain.rl import main
 
-    raise typer.Exit(main([str(config), *(["--threads", str(threads)] if threads else [])]))
+    raise typer.Exit(main(argv))
+
+
+def _exec_torchrun(nproc_per_node: int, threads: int | None, module: str, argv: list[str], max_restarts: int = 0) -> None:
+    """Replaces this process with a standalone torchrun of `module` on `nproc_per_node` local ranks."""
+    # torchrun would pin each rank to one thread (with a banner) when OMP_NUM_THREADS is unset
+    shared = max(1, (os.cpu_count() or 1) // nproc_per_node)
+    os.environ["OMP_NUM_THREADS"] = str(threads or os.environ.get("OMP_NUM_THREADS") or shared)
+    # Each attempt's ranks meet in a store of their own: with the agent's shared store a restarted rank
+    # can read a dead rank's address from the attempt before (pytorch/pytorch#135712).
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    args = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}",
+        f"--max-restarts={max_restarts}", "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "-m", module, *argv,
+    ]
+    os.execv(sys.executable, args)
 
 
 @app.command("export-hf")

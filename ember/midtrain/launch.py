@@ -101,7 +101,7 @@ class LaunchRequest:
     partition: str
     time: str
     signal_seconds: int
-    mode: str = "train"  # "rl": the RL trainer (`ember.midtrain.rl`, one rank) on an RLConfig
+    mode: str = "train"  # "rl": the RL trainer (`ember.midtrain.rl`) on an RLConfig
     threads: int | None = None  # CPU threads per rank; None: the config's parallel.threads, else the default
 
 
@@ -155,6 +155,13 @@ def _world_size_problems(config: MidtrainConfig, world: int) -> list[str]:
     return problems
 
 
+def _rl_world_size_problems(config: RLConfig, world: int) -> list[str]:
+    """RL ranks are all data-parallel (tensor = pipeline = 1, see RLConfig); experts split across `expert` of them."""
+    if world % config.parallel.expert:
+        return [f"world size {world} is not a multiple of parallel.expert {config.parallel.expert}"]
+    return []
+
+
 def check_data(config: MidtrainConfig) -> None:
     """Shard sets exist, are finished and complete, and were tokenized for this model."""
     specs = [ShardSetSpec(s.path, s.weight) for s in config.data.shard_sets]
@@ -174,7 +181,7 @@ def check_runnable(config: MidtrainConfig | RLConfig, world: int) -> None:
     Raises LaunchError (layout, checkpoint) or DataError (shard sets), each naming what to fix.
     """
     if isinstance(config, RLConfig):
-        problems = [] if world == 1 else [f"the RL trainer runs as one rank, got {world} (one process: --nodes 1 --procs-per-node 1)"]
+        problems = _rl_world_size_problems(config, world)
     else:
         problems = _world_size_problems(config, world)
     if problems:

@@ -1,8 +1,9 @@
 """`midtrain rl CONFIG` (`python -m ember.midtrain.rl`): the RL trainer wired to Kafka.
 
-Batches come from `<prefix>.train-batches` through `RolloutBatchReader` (read_committed only); after
-each step the reader commits. Policy versions are announced on the policy-versions topic once their
-checkpoint is exported (URI + sha256 in the record, see `rl_trainer.run_rl` for which versions).
+Batches come from `<prefix>.train-batches` through `RolloutBatchReader` (read_committed only, on rank
+0; with several ranks each decodes only its share of a batch); after each step the reader commits.
+Policy versions are announced on the policy-versions topic once their checkpoint is exported (URI +
+sha256 in the record, see `rl_trainer.run_rl` for which versions).
 Each batch carries the reader position it leaves behind, the trainer checkpoints it, and a restart
 hands it back to the reader, so the run resumes on the batch after the checkpoint even if it had
 stepped (and committed) further before it crashed. SIGTERM/SIGUSR1 finish the step, checkpoint and
@@ -19,8 +20,8 @@ from typing import Any, Iterator
 from ember.configs import MidtrainConfigError
 from ember.midtrain import runtime
 from ember.midtrain.launch import check_runnable
-from ember.midtrain.rl_batch import RLBatch, rl_batch
 from ember.midtrain.rl_config import RLConfig, load_rl_config
+from ember.midtrain.rl_ranks import BatchMessage
 from ember.midtrain.runtime import StopRequest
 from ember.midtrain.slurm import LaunchError
 from ember.rollouts.records import PolicyVersion
@@ -53,14 +54,14 @@ class PolicyVersionPublisher:
 
 
 class KafkaTransport:
-    """The trainer's Kafka side: batches in from the train-batches topic, policy versions out."""
+    """The trainer's Kafka side, on rank 0 only: batch records in from the train-batches topic (every
+    rank decodes its own share, see `ember.midtrain.rl_ranks`), policy versions out."""
 
-    def __init__(self, config: RLConfig, position: dict[str, Any] | None, stop: StopRequest):
+    def __init__(self, config: RLConfig, position: dict[str, Any] | None):
         from ember.rollouts.reader import RolloutBatchReader
         from ember.rollouts.config import kafka_bootstrap
 
         bootstrap = config.rollouts.bootstrap or kafka_bootstrap()
-        self.stop = stop
         self.idle_timeout_s = config.rollouts.idle_timeout_s
         security = config.rollouts.security
         self.publisher = PolicyVersionPublisher(config.rollouts.topic_prefix, bootstrap, security)
@@ -69,19 +70,20 @@ class KafkaTransport:
             idle_timeout_s=_POLL_S, security=security,
         )
 
-    def batches(self) -> Iterator[RLBatch]:
-        """Batches as they become readable; ends on a stop request or after `idle_timeout_s` without one."""
+    def messages(self) -> Iterator[BatchMessage | None]:
+        """Batch records as they become readable, None after each poll interval without one; ends after
+        `idle_timeout_s` without a batch (stop requests are the ranks' decision, `RankBatches`)."""
         idle_since = time.monotonic()
-        while self.stop.signal is None:
-            try:
-                read = next(self.reader)
-            except StopIteration:  # nothing within the poll interval
+        while True:
+            raw = self.reader.next_message()
+            if raw is None:
                 idle = self.idle_timeout_s
                 if idle is not None and time.monotonic() - idle_since > idle:
                     print(f"[rl] no batch for {idle:.0f}s: stopping", flush=True)
                     return
+                yield None
                 continue
-            yield rl_batch(read.batch, offset=read.offset, position=read.position)
+            yield BatchMessage(raw.value, offset=raw.offset, position=raw.position)
             idle_since = time.monotonic()
 
     def step_done(self) -> None:
@@ -101,11 +103,13 @@ def run(config: RLConfig, stop: StopRequest) -> int:
     from ember.midtrain.rl_trainer import RLTrainer, run_rl  # megatron: after main's checks and warning filters
 
     trainer = RLTrainer(config)
-    transport = KafkaTransport(config, trainer.data_position, stop)
+    transport = KafkaTransport(config, trainer.data_position) if trainer.rank == 0 else None
     try:
-        run_rl(trainer, transport.batches(), transport, stop)
+        batches = trainer.rank_batches(transport.messages() if transport else None, stop)
+        run_rl(trainer, batches, transport, stop)
     finally:
-        transport.close()
+        if transport:
+            transport.close()
     trainer.close()
     return 0
 

@@ -2,6 +2,11 @@
 
 The trainer never sees the transport: whatever delivers batches (the Kafka reader in `midtrain rl`,
 a list in the tests and benchmarks) turns each schema `TrainBatch` into an `RLBatch` with `rl_batch`.
+
+With several data-parallel ranks each rank trains a contiguous share of a batch's rollouts:
+`share_bounds` cuts the batch where its token count is closest to an equal split, from `cu_seqlens`
+alone, and `rl_batch_share` decodes only that share of an encoded message (the codec's arrays are
+zero-copy views, so the other ranks' tokens and routed experts are never copied or checked here).
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ import torch
 from torch import Tensor
 
 from ember.rollouts.batching import position_ids
-from ember.schemas import TrainBatch
+from ember.schemas import DecodeError, TrainBatch
+from ember.schemas.codec import decode
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,9 @@ class RLBatch:
     offset: int | None = None  # where the transport read it, for the metrics line
     # The transport's position once this batch is trained: checkpoints store it so a resume reads the next one.
     position: dict[str, Any] | None = None
+    # Bytes of per-token arrays this rank decoded (its share only), and of those the routed experts.
+    decoded_bytes: int = 0
+    routed_expert_bytes: int = 0
 
     @property
     def num_sequences(self) -> int:
@@ -51,6 +60,81 @@ class RLBatch:
 
     def without_routed_experts(self) -> RLBatch:
         return dataclasses.replace(self, routed_experts=None)
+
+
+_TOKEN_ARRAYS = ("tokens", "loss_mask", "advantages", "sampler_logprobs")
+
+
+def share_bounds(cu_seqlens: np.ndarray, ranks: int) -> np.ndarray:
+    """[ranks + 1] sequence indices: rank r trains sequences [b[r], b[r + 1]). Contiguous, at least one
+    sequence each, every cut at the sequence boundary nearest r / ranks of the batch's tokens, so the
+    split is a function of the header alone and every rank computes the same one."""
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    sequences, total = len(cu) - 1, int(cu[-1])
+    if sequences < ranks:
+        raise ValueError(
+            f"the batch has {sequences} rollouts for {ranks} data-parallel ranks: each rank trains at least one; "
+            "give the ETL a larger batches.token_budget or run fewer ranks"
+        )
+    bounds = [0]
+    for r in range(1, ranks):
+        target = total * r / ranks
+        cut = int(np.searchsorted(cu, target))
+        if cut > 0 and (cut > sequences or target - cu[cut - 1] <= cu[cut] - target):
+            cut -= 1
+        bounds.append(min(max(cut, bounds[-1] + 1), sequences - (ranks - r)))
+    bounds.append(sequences)
+    return np.array(bounds, dtype=np.int64)
+
+
+def _header_problems(batch: TrainBatch) -> list[str]:
+    """What a share cannot check about the whole batch: array lengths, cu_seqlens, unique rollout ids
+    (sizes and the small per-sequence arrays only; no per-token contents are read)."""
+    n, cu = len(batch.tokens), batch.cu_seqlens
+    problems = [f"{name} has {len(getattr(batch, name))} entries for {n} tokens" for name in _TOKEN_ARRAYS[1:] if len(getattr(batch, name)) != n]
+    if batch.routed_experts is not None and (batch.routed_experts.ndim != 3 or len(batch.routed_experts) != n):
+        problems.append(f"routed_experts shape {batch.routed_experts.shape} must be [{n}, layers, top_k]")
+    if len(cu) != batch.num_sequences + 1 or len(batch.policy_versions) != batch.num_sequences:
+        problems.append(f"cu_seqlens ({len(cu)}) and policy_versions ({len(batch.policy_versions)}) do not match {batch.num_sequences} rollout ids")
+    elif cu[0] != 0 or cu[-1] != n or np.any(np.diff(cu) <= 0):
+        problems.append(f"cu_seqlens must rise strictly from 0 to {n}")
+    if len(set(batch.rollout_ids)) != batch.num_sequences:
+        problems.append("a rollout appears twice in one batch")
+    return problems
+
+
+def rl_batch_share(
+    message: bytes | bytearray | memoryview, rank: int, ranks: int, *, offset: int | None = None,
+    position: dict[str, Any] | None = None,
+) -> RLBatch:
+    """This rank's share (`share_bounds`) of an encoded TrainBatch, decoded and validated alone.
+
+    Raises DecodeError naming the batch when the message is not a well-formed TrainBatch or the share is invalid."""
+    batch = decode(message, validate=False)  # structure only; arrays stay views of the message
+    if not isinstance(batch, TrainBatch):
+        raise DecodeError(f"expected a TrainBatch message, got a {type(batch).__name__}")
+    problems = _header_problems(batch)
+    if problems:
+        raise DecodeError(f"invalid TrainBatch {batch.batch_id}: " + "; ".join(problems))
+    bounds = share_bounds(batch.cu_seqlens, ranks)
+    first, last = int(bounds[rank]), int(bounds[rank + 1])
+    start, end = int(batch.cu_seqlens[first]), int(batch.cu_seqlens[last])
+    share = TrainBatch(
+        batch_id=batch.batch_id,
+        step=batch.step,
+        **{name: getattr(batch, name)[start:end] for name in _TOKEN_ARRAYS},
+        cu_seqlens=(batch.cu_seqlens[first : last + 1] - start).astype(np.int32),
+        policy_versions=batch.policy_versions[first:last],
+        rollout_ids=batch.rollout_ids[first:last],
+        source_offsets=batch.source_offsets,
+        routed_experts=None if batch.routed_experts is None else batch.routed_experts[start:end],
+        created_at_us=batch.created_at_us,
+    )
+    try:
+        share.validate()
+    except ValueError as exc:
+        raise DecodeError(f"rollouts {first}..{last - 1} of batch {batch.batch_id}: {exc}") from None
+    return rl_batch(share, offset=offset, position=position)
 
 
 def rl_batch(batch: TrainBatch, *, offset: int | None = None, position: dict[str, Any] | None = None) -> RLBatch:
@@ -72,4 +156,6 @@ def rl_batch(batch: TrainBatch, *, offset: int | None = None, position: dict[str
         routed_experts=experts,
         offset=offset,
         position=position,
+        decoded_bytes=sum(getattr(batch, name).nbytes for name in _TOKEN_ARRAYS) + (0 if experts is None else batch.routed_experts.nbytes),
+        routed_expert_bytes=0 if experts is None else batch.routed_experts.nbytes,
     )

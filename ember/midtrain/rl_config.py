@@ -121,11 +121,19 @@ class RLConfig(RunDirectory, StrictModel):
         return self.run_dir / "versions"
 
     @model_validator(mode="after")
-    def _single_rank(self) -> "RLConfig":
+    def _layout(self) -> "RLConfig":
         p = self.parallel
         problems = memory_problems(self.model, self.moe, self.parallel, tokens=0)
-        if (p.tensor, p.pipeline, p.expert) != (1, 1, 1):
-            problems.append(("parallel", "the RL trainer runs one rank per model replica for now (tensor, pipeline, expert = 1)"))
+        if (p.tensor, p.pipeline) != (1, 1):
+            problems.append((
+                "parallel", "the RL step runs each batch share as one micro-batch through the whole model: "
+                "tensor and pipeline must be 1 (data- and expert-parallel ranks are supported)",
+            ))
+        if p.expert > 1 and self.moe.token_dispatcher == "allgather":
+            problems.append((
+                "moe.token_dispatcher", "expert-parallel RL needs alltoall or flex: each rank's share of a batch has "
+                "its own token count, which the allgather dispatcher cannot exchange",
+            ))
         configs.check(problems)
         return self
 

@@ -12,6 +12,10 @@ the tests and benchmarks). A version is announced only once it is checkpointed a
 checkpoint holds the transport position of the last trained batch, so a restart resumes on the
 batch after it. One JSON line per step in metrics.jsonl; a restart appends
 {"event": "resumed", "step": S}: lines of steps after S before it were redone.
+
+Several ranks (data-parallel, experts split over `parallel.expert` of them) each train their share
+of every batch (`ember.midtrain.rl_ranks`); the loss is aggregated over the whole batch, so a step on
+N ranks is the step one rank would take on the same batch, and the metrics line is the whole batch's.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from ember.midtrain import rl_math, runtime
 from ember.midtrain.model import moe_routers
 from ember.midtrain.rl_batch import RLBatch
 from ember.midtrain.rl_config import RLConfig, RLSettings
+from ember.midtrain.rl_ranks import BatchMessage, RankBatches
 from ember.midtrain.runtime import MetricsLog, StopRequest
 from ember.rollouts.faults import crash_point
 from ember.rollouts.records import PolicyVersion
@@ -66,13 +71,31 @@ class _Inputs:
     replay: list[torch.Tensor] | None  # per MoE layer [T, top_k] int64, layer order
 
 
+def _local_normaliser(mask: torch.Tensor, cu_seqlens: torch.Tensor, aggregation: str) -> float:
+    """What `rl_math.aggregate` divides this rank's sum by: policy tokens (token_mean) or sequences
+    with a policy token (seq_mean)."""
+    if aggregation == "token_mean":
+        return float(mask.sum())
+    if aggregation == "seq_mean":
+        counts = torch.zeros(len(cu_seqlens) - 1, dtype=mask.dtype, device=mask.device)
+        return float((counts.index_add(0, rl_math.segment_ids(cu_seqlens), mask) > 0).sum())
+    raise ValueError(f"no global normaliser for aggregation {aggregation!r}: add it to rl_trainer._local_normaliser")
+
+
 class _PolicyLoss:
     """The PPO loss of one batch over its updates. The first call sees the policy before any update
-    (pi_old): it fixes the correction weights, the clip fraction and, for "recompute", the old log-probs."""
+    (pi_old): it fixes the correction weights, the clip fraction and, for "recompute", the old log-probs.
 
-    def __init__(self, rl: RLSettings, inputs: _Inputs):
+    Global aggregation: this rank's mean times `share` (its normaliser over the whole batch's) is its
+    part of the whole batch's mean, what `losses` records; the backward takes it times the data-parallel
+    size, since megatron's DDP averages gradients over the ranks, so the summed gradient is the
+    gradient of the whole batch's mean."""
+
+    def __init__(self, rl: RLSettings, inputs: _Inputs, share: float = 1.0, dp_size: int = 1):
         self.rl = rl
         self.inputs = inputs
+        self.share = share
+        self.dp_size = dp_size
         self.first_logp: torch.Tensor | None = None
         self.weights = torch.empty(0)
         self.clip_frac = 0.0
@@ -91,25 +114,29 @@ class _PolicyLoss:
         per_token, clipped = rl_math.ppo_clipped_loss(logp, old, x.advantages, rl.clip_low, rl.clip_high)
         if first:
             self.clip_frac = float((clipped * x.mask).sum() / x.mask.sum().clamp(min=1))
-        loss = rl_math.aggregate(per_token * self.weights, x.mask, x.cu_seqlens, rl.aggregation)
+        loss = rl_math.aggregate(per_token * self.weights, x.mask, x.cu_seqlens, rl.aggregation) * self.share
         self.losses.append(float(loss.detach()))
-        return loss
+        return loss * self.dp_size
 
 
 class RLTrainer:
-    """Model, optimizer and one RL step per batch; `run_rl` feeds it. One rank (see RLConfig).
+    """Model, optimizer and one RL step per batch; `run_rl` feeds it. One per rank (see RLConfig).
 
     A new RLTrainer resumes from the run's latest checkpoint (`resumed_from`, `data_position`), or
     starts from `init_checkpoint`'s weights.
     """
 
     def __init__(self, config: RLConfig):
+        from megatron.core import parallel_state
+
         from ember.midtrain import checkpoint
 
         self.config = config
         self.cpu_patched = runtime.start(config.parallel, config.rl.seed)
-        if dist.get_world_size() != 1:
-            raise ValueError(f"the RL trainer runs as one rank, got world size {dist.get_world_size()}")
+        self.rank = dist.get_rank()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.control = dist.new_group(backend="gloo")  # batches and stop flags travel on CPU, even next to NCCL
         self.device = runtime.compute_device()
         parts = runtime.build_model_and_optimizer(policy_model_config(config), bf16=False, cpu_patched=self.cpu_patched)
         self.model, self.ddp, self.optimizer = parts.model, parts.ddp, parts.optimizer
@@ -127,6 +154,23 @@ class RLTrainer:
             self.load_checkpoint(self.resumed_from)
         elif config.init_checkpoint is not None:
             checkpoint.load_model_weights(config.init_checkpoint, self.model)
+
+    def rank_batches(self, messages: Iterable[BatchMessage | None] | None, stop: StopRequest) -> RankBatches:
+        """This rank's share of each batch `messages` (read on rank 0 only) delivers."""
+        return RankBatches(messages, stop, self.control, self.dp_rank, self.dp_size)
+
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank when `flag` is true on any (a stop request must end the same step everywhere)."""
+        value = torch.tensor([float(flag)], dtype=torch.float64)
+        dist.all_reduce(value, group=self.control)
+        return bool(value[0] > 0)
+
+    def _global_share(self, inputs: _Inputs) -> float:
+        """This rank's normaliser over the whole batch's, for `_PolicyLoss`."""
+        local = _local_normaliser(inputs.mask, inputs.cu_seqlens, self.config.rl.aggregation)
+        total = torch.tensor([local], dtype=torch.float64)
+        dist.all_reduce(total, group=self.control)
+        return local / max(float(total[0]), 1.0)
 
     @property
     def policy_version(self) -> int:
@@ -230,7 +274,7 @@ class RLTrainer:
         """Trains on one batch (`updates_per_batch` optimizer updates); returns its metrics line."""
         started = time.perf_counter()
         inputs = self._inputs(batch)
-        loss = _PolicyLoss(self.config.rl, inputs)
+        loss = _PolicyLoss(self.config.rl, inputs, self._global_share(inputs), self.dp_size)
         maps: list[torch.Tensor] = []  # the routing of the first update's forward
         forward_s = 0.0
         for update in range(self.config.rl.updates_per_batch):
@@ -243,36 +287,70 @@ class RLTrainer:
             self.optimizer.step()
         self._maps = None
         self.state.step += 1
-        self.state.consumed_samples += batch.num_sequences
         self.data_position = batch.position
-        record = self._record(batch, inputs, loss, maps)
+        record = self._record(batch, inputs, loss)
+        self.state.consumed_samples += record["sequences"]
         record.update(step_seconds=time.perf_counter() - started, forward_backward_seconds=forward_s)
         if batch.routed_experts is not None:
             per_layer = [rl_math.routing_disagreement(m.cpu(), batch.routed_experts[:, layer, :]) for layer, m in enumerate(maps)]
+            per_layer = self._token_weighted_mean(per_layer, len(inputs.tokens))
             record["routing_disagreement"] = float(np.mean(per_layer))
             record["routing_disagreement_per_layer"] = per_layer
         return record
 
-    def _record(self, batch: RLBatch, inputs: _Inputs, loss: _PolicyLoss, maps: list[torch.Tensor]) -> dict[str, Any]:
+    def _token_weighted_mean(self, values: list[float], weight: float) -> list[float]:
+        """Per-rank means of the whole batch: weighted by each rank's count, summed over ranks."""
+        sums = torch.tensor([*(v * weight for v in values), weight], dtype=torch.float64)
+        dist.all_reduce(sums, group=self.control)
+        return (sums[:-1] / sums[-1].clamp(min=1)).tolist()
+
+    def _record(self, batch: RLBatch, inputs: _Inputs, loss: _PolicyLoss) -> dict[str, Any]:
+        """The step's metrics line for the whole batch: sums and token-weighted means reduced over ranks."""
         rl, mask = self.config.rl, inputs.mask
-        policy_tokens = mask.sum().clamp(min=1)
+        local_policy = float(mask.sum())
+        mismatch = rl_math.mismatch_metrics(loss.first_logp, inputs.sampler_logp, mask, rl.alpha, rl.beta)
+        means = {
+            "clip_frac": loss.clip_frac,
+            "correction_mean_weight": float((loss.weights * mask).sum()) / max(local_policy, 1.0),
+            "correction_kept_frac": float(((loss.weights > 0).float() * mask).sum()) / max(local_policy, 1.0),
+            **{f"mismatch/{k}": v for k, v in mismatch.items() if k != "max_abs_delta_logp"},
+        }
+        sums = torch.tensor(
+            [batch.num_sequences, len(inputs.tokens), local_policy, loss.losses[0], loss.losses[-1],
+             *(v * local_policy for v in means.values())],
+            dtype=torch.float64,
+        )
+        dist.all_reduce(sums, group=self.control)
+        extremes = torch.tensor([mismatch["max_abs_delta_logp"], -float(batch.policy_versions.min())], dtype=torch.float64)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.control)
+        per_rank: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, (batch.num_sequences, batch.decoded_bytes, batch.routed_expert_bytes), group=self.control)
+        policy_tokens = float(sums[2])
+        reduced = {k: float(v) / max(policy_tokens, 1.0) for k, v in zip(means, sums[5:].tolist())}
         return {
             "step": self.state.step,
             "batch_id": batch.batch_id,
             "batch_step": batch.step,
-            "sequences": batch.num_sequences,
-            "tokens": int(len(inputs.tokens)),
-            "policy_tokens": int(mask.sum()),
-            "loss": loss.losses[0],
-            "loss_last_update": loss.losses[-1],
-            "clip_frac": loss.clip_frac,
+            "sequences": int(sums[0]),
+            "tokens": int(sums[1]),
+            "policy_tokens": int(policy_tokens),
+            "loss": float(sums[3]),
+            "loss_last_update": float(sums[4]),
+            "clip_frac": reduced["clip_frac"],
             "correction": rl.correction,
-            "correction_mean_weight": float((loss.weights * mask).sum() / policy_tokens),
-            "correction_kept_frac": float(((loss.weights > 0).float() * mask).sum() / policy_tokens),
-            "mismatch": rl_math.mismatch_metrics(loss.first_logp, inputs.sampler_logp, mask, rl.alpha, rl.beta),
+            "correction_mean_weight": reduced["correction_mean_weight"],
+            "correction_kept_frac": reduced["correction_kept_frac"],
+            "mismatch": {
+                **{k.removeprefix("mismatch/"): v for k, v in reduced.items() if k.startswith("mismatch/")},
+                "max_abs_delta_logp": float(extremes[0]),
+            },
             "replayed": inputs.replay is not None,
             "policy_version": self.policy_version,
-            "max_policy_lag": int(self.policy_version - 1 - int(batch.policy_versions.min())),
+            "max_policy_lag": int(self.policy_version - 1 + int(extremes[1])),
+            "ranks": dist.get_world_size(),
+            "rank_sequences": [r[0] for r in per_rank],
+            "rank_decoded_bytes": [r[1] for r in per_rank],
+            "rank_routed_expert_bytes": [r[2] for r in per_rank],
         }
 
     def save(self) -> Path:
@@ -338,8 +416,11 @@ def _print_step(record: dict[str, Any], steps: int) -> None:
     )
 
 
-def _announce(trainer: RLTrainer, channel: PolicyChannel, checkpoint: Path) -> None:
-    """Exports the checkpointed policy, then announces it: never the other way round."""
+def _announce(trainer: RLTrainer, channel: PolicyChannel | None, checkpoint: Path) -> None:
+    """Exports the checkpointed policy, then announces it: never the other way round (rank 0, which holds the
+    channel; the checkpoint is complete on every rank once `save` returns)."""
+    if channel is None:
+        return
     crash_point("rl.before_export")
     record = trainer.export_version(checkpoint)
     crash_point("rl.before_announce")
@@ -347,24 +428,28 @@ def _announce(trainer: RLTrainer, channel: PolicyChannel, checkpoint: Path) -> N
         channel.announce(record)
 
 
-def run_rl(trainer: RLTrainer, batches: Iterable[RLBatch], channel: PolicyChannel, stop: StopRequest) -> None:
-    """Trains until rl.steps, a stop request or the end of `batches`; `channel.step_done()` after every step.
-    Checkpoints every save_interval steps and once at the end. Announced, each after its checkpoint and
-    export: the starting version (after a crash, maybe a checkpoint that was never announced), every
-    checkpointed version `rl.announces`, and the last."""
+def run_rl(trainer: RLTrainer, batches: Iterable[RLBatch], channel: PolicyChannel | None, stop: StopRequest) -> None:
+    """Trains until rl.steps, a stop request (on any rank) or the end of `batches`; `channel.step_done()` after
+    every step (rank 0 holds the channel; None on the others). Checkpoints every save_interval steps and once at
+    the end. Announced, each after its checkpoint and export: the starting version (after a crash, maybe a
+    checkpoint that was never announced), every checkpointed version `rl.announces`, and the last. Every rank
+    runs it, on its `rank_batches` share of the same batches."""
     config, rl = trainer.config, trainer.config.rl
-    with MetricsLog(config.metrics_path, enabled=True, first_step=trainer.state.step + 1) as metrics:
+    lead = trainer.rank == 0  # writes the metrics, announces versions and prints; every rank trains and saves
+    with MetricsLog(config.metrics_path, enabled=lead, first_step=trainer.state.step + 1) as metrics:
         if trainer.resumed_from is not None:
             metrics.write({"event": "resumed", "step": trainer.state.step, "checkpoint": str(trainer.resumed_from)})
-            print(f"[rl] resumed from {trainer.resumed_from} at step {trainer.state.step}", flush=True)
-        if trainer.cpu_patched:
-            print("[rl] no GPU: CPU compatibility patches active, gloo backend, fp32, grad clipping off", flush=True)
-        print(f"[rl] {torch.get_num_threads()} CPU thread(s)", flush=True)
+        if lead:
+            if trainer.resumed_from is not None:
+                print(f"[rl] resumed from {trainer.resumed_from} at step {trainer.state.step}", flush=True)
+            if trainer.cpu_patched:
+                print("[rl] no GPU: CPU compatibility patches active, gloo backend, fp32, grad clipping off", flush=True)
+            print(f"[rl] {dist.get_world_size()} rank(s), dp {trainer.dp_size}, {torch.get_num_threads()} CPU thread(s) per rank", flush=True)
         checkpoint = trainer.resumed_from or trainer.save()
         _announce(trainer, channel, checkpoint)
         saved_step = announced_step = trainer.state.step
         pending = iter(batches)
-        while trainer.state.step < rl.steps and stop.signal is None:
+        while trainer.state.step < rl.steps and not trainer.any_rank(stop.signal is not None):
             batch = next(pending, None)
             if batch is None:
                 break
@@ -376,12 +461,15 @@ def run_rl(trainer: RLTrainer, batches: Iterable[RLBatch], channel: PolicyChanne
                     _announce(trainer, channel, checkpoint)
                     announced_step = trainer.state.step
             metrics.write(record)
-            channel.step_done()
-            _print_step(record, rl.steps)
+            if lead:
+                if channel is not None:
+                    channel.step_done()
+                _print_step(record, rl.steps)
         if saved_step != trainer.state.step:
             checkpoint = trainer.save()
         if announced_step != trainer.state.step:
             _announce(trainer, channel, checkpoint)
-        if trainer.state.step >= rl.steps:
-            config.complete_marker.write_text(f"{trainer.state.step}\n")
-        print(f"[rl] {'finished' if trainer.state.step >= rl.steps else 'stopped'} at step {trainer.state.step}", flush=True)
+        if lead:
+            if trainer.state.step >= rl.steps:
+                config.complete_marker.write_text(f"{trainer.state.step}\n")
+            print(f"[rl] {'finished' if trainer.state.step >= rl.steps else 'stopped'} at step {trainer.state.step}", flush=True)

@@ -6,6 +6,9 @@ trainer says the step is done (`commit()`). `state_dict()` is that position: sto
 checkpoint and pass it back as `state=` on restart, and the trainer resumes on exactly the batch after
 the checkpointed step, even if it had stepped (and committed) further before it crashed. Each batch
 also carries `position`, the `state_dict()` the reader will have once that batch is committed.
+
+`next_message()` hands out the next record undecoded: a multi-rank trainer reads on one rank and each
+rank decodes only its own share of the batch (`ember.midtrain.rl_batch.rl_batch_share`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,16 @@ class ReadBatch:
     @property
     def max_seqlen(self) -> int:
         return int(np.diff(self.batch.cu_seqlens).max())
+
+
+@dataclass
+class RawBatch:
+    """One batch record as read, not decoded: its bytes, where it was read and the position after it."""
+
+    value: bytes
+    partition: int
+    offset: int
+    position: dict[str, Any]
 
 
 class RolloutBatchReader:
@@ -81,19 +94,26 @@ class RolloutBatchReader:
         return self
 
     def __next__(self) -> ReadBatch:
+        raw = self.next_message()
+        if raw is None:
+            raise StopIteration
+        try:
+            batch = decode_train_batch(raw.value)
+        except DecodeError as exc:
+            raise DecodeError(f"{self.topic}[{raw.partition}]@{raw.offset}: {exc}") from None
+        return ReadBatch(batch, raw.partition, raw.offset, raw.position)
+
+    def next_message(self) -> RawBatch | None:
+        """The next record undecoded, or None when none arrived within `idle_timeout_s` (None: wait)."""
         deadline = None if self.idle_timeout_s is None else time.monotonic() + self.idle_timeout_s
         while not self._buffer:
             for messages in self.consumer.poll(timeout_ms=500).values():
                 self._buffer.extend(messages)
             if not self._buffer and deadline is not None and time.monotonic() > deadline:
-                raise StopIteration
+                return None
         message = self._buffer.pop(0)
-        try:
-            batch = decode_train_batch(message.value)
-        except DecodeError as exc:
-            raise DecodeError(f"{message.topic}[{message.partition}]@{message.offset}: {exc}") from None
         self._consumed[message.partition] = message.offset + 1
-        return ReadBatch(batch, message.partition, message.offset, self._position(self._consumed))
+        return RawBatch(message.value, message.partition, message.offset, self._position(self._consumed))
 
     def commit(self) -> None:
         """The trainer finished the step on every batch yielded so far: advance and commit the position."""

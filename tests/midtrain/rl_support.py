@@ -4,9 +4,9 @@ in a subprocess.
 `python -m tests.midtrain.rl_support toy CONFIG ITERATIONS OUT.json` runs the verifiable-task loop:
 sample from the trainer's own policy (ember.demo.sampler), reward, publish, ETL, RL steps.
 `python -m tests.midtrain.rl_support sample CONFIG GROUPS DIR` writes batches sampled by the reference
-sampler (router weights perturbed); `... memory CONFIG DIR OUT.json` runs `run_rl` on them, no broker.
-`... score CONFIG IN.json OUT.json` scores IN's {"sequences": [...]} with the trainer's model at its latest
-checkpoint (megatron forward, as the trainer computes log-probs).
+sampler (router weights perturbed); `... memory CONFIG DIR OUT.json` runs `run_rl` on them, no broker (under
+torchrun: on every rank). `... score CONFIG IN.json OUT.json` scores IN's {"sequences": [...]} with the trainer's
+model at its latest checkpoint (megatron forward, as the trainer computes log-probs).
 """
 
 from __future__ import annotations
@@ -65,6 +65,31 @@ def train_batch(rollouts: list[Rollout], rewards: list[Reward], step: int) -> Tr
     ).validate()
 
 
+class BatchFeed:
+    """A fresh `<prefix>.train-batches` topic that a test fills by hand with encoded batches, so a trainer
+    can never run ahead of the point where the test stops, kills or preempts it."""
+
+    def __init__(self, prefix: str):
+        from kafka import KafkaProducer
+
+        from ember.rollouts.admin import ensure_topics
+        from ember.rollouts.config import kafka_bootstrap
+        from ember.rollouts.security import KafkaSecurity
+        from ember.rollouts.topics import Topics
+
+        spec = Topics(prefix).specs()["train_batches"]
+        ensure_topics(kafka_bootstrap(), [spec], KafkaSecurity())
+        self.topic = spec.name
+        self.producer = KafkaProducer(bootstrap_servers=kafka_bootstrap())
+
+    def send(self, values: list[bytes]) -> None:
+        for value in values:
+            self.producer.send(self.topic, value=value).get(timeout=30)
+
+    def close(self) -> None:
+        self.producer.close()
+
+
 def sample_main(config_path: str, groups: int, out_dir: str) -> None:
     """Saves the initial policy (step 0 in the config's run_dir), samples `groups` groups with perturbed
     routers and writes one encoded batch per group to `out_dir`, as the ETL would publish them."""
@@ -99,19 +124,25 @@ class Channel:
 
 
 def memory_main(config_path: str, batch_dir: str, out: str) -> None:
-    """`run_rl` on the batches in `batch_dir`, no broker; writes the policy versions it published."""
-    from ember.midtrain.rl_batch import rl_batch
+    """`run_rl` on the encoded batches in `batch_dir`, no broker, on one rank or each rank of a torchrun
+    group (rank 0 reads the files, every rank decodes its share); rank 0 writes the versions it published."""
     from ember.midtrain.rl_config import load_rl_config
+    from ember.midtrain.rl_ranks import BatchMessage
     from ember.midtrain.rl_trainer import RLTrainer, run_rl
     from ember.midtrain.runtime import StopRequest
 
     trainer = RLTrainer(load_rl_config(config_path))
-    batches = [rl_batch(decode_train_batch(p.read_bytes())) for p in sorted(Path(batch_dir).glob("*.batch"))]
-    channel = Channel()
-    run_rl(trainer, batches, channel, StopRequest())
+    paths = sorted(Path(batch_dir).glob("*.batch"))
+    lead = trainer.rank == 0
+    stop = StopRequest()
+    channel = Channel() if lead else None
+    messages = [BatchMessage(p.read_bytes()) for p in paths] if lead else None
+    run_rl(trainer, trainer.rank_batches(messages, stop), channel, stop)
     trainer.close()
-    published = [v.policy_version for v in channel.announced]
-    Path(out).write_text(json.dumps({"published": published, "steps": channel.steps, "batch_ids": [b.batch_id for b in batches]}))
+    if channel is not None:
+        ids = [decode_train_batch(p.read_bytes()).batch_id for p in paths]
+        published = [v.policy_version for v in channel.announced]
+        Path(out).write_text(json.dumps({"published": published, "steps": channel.steps, "batch_ids": ids}))
 
 
 def score_main(config_path: str, source: str, out: str) -> None:

@@ -125,6 +125,69 @@ def test_kill_9_between_steps_resumes_on_the_next_unconsumed_batch(batches):
     assert [r["batch_id"] for r in lineage] == ids, "every batch trained once, none skipped, in order"
 
 
+def _wait_records(metrics: Path, count: int, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + 300
+    while len([r for r in _records(metrics) if "event" not in r]) < count:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the trainers died or stalled before step {count}:\n{log.read_text()[-4000:]}")
+        time.sleep(0.1)
+
+
+def test_kill_9_of_one_rank_restarts_both_from_the_checkpoint_and_trains_every_batch_once(batches):
+    """`midtrain rl --nproc-per-node 2 --max-restarts 1`; rank 1 dies by SIGKILL after step 3 (checkpoint at 2):
+    torchrun restarts both, they resume from step 2 and train each batch exactly once after it."""
+    import psutil
+
+    from .rl_support import BatchFeed
+
+    root, prefix, init, ids = batches
+    values = [r.value for r in read_topic(Topics(prefix).train_batches)]
+    own = f"{prefix}-ranks"
+    feed = BatchFeed(own)
+    config = _trainer_config(root, "crash-ranks", own, init, save_interval=2, correction="tis", steps=len(ids))
+    data = yaml.safe_load(config.read_text())
+    data["rollouts"]["idle_timeout_s"] = 120
+    config.write_text(yaml.safe_dump(data, sort_keys=False))
+    metrics, log = root / "crash-ranks" / "metrics.jsonl", root / "crash-ranks.log"
+    # A log file, not a pipe: the killed rank's orphaned checkpoint-writer helper would hold a pipe open.
+    with open(log, "w") as out_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ember.midtrain.cli", "rl", str(config), "--nproc-per-node", "2", "--max-restarts", "1",
+             "--threads", "1"],
+            cwd=REPO, stdout=out_file, stderr=subprocess.STDOUT,
+        )
+    killed: list[psutil.Process] = []
+    try:
+        feed.send(values[:3])  # the trainers cannot run past step 3 before the kill
+        _wait_records(metrics, 3, proc, log)
+        ranks = {int(p.environ()["LOCAL_RANK"]): p for p in psutil.Process(proc.pid).children()}
+        killed = ranks[1].children(recursive=True)
+        ranks[1].send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 180
+        while not any(r.get("event") == "resumed" for r in _records(metrics)):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.2)
+        feed.send(values[3:])
+        assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
+    finally:
+        feed.close()
+        if proc.poll() is None:
+            proc.kill()
+        for orphan in killed:  # the dead rank's helpers outlive it
+            if orphan.is_running():
+                orphan.kill()
+    out = log.read_text()
+    records = _records(metrics)
+    resumed = [i for i, r in enumerate(records) if r.get("event") == "resumed"]
+    assert len(resumed) == 1 and records[resumed[0]]["step"] == 2, out[-3000:]
+    lineage = [r for r in records[: resumed[0]] if r["step"] <= 2] + records[resumed[0] + 1 :]
+    assert [r["step"] for r in lineage] == list(range(1, len(ids) + 1))
+    assert [r["batch_id"] for r in lineage] == ids, "every batch trained once after the restart, none skipped"
+    assert all(r["ranks"] == 2 and r["rank_sequences"] == [2, 2] for r in lineage)
+    assert (root / "crash-ranks" / "COMPLETE").read_text() == f"{len(ids)}\n"
+
+
 def test_toy_verifiable_task_mean_reward_increases(kafka, tmp_path):
     prefix = f"test-rl-toy-{uuid.uuid4().hex[:8]}"
     config = rl_config(tmp_path / "toy.yaml", tmp_path / "toy", prefix, correction="none", save_interval=0)
@@ -162,7 +225,16 @@ def test_example_config_loads_errors_name_the_key_and_launch_renders_rl(tmp_path
     assert result.exit_code == 0, result.output
     assert f"-m ember.midtrain.rl {example.resolve()}" in result.output
     result = CliRunner().invoke(app, ["launch", str(example), "--mode", "rl", "--dry-run", "--procs-per-node", "2"])
-    assert result.exit_code == 1 and "one rank" in result.output
+    assert result.exit_code == 0 and "--nproc-per-node 2" in result.output, result.output
+    data["rl"]["alpha"] = 0.5
+    data["parallel"] = {"expert": 2}
+    config_path = tmp_path / "ep.yaml"
+    config_path.write_text(yaml.safe_dump(data, sort_keys=False))
+    result = CliRunner().invoke(app, ["launch", str(config_path), "--mode", "rl", "--dry-run", "--procs-per-node", "3"])
+    assert result.exit_code == 1 and "world size 3 is not a multiple of parallel.expert 2" in result.output
+    data["parallel"] = {"tensor": 2}
+    with pytest.raises(MidtrainConfigError, match="tensor and pipeline must be 1"):
+        parse_rl_config(data, tmp_path)
 
 
 def test_demo_steps_report_the_mismatch_per_step(batches, tmp_path):

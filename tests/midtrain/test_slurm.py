@@ -62,15 +62,7 @@ def test_launch_preempt_requeue_resume_without_repeating_or_skipping(tmp_path, s
     try:
         _wait("step 2 of the first run", lambda: first_log.exists() and "] step 2/" in first_log.read_text(), 400, job_id)
         subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True, timeout=30)
-        requeued = _wait(
-            "the requeue", lambda: (f := _job(job_id))["Restarts"] == "1" and f["JobState"] in {"PENDING", "RUNNING"} and f,
-            180, job_id,
-        )
-        if requeued["JobState"] == "PENDING":
-            # Slurm holds a requeued job back ~2 min. Release it early, but not within the second its
-            # previous credential was revoked (slurmd compares them at one-second resolution).
-            time.sleep(3)
-            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True, timeout=30)
+        _release_requeued(job_id)
         done = _wait("completion", lambda: (f := _job(job_id))["JobState"] in {"COMPLETED", "FAILED", "CANCELLED"} and f, 400, job_id)
     finally:
         if _job(job_id)["JobState"] not in {"COMPLETED", "FAILED", "CANCELLED"}:
@@ -180,3 +172,79 @@ def test_status_of_every_midtrain_job_takes_one_scontrol_call(tmp_path, slurm):
         assert calls.read_text().splitlines() == ["show job -o"] * 2
     finally:
         subprocess.run(["scancel", *ids], timeout=30)
+
+
+def _release_requeued(job_id: str) -> None:
+    """Waits for the requeue; a requeued job is held back ~2 min, so release it (not within the second
+    its previous credential was revoked: slurmd compares them at one-second resolution)."""
+    requeued = _wait(
+        "the requeue", lambda: (f := _job(job_id))["Restarts"] == "1" and f["JobState"] in {"PENDING", "RUNNING"} and f,
+        180, job_id,
+    )
+    if requeued["JobState"] == "PENDING":
+        time.sleep(3)
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True, timeout=30)
+
+
+def test_launch_rl_on_two_ranks_preempt_requeue_resume_trains_every_batch_once(tmp_path, slurm, kafka):
+    """`midtrain launch --mode rl` with 2 ranks: preempted (USR1) after step 2, requeued, resumed at step 3.
+    Batches are fed by hand, so the first run cannot train past step 2 before the preemption."""
+    import uuid
+
+    import yaml
+
+    from ember.midtrain.rl_config import load_rl_config
+    from ember.schemas import decode_train_batch
+
+    from .rl_support import BatchFeed, rl_config
+
+    policy = rl_config(tmp_path / "policy.yaml", tmp_path / "policy", "unused")
+    batch_dir = tmp_path / "batches"
+    batch_dir.mkdir()
+    sampled = subprocess.run(
+        [sys.executable, "-m", "tests.midtrain.rl_support", "sample", str(policy), "4", str(batch_dir)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert sampled.returncode == 0, sampled.stdout[-3000:] + sampled.stderr[-3000:]
+    values = [p.read_bytes() for p in sorted(batch_dir.glob("*.batch"))]
+    ids = [decode_train_batch(v).batch_id for v in values]
+    prefix = f"test-rl-slurm-{uuid.uuid4().hex[:8]}"
+    feed = BatchFeed(prefix)
+    config_path = rl_config(tmp_path / "rl.yaml", tmp_path / "run", prefix, steps=len(values), save_interval=0, correction="tis")
+    data = yaml.safe_load(config_path.read_text())
+    data["init_checkpoint"] = str(tmp_path / "policy" / "checkpoints" / "step_00000000")
+    data["rollouts"]["idle_timeout_s"] = 600
+    config_path.write_text(yaml.safe_dump(data, sort_keys=False))
+    config = load_rl_config(config_path)
+    feed.send(values[:2])
+    submitted = subprocess.run(
+        [*MIDTRAIN, "launch", str(config_path), "--mode", "rl", "--procs-per-node", "2", "--threads", "1", "--time", "00:20:00"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    job_id = re.search(r"submitted job (\d+)", submitted.stdout).group(1)
+    first_log, second_log = (config.run_dir / "logs" / f"train-{job_id}-{r}.log" for r in (0, 1))
+    try:
+        _wait("step 2 of the first run", lambda: first_log.exists() and "] step 2/" in first_log.read_text(), 400, job_id)
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True, timeout=30)
+        _release_requeued(job_id)
+        _wait("the resumed run", lambda: second_log.exists() and "resumed from" in second_log.read_text(), 400, job_id)
+        feed.send(values[2:])
+        done = _wait("completion", lambda: (f := _job(job_id))["JobState"] in {"COMPLETED", "FAILED", "CANCELLED"} and f, 400, job_id)
+    finally:
+        feed.close()
+        if _job(job_id)["JobState"] not in {"COMPLETED", "FAILED", "CANCELLED"}:
+            subprocess.run(["scancel", job_id], timeout=30)
+    slurm_log = (config.run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+    assert done["JobState"] == "COMPLETED" and done["ExitCode"] == "0:0", slurm_log
+    first, second = first_log.read_text(), second_log.read_text()
+    assert "2 rank(s), dp 2" in first and "received SIGUSR1" in first and "stopped at step 2" in first
+    assert "requeueing job" in slurm_log and f"finished at step {len(values)}" in second
+
+    records = [json.loads(line) for line in config.metrics_path.read_text().splitlines()]
+    assert [r.get("event") for r in records].count("resumed") == 1
+    steps = [r for r in records if "event" not in r]
+    assert [r["step"] for r in steps] == list(range(1, len(values) + 1))
+    assert [r["batch_id"] for r in steps] == ids, "every batch trained once across the requeue, none skipped"
+    assert all(r["ranks"] == 2 and r["rank_sequences"] == [2, 2] and r["routing_disagreement"] == 0.0 for r in steps)
+    assert config.complete_marker.read_text() == f"{len(values)}\n"
