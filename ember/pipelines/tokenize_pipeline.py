@@ -31,7 +31,7 @@ import weakref
 from dataclasses import asdict, astuple, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import apache_beam as beam
 import numpy as np
@@ -159,7 +159,7 @@ class PackWindow(beam.DoFn):
         self._strategy = strategy
         self._source_paths = sources
 
-    def process(self, element) -> Iterator:
+    def process(self, element):
         (source, window), lengths = element
         docs: list[tuple[str, int]] = []
         # A repeated id means an upstream dedup bug; keep one copy (the same one the join keeps).
