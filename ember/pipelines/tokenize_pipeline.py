@@ -1,16 +1,20 @@
 """Beam pipeline: deduplicated `Document` Parquet -> tokenized, best-fit packed, shuffled Arrow shards.
 
 Stages (each a Beam transform, so the same graph runs on FnApiRunner, Flink or Dataflow):
-  1. per source: read Parquet row groups, batch-encode in a DoFn (tokenizer loaded once in `setup`);
-     documents empty after tokenization become counted rejects.
+  1. per source: read Parquet row groups, batch-encode in a DoFn (tokenizer loaded once in `setup`,
+     or taken from the driver when the runner works in its process); documents empty after
+     tokenization become counted rejects. Each document leaves as its tokens and, separately, its length.
   2. count documents per source -> number of packing windows; each document's *length* goes to a
      window chosen by a seeded hash of its id; GroupByKey per (source, window) and pack there, so a
      window holds lengths only, and mixture sources never share a sequence.
-  3. join each document's tokens with its placements (CoGroupByKey on the document) and send each
-     piece to the shard its sequence lands in: global index from the per-window bin counts, then a
-     seeded Feistel permutation -> (shard, row). No worker ever holds more than one shard's tokens.
+  3. join each document's tokens with its placements (one GroupByKey on the document over both,
+     tagged) and send each piece to the shard its sequence lands in: global index from the per-window
+     bin counts, then a seeded Feistel permutation -> (shard, row). No worker ever holds more than one
+     shard's tokens.
   4. write each shard atomically, then - last - the manifest with per-shard sha256 and exact
      per-source token/padding accounting.
+The graph is kept to few transforms: Beam's fixed cost (graph construction, bundle set-up) is paid per
+transform, and on a small build it is most of the run (bench/bench_tokenize_pack.py).
 `run` writes the set into a fresh staging directory next to `output_dir` and swaps it in once the
 manifest is written (ember/pipelines/output_guard.py): a failed run leaves the previous set intact,
 and files the previous manifest does not list are never deleted.
@@ -22,13 +26,16 @@ import itertools
 import os
 import tempfile
 import threading
+import uuid
+import weakref
 from dataclasses import asdict, astuple, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import apache_beam as beam
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
@@ -36,6 +43,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from rich.console import Console
 
 from ember.configs import TokenizeConfigError
+from ember.files import write_atomically
 from ember.pipelines.job_process import isolating, run_job
 from ember.pipelines.output_guard import MIN_FREE_BYTES, check_room, refuse_foreign, staged
 from ember.pipelines.progress import ProgressWriter, watch
@@ -55,16 +63,31 @@ REJECTED_FILE = "rejected.parquet"
 TOKEN_BYTES = 4  # tokens travel between stages as little-endian uint32 bytes
 DEFAULT_RUNNER = "--runner=FnApiRunner"
 SHARDS_PER_PARQUET_BYTE = 3  # zstd Parquet text is ~3x smaller than its zstd uint32 tokens, roughly
+TOKENS, PLACEMENT = 0, 1  # the two kinds of value joined per document
+REJECTS = "rejects"  # the tagged output of reject rows, keyed by REJECTS_KEY
+REJECTS_KEY = 0  # every reject row goes to the one rejected.parquet writer
+REJECT_ROWS_PER_GROUP = 65536
+
+_DRIVER_TOKENIZERS: weakref.WeakValueDictionary[str, Tokenizer] = weakref.WeakValueDictionary()
+"""The tokenizer the driver loaded, by graph: a DoFn in the driver's process (FnApiRunner's in-process
+worker) uses it instead of parsing the tokenizer file again; worker processes load their own. Entries
+go when the driver drops its tokenizer."""
+
+
+def _keyed_reject(row: dict) -> beam.pvalue.TaggedOutput:
+    return beam.pvalue.TaggedOutput(REJECTS, (REJECTS_KEY, row))
 
 
 class TokenizeDocuments(beam.DoFn):
-    """Row groups in, ((source, document id), token bytes) out; rejects on a tagged output."""
+    """Row groups in, ((source, document id), (TOKENS, token bytes)) out; each document's length and the
+    rejects on tagged outputs."""
 
-    REJECTS = "rejects"
+    LENGTHS = "lengths"
 
     def __init__(self, tokenizer: TokenizerConfig, source: ShardSource, location: str, batch_documents: int,
-                 progress_dir: str | None = None):
+                 progress_dir: str | None = None, driver_tokenizer: str | None = None):
         self._progress_dir = progress_dir
+        self._driver_tokenizer = driver_tokenizer
         self._tokenizer_config = tokenizer
         self._source = source
         self._location = location
@@ -74,7 +97,9 @@ class TokenizeDocuments(beam.DoFn):
         self._rejected = Metrics.counter(STAGE, f"{source.name}.rejected")
 
     def setup(self) -> None:
-        self._tok: Tokenizer = load_tokenizer(self._tokenizer_config)
+        shared = _DRIVER_TOKENIZERS.get(self._driver_tokenizer or "")
+        self._tok = shared if shared is not None and shared.config == self._tokenizer_config else load_tokenizer(
+            self._tokenizer_config)
         self._progress = ProgressWriter(self._progress_dir)
 
     def finish_bundle(self) -> None:
@@ -82,10 +107,9 @@ class TokenizeDocuments(beam.DoFn):
 
     def _reject(self, document_id: str | None, reason: str, detail: str = "") -> beam.pvalue.TaggedOutput:
         self._rejected.inc()
-        row = reject_row(self._source.name, self._location, STAGE, reason, detail, document_id)
-        return beam.pvalue.TaggedOutput(self.REJECTS, row)
+        return _keyed_reject(reject_row(self._source.name, self._location, STAGE, reason, detail, document_id))
 
-    def process(self, table) -> Iterator:
+    def process(self, table):
         name = self._source.name
         for start in range(0, table.num_rows, self._batch):
             chunk = table.slice(start, self._batch)
@@ -108,7 +132,9 @@ class TokenizeDocuments(beam.DoFn):
                     continue
                 self._documents.inc()
                 self._tokens.inc(len(tokens))
-                yield (name, ids[i]), tokens.astype("<u4", copy=False).tobytes()
+                key = (name, ids[i])
+                yield key, (TOKENS, tokens.astype("<u4", copy=False).tobytes())
+                yield beam.pvalue.TaggedOutput(self.LENGTHS, (key, len(tokens)))
 
 
 @dataclass(frozen=True)
@@ -123,36 +149,31 @@ class WindowStats:
         return WindowStats(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
 
-def _sum_stats(stats: Iterable[WindowStats]) -> WindowStats:
-    return sum(stats, WindowStats())
-
-
 class PackWindow(beam.DoFn):
-    """One packing window's lengths in; one placement per piece out, plus the window's bin count."""
+    """One packing window's lengths in; one placement per piece out, keyed by its document, plus the
+    window's bin count and stats."""
 
-    BINS, STATS, REJECTS = "bins", "stats", "rejects"
+    WINDOWS = "windows"
 
     def __init__(self, seq_len: int, strategy: str, sources: dict[str, str]):
         self._seq_len = seq_len
         self._strategy = strategy
         self._source_paths = sources
 
-    def process(self, element) -> Iterator:
+    def process(self, element):
         (source, window), lengths = element
         docs: list[tuple[str, int]] = []
         # A repeated id means an upstream dedup bug; keep one copy (the same one the join keeps).
         for doc_id, group in itertools.groupby(sorted(lengths), key=lambda kv: kv[0]):
             docs.append(next(group))
             for _duplicate in group:
-                row = reject_row(source, self._source_paths[source], STAGE, "duplicate_document_id", "", doc_id)
-                yield beam.pvalue.TaggedOutput(self.REJECTS, row)
+                yield _keyed_reject(reject_row(source, self._source_paths[source], STAGE, "duplicate_document_id", "", doc_id))
         packing = pack([n for _, n in docs], self._seq_len, self._strategy)
         for bin_index, pieces in enumerate(packing.bins):
             for slot, piece in enumerate(pieces):
-                yield (source, docs[piece.doc][0]), (window, bin_index, slot, piece.start, piece.end)
-        yield beam.pvalue.TaggedOutput(self.BINS, ((source, window), len(packing.bins)))
+                yield (source, docs[piece.doc][0]), (PLACEMENT, (window, bin_index, slot, piece.start, piece.end))
         stats = WindowStats(len(docs), packing.tokens, len(packing.bins), packing.padding_tokens, packing.split_documents)
-        yield beam.pvalue.TaggedOutput(self.STATS, (source, stats))
+        yield beam.pvalue.TaggedOutput(self.WINDOWS, ((source, window), stats))
 
 
 def assign_window(element, counts: dict[str, int], window_documents: int, seed: int):
@@ -161,14 +182,17 @@ def assign_window(element, counts: dict[str, int], window_documents: int, seed: 
     return (source, window_of(doc_id, window_count(counts[source], window_documents), seed)), (doc_id, length)
 
 
-def window_layout(bin_counts: list[tuple[tuple[str, int], int]]) -> dict:
-    """Dense global index of each window's first bin, in (source, window) order, and the total."""
+def window_layout(windows: list[tuple[tuple[str, int], WindowStats]]) -> dict:
+    """Dense global index of each window's first bin, in (source, window) order, the total, and the
+    stats summed per source."""
     offsets: dict[tuple[str, int], int] = {}
+    stats: dict[str, WindowStats] = {}
     total = 0
-    for key, count in sorted(bin_counts):
+    for key, window in sorted(windows, key=lambda w: w[0]):
         offsets[key] = total
-        total += count
-    return {"offsets": offsets, "total": total}
+        total += window.sequences
+        stats[key[0]] = stats.get(key[0], WindowStats()) + window
+    return {"offsets": offsets, "total": total, "stats": stats}
 
 
 class RoutePieces(beam.DoFn):
@@ -179,10 +203,13 @@ class RoutePieces(beam.DoFn):
         self._per_shard = sequences_per_shard
         self._permutation: FeistelPermutation | None = None
 
-    def process(self, element, layout: dict) -> Iterator:
+    def process(self, element, layout: dict):
         (source, doc_id), grouped = element
-        copies = sorted(grouped["tokens"], key=lambda b: (len(b), b))
-        placements = list(grouped["placements"])
+        values: tuple[list, list] = ([], [])
+        for kind, value in grouped:
+            values[kind].append(value)
+        copies = sorted(values[TOKENS], key=lambda b: (len(b), b))
+        placements = values[PLACEMENT]
         if not copies or not placements:
             raise RuntimeError(f"document {doc_id} has {len(copies)} token copies and {len(placements)} placements")
         data = copies[0]
@@ -204,7 +231,7 @@ class WriteShard(beam.DoFn):
         self._rows_per_batch = rows_per_batch
         self._per_shard = per_shard
 
-    def process(self, element) -> Iterator[dict]:
+    def process(self, element):
         shard, pieces = element
         by_row: dict[int, list] = {}
         for piece in pieces:
@@ -220,6 +247,32 @@ class WriteShard(beam.DoFn):
         yield {"index": shard, **entry.model_dump()}
 
 
+def write_rejects(path: Path, rows: Iterable[dict]) -> dict[tuple[str, str], int]:
+    """rejected.parquet (atomically, row groups as the rows stream in; empty when there are none) and the
+    count per (source, reason)."""
+    counts: dict[tuple[str, str], int] = {}
+    buffer = pa.BufferOutputStream()
+    with pq.ParquetWriter(buffer, REJECTED_SCHEMA) as writer:
+        for group in itertools.batched(rows, REJECT_ROWS_PER_GROUP):
+            writer.write_table(pa.Table.from_pylist(list(group), schema=REJECTED_SCHEMA))
+            for row in group:
+                key = (row["source"], row["reason"])
+                counts[key] = counts.get(key, 0) + 1
+    write_atomically(path, buffer.getvalue().to_pybytes())
+    return counts
+
+
+class WriteRejects(beam.DoFn):
+    """Every reject row in (one key); rejected.parquet written; ((source, reason), count) out."""
+
+    def __init__(self, output_dir: str):
+        self._path = Path(output_dir) / REJECTED_FILE
+
+    def process(self, element):
+        _, rows = element
+        yield from write_rejects(self._path, rows).items()
+
+
 def _finish(
     _,
     *,
@@ -231,14 +284,16 @@ def _finish(
     config_hash: str,
     provenance: dict,
     shards: list[dict],
-    stats: list,
+    layout: dict,
     rejected: list,
-    rejected_files: list,
 ) -> str:
-    """The last step: gathers the accounting and writes the manifest atomically."""
+    """The last step: gathers the accounting and writes the manifest atomically (and an empty
+    rejected.parquet when nothing was rejected, so every set has one)."""
+    if not rejected:
+        write_rejects(Path(config.output_dir) / REJECTED_FILE, [])
     if not shards:
         raise ValueError("no document survived tokenization; there is nothing to write (see rejected.parquet)")
-    by_source = dict(stats)
+    by_source = layout["stats"]
     rejects: dict[str, dict[str, int]] = {}
     for (source, reason), count in sorted(rejected):
         rejects.setdefault(source, {})[reason] = count
@@ -263,7 +318,7 @@ def _finish(
         rows_per_batch=config.rows_per_batch,
         fill_ratio=fill,
         rejected=rejects,
-        rejected_file=REJECTED_FILE if rejected_files else None,
+        rejected_file=REJECTED_FILE,
         provenance=provenance,  # where each source's documents and the tokenizer are: `ember corpus inspect --locate`
     )
     return str(write_manifest(config.output_dir, manifest))
@@ -275,8 +330,10 @@ def build(pipeline: beam.Pipeline, config: TokenizeConfig, tokenizer: Tokenizer,
     to a staging directory, is the final config: rejects name its source paths, the manifest its hash.
     With `progress_dir`, the tokenize step counts its documents there (ember/pipelines/progress.py)."""
     recorded = recorded or config
+    driver_tokenizer = uuid.uuid4().hex
+    _DRIVER_TOKENIZERS[driver_tokenizer] = tokenizer
     source_paths = {s.name: s.path for s in recorded.sources}
-    tokenized, rejects = [], []
+    tokenized, lengths, rejects = [], [], []
     for source in config.sources:
         outputs = (
             pipeline
@@ -284,41 +341,36 @@ def build(pipeline: beam.Pipeline, config: TokenizeConfig, tokenizer: Tokenizer,
             | f"Tokenize {source.name}"
             >> beam.ParDo(
                 TokenizeDocuments(config.tokenizer, source, source_paths[source.name], config.encode_batch_documents,
-                                  progress_dir)
-            ).with_outputs(
-                TokenizeDocuments.REJECTS, main="documents"
-            )
+                                  progress_dir, driver_tokenizer)
+            ).with_outputs(TokenizeDocuments.LENGTHS, REJECTS, main="documents")
         )
         tokenized.append(outputs.documents)
-        rejects.append(outputs[TokenizeDocuments.REJECTS])
-    documents = tokenized | "All documents" >> beam.Flatten()
-
-    lengths = documents | "Lengths" >> beam.MapTuple(lambda key, data: (key, len(data) // TOKEN_BYTES))
+        lengths.append(outputs[TokenizeDocuments.LENGTHS])
+        rejects.append(outputs[REJECTS])
+    if len(config.sources) > 1:
+        lengths = [lengths | "All lengths" >> beam.Flatten()]
     counts = (
-        lengths
+        lengths[0]
         | "Per source" >> beam.MapTuple(lambda key, _n: (key[0], 1))
         | "Count documents" >> beam.CombinePerKey(sum)
     )
-    windows = beam.pvalue.AsDict(counts)
     packed = (
-        lengths
+        lengths[0]
         | "Assign windows"
-        >> beam.Map(assign_window, counts=windows, window_documents=config.window_documents, seed=config.seed)
+        >> beam.Map(assign_window, counts=beam.pvalue.AsDict(counts), window_documents=config.window_documents,
+                    seed=config.seed)
         | "Group windows" >> beam.GroupByKey()
         | "Pack windows"
         >> beam.ParDo(PackWindow(config.seq_len, config.packing, source_paths)).with_outputs(
-            PackWindow.BINS, PackWindow.STATS, PackWindow.REJECTS, main="placements"
+            PackWindow.WINDOWS, REJECTS, main="placements"
         )
     )
-    rejects.append(packed[PackWindow.REJECTS])
-    layout = (
-        packed[PackWindow.BINS]
-        | "Bins per window" >> beam.combiners.ToList()
-        | "Layout" >> beam.Map(window_layout)
-    )
+    rejects.append(packed[REJECTS])
+    layout = packed[PackWindow.WINDOWS] | "Windows" >> beam.combiners.ToList() | "Layout" >> beam.Map(window_layout)
     entries = (
-        {"tokens": documents, "placements": packed.placements}
-        | "Join tokens" >> beam.CoGroupByKey()
+        [*tokenized, packed.placements]
+        | "Tokens and placements" >> beam.Flatten()
+        | "Join per document" >> beam.GroupByKey()
         | "Route pieces"
         >> beam.ParDo(RoutePieces(config.seed, config.sequences_per_shard), layout=beam.pvalue.AsSingleton(layout))
         | "Group shards" >> beam.GroupByKey()
@@ -329,26 +381,13 @@ def build(pipeline: beam.Pipeline, config: TokenizeConfig, tokenizer: Tokenizer,
             )
         )
     )
-    stats = packed[PackWindow.STATS] | "Stats per source" >> beam.CombinePerKey(_sum_stats)
-    all_rejects = rejects | "All rejects" >> beam.Flatten()
-    provenance = {"documents": source_paths, "tokenizer": recorded.tokenizer.model_dump(mode="json")}
-    _rejects_and_manifest(pipeline, config, recorded.config_hash(tokenizer.identity.hash), tokenizer, entries, stats, all_rejects,
-                          provenance)
-
-
-def _rejects_and_manifest(
-    pipeline: beam.Pipeline, config: TokenizeConfig, config_hash: str, tokenizer: Tokenizer, entries, stats, all_rejects,
-    provenance: dict,
-) -> None:
-    """rejected.parquet, then - once every shard is written - the manifest."""
     reject_counts = (
-        all_rejects
-        | "Reject key" >> beam.Map(lambda r: ((r["source"], r["reason"]), 1))
-        | "Count rejects" >> beam.CombinePerKey(sum)
+        rejects
+        | "All rejects" >> beam.Flatten()
+        | "Group rejects" >> beam.GroupByKey()
+        | "Write rejects" >> beam.ParDo(WriteRejects(str(config.output_dir)))
     )
-    rejected_files = all_rejects | "Write rejects" >> beam.io.WriteToParquet(
-        str(config.output_dir / REJECTED_FILE), schema=REJECTED_SCHEMA, shard_name_template="", num_shards=1
-    )
+    provenance = {"documents": source_paths, "tokenizer": recorded.tokenizer.model_dump(mode="json")}
     _ = (
         pipeline
         | "Finish" >> beam.Create([None])
@@ -360,12 +399,11 @@ def _rejects_and_manifest(
             framing={"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token, "eos_token_id": tokenizer.eos_id},
             pad_id=tokenizer.pad_id,
             dtype=tokenizer.dtype,
-            config_hash=config_hash,
+            config_hash=recorded.config_hash(tokenizer.identity.hash),
             provenance=provenance,
             shards=beam.pvalue.AsList(entries),
-            stats=beam.pvalue.AsList(stats),
+            layout=beam.pvalue.AsSingleton(layout),
             rejected=beam.pvalue.AsList(reject_counts),
-            rejected_files=beam.pvalue.AsList(rejected_files),
         )
     )
 

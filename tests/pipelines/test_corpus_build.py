@@ -163,6 +163,7 @@ def test_demo_stage_builds_documents_and_a_verified_shard_set(tmp_path: Path) ->
     assert {"code", "web", "stdlib", "pages"} <= {p.name for p in documents.iterdir()}
     assert all(pq.read_table(p).schema.equals(DOCUMENT_SCHEMA) for p in documents.rglob("*.parquet"))
     assert shards == tmp_path / "corpus" / "shards"
+    assert "apache_beam" in (tmp_path / "corpus.log").read_text(), "Beam's logs go to the demo's log file, not the terminal"
 
 
 def with_tokenize(config: dict, tokenizer: Path) -> dict:
