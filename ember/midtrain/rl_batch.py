@@ -2,13 +2,14 @@
 
 The trainer never sees the transport: whatever delivers batches (the Kafka reader in `midtrain rl`,
 a list in the tests and benchmarks) turns each schema `TrainBatch` into an `RLBatch` with `rl_batch`.
+`packed_seq_params` describes its packed row to Transformer Engine's THD attention.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -16,6 +17,9 @@ from torch import Tensor
 
 from ember.rollouts.batching import position_ids
 from ember.schemas import TrainBatch
+
+if TYPE_CHECKING:
+    from megatron.core.packed_seq_params import PackedSeqParams
 
 
 @dataclass(frozen=True)
@@ -72,4 +76,16 @@ def rl_batch(batch: TrainBatch, *, offset: int | None = None, position: dict[str
         routed_experts=experts,
         offset=offset,
         position=position,
+    )
+
+
+def packed_seq_params(cu_seqlens: Tensor) -> PackedSeqParams:
+    """THD parameters of one packed row: every sequence its own attention block (cu_seqlens for queries
+    and keys alike, int32 as the attention kernels take them), max_seqlen its longest sequence."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = cu_seqlens.to(torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max())
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
     )
