@@ -104,7 +104,7 @@ class RLSettings(StrictModel):
             ))
         if self.aggregation == "constant" and self.max_generation_tokens is None:
             problems.append(("max_generation_tokens", "aggregation constant needs it: the sampler's generation budget"))
-        if self.aggregation != "constant" and self.max_generation_tokens is not None:
+        if self.estimator != "dr_grpo" and self.aggregation != "constant" and self.max_generation_tokens is not None:
             problems.append(
                 ("max_generation_tokens", f"only aggregation constant (dr_grpo) uses it, aggregation is {self.aggregation}")
             )
