@@ -37,6 +37,7 @@ class RLBatch:
     position_ids: Tensor  # [T] int64, restarting at 0 in every sequence
     policy_versions: Tensor  # [S] int64
     routed_experts: Tensor | None  # [T, layers, top_k] uint8 (int32 for wider ids), or None
+    advantage_estimator: str | None = None  # what computed `advantages`, as the ETL stamped it; None: not stated
     offset: int | None = None  # where the transport read it, for the metrics line
     # The transport's position once this batch is trained: checkpoints store it so a resume reads the next one.
     position: dict[str, Any] | None = None
@@ -74,6 +75,7 @@ def rl_batch(batch: TrainBatch, *, offset: int | None = None, position: dict[str
         position_ids=torch.from_numpy(position_ids(batch.cu_seqlens)),
         policy_versions=torch.from_numpy(np.array(batch.policy_versions, dtype=np.int64)),
         routed_experts=experts,
+        advantage_estimator=batch.advantage_estimator,
         offset=offset,
         position=position,
     )

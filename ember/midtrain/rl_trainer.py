@@ -141,6 +141,12 @@ class RLTrainer:
         return [experts[:, layer, :].long() for layer in range(layers)]
 
     def _inputs(self, batch: RLBatch) -> _Inputs:
+        estimator = self.config.rl.estimator
+        if batch.advantage_estimator is not None and batch.advantage_estimator != estimator:
+            raise ValueError(
+                f"batch {batch.batch_id}: its advantages are {batch.advantage_estimator}'s, rl.estimator is {estimator} "
+                f"(loss normaliser {self.config.rl.aggregation}): set the ETL's advantages.estimator and rl.estimator alike"
+            )
         b = batch.to(self.device)
         cu = b.cu_seqlens
         replay = self._replay_indices(b.routed_experts)

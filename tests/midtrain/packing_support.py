@@ -4,7 +4,8 @@
 writes: the attention kind it detected; the log-probs of a packed row of three rollouts, of the same
 row with the middle rollout's tokens replaced, and of the perturbed row under a plain causal mask
 (the mask a backend that ignores the block-diagonal one would apply); the error for a rollout over
-rl.max_generation_tokens; the error for a model whose local attention uses the fused causal softmax.
+rl.max_generation_tokens; the error for a batch stamped with another advantage estimator; the error
+for a model whose local attention uses the fused causal softmax.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from ember.schemas import TrainBatch
 LENGTHS = (7, 9, 6)
 
 
-def packed_row(tokens: np.ndarray, lengths: tuple[int, ...] = LENGTHS) -> RLBatch:
+def packed_row(tokens: np.ndarray, lengths: tuple[int, ...] = LENGTHS, estimator: str | None = None) -> RLBatch:
     cu = np.zeros(len(lengths) + 1, dtype=np.int32)
     cu[1:] = np.cumsum(lengths)
     n = int(cu[-1])
@@ -31,6 +32,7 @@ def packed_row(tokens: np.ndarray, lengths: tuple[int, ...] = LENGTHS) -> RLBatc
             batch_id="packed", step=0, tokens=tokens.astype(np.uint32), loss_mask=np.ones(n, np.uint8),
             advantages=np.zeros(n, np.float32), sampler_logprobs=np.zeros(n, np.float32), cu_seqlens=cu,
             policy_versions=np.zeros(len(lengths), np.int64), rollout_ids=[f"r{i}" for i in range(len(lengths))],
+            advantage_estimator=estimator,
         ).validate()
     )
 
@@ -63,6 +65,12 @@ def main(config_path: str, out: str) -> None:
         result["budget_error"] = None
     except ValueError as exc:
         result["budget_error"] = str(exc)
+    try:
+        trainer.logprobs(packed_row(tokens, estimator="grpo"))
+        result["estimator_error"] = None
+    except ValueError as exc:
+        result["estimator_error"] = str(exc)
+    result["logp_same_estimator"] = trainer.logprobs(packed_row(tokens, estimator=config.rl.estimator)).tolist()
     tconfig = transformer_config(config, bf16=True)
     tconfig.masked_softmax_fusion = True
     try:

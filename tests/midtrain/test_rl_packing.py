@@ -35,7 +35,8 @@ def test_one_rollouts_tokens_do_not_move_the_other_rollouts_logprobs(tmp_path):
     """The real megatron-core policy on CPU (local spec, dense block-diagonal mask), router replay off so
     routing follows the tokens: replacing every token of the middle rollout leaves the first and the last
     rollouts' log-probs unchanged, while a plain causal mask (what an attention that ignores the dense
-    mask would apply) lets the change leak into the last rollout."""
+    mask would apply) lets the change leak into the last rollout. The same trainer (dr_grpo) refuses a
+    rollout over its generation budget and a batch whose advantages another estimator computed."""
     config = rl_config(
         tmp_path / "policy.yaml", tmp_path / "run", "unused", replay="off", estimator="dr_grpo", max_generation_tokens=8
     )
@@ -53,5 +54,7 @@ def test_one_rollouts_tokens_do_not_move_the_other_rollouts_logprobs(tmp_path):
     assert (perturbed[first + 1 : first + middle] - logp[first + 1 : first + middle]).abs().max() > 1e-3
     assert (leaky[first + middle + 1 :] - logp[first + middle + 1 :]).abs().max() > 1e-3, "the control must leak"
     assert "rollout r1 has more policy tokens than rl.max_generation_tokens 8" in out["budget_error"]
+    assert "advantages are grpo's, rl.estimator is dr_grpo" in out["estimator_error"]
+    assert out["logp_same_estimator"] == out["logp"], "a batch stamped with the configured estimator trains"
     assert "fused causal softmax" in out["fused_softmax_attention"] and "attend to each other" in out["fused_softmax_attention"]
 
