@@ -2,7 +2,8 @@
 
 The trainer never sees the transport: whatever delivers batches (the Kafka reader in `midtrain rl`,
 a list in the tests and benchmarks) turns each schema `TrainBatch` into an `RLBatch` with `rl_batch`.
-`packed_seq_params` describes its packed row to Transformer Engine's THD attention.
+`packed_seq_params` describes its packed row to Transformer Engine's THD attention, `attention_inputs`
+picks that or the dense mask for the attention a model was built with.
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ember.midtrain.rl_math import block_diagonal_causal_mask
 from ember.rollouts.batching import position_ids
 from ember.schemas import TrainBatch
 
 if TYPE_CHECKING:
     from megatron.core.packed_seq_params import PackedSeqParams
+
+    from ember.midtrain.model import PackedAttention
 
 
 @dataclass(frozen=True)
@@ -91,3 +95,13 @@ def packed_seq_params(cu_seqlens: Tensor) -> PackedSeqParams:
     return PackedSeqParams(
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
     )
+
+
+def attention_inputs(attention: PackedAttention, cu_seqlens: Tensor) -> tuple[Tensor | None, PackedSeqParams | None]:
+    """(attention_mask, packed_seq_params) that keep a packed row's sequences apart under `attention`
+    (`model.packed_attention` of the built model): exactly one of the two, the one it honours."""
+    if attention == "thd":
+        return None, packed_seq_params(cu_seqlens)
+    if attention == "dense_mask":
+        return block_diagonal_causal_mask(cu_seqlens), None
+    raise ValueError(f"attention must be 'thd' or 'dense_mask', got {attention!r}")

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ember.midtrain import rl_math, runtime
 from ember.midtrain.model import moe_routers, packed_attention
-from ember.midtrain.rl_batch import RLBatch, packed_seq_params
+from ember.midtrain.rl_batch import RLBatch, attention_inputs
 from ember.midtrain.rl_config import RLConfig, RLSettings
 from ember.midtrain.runtime import MetricsLog, StopRequest
 
@@ -162,13 +162,13 @@ class RLTrainer:
                     f"rl.max_generation_tokens {budget}, the constant Dr.GRPO's loss divides by: raise it to the "
                     "sampler's generation budget"
                 )
-        dense = self.attention == "dense_mask"
+        attention_mask, packed = attention_inputs(self.attention, cu)
         return _Inputs(
             tokens=b.tokens,
             labels=rl_math.next_token_labels(b.tokens, cu),
             positions=b.position_ids,
-            attention_mask=rl_math.block_diagonal_causal_mask(cu) if dense else None,
-            packed=None if dense else packed_seq_params(cu),
+            attention_mask=attention_mask,
+            packed=packed,
             cu_seqlens=cu,
             mask=mask,
             advantages=b.advantages.float(),
@@ -269,11 +269,17 @@ class RLTrainer:
         self.state.consumed_samples += batch.num_sequences
         self.data_position = batch.position
         record = self._record(batch, inputs, loss, maps)
-        record.update(step_seconds=time.perf_counter() - started, forward_backward_seconds=forward_s)
+        compare_s = 0.0
         if batch.routed_experts is not None:
+            t0 = time.perf_counter()
             per_layer = [rl_math.routing_disagreement(m.cpu(), batch.routed_experts[:, layer, :]) for layer, m in enumerate(maps)]
             record["routing_disagreement"] = float(np.mean(per_layer))
             record["routing_disagreement_per_layer"] = per_layer
+            compare_s = time.perf_counter() - t0
+        # after the routing comparison, so the step time holds everything the step does
+        record.update(
+            step_seconds=time.perf_counter() - started, forward_backward_seconds=forward_s, routing_compare_seconds=compare_s
+        )
         return record
 
     def _record(self, batch: RLBatch, inputs: _Inputs, loss: _PolicyLoss, maps: list[torch.Tensor]) -> dict[str, Any]:

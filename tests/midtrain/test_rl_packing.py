@@ -7,10 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from ember.midtrain import rl_math
-from ember.midtrain.rl_batch import packed_seq_params
+from ember.midtrain.rl_batch import attention_inputs, packed_seq_params
 
 from .rl_support import rl_config
 
@@ -29,6 +30,16 @@ def test_packed_seq_params_follow_the_rows_cu_seqlens():
     for start, end in zip(params.cu_seqlens_q[:-1].tolist(), params.cu_seqlens_q[1:].tolist()):
         assert mask[start:end, start:end].equal(torch.ones(end - start, end - start, dtype=torch.bool).tril())
         assert not mask[start:end, :start].any() and not mask[start:end, end:].any()
+
+
+def test_attention_inputs_give_exactly_what_the_attention_honours():
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    mask, packed = attention_inputs("thd", cu)
+    assert mask is None and packed.cu_seqlens_q.tolist() == [0, 2, 5] and packed.max_seqlen_q == 3
+    mask, packed = attention_inputs("dense_mask", cu)
+    assert packed is None and mask.equal(rl_math.block_diagonal_causal_mask(cu))
+    with pytest.raises(ValueError, match="must be 'thd' or 'dense_mask'"):
+        attention_inputs("causal", cu)
 
 
 def test_one_rollouts_tokens_do_not_move_the_other_rollouts_logprobs(tmp_path):
