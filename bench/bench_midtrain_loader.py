@@ -11,6 +11,11 @@ document, so a Megatron sample of seq_len tokens is one stored row). Then, in on
 - read+collate: --samples samples in each dataset's own (shuffled, blended) order through a
   `DataLoader(batch_size=8, num_workers=0)`, with block-diagonal attention masks and reset
   position ids on both sides (ember from cu_seqlens, Megatron from EOD tokens).
+- shuffle scope: the two orders differ. ember's is window-local (rows shuffled within windows of
+  64 record batches of 128 rows, the windows in shuffled order: each decoded record batch serves
+  its 128 rows from a cache), megatron-core's is a global permutation of samples over a memory-
+  mapped .bin. So ember is also read in a global order: the same dataset at positions drawn by a
+  seeded permutation of all N (every sample then lands in an almost surely uncached record batch).
 
 Medians over --repeats, ratios ember/megatron. Files are in the page cache for both (just
 written). Timing is reported, never asserted.
@@ -143,10 +148,10 @@ def timed(fn) -> tuple[float, object]:
     return time.perf_counter() - t0, out
 
 
-def read_collate(dataset, samples: int) -> float:
-    loader = torch.utils.data.DataLoader(
-        torch.utils.data.Subset(dataset, range(samples)), batch_size=BATCH, num_workers=0
-    )
+def read_collate(dataset, samples: int, order: np.ndarray | None = None) -> float:
+    """Seconds to read `samples` samples: positions 0.. (the dataset's own order) or `order`'s first ones."""
+    positions = range(samples) if order is None else order[:samples].tolist()
+    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(dataset, positions), batch_size=BATCH, num_workers=0)
     t0 = time.perf_counter()
     for _ in loader:
         pass
@@ -177,11 +182,13 @@ def main() -> None:
                 write_megatron(root / f"mcore-{source}", table, args.seq_len)
             t_write = time.perf_counter() - t_write
             samples = min(args.samples, n)
-            e_start, e_read, m_cold, m_warm, m_read = [], [], [], [], []
+            e_start, e_read, e_global, m_cold, m_warm, m_read = [], [], [], [], [], []
+            global_order = np.random.default_rng(99).permutation(n)
             for _ in range(args.repeats):
                 t, ds = timed(lambda: ember_dataset(root, n, args.seq_len))
                 e_start.append(t)
                 e_read.append(read_collate(ds, samples))
+                e_global.append(read_collate(ember_dataset(root, n, args.seq_len), samples, global_order))
                 cache = root / "mcore-cache"
                 shutil.rmtree(cache, ignore_errors=True)
                 t, ds = timed(lambda: megatron_dataset(root, n, args.seq_len, cache))
@@ -190,9 +197,9 @@ def main() -> None:
                 m_warm.append(t)
                 m_read.append(read_collate(ds, samples))
             med = statistics.median
-            e_sps, m_sps = samples / med(e_read), samples / med(m_read)
+            e_sps, m_sps, g_sps = samples / med(e_read), samples / med(m_read), samples / med(e_global)
             rows.append(
-                (n, t_write, med(e_start), med(m_cold), med(m_warm), e_sps, m_sps, e_sps * args.seq_len, m_sps * args.seq_len)
+                (n, t_write, med(e_start), med(m_cold), med(m_warm), e_sps, m_sps, e_sps * args.seq_len, m_sps * args.seq_len, g_sps)
             )
             print(f"N={n}: written in {t_write:.1f}s", flush=True)
     finally:
@@ -201,14 +208,15 @@ def main() -> None:
     print(f"\nseq_len {args.seq_len}, batch {BATCH}, {args.repeats} repeats (medians), read+collate of min(N, {args.samples}) samples")
     header = (
         "| sequences | ember startup s | mcore startup cold s | mcore startup cached s | startup ratio mcore-cold/ember "
-        "| ember samples/s | mcore samples/s | ember tokens/s | mcore tokens/s | read ratio ember/mcore |"
+        "| ember samples/s (window-local order) | mcore samples/s (global shuffle) | ember tokens/s | mcore tokens/s "
+        "| read ratio ember/mcore | ember samples/s (global shuffle) | read ratio, both global |"
     )
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
-    for n, _, es, mc, mw, e_sps, m_sps, e_tps, m_tps in rows:
+    for n, _, es, mc, mw, e_sps, m_sps, e_tps, m_tps, g_sps in rows:
         print(
             f"| {n:,} | {es:.3f} | {mc:.3f} | {mw:.3f} | {mc / es:.1f}x | {e_sps:,.0f} | {m_sps:,.0f} "
-            f"| {e_tps:,.0f} | {m_tps:,.0f} | {e_sps / m_sps:.2f}x |"
+            f"| {e_tps:,.0f} | {m_tps:,.0f} | {e_sps / m_sps:.2f}x | {g_sps:,.0f} | {g_sps / m_sps:.2f}x |"
         )
 
 

@@ -5,9 +5,14 @@ producers send it) and in the TrainBatch (encoded, and as the uint8 tensor the t
 decode time of a batch (into the trainer's `RLBatch` tensors) with and without them; and the RL step
 time (forward + backward + optimizer step of the megatron-core MoE on CPU, on in-memory batches, no
 broker) with router replay forcing the experts, with replay off (the experts only compared) and
-without experts in the batch. The model has the 61 x 256 x top-8 routing
-shape but a tiny hidden size, so the step times show the replay overhead, not a real step's cost.
-Timing never decides pass/fail.
+without experts in the batch. The step is timed around the whole `train_step` call, which includes
+the per-layer comparison of the trainer's routing with the sampler's (the routing-disagreement
+metric, computed whenever the batch carries experts); that comparison is also timed where it runs
+(`routing_compare_seconds`), so: replay's cost = replay - off, the comparison's = its own time,
+the experts' total = replay - no experts. The configurations alternate within each repeat and the
+differences are medians of per-repeat pairs, so a drifting machine load cancels. The model has the
+61 x 256 x top-8 routing shape but a tiny hidden size, so the step times show the replay overhead,
+not a real step's cost. Timing never decides pass/fail.
 
     .venv/bin/python bench/bench_router_replay.py [--tokens 1024] [--repeats 3]
 """
@@ -72,7 +77,8 @@ def wire_and_batch(tokens: int, sequences: int, repeats: int):
     return batch(True), wire, wire_zstd, in_batch, tensor_bytes, decode
 
 
-def step_times(batch, repeats: int) -> dict[str, float]:
+def step_times(batch, repeats: int) -> tuple[dict[str, list[float]], list[float]]:
+    """Per configuration, the wall time of each `train_step`; and the routing comparison's time per replay step."""
     from ember.midtrain.rl_config import parse_rl_config
     from ember.midtrain.rl_trainer import RLTrainer
 
@@ -95,17 +101,22 @@ def step_times(batch, repeats: int) -> dict[str, float]:
     off = trainer.config.model_copy(update={"rl": trainer.config.rl.model_copy(update={"replay": "off"})})
     on = trainer.config
     results: dict[str, list[float]] = {"replay": [], "off (compare only)": [], "no experts in batch": []}
+    compare: list[float] = []
     trainer.train_step(with_experts)  # warm-up
     for _ in range(repeats):
         for name, cfg, b in (("replay", on, with_experts), ("off (compare only)", off, with_experts), ("no experts in batch", on, no_experts)):
             trainer.config = cfg
+            t0 = time.perf_counter()
             record = trainer.train_step(b)
-            results[name].append(record["step_seconds"])
+            results[name].append(time.perf_counter() - t0)
             if name == "replay":
                 assert record["routing_disagreement"] == 0.0
+                compare.append(record["routing_compare_seconds"])
+            if name == "no experts in batch":
+                assert record["routing_compare_seconds"] == 0.0, "no experts, nothing to compare"
     trainer.config = on
     trainer.close()
-    return {name: statistics.median(v) for name, v in results.items()}
+    return results, compare
 
 
 def main() -> None:
@@ -120,10 +131,22 @@ def main() -> None:
     print(f"routed experts in the TrainBatch:         {in_batch:.1f} B/token encoded, {tensor_bytes} B/token as the trainer's tensor")
     print(f"batch decode + tensors:                   {decode[True] * 1e3:.2f} ms with experts, {decode[False] * 1e3:.2f} ms without "
           f"(+{(decode[True] - decode[False]) * 1e3:.2f} ms)")
-    steps = step_times(batch, args.repeats)
-    base = steps["no experts in batch"]
+    steps, compare = step_times(batch, args.repeats)
+    med = statistics.median
+    base = med(steps["no experts in batch"])
     for name, seconds in steps.items():
-        print(f"RL step ({name}):{' ' * (24 - len(name))}{seconds:.3f} s  ({(seconds / base - 1) * 100:+.1f}% vs no experts)")
+        print(f"RL step ({name}):{' ' * (24 - len(name))}{med(seconds):.3f} s  ({(med(seconds) / base - 1) * 100:+.1f}% vs no experts)")
+    replay_step = med(steps["replay"])
+
+    def paired(a: str, b: str) -> float:
+        return med([x - y for x, y in zip(steps[a], steps[b])])
+
+    for what, seconds in (
+        ("forcing the experts (replay - off)", paired("replay", "off (compare only)")),
+        ("routing comparison (timed where it runs)", med(compare)),
+        ("experts in the batch, all (replay - no experts)", paired("replay", "no experts in batch")),
+    ):
+        print(f"cost of {what}:{' ' * (48 - len(what))}{seconds:+.3f} s  ({seconds / replay_step * 100:+.1f}% of the replay step)")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from ember.midtrain import rl_math
-from ember.midtrain.model import moe_routers
+from ember.midtrain.model import moe_routers, packed_attention
+from ember.midtrain.rl_batch import attention_inputs
 from ember.rollouts.transport import RewardWriter, RolloutWriter
 from ember.schemas import Reward, Rollout, Turn
 
@@ -51,7 +52,8 @@ def score(model, sequences: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarr
         router.router_replay.clear_indices()
         router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
     try:
-        loss = model(tokens[None], positions[None], rl_math.block_diagonal_causal_mask(cu), labels=labels[None])
+        mask, packed = attention_inputs(packed_attention(model), cu)  # as the trainer keeps sequences apart
+        loss = model(tokens[None], positions[None], mask, labels=labels[None], packed_seq_params=packed)
         recorded = [r.router_replay.get_recorded_indices() for r in routers]
     finally:
         for router in routers:

@@ -2,12 +2,14 @@
 
 With Transformer Engine on a GPU the TE layer spec is used (THD packed attention, grouped GEMM
 available); otherwise the local spec (dense block-diagonal attention mask, SequentialMLP experts).
+`packed_attention` reads which of the two a built model honours.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
+from typing import Literal
 
 import torch
 from megatron.core import parallel_state
@@ -106,3 +108,55 @@ def moe_routers(model) -> list:
     from megatron.core.transformer.moe.router import TopKRouter
 
     return sorted((m for m in model.modules() if isinstance(m, TopKRouter)), key=lambda r: r.layer_number)
+
+
+PackedAttention = Literal["thd", "dense_mask"]
+
+
+def _te_attention_class() -> type | None:
+    if importlib.util.find_spec("transformer_engine") is None:
+        return None
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+    return TEDotProductAttention
+
+
+def packed_attention(model) -> PackedAttention:
+    """How this built model keeps the sequences of a packed row apart, read from its attention modules.
+
+    "thd": every core attention is Transformer Engine's, which takes PackedSeqParams (cu_seqlens) and
+    applies only its own causal mask, never a dense one. "dense_mask": every one is megatron's local
+    DotProductAttention on its torch softmax path, which applies the dense mask it is given. Anything
+    else raises: the fused causal softmax kernel (fp16/bf16 with masked_softmax_fusion) replaces any
+    mask by a plain causal one, and an attention module of unknown kind gives no such guarantee, so
+    packed sequences would silently attend to each other.
+    """
+    from megatron.core.transformer.attention import Attention
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    te_class = _te_attention_class()
+    kinds: set[str] = set()
+    for name, module in model.named_modules():
+        if not isinstance(module, Attention):
+            continue
+        core = module.core_attention
+        if te_class is not None and isinstance(core, te_class):
+            kinds.add("thd")
+        elif isinstance(core, DotProductAttention):
+            softmax = core.scale_mask_softmax
+            if softmax.scaled_masked_softmax_fusion and softmax.input_in_float16 and softmax.attn_mask_type == AttnMaskType.causal:
+                raise ValueError(
+                    f"{name}: local attention in fp16/bf16 with masked_softmax_fusion uses the fused causal softmax, "
+                    "which ignores the block-diagonal mask: packed sequences would attend to each other (use the "
+                    "Transformer Engine layer spec, or fp32 / masked_softmax_fusion off)"
+                )
+            kinds.add("dense_mask")
+        else:
+            raise ValueError(
+                f"{name}: core attention {type(core).__name__} neither takes packed-sequence parameters (Transformer "
+                "Engine) nor applies a dense mask (megatron's DotProductAttention): cannot keep packed sequences apart"
+            )
+    if len(kinds) != 1:
+        raise ValueError(f"the model's attention layers must all be of one kind to pack sequences, found {sorted(kinds) or 'none'}")
+    return kinds.pop()  # type: ignore[return-value]

@@ -7,21 +7,29 @@ With several data-parallel ranks each rank trains a contiguous share of a batch'
 `share_bounds` cuts the batch where its token count is closest to an equal split, from `cu_seqlens`
 alone, and `rl_batch_share` decodes only that share of an encoded message (the codec's arrays are
 zero-copy views, so the other ranks' tokens and routed experts are never copied or checked here).
+`packed_seq_params` describes its packed row to Transformer Engine's THD attention, `attention_inputs`
+picks that or the dense mask for the attention a model was built with.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from ember.midtrain.rl_math import block_diagonal_causal_mask
 from ember.rollouts.batching import position_ids
 from ember.schemas import DecodeError, TrainBatch
 from ember.schemas.codec import decode
+
+if TYPE_CHECKING:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from ember.midtrain.model import PackedAttention
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,7 @@ class RLBatch:
     position_ids: Tensor  # [T] int64, restarting at 0 in every sequence
     policy_versions: Tensor  # [S] int64
     routed_experts: Tensor | None  # [T, layers, top_k] uint8 (int32 for wider ids), or None
+    advantage_estimator: str | None = None  # what computed `advantages`, as the ETL stamped it; None: not stated
     offset: int | None = None  # where the transport read it, for the metrics line
     # The transport's position once this batch is trained: checkpoints store it so a resume reads the next one.
     position: dict[str, Any] | None = None
@@ -154,8 +163,31 @@ def rl_batch(batch: TrainBatch, *, offset: int | None = None, position: dict[str
         position_ids=torch.from_numpy(position_ids(batch.cu_seqlens)),
         policy_versions=torch.from_numpy(np.array(batch.policy_versions, dtype=np.int64)),
         routed_experts=experts,
+        advantage_estimator=batch.advantage_estimator,
         offset=offset,
         position=position,
         decoded_bytes=sum(getattr(batch, name).nbytes for name in _TOKEN_ARRAYS) + (0 if experts is None else batch.routed_experts.nbytes),
         routed_expert_bytes=0 if experts is None else batch.routed_experts.nbytes,
     )
+
+
+def packed_seq_params(cu_seqlens: Tensor) -> PackedSeqParams:
+    """THD parameters of one packed row: every sequence its own attention block (cu_seqlens for queries
+    and keys alike, int32 as the attention kernels take them), max_seqlen its longest sequence."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = cu_seqlens.to(torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max())
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+    )
+
+
+def attention_inputs(attention: PackedAttention, cu_seqlens: Tensor) -> tuple[Tensor | None, PackedSeqParams | None]:
+    """(attention_mask, packed_seq_params) that keep a packed row's sequences apart under `attention`
+    (`model.packed_attention` of the built model): exactly one of the two, the one it honours."""
+    if attention == "thd":
+        return None, packed_seq_params(cu_seqlens)
+    if attention == "dense_mask":
+        return block_diagonal_causal_mask(cu_seqlens), None
+    raise ValueError(f"attention must be 'thd' or 'dense_mask', got {attention!r}")

@@ -58,7 +58,19 @@ class RLSettings(StrictModel):
     )
     clip_low: float = Field(default=0.2, ge=0, lt=1, description="ratio clipped below at 1 - clip_low")
     clip_high: float = Field(default=0.28, ge=0, description="ratio clipped above at 1 + clip_high")
-    aggregation: Literal["token_mean", "seq_mean"] = "token_mean"
+    estimator: Literal["grpo", "dr_grpo", "rloo"] = Field(
+        default="grpo",
+        description="the advantage estimator of the ETL that writes the batches (its advantages.estimator, checked on "
+        "every batch); it picks the loss normaliser: dr_grpo the constant one, the others token_mean",
+    )
+    aggregation: Literal["token_mean", "seq_mean", "constant"] = Field(
+        default="token_mean",
+        description="loss normaliser, when left out the estimator's: token_mean | seq_mean (grpo, rloo), constant = sum / (max_generation_tokens x "
+        "sequences) (dr_grpo only)",
+    )
+    max_generation_tokens: int | None = Field(
+        default=None, gt=0, description="dr_grpo: the sampler's generation budget, the constant the loss divides by"
+    )
     updates_per_batch: Annotated[int, at_most(64, "PPO epochs on one batch; more only overfits it")] = Field(
         default=1, gt=0, description="optimizer updates on each batch (PPO epochs)"
     )
@@ -76,9 +88,35 @@ class RLSettings(StrictModel):
         default=4, gt=0, description="exported versions kept under run_dir/versions; older ones are removed"
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _aggregation_from_estimator(cls, data: object) -> object:
+        """An unset aggregation is the estimator's: Dr.GRPO's constant normaliser, else token_mean."""
+        if isinstance(data, dict) and data.get("aggregation") is None:
+            data = {**data, "aggregation": "constant" if data.get("estimator") == "dr_grpo" else "token_mean"}
+        return data
+
     @model_validator(mode="after")
     def _bounds(self) -> "RLSettings":
         problems = []
+        if self.estimator == "dr_grpo" and self.aggregation != "constant":
+            problems.append((
+                "aggregation",
+                f"estimator dr_grpo needs aggregation constant, got {self.aggregation}: Dr.GRPO's loss divides by a "
+                "constant, not by rollout or batch lengths (leave aggregation out to get it)",
+            ))
+        if self.aggregation == "constant" and self.estimator != "dr_grpo":
+            problems.append((
+                "estimator",
+                f"aggregation constant is Dr.GRPO's normaliser, but estimator is {self.estimator}: set estimator: "
+                "dr_grpo (and advantages.estimator: dr_grpo in the ETL config) or another aggregation",
+            ))
+        if self.aggregation == "constant" and self.max_generation_tokens is None:
+            problems.append(("max_generation_tokens", "aggregation constant needs it: the sampler's generation budget"))
+        if self.estimator != "dr_grpo" and self.aggregation != "constant" and self.max_generation_tokens is not None:
+            problems.append(
+                ("max_generation_tokens", f"only aggregation constant (dr_grpo) uses it, aggregation is {self.aggregation}")
+            )
         if self.alpha >= self.beta:
             problems.append(f"alpha {self.alpha} must be below beta {self.beta}")
         if self.initial_policy_version + self.steps > MAX_POLICY_VERSION:

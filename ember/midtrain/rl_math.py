@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 CORRECTIONS = ("none", "tis", "mis", "seq_geo")
-AGGREGATIONS = ("token_mean", "seq_mean")
+AGGREGATIONS = ("token_mean", "seq_mean", "constant")
 
 
 def segment_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -138,20 +138,52 @@ def ppo_clipped_loss(
     return -torch.minimum(unclipped, clipped), (clipped < unclipped).float()
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor, mode: str) -> torch.Tensor:
-    """token_mean: sum over masked tokens / their count. seq_mean: the mean over sequences (with at
-    least one masked token) of each sequence's token mean, so long and short rollouts weigh the same."""
+def aggregate_terms(
+    per_token: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor, mode: str, *, max_tokens: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch loss as (numerator, denominator), both additive over whole sequences: a batch split by
+    sequence across ranks has the sums of its parts' terms, so the global loss is sum(num) / sum(den).
+
+    token_mean: sum over masked tokens / their count.
+    seq_mean: the sum of each sequence's token mean (sequences with at least one masked token) / their
+      count, so long and short rollouts weigh the same (GRPO's 1/|o_i|).
+    constant: Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): sum over masked tokens /
+      (max_tokens x sequences), a normaliser independent of every rollout's length, so no length bias.
+    """
     mask = mask.to(per_token.dtype)
+    masked = per_token * mask
     if mode == "token_mean":
-        return (per_token * mask).sum() / mask.sum().clamp(min=1)
+        return masked.sum(), mask.sum()
     if mode == "seq_mean":
         seg = segment_ids(cu_seqlens)
         n = len(cu_seqlens) - 1
-        sums = torch.zeros(n, dtype=per_token.dtype, device=per_token.device).index_add(0, seg, per_token * mask)
+        sums = torch.zeros(n, dtype=per_token.dtype, device=per_token.device).index_add(0, seg, masked)
         counts = torch.zeros(n, dtype=per_token.dtype, device=per_token.device).index_add(0, seg, mask)
         present = counts > 0
-        return (sums[present] / counts[present]).sum() / present.sum().clamp(min=1)
+        return (sums[present] / counts[present]).sum(), present.sum().to(per_token.dtype)
+    if mode == "constant":
+        if max_tokens is None or max_tokens <= 0:
+            raise ValueError(f"the constant normaliser needs max_tokens > 0 (the generation budget), got {max_tokens}")
+        sequences = len(cu_seqlens) - 1
+        return masked.sum(), torch.tensor(float(max_tokens * sequences), dtype=per_token.dtype, device=per_token.device)
     raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {mode!r}")
+
+
+def aggregate(
+    per_token: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor, mode: str, *, max_tokens: int | None = None
+) -> torch.Tensor:
+    """The batch loss under `mode` (see `aggregate_terms`); an empty batch (no masked token) is 0."""
+    numerator, denominator = aggregate_terms(per_token, mask, cu_seqlens, mode, max_tokens=max_tokens)
+    return numerator / denominator.clamp(min=1)
+
+
+def check_generation_budget(mask: torch.Tensor, cu_seqlens: torch.Tensor, max_tokens: int) -> int | None:
+    """The index of the first sequence with more policy tokens than `max_tokens`, or None: the
+    constant normaliser assumes no rollout exceeds the budget it divides by."""
+    seg = segment_ids(cu_seqlens)
+    counts = torch.zeros(len(cu_seqlens) - 1, dtype=torch.float64, device=mask.device).index_add(0, seg, mask.double())
+    over = torch.nonzero(counts > max_tokens)
+    return int(over[0]) if len(over) else None
 
 
 def expert_map(indices: torch.Tensor, num_experts: int) -> torch.Tensor:

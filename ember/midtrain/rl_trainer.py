@@ -1,7 +1,9 @@
 """The RL trainer: the megatron-core MoE policy trained one `RLBatch` at a time, and its run loop.
 
 Per batch: the trainer's per-token log-probs, with the sampler's routed experts forced through
-megatron-core router replay when configured; the train/inference mismatch measured (|delta logp|,
+megatron-core router replay when configured, the rollouts of the packed row kept apart as the built
+attention honours it (THD packed-sequence parameters on Transformer Engine, the dense block-diagonal
+mask on the local spec, see `model.packed_attention`); the train/inference mismatch measured (|delta logp|,
 KL(mu||pi), routing disagreement) and corrected (TIS, MIS or sequence-level geometric masking); a PPO
 clipped policy-gradient loss on the batch's advantages, masked to policy tokens; an optimizer step.
 
@@ -33,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from ember.midtrain import rl_math, runtime
-from ember.midtrain.model import moe_routers
-from ember.midtrain.rl_batch import RLBatch
+from ember.midtrain.model import moe_routers, packed_attention
+from ember.midtrain.rl_batch import RLBatch, attention_inputs
 from ember.midtrain.rl_config import RLConfig, RLSettings
 from ember.midtrain.rl_ranks import BatchMessage, RankBatches
 from ember.midtrain.runtime import MetricsLog, StopRequest
@@ -63,7 +65,8 @@ class _Inputs:
     tokens: torch.Tensor  # [T] int64
     labels: torch.Tensor
     positions: torch.Tensor
-    attention_mask: torch.Tensor  # [1, 1, T, T] bool, True = masked
+    attention_mask: torch.Tensor | None  # [1, 1, T, T] bool, True = masked; local attention only
+    packed: Any  # megatron PackedSeqParams (THD) for Transformer Engine attention, else None
     cu_seqlens: torch.Tensor
     mask: torch.Tensor  # [T] float, policy tokens with a log-prob
     advantages: torch.Tensor
@@ -71,9 +74,11 @@ class _Inputs:
     replay: list[torch.Tensor] | None  # per MoE layer [T, top_k] int64, layer order
 
 
-def _local_normaliser(mask: torch.Tensor, cu_seqlens: torch.Tensor, aggregation: str) -> float:
-    """What `rl_math.aggregate` divides this rank's sum by: policy tokens (token_mean) or sequences
-    with a policy token (seq_mean)."""
+def _local_normaliser(mask: torch.Tensor, cu_seqlens: torch.Tensor, aggregation: str, max_tokens: int | None) -> float:
+    """What `rl_math.aggregate` divides this rank's sum by: policy tokens (token_mean), sequences
+    with a policy token (seq_mean), or the generation budget times the sequences (constant, Dr.GRPO)."""
+    if aggregation == "constant":
+        return float(rl_math.aggregate_terms(mask, mask, cu_seqlens, aggregation, max_tokens=max_tokens)[1])
     if aggregation == "token_mean":
         return float(mask.sum())
     if aggregation == "seq_mean":
@@ -114,7 +119,9 @@ class _PolicyLoss:
         per_token, clipped = rl_math.ppo_clipped_loss(logp, old, x.advantages, rl.clip_low, rl.clip_high)
         if first:
             self.clip_frac = float((clipped * x.mask).sum() / x.mask.sum().clamp(min=1))
-        loss = rl_math.aggregate(per_token * self.weights, x.mask, x.cu_seqlens, rl.aggregation) * self.share
+        loss = rl_math.aggregate(
+            per_token * self.weights, x.mask, x.cu_seqlens, rl.aggregation, max_tokens=rl.max_generation_tokens
+        ) * self.share
         self.losses.append(float(loss.detach()))
         return loss * self.dp_size
 
@@ -142,6 +149,7 @@ class RLTrainer:
         self.model, self.ddp, self.optimizer = parts.model, parts.ddp, parts.optimizer
         # constant lr: RL runs as long as rollouts come
         runtime.set_learning_rate(self.optimizer, config.optimizer.weight_decay, lambda group: config.optimizer.lr)
+        self.attention = packed_attention(self.model)
         self.routers = moe_routers(self.model)
         self._maps: list[torch.Tensor] | None = None
         for router in self.routers:
@@ -167,7 +175,7 @@ class RLTrainer:
 
     def _global_share(self, inputs: _Inputs) -> float:
         """This rank's normaliser over the whole batch's, for `_PolicyLoss`."""
-        local = _local_normaliser(inputs.mask, inputs.cu_seqlens, self.config.rl.aggregation)
+        local = _local_normaliser(inputs.mask, inputs.cu_seqlens, self.config.rl.aggregation, self.config.rl.max_generation_tokens)
         total = torch.tensor([local], dtype=torch.float64)
         dist.all_reduce(total, group=self.control)
         return local / max(float(total[0]), 1.0)
@@ -198,18 +206,36 @@ class RLTrainer:
         return [experts[:, layer, :].long() for layer in range(layers)]
 
     def _inputs(self, batch: RLBatch) -> _Inputs:
+        estimator = self.config.rl.estimator
+        if batch.advantage_estimator is not None and batch.advantage_estimator != estimator:
+            raise ValueError(
+                f"batch {batch.batch_id}: its advantages are {batch.advantage_estimator}'s, rl.estimator is {estimator} "
+                f"(loss normaliser {self.config.rl.aggregation}): set the ETL's advantages.estimator and rl.estimator alike"
+            )
         b = batch.to(self.device)
         cu = b.cu_seqlens
         replay = self._replay_indices(b.routed_experts)
         if int(b.tokens.max()) >= self.model.vocab_size:
             raise ValueError(f"token id {int(b.tokens.max())} is outside the model's {self.model.vocab_size}-row vocabulary")
+        mask = rl_math.trainable_mask(b.loss_mask, cu)
+        budget = self.config.rl.max_generation_tokens
+        if budget is not None:
+            over = rl_math.check_generation_budget(mask, cu, budget)
+            if over is not None:
+                raise ValueError(
+                    f"batch {batch.batch_id}: rollout {batch.rollout_ids[over]} has more policy tokens than "
+                    f"rl.max_generation_tokens {budget}, the constant Dr.GRPO's loss divides by: raise it to the "
+                    "sampler's generation budget"
+                )
+        attention_mask, packed = attention_inputs(self.attention, cu)
         return _Inputs(
             tokens=b.tokens,
             labels=rl_math.next_token_labels(b.tokens, cu),
             positions=b.position_ids,
-            attention_mask=rl_math.block_diagonal_causal_mask(cu),
+            attention_mask=attention_mask,
+            packed=packed,
             cu_seqlens=cu,
-            mask=rl_math.trainable_mask(b.loss_mask, cu),
+            mask=mask,
             advantages=b.advantages.float(),
             sampler_logp=b.sampler_logprobs.float(),
             replay=replay,
@@ -234,8 +260,7 @@ class RLTrainer:
         next(data_iterator)
         if inputs.replay is not None:
             self._set_replay(RouterReplayAction.REPLAY_FORWARD, inputs.replay)
-        output = model_chunk(inputs.tokens[None], inputs.positions[None], inputs.attention_mask, labels=inputs.labels[None])
-        return output, partial(self._loss, inputs, loss_fn)
+        return _model_forward(model_chunk, inputs), partial(self._loss, inputs, loss_fn)
 
     def _loss(self, inputs: _Inputs, loss_fn: _PolicyLoss, per_token_loss: torch.Tensor) -> tuple:
         """megatron's loss function: token log-probs from the per-token loss, then the policy loss."""
@@ -270,6 +295,25 @@ class RLTrainer:
             if inputs.replay is not None:
                 self._clear_replay()
 
+    def logprobs(self, batch: RLBatch) -> torch.Tensor:
+        """[T] the policy's per-token log-probs of `batch` (0 on sequence starts), no update: the first
+        forward of `train_step` without backward or dropout, the sampler's experts replayed when configured."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        inputs = self._inputs(batch)
+        if inputs.replay is not None:
+            self._set_replay(RouterReplayAction.REPLAY_FORWARD, inputs.replay)
+        training = self.model.training
+        self.model.eval()  # no dropout when scoring
+        try:
+            with torch.no_grad():
+                per_token_loss = _model_forward(self.model, inputs)
+        finally:
+            self.model.train(training)
+            if inputs.replay is not None:
+                self._clear_replay()
+        return rl_math.token_logprobs(-per_token_loss[0].float(), inputs.cu_seqlens).cpu()
+
     def train_step(self, batch: RLBatch) -> dict[str, Any]:
         """Trains on one batch (`updates_per_batch` optimizer updates); returns its metrics line."""
         started = time.perf_counter()
@@ -290,12 +334,18 @@ class RLTrainer:
         self.data_position = batch.position
         record = self._record(batch, inputs, loss)
         self.state.consumed_samples += record["sequences"]
-        record.update(step_seconds=time.perf_counter() - started, forward_backward_seconds=forward_s)
+        compare_s = 0.0
         if batch.routed_experts is not None:
+            t0 = time.perf_counter()
             per_layer = [rl_math.routing_disagreement(m.cpu(), batch.routed_experts[:, layer, :]) for layer, m in enumerate(maps)]
             per_layer = self._token_weighted_mean(per_layer, len(inputs.tokens))
             record["routing_disagreement"] = float(np.mean(per_layer))
             record["routing_disagreement_per_layer"] = per_layer
+            compare_s = time.perf_counter() - t0
+        # after the routing comparison, so the step time holds everything the step does
+        record.update(
+            step_seconds=time.perf_counter() - started, forward_backward_seconds=forward_s, routing_compare_seconds=compare_s
+        )
         return record
 
     def _token_weighted_mean(self, values: list[float], weight: float) -> list[float]:
@@ -404,6 +454,15 @@ class RLTrainer:
 
     def close(self) -> None:
         runtime.shutdown()
+
+
+def _model_forward(model_chunk: Any, inputs: _Inputs) -> torch.Tensor:
+    """[1, T] per-token loss of the packed row: THD parameters or the dense mask, whichever the built
+    attention honours (`_Inputs` carries exactly one of them)."""
+    return model_chunk(
+        inputs.tokens[None], inputs.positions[None], inputs.attention_mask, labels=inputs.labels[None],
+        packed_seq_params=inputs.packed,
+    )
 
 
 def _print_step(record: dict[str, Any], steps: int) -> None:

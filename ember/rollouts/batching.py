@@ -104,8 +104,10 @@ def build_train_batch(
     step: int,
     source_offsets: list[SourceOffset],
     created_at_us: int,
+    advantage_estimator: str | None = None,
 ) -> TrainBatch:
-    """Concatenate sequences into one packed batch with cu_seqlens boundaries."""
+    """Concatenate sequences into one packed batch with cu_seqlens boundaries, stamped with the
+    estimator that computed the advantages."""
     if not sequences:
         raise ValueError("a batch needs at least one sequence")
     rollouts = [s.rollout for s in sequences]
@@ -132,6 +134,7 @@ def build_train_batch(
         source_offsets=source_offsets,
         routed_experts=experts,
         created_at_us=created_at_us,
+        advantage_estimator=advantage_estimator,
     )
 
 

@@ -613,6 +613,7 @@ class ShardEngine:
                     step=self.next_step,
                     source_offsets=self._source_offsets([positions[s.rollout.rollout_id] for s in chosen]),
                     created_at_us=now_ms * 1000,
+                    advantage_estimator=self.config.advantages.estimator.value,
                 )
                 self.next_step += 1
                 ids = {s.rollout.group_id for s in chosen}

@@ -327,6 +327,8 @@ def encode_train_batch(batch: TrainBatch) -> bytes:
         "rollout_ids": list(batch.rollout_ids),
         "source_topics": [o.topic for o in batch.source_offsets],
     }
+    if batch.advantage_estimator is not None:
+        meta["advantage_estimator"] = batch.advantage_estimator
     arrays = {
         "tokens": batch.tokens,
         "loss_mask": batch.loss_mask,
@@ -362,6 +364,7 @@ def _train_batch_from(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Tr
         source_offsets=[SourceOffset(t, int(p), int(s), int(e)) for t, (p, s, e) in zip(topics, offsets.tolist())],
         routed_experts=_array(arrays, "routed_experts", "expert", 3, optional=True),
         created_at_us=_field(meta, "created_at_us", int, 0),
+        advantage_estimator=_field(meta, "advantage_estimator", str, None),
     )
 
 

@@ -191,6 +191,9 @@ class TrainBatch:
     source_offsets: list[SourceOffset] = field(default_factory=list)
     routed_experts: np.ndarray | None = None
     created_at_us: int = 0
+    # The estimator that computed `advantages` (the ETL's advantages.estimator): the trainer refuses a
+    # batch whose estimator is not the one its loss normaliser is paired with. None: not stated.
+    advantage_estimator: str | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -222,6 +225,8 @@ class TrainBatch:
             found.append(FieldIssue("routed_experts", f"shape {self.routed_experts.shape} must be [{n}, layers, top_k]"))
         if len(set(self.rollout_ids)) != len(self.rollout_ids):
             found.append(FieldIssue("rollout_ids", "a rollout appears twice in one batch"))
+        if self.advantage_estimator is not None:
+            found += _name_issues(self, ("advantage_estimator",))
         return found
 
     def validate(self) -> "TrainBatch":
@@ -299,6 +304,7 @@ TRAIN_BATCH_SCHEMA = versioned_schema(
         pa.field("routed_experts_shape", pa.list_(pa.int32())),
         pa.field("routed_experts_dtype", pa.string()),
         pa.field("created_at", pa.timestamp("us", tz="UTC"), nullable=False),
+        pa.field("advantage_estimator", pa.string()),
     ],
 )
 

@@ -44,12 +44,14 @@ def test_complete_group_becomes_one_batch_with_grpo_advantages():
         assert adv == pytest.approx(expected[rid], rel=1e-5)
     assert [o.kind for o in done.outcomes] == ["batch"]
     assert done.marks == {ROLLOUTS: 4, REWARDS: 4}
+    assert batch.advantage_estimator == "grpo", "the trainer checks its loss normaliser against this stamp"
 
 
 def test_rloo_estimator_is_applied():
     log = Log()
     rollouts = full_group(log)
     (batch,) = run(config(advantages={"estimator": "rloo"}), log.messages).batches
+    assert batch.advantage_estimator == "rloo"
     expected = dict(zip([r.rollout_id for r in rollouts], rloo_advantages(SCORES)))
     for rid, adv in sequence_advantages(batch).items():
         assert adv == pytest.approx(expected[rid], rel=1e-5)

@@ -122,6 +122,7 @@ def test_replay_rebuilds_batches_with_another_estimator(pipeline, tmp_path):
     table = ipc.open_file(str(tmp_path / "batches.arrow")).read_all()
     assert table.schema.equals(TRAIN_BATCH_SCHEMA, check_metadata=False)
     assert table.num_rows == summary.batches > 0
+    assert set(table.column("advantage_estimator").to_pylist()) == {"rloo"}, "each batch names its advantages' estimator"
     dropped = sum(n for (kind, _), n in summary.outcomes.items() if kind == "rollout_dropped")
     assert summary.rollouts + dropped == work.rollout_messages
     assert summary.outcomes[("dead_letter", "oversized")] == 1

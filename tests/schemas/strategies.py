@@ -88,6 +88,7 @@ def train_batches(draw) -> TrainBatch:
         ),
         routed_experts=experts,
         created_at_us=draw(int64s),
+        advantage_estimator=draw(st.sampled_from([None, "grpo", "dr_grpo", "rloo"])),
     )
 
 
