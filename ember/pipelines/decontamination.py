@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from ember.pipelines.minhash import splitmix64
+from ember.pipelines.minhash import splitmix64, windows
 
 TOKEN = re.compile(r"\w+|[^\w\s]")
 IDENTIFIER = re.compile(r"[^\W\d]\w*")
@@ -225,17 +225,6 @@ class Tokens:
 
     def __len__(self) -> int:
         return len(self.units)
-
-
-def windows(units: np.ndarray, n: int) -> np.ndarray:
-    """Order-sensitive 64-bit hashes of every run of n consecutive units (empty when fewer than n)."""
-    count = len(units) - n + 1
-    if count <= 0:
-        return np.empty(0, dtype=np.uint64)
-    h = units[:count].copy()
-    for j in range(1, n):
-        h = splitmix64(h ^ units[j : j + count])
-    return h
 
 
 def renamed_windows(tokens: Tokens, n: int, min_informative: int) -> np.ndarray:

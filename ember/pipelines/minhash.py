@@ -56,11 +56,17 @@ def shingles(text: str, n_grams: int, kind: str = "word") -> np.ndarray:
         units = _word_hashes(simplified.split())
     else:
         units = splitmix64(np.frombuffer(simplified.encode("utf-32-le"), dtype=np.uint32).astype(np.uint64))
-    count = len(units) - n_grams + 1
+    return windows(units, n_grams)
+
+
+def windows(units: np.ndarray, n: int) -> np.ndarray:
+    """Order-sensitive 64-bit hashes of every run of n consecutive units (empty when fewer than n): the
+    shingles of near-dedup and the n-grams of decontamination alike."""
+    count = len(units) - n + 1
     if count <= 0:
         return np.empty(0, dtype=np.uint64)
     h = units[:count].copy()
-    for j in range(1, n_grams):
+    for j in range(1, n):
         h = splitmix64(h ^ units[j : j + count])
     return h
 
