@@ -75,16 +75,10 @@ class _Inputs:
 
 
 def _local_normaliser(mask: torch.Tensor, cu_seqlens: torch.Tensor, aggregation: str, max_tokens: int | None) -> float:
-    """What `rl_math.aggregate` divides this rank's sum by: policy tokens (token_mean), sequences
-    with a policy token (seq_mean), or the generation budget times the sequences (constant, Dr.GRPO)."""
-    if aggregation == "constant":
-        return float(rl_math.aggregate_terms(mask, mask, cu_seqlens, aggregation, max_tokens=max_tokens)[1])
-    if aggregation == "token_mean":
-        return float(mask.sum())
-    if aggregation == "seq_mean":
-        counts = torch.zeros(len(cu_seqlens) - 1, dtype=mask.dtype, device=mask.device)
-        return float((counts.index_add(0, rl_math.segment_ids(cu_seqlens), mask) > 0).sum())
-    raise ValueError(f"no global normaliser for aggregation {aggregation!r}: add it to rl_trainer._local_normaliser")
+    """What `rl_math.aggregate` divides this rank's sum by (the denominator of `rl_math.aggregate_terms`):
+    policy tokens (token_mean), sequences with a policy token (seq_mean), or the generation budget times
+    the sequences (constant, Dr.GRPO)."""
+    return float(rl_math.aggregate_terms(mask, mask, cu_seqlens, aggregation, max_tokens=max_tokens)[1])
 
 
 class _PolicyLoss:
