@@ -7,6 +7,7 @@ restart, so the partition was stuck), or reached a batch.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
@@ -15,11 +16,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client import generate_latest
 
-from ember.rollouts.engine import REWARDS, ROLLOUTS, InputMessage, ShardEngine, input_topics
+from ember.rollouts.engine import REWARDS, ROLLOUTS, InputMessage, ShardEngine
 from ember.rollouts.etl import EtlService
 from ember.rollouts.metrics import EtlMetrics
 from ember.rollouts.records import REASONS, Reason
@@ -27,7 +27,8 @@ from ember.schemas import Reward, Rollout, decode, encode
 from ember.schemas.codec import KIND_REWARD, KIND_ROLLOUT, _decode, _frame
 from ember.schemas.rollouts import FINISH_REASONS
 from tests.rollouts.helpers import TOPICS, VOCAB, Committed, Log, config, reward, rollout, run
-from tests.schemas.strategies import deep_json, hostile_ints, hostile_meta_text, hostile_text
+from tests.rollouts.hostile_support import DEEP, DIGITS, messages, plans
+from tests.schemas.strategies import deep_json
 
 SCORES = [0.1, 0.9, 0.4, 0.7]
 
@@ -250,117 +251,129 @@ def test_metric_labels_are_reasons_never_message_content():
 
 # ---- the property: no exception escapes, every message ends in exactly one place ---------------
 
-GROUPS = ("g0", "g1", "g2")
+
+def write_raw(record: Rollout | Reward) -> bytes:
+    """`record` on the wire as a hostile producer would write it: every meta value as given (lone
+    surrogates escaped, integers of any size, NaN), `DEEP` / `DIGITS` spliced in, where `encode` refuses."""
+    code = KIND_ROLLOUT if isinstance(record, Rollout) else KIND_REWARD
+    clean = copy.copy(record)
+    for name, value in vars(record).items():
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            setattr(clean, name, type(value)())
+    if isinstance(record, Reward):
+        clean.components = {name: 0.0 for name in record.components if isinstance(name, str)}
+    _kind, meta, arrays = _decode(encode(clean))
+    meta.update({name: value for name, value in vars(record).items() if name in meta})
+    text = json.dumps(meta).replace(f'"{DEEP}"', deep_json(200)).replace(f'"{DIGITS}"', "7" * 4301)
+    arrays = {k: np.array(v) for k, v in arrays.items()}
+    if isinstance(record, Reward) and record.components:
+        arrays["component_values"] = np.array(list(record.components.values()), dtype=np.float64)
+    return _frame(code, text.encode("utf-8"), arrays)
 
 
-@st.composite
-def hostile_rollout(draw) -> tuple[bytes, bytes | None]:
-    group = draw(st.sampled_from(GROUPS) | hostile_text)
-    index = draw(st.integers(0, 5))
-    r = rollout(group if group else "g0", index, tokens=draw(st.integers(2, 24)))
-    r.group_id = group
-    r.rollout_id = draw(st.sampled_from([f"{group}-{index}", f"shared-{index}"]) | hostile_text)
-    corruption = draw(st.sampled_from(["none", "none", "token", "logprob", "version", "created", "mask"]))
-    n = r.num_tokens
-    if corruption == "token":
-        r.tokens = r.tokens.copy()
-        r.tokens[draw(st.integers(0, n - 1))] = draw(st.sampled_from([VOCAB, 2**32 - 1, VOCAB - 1]))
-    elif corruption == "logprob":
-        r.sampler_logprobs = r.sampler_logprobs.copy()
-        r.sampler_logprobs[draw(st.integers(0, n - 1))] = draw(st.sampled_from([np.nan, np.inf, -np.inf, 3.0, -1e38]))
-    elif corruption == "version":
-        r.policy_version = draw(hostile_ints)
-    elif corruption == "created":
-        r.created_at_us = draw(hostile_ints)
-    elif corruption == "mask":
-        r.loss_mask = draw(hnp.arrays(np.uint8, n, elements=st.integers(0, 2)))
-    key = group.encode("utf-8", errors="surrogatepass") if draw(st.integers(0, 9)) else draw(st.binary(max_size=4))
-    return encode(r), key
+class Durable:
+    """What the Kafka transactions made durable, across every instance that held the shard."""
+
+    def __init__(self) -> None:
+        self.batches: list = []
+        self.outcomes: list = []
+        self.dead_letters: list = []
+        self.observations: list[tuple[str, float]] = []
+        self.snapshot, self.marks, self.closed = None, {}, []
+
+    def commit(self, engine: ShardEngine) -> None:
+        output, self.snapshot, self.marks = engine.checkpoint("fuzz")
+        self.batches += [e.batch for e in output.batches]
+        self.outcomes += output.outcomes
+        self.dead_letters += output.dead_letters
+        self.observations += output.observations
+        self.closed += list(self.snapshot.closed)
+
+    def take_over(self, cfg) -> ShardEngine:
+        """The next instance gets the shard: it restores the last commit; uncommitted work is lost."""
+        return ShardEngine(cfg, 0, TOPICS, snapshot=self.snapshot, committed=dict(self.marks), closed=self.closed)
+
+    def ledger(self) -> list[tuple]:
+        return sorted((o.kind, o.reason, o.topic, o.offset) for o in self.outcomes if o.kind != "batch")
+
+    def batched_ids(self) -> list[str]:
+        return sorted(r for b in self.batches for r in b.rollout_ids)
 
 
-@st.composite
-def hostile_reward(draw) -> tuple[bytes, bytes | None]:
-    group = draw(st.sampled_from(GROUPS))
-    rollout_id = draw(st.sampled_from([f"{group}-{i}" for i in range(6)] + [f"shared-{i}" for i in range(3)]))
-    score = draw(st.floats(allow_nan=False, allow_infinity=False) | st.sampled_from([1e308, -1e308, 0.0, 1.0]))
-    grader = draw(st.sampled_from(["unit-tests", "judge"]) | hostile_text)
-    finite = st.floats(allow_nan=False, allow_infinity=False)
-    components = draw(st.dictionaries(st.sampled_from(["passed", "style"]), finite, max_size=2))
-    return encode(Reward(rollout_id, group, grader, score, 0, components)), group.encode()
-
-
-@st.composite
-def garbage(draw) -> tuple[bytes, bytes | None]:
-    kind = draw(st.sampled_from(["bytes", "rollout_meta", "reward_meta"]))
-    if kind == "bytes":
-        return draw(st.binary(max_size=64)), draw(st.none() | st.binary(max_size=4))
-    template = rollout("g0", 0, tokens=8)
-    record = template if kind == "rollout_meta" else reward(template, 0.5)
-    code = KIND_ROLLOUT if kind == "rollout_meta" else KIND_REWARD
-    _kind, meta, arrays = _decode(encode(record))
-    raw = _frame(code, draw(hostile_meta_text(meta)), {k: np.array(v) for k, v in arrays.items()})
-    return raw, b"g0"
-
-
-@st.composite
-def hostile_logs(draw) -> list[InputMessage]:
-    topics = input_topics(TOPICS)
-    offsets = {ROLLOUTS: 0, REWARDS: 0}
-    messages, now = [], 0
-    for _ in range(draw(st.integers(1, 30))):
-        choice = draw(st.sampled_from(["rollout", "rollout", "reward", "reward", "garbage"]))
-        value, key = draw({"rollout": hostile_rollout(), "reward": hostile_reward(), "garbage": garbage()}[choice])
-        role = {"rollout": ROLLOUTS, "reward": REWARDS}.get(choice) or draw(st.sampled_from([ROLLOUTS, REWARDS]))
-        now += draw(st.integers(0, 3000))
-        messages.append(InputMessage(topics[role], 0, offsets[role], now, key, value))
-        offsets[role] += 1
-    return messages
-
-
-def _account(messages: list[InputMessage], output) -> None:
-    """Each message is in exactly one place: a ledger outcome naming its offset, or a batch.
+def _account(messages: list[InputMessage], done: Durable) -> None:
+    """Each message is in exactly one place: a ledger record naming its offset, or a batch.
 
     A reward joined to a rollout travels with it: into the batch, or into the ledger with the
     rollout's drop outcome.
     """
     named: dict[tuple[str, int], int] = {}
-    for o in output.outcomes:
+    for o in done.outcomes:
         if o.kind != "batch":
             named[(o.topic, o.offset)] = named.get((o.topic, o.offset), 0) + 1
     assert all(n == 1 for n in named.values()), "a message is in the ledger twice"
-    assert len(output.dead_letters) == sum(o.kind == "dead_letter" for o in output.outcomes)
-    # neither dropped nor dead-lettered: a valid record, a batched rollout or a reward of one
+    assert len(done.dead_letters) == sum(o.kind == "dead_letter" for o in done.outcomes)
     rest = [(m, decode(m.value)) for m in messages if (m.topic, m.offset) not in named]
-    batched_rollouts = [r for m, r in rest if m.topic == TOPICS.rollouts]
-    assert sorted(r.rollout_id for r in batched_rollouts) == sorted(
-        rid for e in output.batches for rid in e.batch.rollout_ids
-    ), "the rollouts in no ledger record are exactly the batched ones"
-    joined = {(r.group_id, r.rollout_id) for r in batched_rollouts}
-    joined |= {(o.group_id, o.rollout_id) for o in output.outcomes if o.kind == "rollout_dropped"}
+    batched = [r for m, r in rest if m.topic == TOPICS.rollouts]
+    assert sorted(r.rollout_id for r in batched) == done.batched_ids(), "the rollouts in no ledger record are the batched ones"
+    joined = {(r.group_id, r.rollout_id) for r in batched}
+    joined |= {(o.group_id, o.rollout_id) for o in done.outcomes if o.kind == "rollout_dropped"}
     for m, record in rest:
         if m.topic == TOPICS.rewards:
             assert (record.group_id, record.rollout_id) in joined, f"reward @{m.offset} is in no batch and nowhere in the ledger"
-
-
-@settings(max_examples=100, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], deadline=None)
-@given(hostile_logs(), st.none() | st.integers(0, 2**63 - 1))
-def test_no_exception_escapes_and_every_message_ends_in_exactly_one_place(messages, latest_policy):
-    cfg = config(groups={"quorum": 2}, advantages={"drop_zero_variance": False}, rewards={"clip": 100.0})
-    engine = ShardEngine(cfg, 0, TOPICS)
-    for m in messages:
-        engine.ingest(m, m.timestamp_ms)
-        engine.advance(m.timestamp_ms, latest_policy)
-    engine.flush_all(messages[-1].timestamp_ms + 10**7, latest_policy)
-    output, _snapshot, _marks = engine.checkpoint()
-    assert engine.pending_count() == 0
-    _account(messages, output)
-    for emitted in output.batches:
-        checked = decode(encode(emitted.batch))  # validates: finite values, unique ids, cu_seqlens
+    for batch in done.batches:
+        checked = decode(encode(batch))  # validates: finite values, unique ids, cu_seqlens
         assert int(checked.tokens.max()) < VOCAB
-    assert {o.reason for o in output.outcomes} <= REASONS
-    for outcome in output.outcomes:
+    assert {o.reason for o in done.outcomes} <= REASONS
+    for outcome in done.outcomes:
         json.loads(outcome.encode())  # every ledger record is writable JSON
-    assert all(math.isfinite(v) for _name, v in output.observations)
+    assert all(math.isfinite(v) for _name, v in done.observations)
+
+
+def _feed(engine: ShardEngine, m: InputMessage, latest_policy: int | None) -> None:
+    engine.ingest(m, m.timestamp_ms)
+    engine.advance(m.timestamp_ms, latest_policy)
+
+
+FUZZ_CONFIG = config(groups={"quorum": 2}, advantages={"drop_zero_variance": False}, rewards={"clip": 100.0})
+
+
+@settings(max_examples=80, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(
+    st.lists(st.tuples(plans, st.integers(0, 3000)), min_size=1, max_size=24),
+    st.none() | st.integers(0, 2**63 - 1),
+    st.lists(st.sampled_from(["go", "go", "commit", "take_over"]), min_size=24, max_size=24),
+)
+def test_no_exception_escapes_and_every_message_ends_in_exactly_one_place(steps, latest_policy, events):
+    """Arbitrary bytes and well-formed records with hostile values, some written raw where `encode`
+    refuses. Several instances: after some messages the instance commits, after others it dies and
+    the next one takes over from the last commit and re-reads; the durable result is the same as
+    one instance's uninterrupted run, and every message is accounted for once."""
+    log = messages([p for p, _ in steps], [d for _, d in steps], write=write_raw)
+    end = (log[-1].timestamp_ms if log else 0) + 10**7
+    alone, expected = ShardEngine(FUZZ_CONFIG, 0, TOPICS), Durable()
+    for m in log:
+        _feed(alone, m, latest_policy)
+    alone.flush_all(end, latest_policy)
+    assert alone.pending_count() == 0
+    expected.commit(alone)
+    _account(log, expected)
+
+    done = Durable()
+    engine = ShardEngine(FUZZ_CONFIG, 0, TOPICS)
+    for position, (m, event) in enumerate(zip(log, events)):
+        _feed(engine, m, latest_policy)
+        if event == "commit":
+            done.commit(engine)
+        elif event == "take_over":
+            engine = done.take_over(FUZZ_CONFIG)
+            role = {TOPICS.rollouts: ROLLOUTS, TOPICS.rewards: REWARDS}
+            for again in [m for m in log[: position + 1] if m.offset >= done.marks.get(role[m.topic], 0)]:
+                _feed(engine, again, latest_policy)
+    engine.flush_all(end, latest_policy)
+    done.commit(engine)
+    _account(log, done)
+    assert done.ledger() == expected.ledger()
+    assert done.batched_ids() == expected.batched_ids()
 
 
 def test_an_unforeseen_failure_while_admitting_costs_one_message_not_the_shard(monkeypatch):
