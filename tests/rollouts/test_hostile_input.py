@@ -170,6 +170,20 @@ def test_extreme_finite_rewards_give_finite_advantages(estimator):
     assert max(v for name, v in output.observations if name == "reward") == 10.0
 
 
+def test_the_reported_rewards_give_finite_advantages_under_the_default_clip():
+    """The issue's case as reported: [1e308, 1e308, 0] under a default config gave 144 NaN advantages."""
+    log = Log()
+    rollouts = [rollout("g", i) for i in range(3)]
+    for r, s in zip(rollouts, [1e308, 1e308, 0.0]):
+        log.add(r, 0)
+        log.add(reward(r, s), 0)
+    cfg = config(groups={"size": 3})
+    done = run(cfg, log.messages)
+    (batch,) = done.batches
+    assert np.isfinite(batch.advantages).all() and np.abs(batch.advantages).max() > 0
+    assert cfg.rewards.clip == 1e6
+
+
 def test_a_combined_reward_that_overflows_is_dropped_not_batched():
     """Two graders' finite scores can sum past float64: that member is dropped with its reason."""
     log = Log()
@@ -293,6 +307,11 @@ class Durable:
         """The next instance gets the shard: it restores the last commit; uncommitted work is lost."""
         return ShardEngine(cfg, 0, TOPICS, snapshot=self.snapshot, committed=dict(self.marks), closed=self.closed)
 
+    def uncommitted(self, log: list[InputMessage], read: int) -> list[InputMessage]:
+        """Of the first `read` messages, those the next instance re-reads: at or after the committed offsets."""
+        role = {TOPICS.rollouts: ROLLOUTS, TOPICS.rewards: REWARDS}
+        return [m for m in log[:read] if m.offset >= self.marks.get(role[m.topic], 0)]
+
     def ledger(self) -> list[tuple]:
         return sorted((o.kind, o.reason, o.topic, o.offset) for o in self.outcomes if o.kind != "batch")
 
@@ -366,14 +385,44 @@ def test_no_exception_escapes_and_every_message_ends_in_exactly_one_place(steps,
             done.commit(engine)
         elif event == "take_over":
             engine = done.take_over(FUZZ_CONFIG)
-            role = {TOPICS.rollouts: ROLLOUTS, TOPICS.rewards: REWARDS}
-            for again in [m for m in log[: position + 1] if m.offset >= done.marks.get(role[m.topic], 0)]:
+            for again in done.uncommitted(log, position + 1):
                 _feed(engine, again, latest_policy)
     engine.flush_all(end, latest_policy)
     done.commit(engine)
     _account(log, done)
     assert done.ledger() == expected.ledger()
     assert done.batched_ids() == expected.batched_ids()
+
+
+def test_each_instance_taking_over_dead_letters_the_poison_instead_of_crashing_in_turn():
+    """The crashes of the issue, with an instance dying after each message before its commit: the
+    next one restores, re-reads and goes on. Each poison is committed once, the group behind is batched."""
+    template = meta_of(rollout("x", 0))
+    poisons = [
+        json.dumps({**template, "group_id": "g\ud800"}),
+        json.dumps({**template, "rollout_id": "\udc00r"}),
+        json.dumps({**template, "future": "@@"}).replace('"@@"', deep_json(50_000)),
+        json.dumps({**template, "policy_version": 2**70}),
+        json.dumps({**template, "created_at_us": "@@"}).replace('"@@"', "9" * 4301),
+    ]
+    log = Log()
+    for text in poisons:
+        log.add(rollout("x", 0), 0, raw=raw_rollout(text))
+    good = good_group(log)
+    for dies_after in range(len(log.messages)):
+        done = Durable()
+        engine = ShardEngine(config(), 0, TOPICS)
+        for position, m in enumerate(log.messages):
+            _feed(engine, m, None)
+            if position < dies_after:
+                done.commit(engine)
+            elif position == dies_after:
+                engine = done.take_over(config())
+                for again in done.uncommitted(log.messages, position + 1):
+                    _feed(engine, again, None)
+        done.commit(engine)
+        assert done.ledger() == [("dead_letter", "malformed", TOPICS.rollouts, offset) for offset in range(len(poisons))]
+        assert done.batched_ids() == sorted(r.rollout_id for r in good)
 
 
 def test_an_unforeseen_failure_while_admitting_costs_one_message_not_the_shard(monkeypatch):
