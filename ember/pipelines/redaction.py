@@ -133,8 +133,14 @@ _LINE_REST_IS_EMPTY = re.compile(r"[ \t\r]*(?:(?:#|//|--).*)?$")
 # Dotted numbers named by the words before them are versions and section numbers, not addresses.
 _NUMBERED_BEFORE = re.compile(
     r"(?i)\b(?:v|ver|version|versions|release|rel|build|revision|rev|section|sections|sec|sect|chapter|clause|para|"
-    r"paragraph|item|step|table|figure|fig|appendix|spec|specs|specification|numbered|rfc\s*\d+|§)\.?[\s\"'(\[:=#,-]*$"
+    r"paragraph|item|step|table|figure|fig|appendix|spec|specs|specification|numbered|rfc(?:\s*\d+)?|§)\.?[\s\"'(\[:=#,-]*$"
+    # a requirement pin (`numpy==1.26.4.1`, `pkg[extra]>=2.0.0.1`): a version whatever the package is called
+    r"|[A-Za-z][\w.-]*(?:\[[\w,.-]+\])?\s*(?:==|~=|>=|<=|!=)\s*$"
 )
+# A section heading: `7.1.1.1.  Access Token Request` alone at a line start (RFC text), or after `#`s (Markdown).
+_HEADING_BEFORE = re.compile(r"[ \t]*")
+_HEADING_AFTER = re.compile(r"^\.[ \t]+[A-Z]")
+_MARKDOWN_HEADING = re.compile(r"[ \t]*#{1,6}[ \t]+")
 # ... and so are the ones followed by "of RFC ..."; a `/24` makes a network, `.in-addr.arpa` a DNS name.
 _NUMBERED_AFTER = re.compile(r"(?i)^(?:[\s\"')\],]*(?:of\s+(?:rfc|the\s+spec|section|chapter)|in\s+rfc)|/\d{1,3}\b|\.in-addr\.arpa)")
 # Addresses that identify no one: private, loopback, link-local, CGNAT, multicast and reserved (RFC 6890).
@@ -302,7 +308,10 @@ class _Redactor:
         text, start, end = match.string, match.start(), match.end()
         line_start = text.rfind("\n", 0, start) + 1
         before, after = text[max(line_start, start - 40) : start], text[end : end + 24]
-        if not _personal_ip(match.group(0)) or _NUMBERED_BEFORE.search(before) or _NUMBERED_AFTER.search(after):
+        heading = _MARKDOWN_HEADING.fullmatch(text, line_start, start) or (
+            _HEADING_BEFORE.fullmatch(text, line_start, start) and _HEADING_AFTER.match(after)
+        )
+        if not _personal_ip(match.group(0)) or heading or _NUMBERED_BEFORE.search(before) or _NUMBERED_AFTER.search(after):
             return match.group(0)
         return self._hit("ip_address", match)
 

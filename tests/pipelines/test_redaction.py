@@ -137,10 +137,28 @@ def test_credentials_tokens_and_keys_are_covered(text: str, expected: str, kind:
         "schema 1.2.3.4.5 and 10.1.2.3.4",
         "see 4.5.3.1 of RFC 5321",
         "networks 203.0.113.0/24 and 2001:db8::/32; PTR 1.0.0.127.in-addr.arpa",
+        "RFC 7.1.1.1 says so",
+        "7.1.1.1.  Access Token Request\n   4.2.1.3.  Error Response",
+        "## 7.1.1.1 Token endpoint",
+        "numpy==1.26.4.1\nrequests[socks] >= 2.31.0.1",
     ],
 )
 def test_dotted_version_and_section_numbers_are_not_addresses(text: str) -> None:
     assert redact(text, ALL) == (text, {})
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "84.22.11.3 Failed password for root",
+        "84.22.11.3 - - [04/Dec/2026] GET /",
+        "ssh admin@84.22.11.3",
+        "connect to 84.22.11.3. Then retry",
+        "# client 84.22.11.3 seen twice",
+    ],
+)
+def test_addresses_next_to_those_contexts_are_still_redacted(text: str) -> None:
+    assert redact(text, ALL) == (text.replace("84.22.11.3", "<IP_ADDRESS>"), {"ip_address": 1})
 
 
 def test_metadata_strings_are_redacted_and_other_values_pass_through() -> None:
