@@ -52,7 +52,7 @@ _REQUIRED = object()
 
 def _no_nulls(array: pa.Array, what: str) -> None:
     if array.null_count:
-        raise DecodeError(f"{what} holds nulls")
+        raise DecodeError(f"{what} may not be null")
 
 
 def _one_row_list(values: pa.Array) -> pa.LargeListArray:
@@ -406,7 +406,7 @@ def _values(layout: _Layout, batch: pa.RecordBatch) -> dict[str, Any]:
             raise DecodeError(f"{layout.name} column '{column.name}' is {array.type}, expected {column.kind.expected}")
         try:
             array.validate(full=True)
-            _no_nulls(array, "it")
+            _no_nulls(array, "the value")
             values[column.name] = column.kind.from_arrow(array)
         except (pa.ArrowException, DecodeError) as exc:
             raise DecodeError(f"{layout.name} column '{column.name}': {exc}") from None
