@@ -383,6 +383,8 @@ def _read(message: bytes | bytearray | memoryview) -> tuple[_Layout, pa.RecordBa
         raise DecodeError("the stream holds no record batch") from None
     except (pa.ArrowException, OSError) as exc:  # Arrow reports a short read as OSError
         raise DecodeError(f"not a well-formed Arrow IPC stream: {exc}") from None
+    except UnicodeDecodeError:  # Arrow does not check that column names are UTF-8; pyarrow decodes them
+        raise DecodeError("a column name is not valid UTF-8") from None
     if source.tell() != len(view) or view[-len(END_OF_STREAM) :] != END_OF_STREAM:
         raise DecodeError(
             f"truncated: the stream ends at byte {source.tell()} of {len(view)} without its end-of-stream marker"
@@ -390,6 +392,13 @@ def _read(message: bytes | bytearray | memoryview) -> tuple[_Layout, pa.RecordBa
     if batch.num_rows != 1:
         raise DecodeError(f"a {layout.name} message holds one row, this one {batch.num_rows}")
     return layout, batch
+
+
+def _describe(arrow_type: pa.DataType) -> str:
+    try:
+        return str(arrow_type)
+    except UnicodeDecodeError:  # a nested field name that is not UTF-8
+        return f"a {arrow_type.id}-type with a field name that is not valid UTF-8"
 
 
 def _values(layout: _Layout, batch: pa.RecordBatch) -> dict[str, Any]:
@@ -403,7 +412,7 @@ def _values(layout: _Layout, batch: pa.RecordBatch) -> dict[str, Any]:
             values[column.name] = column.default
             continue
         if not column.kind.accepts(array.type):
-            raise DecodeError(f"{layout.name} column '{column.name}' is {array.type}, expected {column.kind.expected}")
+            raise DecodeError(f"{layout.name} column '{column.name}' is {_describe(array.type)}, expected {column.kind.expected}")
         try:
             array.validate(full=True)
             _no_nulls(array, "the value")

@@ -155,34 +155,36 @@ hostile_text = st.one_of(
 hostile_int64s = st.one_of(st.integers(-(2**63), 2**63 - 1), st.sampled_from([-1, 2**63 - 1, -(2**63)]))
 
 
-@st.composite
-def hostile_column(draw) -> pa.Array:
-    """One row of a column of some type with values no honest writer sends."""
-    choice = draw(st.sampled_from(["text", "int", "uint64", "decimal", "float", "bool", "null", "list", "deep"]))
-    if choice == "text":
-        return raw_strings(draw(hostile_text))
-    if choice == "int":
-        return pa.array([draw(hostile_int64s)], pa.int64())
-    if choice == "uint64":
-        return pa.array([draw(st.integers(0, 2**64 - 1))], pa.uint64())
-    if choice == "decimal":
-        return pa.array([decimal.Decimal(draw(st.integers(-(10**75), 10**75)))], pa.decimal256(76))
-    if choice == "float":
-        return pa.array([draw(st.floats())], pa.float64())
-    if choice == "bool":
-        return pa.array([draw(st.booleans())])
-    if choice == "null":
-        return pa.nulls(1, draw(st.sampled_from([pa.string(), pa.int64(), pa.large_list(pa.uint32()), pa.null()])))
-    if choice == "list":
-        values = draw(st.lists(st.integers(0, 2**24), max_size=8))
-        dtype = draw(st.sampled_from([pa.uint32(), pa.uint8(), pa.int64(), pa.float32()]))
-        values = [v % 256 for v in values] if dtype == pa.uint8() else values
-        return pa.array([values], draw(st.sampled_from([pa.list_, pa.large_list]))(dtype))
-    depth = draw(st.integers(2, 63))  # pyarrow writes at most 63 levels; its reader stops at 64
+def _list_column(values: list[int], dtype: pa.DataType, list_type) -> pa.Array:
+    return pa.array([[v % 256 for v in values] if dtype == pa.uint8() else values], list_type(dtype))
+
+
+def _nested_column(depth: int) -> pa.Array:
     value: object = 1
     for _ in range(depth):
         value = [value]
     return pa.array([value], deep_list_type(depth))
+
+
+# One row of a column of some type with values no honest writer sends (built once: strategies are
+# cheap to draw from, not to construct).
+hostile_column = st.one_of(
+    hostile_text.map(raw_strings),
+    hostile_int64s.map(lambda v: pa.array([v], pa.int64())),
+    st.integers(0, 2**64 - 1).map(lambda v: pa.array([v], pa.uint64())),
+    st.integers(-(10**75), 10**75).map(lambda v: pa.array([decimal.Decimal(v)], pa.decimal256(76))),
+    st.floats().map(lambda v: pa.array([v], pa.float64())),
+    st.booleans().map(lambda v: pa.array([v])),
+    st.sampled_from([pa.string(), pa.int64(), pa.large_list(pa.uint32()), pa.null()]).map(lambda t: pa.nulls(1, t)),
+    st.builds(
+        _list_column,
+        st.lists(st.integers(0, 2**24), max_size=8),
+        st.sampled_from([pa.uint32(), pa.uint8(), pa.int64(), pa.float32()]),
+        st.sampled_from([pa.list_, pa.large_list]),
+    ),
+    st.integers(2, 63).map(_nested_column),  # pyarrow writes at most 63 levels; its reader stops at 64
+)
+_REWRITES = st.sampled_from(["replace", "replace", "drop", "metadata"])
 
 
 @st.composite
@@ -190,10 +192,10 @@ def hostile_rewrite(draw, message: bytes) -> bytes:
     """`message` with one column replaced by a hostile one, added, or removed, or its metadata changed."""
     meta, columns = arrow_parts(message)
     name = draw(st.sampled_from(sorted(columns) + ["extra"]))
-    action = draw(st.sampled_from(["replace", "replace", "drop", "metadata"]))
+    action = draw(_REWRITES)
     if action == "drop":
         return rewritten(message, drop=(name,))
     if action == "metadata":
         key = draw(st.sampled_from(sorted(meta) + [b"extra"]))
         return rewritten(message, metadata={key: draw(st.binary(max_size=12))})
-    return rewritten(message, **{name: draw(hostile_column())})
+    return rewritten(message, **{name: draw(hostile_column)})
