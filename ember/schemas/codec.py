@@ -222,6 +222,10 @@ class _Layout:
         return self.record.__name__
 
     @property
+    def names(self) -> frozenset[str]:
+        return frozenset(c.name for c in self.columns)
+
+    @property
     def metadata(self) -> dict[bytes, bytes]:
         return {SCHEMA_NAME_KEY: self.name.encode(), SCHEMA_VERSION_KEY: str(self.version).encode()}
 
@@ -339,7 +343,8 @@ def encode(record: Rollout | Reward | TrainBatch) -> bytes:
 encode_rollout = encode_reward = encode_train_batch = encode
 
 
-def _layout_of(schema: pa.Schema) -> _Layout:
+def _layout_of(schema: pa.Schema) -> tuple[_Layout, dict[str, int]]:
+    """The record a schema declares, and where its declared columns are (unknown ones are skipped)."""
     if len(schema) > MAX_COLUMNS:
         raise DecodeError(f"the schema has {len(schema)} columns (at most {MAX_COLUMNS})")
     metadata = schema.metadata or {}
@@ -353,14 +358,17 @@ def _layout_of(schema: pa.Schema) -> _Layout:
         raise DecodeError(
             f"{layout.name} schema version {int(version)} is newer than this ember reads ({layout.version}); upgrade ember"
         )
-    names = schema.names
-    duplicated = {c.name for c in layout.columns if names.count(c.name) > 1}
-    if duplicated:
-        raise DecodeError(f"columns {sorted(duplicated)} appear more than once")
-    return layout
+    where: dict[str, int] = {}
+    declared = layout.names
+    for index, name in enumerate(schema.names):
+        if name in declared:
+            if name in where:
+                raise DecodeError(f"column '{name}' appears more than once")
+            where[name] = index
+    return layout, where
 
 
-def _read(message: bytes | bytearray | memoryview) -> tuple[_Layout, pa.RecordBatch]:
+def _read(message: bytes | bytearray | memoryview) -> tuple[_Layout, dict[str, int], pa.RecordBatch]:
     """The one record batch of a message, read without copying its buffers."""
     buffer = pa.py_buffer(message)
     view = memoryview(buffer).cast("B")
@@ -372,7 +380,7 @@ def _read(message: bytes | bytearray | memoryview) -> tuple[_Layout, pa.RecordBa
     source = pa.BufferReader(buffer)
     try:
         reader = pa.ipc.open_stream(source)
-        layout = _layout_of(reader.schema)
+        layout, where = _layout_of(reader.schema)
         batch = reader.read_next_batch()
         try:
             reader.read_next_batch()
@@ -391,7 +399,7 @@ def _read(message: bytes | bytearray | memoryview) -> tuple[_Layout, pa.RecordBa
         )
     if batch.num_rows != 1:
         raise DecodeError(f"a {layout.name} message holds one row, this one {batch.num_rows}")
-    return layout, batch
+    return layout, where, batch
 
 
 def _describe(arrow_type: pa.DataType) -> str:
@@ -401,11 +409,10 @@ def _describe(arrow_type: pa.DataType) -> str:
         return f"a {arrow_type.id}-type with a field name that is not valid UTF-8"
 
 
-def _values(layout: _Layout, batch: pa.RecordBatch) -> dict[str, Any]:
+def _values(layout: _Layout, where: dict[str, int], batch: pa.RecordBatch) -> dict[str, Any]:
     values: dict[str, Any] = {}
-    arrays = dict(zip(batch.schema.names, batch.columns))  # names are unique among the declared columns
     for column in layout.columns:
-        array = arrays.get(column.name)
+        array = batch.column(where[column.name]) if column.name in where else None
         if array is None or (column.optional and array.null_count):
             if not column.optional:
                 raise DecodeError(f"{layout.name} has no column '{column.name}'")
@@ -429,8 +436,8 @@ def decode(message: bytes | bytearray | memoryview, *, validate: bool = True) ->
     issues of a well-formed record. `validate=False` skips the schema checks: for re-reading data this
     process already validated, or for reading one rank's share of a batch (`rl_batch_share`).
     """
-    layout, batch = _read(message)
-    record = layout.build(_values(layout, batch))
+    layout, where, batch = _read(message)
+    record = layout.build(_values(layout, where, batch))
     issues = record.issues() if validate else []
     if issues:
         raise InvalidRecord(f"invalid {layout.name}: " + "; ".join(str(i) for i in issues))
