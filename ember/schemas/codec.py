@@ -214,7 +214,7 @@ class _Layout:
     record: type
     version: int
     columns: tuple[Column, ...]
-    # Builds the record from {column name: decoded value}; by default the columns are its arguments.
+    # Builds the record from {column name: decoded value}.
     build: Callable[[dict[str, Any]], Any]
 
     @property
