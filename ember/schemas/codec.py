@@ -59,6 +59,20 @@ def _one_row_list(values: pa.Array) -> pa.LargeListArray:
     return pa.LargeListArray.from_arrays(pa.array([0, len(values)], pa.int64()), values)
 
 
+def _row_values(array: pa.Array) -> pa.Array:
+    """The values of a validated one-row list array, sliced without copying (`flatten()` goes through
+    pyarrow.compute, several times slower for one row)."""
+    offsets = array.offsets
+    start = offsets[0].as_py()
+    return array.values.slice(start, offsets[1].as_py() - start)
+
+
+def _fixed_values(array: pa.FixedSizeListArray) -> pa.Array:
+    """The values of a validated fixed-size list array's rows, sliced without copying."""
+    size = array.type.list_size
+    return array.values.slice(array.offset * size, len(array) * size)
+
+
 def _checked(value: Any, dtype: np.dtype, ndim: int) -> np.ndarray:
     """`value` as a contiguous little-endian array of `dtype`; refuses other dtypes rather than casting
     (a silent cast would wrap token ids or round log-probs)."""
@@ -104,7 +118,7 @@ class _Numbers:
         return _one_row_list(pa.array(_checked(value, self.dtype, 1)))
 
     def from_arrow(self, array: pa.Array) -> np.ndarray:
-        values = array.flatten()
+        values = _row_values(array)
         _no_nulls(values, "its values")
         return values.to_numpy(zero_copy_only=True)
 
@@ -137,9 +151,9 @@ class _Experts:
         return _one_row_list(pa.FixedSizeListArray.from_arrays(per_layer, layers))
 
     def from_arrow(self, array: pa.Array) -> np.ndarray:
-        per_token = array.flatten()
-        per_layer = per_token.flatten()
-        ids = per_layer.flatten()
+        per_token = _row_values(array)
+        per_layer = _fixed_values(per_token)
+        ids = _fixed_values(per_layer)
         for level, what in ((per_token, "its tokens"), (per_layer, "its layers"), (ids, "its expert ids")):
             _no_nulls(level, what)
         shape = (len(per_token), per_token.type.list_size, per_layer.type.list_size)
@@ -156,7 +170,7 @@ class _Strings:
         return pa.array([list(value)], pa.list_(pa.string()))
 
     def from_arrow(self, array: pa.Array) -> list[str]:
-        values = array.flatten()
+        values = _row_values(array)
         _no_nulls(values, "its strings")
         return values.to_pylist()
 
@@ -177,7 +191,7 @@ class _Offsets:
         return pa.array([rows], pa.list_(_OFFSET))
 
     def from_arrow(self, array: pa.Array) -> list[SourceOffset]:
-        structs = array.flatten()
+        structs = _row_values(array)
         _no_nulls(structs, "its entries")
         children = structs.flatten()
         for child, name in zip(children, _OFFSET.names):
