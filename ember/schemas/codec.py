@@ -23,6 +23,7 @@ Integers are int64 columns, so out-of-range values cannot be written at all.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any, Callable
@@ -329,8 +330,17 @@ _LAYOUTS: dict[str, _Layout] = {
 _BY_TYPE = {layout.record: layout for layout in _LAYOUTS.values()}
 
 
+@functools.lru_cache(maxsize=256)
+def _schema(layout_name: str, columns: tuple[tuple[str, pa.DataType, bool], ...]) -> tuple[pa.Schema, bytes]:
+    """The schema and its serialised message for one set of column types (records of one shape share
+    them: only the routed experts' layers, top-k and dtype, and which optional columns are present, vary)."""
+    fields = [pa.field(name, arrow_type, nullable=nullable) for name, arrow_type, nullable in columns]
+    schema = pa.schema(fields, metadata=_LAYOUTS[layout_name].metadata)
+    return schema, schema.serialize().to_pybytes()
+
+
 def _encode(layout: _Layout, record: Any) -> bytes:
-    fields, arrays = [], []
+    columns, arrays = [], []
     for column in layout.columns:
         value = column.value(record)
         if value is None and column.optional:
@@ -339,10 +349,11 @@ def _encode(layout: _Layout, record: Any) -> bytes:
             array = column.kind.to_arrow(value)
         except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
             raise ValueError(f"cannot encode {layout.name} field '{column.name}': {exc}") from None
-        fields.append(pa.field(column.name, array.type, nullable=column.optional))
+        columns.append((column.name, array.type, column.optional))
         arrays.append(array)
-    batch = pa.RecordBatch.from_arrays(arrays, schema=pa.schema(fields, metadata=layout.metadata))
-    return b"".join((batch.schema.serialize(), batch.serialize(), END_OF_STREAM))
+    schema, schema_message = _schema(layout.name, tuple(columns))
+    batch = pa.RecordBatch.from_arrays(arrays, schema=schema)
+    return b"".join((schema_message, batch.serialize(), END_OF_STREAM))
 
 
 def encode(record: Rollout | Reward | TrainBatch) -> bytes:
