@@ -67,7 +67,7 @@ def wire_stage(console: Console, *, rollouts: int, group_size: int, tokens: int,
                 reward_writer.write(reward)
                 sent |= {_fingerprint(rollout), _fingerprint(reward)}
         poison = KafkaProducer(**producer_config())
-        poison.send(topics.rollouts, key=b"demo-poison", value=b"EMBR\x01\x01 this is not a rollout")
+        poison.send(topics.rollouts, key=b"demo-poison", value=b"\xff\xff\xff\xff this is not a rollout")
         poison.flush()
         poison.close()
     publish_s = time.perf_counter() - started

@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
-from ember.schemas.codec import INT64_MAX, parse_json
+from ember.schemas.rollouts import INT64_MAX
+from ember.schemas.wire_json import parse_json
 
 OUTCOME_KINDS = ("batch", "rollout_dropped", "reward_dropped", "dead_letter")
 

@@ -1,422 +1,488 @@
-"""Kafka wire codec: one message = one Rollout, Reward or TrainBatch.
+"""Kafka wire codec: one message = one Rollout, Reward or TrainBatch as an Arrow IPC stream.
 
-Layout (little-endian)::
+A message is an Arrow IPC stream (the standard streaming format, readable by every Arrow library):
+the schema, one record batch of one row, the end-of-stream marker. The schema metadata names the
+record and its version (`ember.schema`, `ember.schema_version`, as on ember's Arrow tables), so an
+inference worker or grader in any language writes rollouts and rewards with its Arrow library.
 
-    header  4s magic b"EMBR" | u8 wire version | u8 kind | u16 flags (0) | u32 body length
-    body    u32 meta length | meta (UTF-8 JSON object of scalars and strings)
-            u16 array count | per array: u8 name length, name, u8 dtype code, u8 ndim, u32 dims[ndim]
-            zero padding to 8 bytes | array payloads in table order, each padded to 8 bytes
+Every field is a typed column, declared once per record in `_LAYOUTS`. Per-token arrays are list
+columns (`large_list<uint32>` ...) whose values decode as zero-copy, read-only numpy views of the
+message; routed experts are `large_list<fixed_size_list<fixed_size_list<uint8|uint16, top_k>,
+layers>>`, so the tensor's shape travels in the type.
 
-Numeric arrays travel as raw buffers and decode as zero-copy, read-only numpy views of the message.
-Readers ignore meta keys and arrays they do not know, and default optional ones that are absent, so
-adding optional fields never breaks old consumers or old data. Integrity in transit is Kafka's job
-(record-batch CRC32C); this codec checks structure: every size is bounded by the bytes present
-before anything is read, so a lying header cannot trigger a large allocation.
+Additive evolution: readers ignore columns and metadata keys they do not know and default optional
+columns that are absent or null; the version changes only for a change old readers cannot follow,
+and readers refuse versions newer than theirs.
+
+Decoding is total: any bytes give a record or a DecodeError. The reader slices the message without
+copying, so a lying length fails Arrow's bounds checks instead of allocating; a record is exactly one
+row; only the declared columns are touched, each type-checked, fully validated (offsets in bounds,
+UTF-8 that Python can decode, no nulls where a value is required) before its values are read.
+Integers are int64 columns, so out-of-range values cannot be written at all.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import re
-import struct
+import functools
+from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, Callable
 
 import numpy as np
+import pyarrow as pa
 
 from ember.schemas.errors import DecodeError, InvalidRecord
-from ember.schemas.rollouts import TURN_ROLES, Reward, Rollout, SourceOffset, TrainBatch, Turn
+from ember.schemas.rollouts import (
+    REWARD_SCHEMA_VERSION,
+    ROLLOUT_SCHEMA_VERSION,
+    TRAIN_BATCH_SCHEMA_VERSION,
+    Reward,
+    Rollout,
+    SourceOffset,
+    TrainBatch,
+    Turn,
+)
+from ember.schemas.versioning import SCHEMA_NAME_KEY, SCHEMA_VERSION_KEY
 
-MAGIC = b"EMBR"
-WIRE_VERSION = 1
-KIND_ROLLOUT, KIND_REWARD, KIND_TRAIN_BATCH = 1, 2, 3
-KIND_NAMES = {KIND_ROLLOUT: "Rollout", KIND_REWARD: "Reward", KIND_TRAIN_BATCH: "TrainBatch"}
-
-_HEADER = struct.Struct("<4sBBHI")
-_U32 = struct.Struct("<I")
-_U16 = struct.Struct("<H")
-_MAX_NDIM = 4
-MAX_JSON_DEPTH = 32
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_OPENERS = np.frombuffer(b"[{", dtype=np.uint8)
-_CLOSERS = np.frombuffer(b"]}", dtype=np.uint8)
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-
-_DTYPE_CODES: dict[np.dtype, int] = {
-    np.dtype("<u1"): 1,
-    np.dtype("<i1"): 2,
-    np.dtype("<i2"): 3,
-    np.dtype("<i4"): 4,
-    np.dtype("<i8"): 5,
-    np.dtype("<f8"): 6,
-    np.dtype("<f4"): 7,
-    np.dtype("<u2"): 8,
-    np.dtype("<u4"): 9,
-}
-_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
-_ROLE_CODES = {role: i for i, role in enumerate(TURN_ROLES)}
+CONTINUATION = b"\xff\xff\xff\xff"  # every encapsulated IPC message starts with it
+END_OF_STREAM = CONTINUATION + b"\x00\x00\x00\x00"
+MAX_COLUMNS = 256  # a schema wider than this is not an ember record, whatever a future writer adds
+_OLD_MAGIC = b"EMBR"  # the hand-written layout ember wrote before the Arrow wire format
+_REQUIRED = object()
 
 
-def _pad(n: int) -> int:
-    return -n % 8
+def _no_nulls(array: pa.Array, what: str) -> None:
+    if array.null_count:
+        raise DecodeError(f"{what} may not be null")
 
 
-def _encode(kind: int, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> bytes:
-    return _frame(kind, json.dumps(meta, separators=(",", ":"), allow_nan=False).encode("utf-8"), arrays)
+def _one_row_list(values: pa.Array) -> pa.LargeListArray:
+    return pa.LargeListArray.from_arrays(pa.array([0, len(values)], pa.int64()), values)
 
 
-def _frame(kind: int, meta_bytes: bytes, arrays: dict[str, np.ndarray]) -> bytes:
-    """One message around already-serialised meta (tests use it to frame meta no encoder would write)."""
-    table = [_U32.pack(len(meta_bytes)), meta_bytes, _U16.pack(len(arrays))]
-    payloads: list[bytes | memoryview] = []
-    for name, array in arrays.items():
-        little = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
-        code = _DTYPE_CODES.get(little.dtype)
-        if code is None:
-            raise TypeError(f"array '{name}' has unsupported dtype {array.dtype}")
-        encoded_name = name.encode("ascii")
-        table.append(struct.pack(f"<B{len(encoded_name)}sBB", len(encoded_name), encoded_name, code, little.ndim))
-        table.append(struct.pack(f"<{little.ndim}I", *little.shape))
-        payloads.append(little.reshape(-1).view(np.uint8).data)
-        payloads.append(b"\x00" * _pad(little.nbytes))
-    head = b"".join(table)
-    body_parts = [head, b"\x00" * _pad(len(head)), *payloads]
-    body_len = sum(len(p) for p in body_parts)
-    if body_len >= 2**32:
-        raise ValueError(f"{KIND_NAMES[kind]} message of {body_len} bytes exceeds the 4 GiB wire limit")
-    return b"".join([_HEADER.pack(MAGIC, WIRE_VERSION, kind, 0, body_len), *body_parts])
+def _row_values(array: pa.Array) -> pa.Array:
+    """The values of a validated one-row list array, sliced without copying (`flatten()` goes through
+    pyarrow.compute, several times slower for one row)."""
+    offsets = array.offsets
+    start = offsets[0].as_py()
+    return array.values.slice(start, offsets[1].as_py() - start)
 
 
-def _nesting_depth(raw: bytes) -> int:
-    """Deepest bracket nesting of a JSON text, measured without recursion.
-
-    `json.loads` recurses once per level and hits the interpreter's recursion limit (RecursionError)
-    long before memory runs out, so depth is bounded before parsing. Brackets inside strings do not
-    count; string literals are removed first (the alternatives of the pattern are disjoint, so the
-    scan is linear).
-    """
-    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
-        return 0
-    structure = np.frombuffer(_JSON_STRING.sub(b"", raw), dtype=np.uint8)
-    steps = np.isin(structure, _OPENERS).astype(np.int64) - np.isin(structure, _CLOSERS)
-    return int(np.cumsum(steps).max(initial=0))
+def _fixed_values(array: pa.FixedSizeListArray) -> pa.Array:
+    """The values of a validated fixed-size list array's rows, sliced without copying."""
+    size = array.type.list_size
+    return array.values.slice(array.offset * size, len(array) * size)
 
 
-def _unencodable_string(value: Any) -> str | None:
-    """The first string (key or value) in a parsed JSON value that is not valid Unicode, if any.
-
-    JSON escapes can spell lone surrogates (`"\\ud800"`) that no UTF-8 encoder accepts: such an id
-    would fail later, far from here, when it becomes a Kafka key or a ledger record.
-    """
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-        elif isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError:
-                return ascii(item[:40])
-    return None
+def _checked(value: Any, dtype: np.dtype, ndim: int) -> np.ndarray:
+    """`value` as a contiguous little-endian array of `dtype`; refuses other dtypes rather than casting
+    (a silent cast would wrap token ids or round log-probs)."""
+    if not isinstance(value, np.ndarray):
+        raise TypeError(f"must be a numpy array, got {type(value).__name__}")
+    if value.dtype.newbyteorder("<") != dtype or value.ndim != ndim:
+        raise TypeError(f"is {value.dtype}{list(value.shape)}, the wire carries {ndim}-D {dtype}")
+    return np.ascontiguousarray(value, dtype=dtype)
 
 
-def parse_json(raw: bytes, what: str) -> Any:
-    """Parse JSON that came from the wire; raises only DecodeError (a ValueError).
+@dataclass(frozen=True)
+class _Scalar:
+    type: pa.DataType
 
-    UTF-8 only (no encoding sniffing), nesting at most MAX_JSON_DEPTH deep, integers of at most 4300
-    digits (Python's own limit, otherwise a bare ValueError), every string valid Unicode.
-    """
-    depth = _nesting_depth(raw)
-    if depth > MAX_JSON_DEPTH:
-        raise DecodeError(f"{what} is nested {depth} levels deep (at most {MAX_JSON_DEPTH})")
-    try:
-        value = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise DecodeError(f"{what} is not valid UTF-8 JSON: {exc}") from None
-    bad = _unencodable_string(value)
-    if bad is not None:
-        raise DecodeError(f"{what} holds a string that is not valid Unicode (lone surrogate): {bad}")
-    return value
+    @property
+    def expected(self) -> str:
+        return str(self.type)
 
+    def accepts(self, arrow_type: pa.DataType) -> bool:
+        return arrow_type == self.type
 
-class _Reader:
-    """Bounds-checked cursor over a message body; every failure is a DecodeError."""
+    def to_arrow(self, value: Any) -> pa.Array:
+        return pa.array([value], self.type)
 
-    def __init__(self, buffer: memoryview):
-        self.buffer = buffer
-        self.pos = 0
-
-    def take(self, n: int, what: str) -> memoryview:
-        if n < 0 or self.pos + n > len(self.buffer):
-            raise DecodeError(
-                f"truncated: {what} needs {n} bytes at offset {self.pos}, body has {len(self.buffer)}"
-            )
-        chunk = self.buffer[self.pos : self.pos + n]
-        self.pos += n
-        return chunk
-
-    def unpack(self, fmt: struct.Struct, what: str) -> tuple:
-        return fmt.unpack(self.take(fmt.size, what))
+    def from_arrow(self, array: pa.Array) -> Any:
+        return array[0].as_py()
 
 
-def _decode(message: bytes | bytearray | memoryview) -> tuple[int, dict[str, Any], dict[str, np.ndarray]]:
-    view = memoryview(message).cast("B")
-    if len(view) < _HEADER.size:
-        raise DecodeError(f"truncated: {len(view)} bytes is shorter than the {_HEADER.size}-byte header")
-    magic, version, kind, _flags, body_len = _HEADER.unpack(view[: _HEADER.size])
-    if magic != MAGIC:
-        raise DecodeError(f"bad magic {bytes(magic)!r}: not an ember message (expected {MAGIC!r})")
-    if version == 0 or version > WIRE_VERSION:
-        raise DecodeError(f"unsupported wire version {version}; this ember reads versions 1..{WIRE_VERSION}")
-    if kind not in KIND_NAMES:
-        raise DecodeError(f"unknown record kind {kind}")
-    body = view[_HEADER.size :]
-    if body_len != len(body):
-        raise DecodeError(f"length mismatch: header says {body_len} body bytes, message has {len(body)}")
-    reader = _Reader(body)
-    (meta_len,) = reader.unpack(_U32, "meta length")
-    meta = parse_json(bytes(reader.take(meta_len, "meta")), "meta")
-    if not isinstance(meta, dict):
-        raise DecodeError(f"meta must be a JSON object, got {type(meta).__name__}")
-    (count,) = reader.unpack(_U16, "array count")
-    specs = []
-    for index in range(count):
-        (name_len,) = reader.take(1, f"array {index} name length")
-        name = bytes(reader.take(name_len, f"array {index} name")).decode("ascii", errors="replace")
-        code, ndim = reader.take(2, f"array '{name}' dtype and ndim")
-        dtype = _CODE_DTYPES.get(code)
-        if dtype is None:
-            raise DecodeError(f"array '{name}' has unknown dtype code {code}")
-        if ndim > _MAX_NDIM:
-            raise DecodeError(f"array '{name}' has {ndim} dimensions (at most {_MAX_NDIM})")
-        shape = struct.unpack(f"<{ndim}I", reader.take(4 * ndim, f"array '{name}' shape"))
-        specs.append((name, dtype, shape))
-    reader.take(_pad(reader.pos), "table padding")
-    arrays: dict[str, np.ndarray] = {}
-    for name, dtype, shape in specs:
-        nbytes = math.prod(shape) * dtype.itemsize
-        data = reader.take(nbytes, f"array '{name}' payload of shape {shape}")
-        reader.take(_pad(nbytes), f"array '{name}' padding")
-        arrays[name] = np.frombuffer(data, dtype=dtype).reshape(shape)
-    if reader.pos != len(body):
-        raise DecodeError(f"length mismatch: {len(body) - reader.pos} unexplained trailing bytes")
-    return kind, meta, arrays
+@dataclass(frozen=True)
+class _Numbers:
+    """A 1-D numpy array of one dtype."""
+
+    dtype: np.dtype
+
+    @property
+    def expected(self) -> str:
+        return f"large_list<{pa.from_numpy_dtype(self.dtype)}>"
+
+    def accepts(self, arrow_type: pa.DataType) -> bool:
+        return pa.types.is_large_list(arrow_type) and arrow_type.value_type == pa.from_numpy_dtype(self.dtype)
+
+    def to_arrow(self, value: Any) -> pa.Array:
+        return _one_row_list(pa.array(_checked(value, self.dtype, 1)))
+
+    def from_arrow(self, array: pa.Array) -> np.ndarray:
+        values = _row_values(array)
+        _no_nulls(values, "its values")
+        return values.to_numpy(zero_copy_only=True)
 
 
-def _field(meta: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
-    if key not in meta:
-        if default is ...:
-            raise DecodeError(f"missing field '{key}'")
-        return default
-    value = meta[key]
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        names = " or ".join(k.__name__ for k in kinds)
-        raise DecodeError(f"field '{key}' must be {names}, got {type(value).__name__}")
-    if isinstance(value, int) and not isinstance(value, bool) and not INT64_MIN <= value <= INT64_MAX:
-        raise DecodeError(f"field '{key}' is an integer of {value.bit_length()} bits, outside int64")
-    if isinstance(value, list) and not all(isinstance(item, str) for item in value):
-        raise DecodeError(f"field '{key}' must be a list of strings")
-    return value
+_EXPERT_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16))
 
 
-def _array(arrays: dict[str, np.ndarray], key: str, dtype: str, ndim: int, optional: bool = False) -> np.ndarray | None:
-    if key not in arrays:
-        if optional:
-            return None
-        raise DecodeError(f"missing array '{key}'")
-    array = arrays[key]
-    if array.ndim != ndim or (dtype != "expert" and array.dtype != np.dtype(dtype)):
-        raise DecodeError(f"array '{key}' is {array.dtype}{list(array.shape)}, expected {ndim}-D {dtype}")
-    if dtype == "expert" and array.dtype not in (np.uint8, np.uint16):
-        raise DecodeError(f"array '{key}' dtype {array.dtype} must be uint8 or uint16")
-    return array
+class _Experts:
+    """Routed expert ids [tokens, layers, top_k], uint8 or uint16."""
+
+    expected = "large_list<fixed_size_list<fixed_size_list<uint8 or uint16, top_k>, layers>>"
+
+    def accepts(self, arrow_type: pa.DataType) -> bool:
+        layers = arrow_type.value_type if pa.types.is_large_list(arrow_type) else None
+        top_k = layers.value_type if layers is not None and pa.types.is_fixed_size_list(layers) else None
+        return (
+            top_k is not None
+            and pa.types.is_fixed_size_list(top_k)
+            and top_k.value_type in (pa.uint8(), pa.uint16())
+        )
+
+    def to_arrow(self, value: Any) -> pa.Array:
+        if not isinstance(value, np.ndarray) or value.dtype.newbyteorder("<") not in _EXPERT_DTYPES:
+            raise TypeError(f"must be a uint8 or uint16 numpy array, got {getattr(value, 'dtype', type(value).__name__)}")
+        experts = _checked(value, value.dtype.newbyteorder("<"), 3)
+        tokens, layers, top_k = experts.shape
+        if not layers or not top_k:
+            raise ValueError(f"shape {experts.shape} needs at least one layer and one expert per token")
+        per_layer = pa.FixedSizeListArray.from_arrays(pa.array(experts.reshape(-1)), top_k)
+        return _one_row_list(pa.FixedSizeListArray.from_arrays(per_layer, layers))
+
+    def from_arrow(self, array: pa.Array) -> np.ndarray:
+        per_token = _row_values(array)
+        per_layer = _fixed_values(per_token)
+        ids = _fixed_values(per_layer)
+        for level, what in ((per_token, "its tokens"), (per_layer, "its layers"), (ids, "its expert ids")):
+            _no_nulls(level, what)
+        shape = (len(per_token), per_token.type.list_size, per_layer.type.list_size)
+        return ids.to_numpy(zero_copy_only=True).reshape(shape)
 
 
-def encode_rollout(rollout: Rollout) -> bytes:
-    meta = {
-        "rollout_id": rollout.rollout_id,
-        "group_id": rollout.group_id,
-        "prompt_id": rollout.prompt_id,
-        "policy_version": int(rollout.policy_version),
-        "sampler": rollout.sampler,
-        "region": rollout.region,
-        "created_at_us": int(rollout.created_at_us),
-        "finish_reason": rollout.finish_reason,
-        "truncated": bool(rollout.truncated),
-        "prompt_tokens": int(rollout.prompt_tokens),
-    }
-    arrays = {
-        "tokens": rollout.tokens,
-        "loss_mask": rollout.loss_mask,
-        "sampler_logprobs": rollout.sampler_logprobs,
-        "turn_roles": np.array([_ROLE_CODES[t.role] for t in rollout.turns], dtype=np.uint8),
-        "turn_ends": np.array([t.end for t in rollout.turns], dtype=np.int32),
-    }
-    if rollout.routed_experts is not None:
-        arrays["routed_experts"] = rollout.routed_experts
-    return _encode(KIND_ROLLOUT, meta, arrays)
+class _Strings:
+    expected = "list<string>"
+
+    def accepts(self, arrow_type: pa.DataType) -> bool:
+        return pa.types.is_list(arrow_type) and arrow_type.value_type == pa.string()
+
+    def to_arrow(self, value: Any) -> pa.Array:
+        return pa.array([list(value)], pa.list_(pa.string()))
+
+    def from_arrow(self, array: pa.Array) -> list[str]:
+        values = _row_values(array)
+        _no_nulls(values, "its strings")
+        return values.to_pylist()
 
 
-def _rollout_from(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Rollout:
-    roles = _array(arrays, "turn_roles", "uint8", 1)
-    ends = _array(arrays, "turn_ends", "int32", 1)
+_OFFSET = pa.struct([("topic", pa.string()), ("partition", pa.int32()), ("start", pa.int64()), ("end", pa.int64())])
+
+
+class _Offsets:
+    """A TrainBatch's input ranges, one struct per topic partition."""
+
+    expected = f"list<{_OFFSET}>"
+
+    def accepts(self, arrow_type: pa.DataType) -> bool:
+        return pa.types.is_list(arrow_type) and arrow_type.value_type == _OFFSET
+
+    def to_arrow(self, value: Any) -> pa.Array:
+        rows = [{"topic": o.topic, "partition": o.partition, "start": o.start, "end": o.end} for o in value]
+        return pa.array([rows], pa.list_(_OFFSET))
+
+    def from_arrow(self, array: pa.Array) -> list[SourceOffset]:
+        structs = _row_values(array)
+        _no_nulls(structs, "its entries")
+        children = structs.flatten()
+        for child, name in zip(children, _OFFSET.names):
+            _no_nulls(child, f"its {name}s")
+        return [SourceOffset(*row) for row in zip(*(child.to_pylist() for child in children))]
+
+
+# How one field travels: `accepts` its Arrow type, `to_arrow` makes a one-row array, `from_arrow` reads it back.
+_Kind = _Scalar | _Numbers | _Experts | _Strings | _Offsets
+_STRING, _INT64 = _Scalar(pa.string()), _Scalar(pa.int64())
+
+
+@dataclass(frozen=True)
+class Column:
+    """One field of a record on the wire. `default` makes it optional: absent or null, it decodes as
+    `default`; a record holding None for it writes no column. `get` reads it from the record when the
+    column is not simply the attribute of that name."""
+
+    name: str
+    kind: _Kind
+    default: Any = _REQUIRED
+    get: Callable[[Any], Any] | None = None
+
+    @property
+    def optional(self) -> bool:
+        return self.default is not _REQUIRED
+
+    def value(self, record: Any) -> Any:
+        return (self.get or attrgetter(self.name))(record)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    record: type
+    version: int
+    columns: tuple[Column, ...]
+    # Builds the record from {column name: decoded value}.
+    build: Callable[[dict[str, Any]], Any]
+
+    @property
+    def name(self) -> str:
+        return self.record.__name__
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(c.name for c in self.columns)
+
+    @property
+    def metadata(self) -> dict[bytes, bytes]:
+        return {SCHEMA_NAME_KEY: self.name.encode(), SCHEMA_VERSION_KEY: str(self.version).encode()}
+
+
+def _rollout(values: dict[str, Any]) -> Rollout:
+    roles, ends = values.pop("turn_roles"), values.pop("turn_ends").tolist()
     if len(roles) != len(ends):
         raise DecodeError(f"turn_roles has {len(roles)} entries but turn_ends has {len(ends)}")
-    if np.any(roles >= len(TURN_ROLES)):
-        raise DecodeError(f"turn_roles holds an unknown role code (known: 0..{len(TURN_ROLES) - 1})")
-    starts = np.concatenate([[0], ends[:-1]]) if len(ends) else ends
-    turns = [Turn(TURN_ROLES[r], int(s), int(e)) for r, s, e in zip(roles.tolist(), starts.tolist(), ends.tolist())]
-    return Rollout(
-        rollout_id=_field(meta, "rollout_id", str),
-        group_id=_field(meta, "group_id", str),
-        prompt_id=_field(meta, "prompt_id", str),
-        policy_version=_field(meta, "policy_version", int),
-        sampler=_field(meta, "sampler", str),
-        region=_field(meta, "region", str),
-        created_at_us=_field(meta, "created_at_us", int),
-        tokens=_array(arrays, "tokens", "uint32", 1),
-        loss_mask=_array(arrays, "loss_mask", "uint8", 1),
-        sampler_logprobs=_array(arrays, "sampler_logprobs", "float32", 1),
-        turns=turns,
-        routed_experts=_array(arrays, "routed_experts", "expert", 3, optional=True),
-        finish_reason=_field(meta, "finish_reason", str),
-        truncated=_field(meta, "truncated", bool),
-        prompt_tokens=_field(meta, "prompt_tokens", int, 0),
+    turns = [Turn(role, start, end) for role, start, end in zip(roles, [0, *ends[:-1]], ends)]
+    return Rollout(**values, turns=turns)
+
+
+def _reward(values: dict[str, Any]) -> Reward:
+    names, scores = values.pop("component_names"), values.pop("component_values").tolist()
+    if len(names) != len(scores) or len(set(names)) != len(names):
+        raise DecodeError(f"{len(names)} component names ({len(set(names))} distinct) for {len(scores)} component values")
+    return Reward(**values, components=dict(zip(names, scores)))
+
+
+_LAYOUTS: dict[str, _Layout] = {
+    layout.name: layout
+    for layout in (
+        _Layout(
+            Rollout,
+            ROLLOUT_SCHEMA_VERSION,
+            (
+                Column("rollout_id", _STRING),
+                Column("group_id", _STRING),
+                Column("prompt_id", _STRING),
+                Column("policy_version", _INT64),
+                Column("sampler", _STRING),
+                Column("region", _STRING),
+                Column("created_at_us", _INT64),
+                Column("finish_reason", _STRING),
+                Column("truncated", _Scalar(pa.bool_())),
+                Column("prompt_tokens", _INT64, default=0),
+                Column("tokens", _Numbers(np.dtype("<u4"))),
+                Column("loss_mask", _Numbers(np.dtype("<u1"))),
+                Column("sampler_logprobs", _Numbers(np.dtype("<f4"))),
+                Column("turn_roles", _Strings(), get=lambda r: [t.role for t in r.turns]),
+                Column("turn_ends", _Numbers(np.dtype("<i4")), get=lambda r: np.array([t.end for t in r.turns], np.int32)),
+                Column("routed_experts", _Experts(), default=None),
+            ),
+            _rollout,
+        ),
+        _Layout(
+            Reward,
+            REWARD_SCHEMA_VERSION,
+            (
+                Column("rollout_id", _STRING),
+                Column("group_id", _STRING),
+                Column("grader", _STRING),
+                Column("score", _Scalar(pa.float64())),
+                Column("created_at_us", _INT64),
+                Column("component_names", _Strings(), default=[], get=lambda r: list(r.components)),
+                Column(
+                    "component_values",
+                    _Numbers(np.dtype("<f8")),
+                    default=np.zeros(0),
+                    get=lambda r: np.array(list(r.components.values()), np.float64),
+                ),
+            ),
+            _reward,
+        ),
+        _Layout(
+            TrainBatch,
+            TRAIN_BATCH_SCHEMA_VERSION,
+            (
+                Column("batch_id", _STRING),
+                Column("step", _INT64),
+                Column("created_at_us", _INT64, default=0),
+                Column("tokens", _Numbers(np.dtype("<u4"))),
+                Column("loss_mask", _Numbers(np.dtype("<u1"))),
+                Column("advantages", _Numbers(np.dtype("<f4"))),
+                Column("sampler_logprobs", _Numbers(np.dtype("<f4"))),
+                Column("cu_seqlens", _Numbers(np.dtype("<i4"))),
+                Column("policy_versions", _Numbers(np.dtype("<i8"))),
+                Column("rollout_ids", _Strings()),
+                Column("source_offsets", _Offsets()),
+                Column("routed_experts", _Experts(), default=None),
+                Column("advantage_estimator", _STRING, default=None),
+            ),
+            lambda values: TrainBatch(**values),
+        ),
     )
-
-
-def encode_reward(reward: Reward) -> bytes:
-    names = list(reward.components)
-    meta = {
-        "rollout_id": reward.rollout_id,
-        "group_id": reward.group_id,
-        "grader": reward.grader,
-        "score": float(reward.score),
-        "created_at_us": int(reward.created_at_us),
-        "component_names": names,
-    }
-    values = np.array([reward.components[n] for n in names], dtype=np.float64)
-    return _encode(KIND_REWARD, meta, {"component_values": values})
-
-
-def _reward_from(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Reward:
-    names = _field(meta, "component_names", list, [])
-    values = _array(arrays, "component_values", "float64", 1)
-    if len(names) != len(values):
-        raise DecodeError(f"{len(names)} component names for {len(values)} component values")
-    return Reward(
-        rollout_id=_field(meta, "rollout_id", str),
-        group_id=_field(meta, "group_id", str),
-        grader=_field(meta, "grader", str),
-        score=float(_field(meta, "score", (int, float))),
-        created_at_us=_field(meta, "created_at_us", int),
-        components=dict(zip(names, values.tolist())),
-    )
-
-
-def encode_train_batch(batch: TrainBatch) -> bytes:
-    meta = {
-        "batch_id": batch.batch_id,
-        "step": int(batch.step),
-        "created_at_us": int(batch.created_at_us),
-        "rollout_ids": list(batch.rollout_ids),
-        "source_topics": [o.topic for o in batch.source_offsets],
-    }
-    if batch.advantage_estimator is not None:
-        meta["advantage_estimator"] = batch.advantage_estimator
-    arrays = {
-        "tokens": batch.tokens,
-        "loss_mask": batch.loss_mask,
-        "advantages": batch.advantages,
-        "sampler_logprobs": batch.sampler_logprobs,
-        "cu_seqlens": batch.cu_seqlens,
-        "policy_versions": batch.policy_versions,
-        "source_offsets": np.array(
-            [[o.partition, o.start, o.end] for o in batch.source_offsets], dtype=np.int64
-        ).reshape(-1, 3),
-    }
-    if batch.routed_experts is not None:
-        arrays["routed_experts"] = batch.routed_experts
-    return _encode(KIND_TRAIN_BATCH, meta, arrays)
-
-
-def _train_batch_from(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> TrainBatch:
-    topics = _field(meta, "source_topics", list)
-    offsets = _array(arrays, "source_offsets", "int64", 2)
-    if offsets.shape[1:] != (3,) or len(topics) != len(offsets):
-        raise DecodeError(f"source_offsets shape {offsets.shape} does not match {len(topics)} topics")
-    rollout_ids = _field(meta, "rollout_ids", list)
-    return TrainBatch(
-        batch_id=_field(meta, "batch_id", str),
-        step=_field(meta, "step", int),
-        tokens=_array(arrays, "tokens", "uint32", 1),
-        loss_mask=_array(arrays, "loss_mask", "uint8", 1),
-        advantages=_array(arrays, "advantages", "float32", 1),
-        sampler_logprobs=_array(arrays, "sampler_logprobs", "float32", 1),
-        cu_seqlens=_array(arrays, "cu_seqlens", "int32", 1),
-        policy_versions=_array(arrays, "policy_versions", "int64", 1),
-        rollout_ids=rollout_ids,
-        source_offsets=[SourceOffset(t, int(p), int(s), int(e)) for t, (p, s, e) in zip(topics, offsets.tolist())],
-        routed_experts=_array(arrays, "routed_experts", "expert", 3, optional=True),
-        created_at_us=_field(meta, "created_at_us", int, 0),
-        advantage_estimator=_field(meta, "advantage_estimator", str, None),
-    )
-
-
-_BUILDERS: dict[int, Callable[[dict[str, Any], dict[str, np.ndarray]], Any]] = {
-    KIND_ROLLOUT: _rollout_from,
-    KIND_REWARD: _reward_from,
-    KIND_TRAIN_BATCH: _train_batch_from,
 }
+_BY_TYPE = {layout.record: layout for layout in _LAYOUTS.values()}
+
+
+@functools.lru_cache(maxsize=256)
+def _schema(layout_name: str, columns: tuple[tuple[str, pa.DataType, bool], ...]) -> tuple[pa.Schema, bytes]:
+    """The schema and its serialised message for one set of column types (records of one shape share
+    them: only the routed experts' layers, top-k and dtype, and which optional columns are present, vary)."""
+    fields = [pa.field(name, arrow_type, nullable=nullable) for name, arrow_type, nullable in columns]
+    schema = pa.schema(fields, metadata=_LAYOUTS[layout_name].metadata)
+    return schema, schema.serialize().to_pybytes()
+
+
+def _encode(layout: _Layout, record: Any) -> bytes:
+    columns, arrays = [], []
+    for column in layout.columns:
+        value = column.value(record)
+        if value is None and column.optional:
+            continue
+        try:
+            array = column.kind.to_arrow(value)
+        except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
+            raise ValueError(f"cannot encode {layout.name} field '{column.name}': {exc}") from None
+        columns.append((column.name, array.type, column.optional))
+        arrays.append(array)
+    schema, schema_message = _schema(layout.name, tuple(columns))
+    batch = pa.RecordBatch.from_arrays(arrays, schema=schema)
+    return b"".join((schema_message, batch.serialize(), END_OF_STREAM))
+
+
+def encode(record: Rollout | Reward | TrainBatch) -> bytes:
+    """One Kafka message; raises ValueError for a value the wire types cannot hold (an id that is not
+    valid Unicode, an integer outside int64, an array of another dtype)."""
+    layout = _BY_TYPE.get(type(record))
+    if layout is None:
+        raise TypeError(f"cannot encode {type(record).__name__}")
+    return _encode(layout, record)
+
+
+encode_rollout = encode_reward = encode_train_batch = encode
+
+
+def _layout_of(schema: pa.Schema) -> tuple[_Layout, dict[str, int]]:
+    """The record a schema declares, and where its declared columns are (unknown ones are skipped)."""
+    if len(schema) > MAX_COLUMNS:
+        raise DecodeError(f"the schema has {len(schema)} columns (at most {MAX_COLUMNS})")
+    metadata = schema.metadata or {}
+    name, version = metadata.get(SCHEMA_NAME_KEY), metadata.get(SCHEMA_VERSION_KEY)
+    layout = _LAYOUTS.get(name.decode("ascii", "replace")) if name else None
+    if layout is None:
+        raise DecodeError(f"schema metadata names no ember record: {SCHEMA_NAME_KEY!r} is {name[:40] if name else None!r}")
+    if version is None or not version.isdigit() or len(version) > 9:
+        raise DecodeError(f"{layout.name} schema version {version[:40] if version else None!r} is not a number")
+    if int(version) > layout.version:
+        raise DecodeError(
+            f"{layout.name} schema version {int(version)} is newer than this ember reads ({layout.version}); upgrade ember"
+        )
+    where: dict[str, int] = {}
+    declared = layout.names
+    for index, name in enumerate(schema.names):
+        if name in declared:
+            if name in where:
+                raise DecodeError(f"column '{name}' appears more than once")
+            where[name] = index
+    return layout, where
+
+
+def _read(message: bytes | bytearray | memoryview) -> tuple[_Layout, dict[str, int], pa.RecordBatch]:
+    """The one record batch of a message, read without copying its buffers."""
+    buffer = pa.py_buffer(message)
+    view = memoryview(buffer).cast("B")
+    if len(view) < len(END_OF_STREAM) or view[:4] != CONTINUATION:
+        head = bytes(view[:8])
+        if head.startswith(_OLD_MAGIC):
+            raise DecodeError("bad magic b'EMBR': a message in ember's old hand-written layout; this ember reads Arrow IPC")
+        raise DecodeError(f"bad magic {head!r}: not an Arrow IPC stream (expected {CONTINUATION!r})")
+    source = pa.BufferReader(buffer)
+    try:
+        reader = pa.ipc.open_stream(source)
+        layout, where = _layout_of(reader.schema)
+        batch = reader.read_next_batch()
+        try:
+            reader.read_next_batch()
+            raise DecodeError("the stream holds more than one record batch")
+        except StopIteration:
+            pass
+    except StopIteration:
+        raise DecodeError("the stream holds no record batch") from None
+    except (pa.ArrowException, OSError) as exc:  # Arrow reports a short read as OSError
+        raise DecodeError(f"not a well-formed Arrow IPC stream: {exc}") from None
+    except UnicodeDecodeError:  # Arrow does not check that column names are UTF-8; pyarrow decodes them
+        raise DecodeError("a column name is not valid UTF-8") from None
+    if source.tell() != len(view) or view[-len(END_OF_STREAM) :] != END_OF_STREAM:
+        raise DecodeError(
+            f"truncated: the stream ends at byte {source.tell()} of {len(view)} without its end-of-stream marker"
+        )
+    if batch.num_rows != 1:
+        raise DecodeError(f"a {layout.name} message holds one row, this one {batch.num_rows}")
+    return layout, where, batch
+
+
+def _describe(arrow_type: pa.DataType) -> str:
+    try:
+        return str(arrow_type)
+    except UnicodeDecodeError:  # a nested field name that is not UTF-8
+        return f"a {arrow_type.id}-type with a field name that is not valid UTF-8"
+
+
+def _values(layout: _Layout, where: dict[str, int], batch: pa.RecordBatch) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for column in layout.columns:
+        array = batch.column(where[column.name]) if column.name in where else None
+        if array is None or (column.optional and array.null_count):
+            if not column.optional:
+                raise DecodeError(f"{layout.name} has no column '{column.name}'")
+            values[column.name] = column.default
+            continue
+        if not column.kind.accepts(array.type):
+            raise DecodeError(f"{layout.name} column '{column.name}' is {_describe(array.type)}, expected {column.kind.expected}")
+        try:
+            array.validate(full=True)
+            _no_nulls(array, "the value")
+            values[column.name] = column.kind.from_arrow(array)
+        except (pa.ArrowException, DecodeError) as exc:
+            raise DecodeError(f"{layout.name} column '{column.name}': {exc}") from None
+    return values
 
 
 def decode(message: bytes | bytearray | memoryview, *, validate: bool = True) -> Rollout | Reward | TrainBatch:
     """Decode any ember message; raises only DecodeError, for any bytes at all.
 
-    Structure, sizes, integer ranges (int64) and Unicode are always checked; InvalidRecord (a
-    DecodeError) names the schema issues of a well-formed record.
-
-    `validate=False` skips the schema checks (structure is always checked): for re-reading data this
-    process already validated, e.g. replaying its own output topic.
+    Structure, types and UTF-8 are always checked; InvalidRecord (a DecodeError) names the schema
+    issues of a well-formed record. `validate=False` skips the schema checks: for re-reading data this
+    process already validated, or for reading one rank's share of a batch (`rl_batch_share`).
     """
-    kind, meta, arrays = _decode(message)
-    record = _BUILDERS[kind](meta, arrays)
+    layout, where, batch = _read(message)
+    record = layout.build(_values(layout, where, batch))
     issues = record.issues() if validate else []
     if issues:
-        raise InvalidRecord(f"invalid {KIND_NAMES[kind]}: " + "; ".join(str(i) for i in issues))
+        raise InvalidRecord(f"invalid {layout.name}: " + "; ".join(str(i) for i in issues))
     return record
 
 
-def _decode_as(message: bytes | bytearray | memoryview, kind: int) -> Any:
+def _decode_as(message: bytes | bytearray | memoryview, record_type: type) -> Any:
     record = decode(message)
-    expected = KIND_NAMES[kind]
-    if type(record).__name__ != expected:
-        raise DecodeError(f"expected a {expected} message, got a {type(record).__name__}")
+    if not isinstance(record, record_type):
+        raise DecodeError(f"expected a {record_type.__name__} message, got a {type(record).__name__}")
     return record
 
 
 def decode_rollout(message: bytes | bytearray | memoryview) -> Rollout:
-    return _decode_as(message, KIND_ROLLOUT)
+    return _decode_as(message, Rollout)
 
 
 def decode_reward(message: bytes | bytearray | memoryview) -> Reward:
-    return _decode_as(message, KIND_REWARD)
+    return _decode_as(message, Reward)
 
 
 def decode_train_batch(message: bytes | bytearray | memoryview) -> TrainBatch:
-    return _decode_as(message, KIND_TRAIN_BATCH)
-
-
-def encode(record: Rollout | Reward | TrainBatch) -> bytes:
-    if isinstance(record, Rollout):
-        return encode_rollout(record)
-    if isinstance(record, Reward):
-        return encode_reward(record)
-    if isinstance(record, TrainBatch):
-        return encode_train_batch(record)
-    raise TypeError(f"cannot encode {type(record).__name__}")
+    return _decode_as(message, TrainBatch)

@@ -200,17 +200,17 @@ def test_dead_letters_name_the_problem_and_do_not_stop_the_shard():
     log.add(r, 0, raw=encode(r)[:-8])
     log.add(r, 0, raw=encode(reward(r, 1.0)))
     log.add(r, 0, key=b"other-group")
-    log.add(r, 0, raw=b"x" * 2048)
-    cfg = config(dead_letter={"max_message_bytes": 1024}, filters={"max_tokens": 256}, batches={"token_budget": 256})
+    log.add(r, 0, raw=b"x" * 8192)
+    cfg = config(dead_letter={"max_message_bytes": 4096}, filters={"max_tokens": 256}, batches={"token_budget": 256})
     rollouts = full_group(log, group="ok")
     done = run(cfg, log.messages)
     dead = [o for o in done.outcomes if o.kind == "dead_letter"]
     assert [o.reason for o in dead] == ["malformed", "wrong_topic", "key_mismatch", "oversized"]
     details = [o.detail["error"] for o in dead]
-    assert "length mismatch" in details[0]
+    assert "truncated" in details[0]
     assert details[1] == "Reward on the rollouts topic"
     assert "is not the group_id" in details[2]
-    assert details[3].startswith("2048 bytes > dead_letter.max_message_bytes 1024")
+    assert details[3].startswith("8192 bytes > dead_letter.max_message_bytes 4096")
     assert [(o.topic, o.partition, o.offset) for o in done.outcomes if o.kind == "dead_letter"] == [
         ("t.rollouts", 0, i) for i in range(4)
     ]

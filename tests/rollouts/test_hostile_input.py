@@ -13,6 +13,7 @@ import math
 import re
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -24,11 +25,10 @@ from ember.rollouts.etl import EtlService
 from ember.rollouts.metrics import EtlMetrics
 from ember.rollouts.records import REASONS, Reason
 from ember.schemas import Reward, Rollout, decode, encode
-from ember.schemas.codec import KIND_REWARD, KIND_ROLLOUT, _decode, _frame
 from ember.schemas.rollouts import FINISH_REASONS
 from tests.rollouts.helpers import TOPICS, VOCAB, Committed, Log, config, reward, rollout, run
-from tests.rollouts.hostile_support import DEEP, DIGITS, messages, plans
-from tests.schemas.strategies import deep_json
+from tests.rollouts.hostile_support import messages, plans
+from tests.schemas.strategies import deep_list_type, raw_strings, rewritten
 
 SCORES = [0.1, 0.9, 0.4, 0.7]
 
@@ -41,14 +41,9 @@ def good_group(log: Log, group: str = "ok", at_ms: int = 0) -> list[Rollout]:
     return rollouts
 
 
-def raw_rollout(meta_text: str, template: Rollout | None = None) -> bytes:
-    """A rollout frame whose meta is exactly `meta_text` (arrays from a valid rollout)."""
-    _kind, _meta, arrays = _decode(encode(template or rollout("x", 0)))
-    return _frame(KIND_ROLLOUT, meta_text.encode("utf-8"), {k: np.array(v) for k, v in arrays.items()})
-
-
-def meta_of(record) -> dict:
-    return _decode(encode(record))[1]
+def raw_rollout(**columns) -> bytes:
+    """A valid rollout's message with these columns replaced, as a foreign Arrow writer could send it."""
+    return rewritten(encode(rollout("x", 0)), **columns)
 
 
 def dead_letters(done: Committed) -> list:
@@ -70,44 +65,41 @@ def assert_only_the_hostile_message_is_lost(done: Committed, good: list[Rollout]
 def test_lone_surrogate_group_id_is_dead_lettered_not_a_unicode_encode_error():
     log = Log()
     hostile = rollout("x", 0)
-    text = json.dumps({**meta_of(hostile), "group_id": "g\ud800"})  # json escapes it as \ud800
-    log.add(hostile, 0, raw=raw_rollout(text), key=b"g")
+    log.add(hostile, 0, raw=raw_rollout(group_id=raw_strings("g\ud800")), key=b"g")
     good = good_group(log)
-    assert_only_the_hostile_message_is_lost(run(config(), log.messages), good, "malformed", "not valid Unicode")
+    assert_only_the_hostile_message_is_lost(run(config(), log.messages), good, "malformed", "Invalid UTF8")
 
 
 def test_lone_surrogate_rollout_id_is_dead_lettered():
     log = Log()
     hostile = rollout("x", 0)
-    log.add(hostile, 0, raw=raw_rollout(json.dumps({**meta_of(hostile), "rollout_id": "\udc00r"})))
+    log.add(hostile, 0, raw=raw_rollout(rollout_id=raw_strings("\udc00r")))
     good = good_group(log)
-    assert_only_the_hostile_message_is_lost(run(config(), log.messages), good, "malformed", "not valid Unicode")
+    assert_only_the_hostile_message_is_lost(run(config(), log.messages), good, "malformed", "Invalid UTF8")
 
 
-def test_deeply_nested_meta_is_dead_lettered_not_a_recursion_error():
+def test_a_deeply_nested_column_in_place_of_tokens_is_dead_lettered():
     log = Log()
     hostile = rollout("x", 0)
-    text = json.dumps({**meta_of(hostile), "future": "@@"}).replace('"@@"', deep_json(50_000))
-    log.add(hostile, 0, raw=raw_rollout(text))
+    log.add(hostile, 0, raw=raw_rollout(tokens=pa.array([[[[[1]]]]], deep_list_type(4))))
     good = good_group(log)
-    assert_only_the_hostile_message_is_lost(run(config(), log.messages), good, "malformed", "levels deep")
+    assert_only_the_hostile_message_is_lost(run(config(), log.messages), good, "malformed", "column 'tokens' is list<")
 
 
 def test_policy_version_2_pow_70_is_dead_lettered_not_an_overflow_error_in_batching():
     log = Log()
     hostile = rollout("x", 0)
-    log.add(hostile, 0, raw=raw_rollout(json.dumps({**meta_of(hostile), "policy_version": 2**70})))
+    log.add(hostile, 0, raw=raw_rollout(policy_version=pa.array([2**70], pa.decimal128(38))))
     good = good_group(log)
-    assert_only_the_hostile_message_is_lost(run(config(), log.messages), good, "malformed", "outside int64")
+    assert_only_the_hostile_message_is_lost(run(config(), log.messages), good, "malformed", "expected int64")
 
 
 def test_a_4301_digit_integer_is_dead_lettered():
     log = Log()
     hostile = rollout("x", 0)
-    text = json.dumps({**meta_of(hostile), "created_at_us": "@@"}).replace('"@@"', "9" * 4301)
-    log.add(hostile, 0, raw=raw_rollout(text))
+    log.add(hostile, 0, raw=raw_rollout(created_at_us=pa.array(["9" * 4301])))
     good = good_group(log)
-    assert_only_the_hostile_message_is_lost(run(config(), log.messages), good, "malformed", "integer string conversion")
+    assert_only_the_hostile_message_is_lost(run(config(), log.messages), good, "malformed", "is string, expected int64")
 
 
 # ---- validity at the boundary -------------------------------------------------------------------
@@ -228,19 +220,19 @@ def hostile_log() -> Log:
     log.add(r, 0, raw=b"\xd3t" + encode(r)[2:])  # bad magic b'\xd3t...'
     log.add(r, 0, raw=encode(r)[:-3])
     log.add(r, 0, key="k\u00e9y-\x00".encode())
-    log.add(r, 0, raw=raw_rollout(json.dumps({**meta_of(r), "group_id": "\ud800" * 3})))
+    log.add(r, 0, raw=raw_rollout(group_id=raw_strings("\ud800" * 3)))
     log.add(r, 0, raw=encode(reward(r, 1.0)))
     t = rollout("g", 1)
     t.tokens = t.tokens.copy()
     t.tokens[0] = 4_000_000_000
     log.add(t, 0)
-    log.add(r, 0, raw=b"x" * 4096)
+    log.add(r, 0, raw=b"x" * 16384)
     good_group(log)
     return log
 
 
 def test_metric_labels_are_reasons_never_message_content():
-    done_engine = ShardEngine(config(dead_letter={"max_message_bytes": 2048}), 0, TOPICS)
+    done_engine = ShardEngine(config(dead_letter={"max_message_bytes": 8192}), 0, TOPICS)
     for m in hostile_log().messages:
         done_engine.ingest(m, 0)
         done_engine.advance(0, None)
@@ -267,22 +259,27 @@ def test_metric_labels_are_reasons_never_message_content():
 
 
 def write_raw(record: Rollout | Reward) -> bytes:
-    """`record` on the wire as a hostile producer would write it: every meta value as given (lone
-    surrogates escaped, integers of any size, NaN), `DEEP` / `DIGITS` spliced in, where `encode` refuses."""
-    code = KIND_ROLLOUT if isinstance(record, Rollout) else KIND_REWARD
+    """`record` on the wire as a hostile Arrow producer would write it where `encode` refuses: strings
+    with lone surrogates as their raw bytes, NaN and infinite floats as given. Integers wider than
+    int64 cannot be written in an int64 column, so those records are refused (`OverflowError`)."""
     clean = copy.copy(record)
+    columns: dict[str, pa.Array] = {}
     for name, value in vars(record).items():
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        if isinstance(value, str):
+            setattr(clean, name, "")
+            columns[name] = raw_strings(value)
+        elif isinstance(value, float) or (isinstance(value, int) and not isinstance(value, bool)):
+            if isinstance(value, int) and not -(2**63) <= value < 2**63:
+                raise OverflowError(f"{name}={value} does not fit an int64 column")
             setattr(clean, name, type(value)())
+            columns[name] = pa.array([value], pa.float64() if isinstance(value, float) else pa.int64())
     if isinstance(record, Reward):
-        clean.components = {name: 0.0 for name in record.components if isinstance(name, str)}
-    _kind, meta, arrays = _decode(encode(clean))
-    meta.update({name: value for name, value in vars(record).items() if name in meta})
-    text = json.dumps(meta).replace(f'"{DEEP}"', deep_json(200)).replace(f'"{DIGITS}"', "7" * 4301)
-    arrays = {k: np.array(v) for k, v in arrays.items()}
-    if isinstance(record, Reward) and record.components:
-        arrays["component_values"] = np.array(list(record.components.values()), dtype=np.float64)
-    return _frame(code, text.encode("utf-8"), arrays)
+        clean.components = {}
+        if record.components:
+            names = record.components
+            columns["component_names"] = pa.array([list(names)], pa.list_(pa.string()))
+            columns["component_values"] = pa.array([list(names.values())], pa.large_list(pa.float64()))
+    return rewritten(encode(clean), **columns)
 
 
 class Durable:
@@ -397,17 +394,16 @@ def test_no_exception_escapes_and_every_message_ends_in_exactly_one_place(steps,
 def test_each_instance_taking_over_dead_letters_the_poison_instead_of_crashing_in_turn():
     """The crashes of the issue, with an instance dying after each message before its commit: the
     next one restores, re-reads and goes on. Each poison is committed once, the group behind is batched."""
-    template = meta_of(rollout("x", 0))
     poisons = [
-        json.dumps({**template, "group_id": "g\ud800"}),
-        json.dumps({**template, "rollout_id": "\udc00r"}),
-        json.dumps({**template, "future": "@@"}).replace('"@@"', deep_json(50_000)),
-        json.dumps({**template, "policy_version": 2**70}),
-        json.dumps({**template, "created_at_us": "@@"}).replace('"@@"', "9" * 4301),
+        raw_rollout(group_id=raw_strings("g\ud800")),
+        raw_rollout(rollout_id=raw_strings("\udc00r")),
+        raw_rollout(tokens=pa.array([None], deep_list_type(60))),
+        raw_rollout(policy_version=pa.array([2**64 - 1], pa.uint64())),
+        raw_rollout(created_at_us=pa.array(["9" * 4301])),
     ]
     log = Log()
-    for text in poisons:
-        log.add(rollout("x", 0), 0, raw=raw_rollout(text))
+    for poison in poisons:
+        log.add(rollout("x", 0), 0, raw=poison)
     good = good_group(log)
     for dies_after in range(len(log.messages)):
         done = Durable()

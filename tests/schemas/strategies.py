@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
+import decimal
 
 import numpy as np
+import pyarrow as pa
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -105,7 +106,45 @@ def assert_same(a, b) -> None:
             assert left == right, name
 
 
-# ---- hostile input: well-formed frames around values no honest writer sends -------------------------
+# ---- hostile input: messages another Arrow writer could send ------------------------------------
+
+
+def arrow_parts(message: bytes) -> tuple[dict[bytes, bytes], dict[str, pa.Array]]:
+    """A message's schema metadata and columns, read with plain pyarrow (no ember checks)."""
+    batch = pa.ipc.open_stream(message).read_next_batch()
+    return dict(batch.schema.metadata or {}), dict(zip(batch.schema.names, batch.columns))
+
+
+def arrow_message(metadata: dict[bytes, bytes], columns: dict[str, pa.Array]) -> bytes:
+    """An IPC stream as any Arrow writer would write it: no ember code involved."""
+    batch = pa.RecordBatch.from_arrays(list(columns.values()), names=list(columns))
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema.with_metadata(metadata)) as writer:
+        writer.write_batch(batch)
+    return sink.getvalue().to_pybytes()
+
+
+def rewritten(message: bytes, *, drop: tuple[str, ...] = (), metadata: dict[bytes, bytes] | None = None, **columns: pa.Array) -> bytes:
+    """`message` with columns replaced or added, some dropped, its metadata updated."""
+    meta, original = arrow_parts(message)
+    kept = {name: array for name, array in original.items() if name not in drop}
+    return arrow_message({**meta, **(metadata or {})}, {**kept, **columns})
+
+
+def raw_strings(*values: str) -> pa.Array:
+    """One row of a string column holding exactly these characters' bytes, lone surrogates included
+    (pyarrow refuses to build such an array from Python strings; a foreign writer need not)."""
+    data = [v.encode("utf-8", "surrogatepass") for v in values]
+    offsets = np.cumsum([0, *map(len, data)], dtype=np.int32)
+    return pa.Array.from_buffers(pa.string(), len(values), [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(data))])
+
+
+def deep_list_type(depth: int) -> pa.DataType:
+    nested = pa.int64()
+    for _ in range(depth):
+        nested = pa.list_(nested)
+    return nested
+
 
 hostile_text = st.one_of(
     st.text(max_size=12),
@@ -113,36 +152,50 @@ hostile_text = st.one_of(
     st.text(min_size=257, max_size=300),
     st.just(""),
 )
-hostile_ints = st.one_of(
-    st.integers(-(2**64), 2**64),
-    st.just(2**70),
-    st.just(-1),
-    st.integers(min_value=10**30, max_value=10**40),
-)
-hostile_scalars = st.one_of(
-    hostile_text, hostile_ints, st.floats(), st.booleans(), st.none(), st.floats(min_value=1e300, max_value=1e308)
-)
-hostile_json = st.recursive(
-    hostile_scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(hostile_text, inner, max_size=3), max_leaves=8
-)
+hostile_int64s = st.one_of(st.integers(-(2**63), 2**63 - 1), st.sampled_from([-1, 2**63 - 1, -(2**63)]))
 
 
-def deep_json(depth: int) -> str:
-    return "[" * depth + "]" * depth
+def _list_column(values: list[int], dtype: pa.DataType, list_type) -> pa.Array:
+    return pa.array([[v % 256 for v in values] if dtype == pa.uint8() else values], list_type(dtype))
+
+
+def _nested_column(depth: int) -> pa.Array:
+    value: object = 1
+    for _ in range(depth):
+        value = [value]
+    return pa.array([value], deep_list_type(depth))
+
+
+# One row of a column of some type with values no honest writer sends (built once: strategies are
+# cheap to draw from, not to construct).
+hostile_column = st.one_of(
+    hostile_text.map(raw_strings),
+    hostile_int64s.map(lambda v: pa.array([v], pa.int64())),
+    st.integers(0, 2**64 - 1).map(lambda v: pa.array([v], pa.uint64())),
+    st.integers(-(10**75), 10**75).map(lambda v: pa.array([decimal.Decimal(v)], pa.decimal256(76))),
+    st.floats().map(lambda v: pa.array([v], pa.float64())),
+    st.booleans().map(lambda v: pa.array([v])),
+    st.sampled_from([pa.string(), pa.int64(), pa.large_list(pa.uint32()), pa.null()]).map(lambda t: pa.nulls(1, t)),
+    st.builds(
+        _list_column,
+        st.lists(st.integers(0, 2**24), max_size=8),
+        st.sampled_from([pa.uint32(), pa.uint8(), pa.int64(), pa.float32()]),
+        st.sampled_from([pa.list_, pa.large_list]),
+    ),
+    st.integers(2, 63).map(_nested_column),  # pyarrow writes at most 63 levels; its reader stops at 64
+)
+_REWRITES = st.sampled_from(["replace", "replace", "drop", "metadata"])
 
 
 @st.composite
-def hostile_meta_text(draw, meta: dict) -> bytes:
-    """`meta` serialised with one field replaced, added or removed, sometimes spliced with deep nesting or a huge int."""
-    meta = dict(meta)
-    key = draw(st.sampled_from(sorted(meta) + ["extra"]))
-    action = draw(st.sampled_from(["replace", "delete", "deep", "digits"]))
-    if action == "delete":
-        meta.pop(key, None)
-        return json.dumps(meta).encode("utf-8")
-    if action == "replace":
-        meta[key] = draw(hostile_json)
-        return json.dumps(meta).encode("utf-8")  # ASCII: json escapes surrogates as \\udxxx
-    meta[key] = "@@"
-    spliced = deep_json(draw(st.integers(1, 5000))) if action == "deep" else "1" * draw(st.integers(4000, 5000))
-    return json.dumps(meta).replace('"@@"', spliced).encode("utf-8")
+def hostile_rewrite(draw, message: bytes) -> bytes:
+    """`message` with one column replaced by a hostile one, added, or removed, or its metadata changed."""
+    meta, columns = arrow_parts(message)
+    name = draw(st.sampled_from(sorted(columns) + ["extra"]))
+    action = draw(_REWRITES)
+    if action == "drop":
+        return rewritten(message, drop=(name,))
+    if action == "metadata":
+        key = draw(st.sampled_from(sorted(meta) + [b"extra"]))
+        return rewritten(message, metadata={key: draw(st.binary(max_size=12))})
+    return rewritten(message, **{name: draw(hostile_column)})
