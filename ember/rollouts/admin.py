@@ -30,20 +30,14 @@ from kafka.errors import (
 from ember.rollouts.acls import Binding
 from ember.rollouts.security import KafkaSecurity
 from ember.rollouts.topics import TopicSpec
-from ember.rollouts.transport import client_config
+from ember.rollouts.transport import READY_TIMEOUT_S, BrokerNotReady, client_config
 
 
 log = logging.getLogger("ember.kafka")
 
-READY_TIMEOUT_S = 120.0  # a freshly formatted broker on a small machine takes 10-30 s to create its internal topics
-
 
 class AdminRefused(RuntimeError):
     """The broker refused an admin operation; the message says which, as whom, and who can do it."""
-
-
-class BrokerNotReady(TimeoutError):
-    """The broker did not serve what a client needs (topic metadata, a group or transaction coordinator) in time."""
 
 
 def _admin(bootstrap: str, security: KafkaSecurity | None, **overrides: object) -> KafkaAdminClient:
