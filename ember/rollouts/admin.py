@@ -87,7 +87,7 @@ def wait_until_ready(
     while True:
         admin = None
         try:
-            admin = _admin(bootstrap, security, request_timeout_ms=5000)
+            admin = _admin(bootstrap, security, request_timeout_ms=5000, bootstrap_timeout_ms=5000)
             waiting = _not_ready(admin, list(topics), group_id, transactional_id)
             error = None
         except (AuthorizationError, SaslAuthenticationFailedError):

@@ -312,10 +312,12 @@ class EtlService:
             while not stop.is_set():
                 try:
                     if not prepared:  # inside the retry: a broker that is (re)starting is waited for, not fatal
+                        who = f"ETL {self.member_id}"
+                        wait_until_ready(kafka.bootstrap, kafka.security, who=who, timeout_s=ready_timeout_s)
                         prepare_topics(self.config)
                         wait_until_ready(
                             kafka.bootstrap, kafka.security, topics=list(self.inputs.values()), group_id=kafka.group_id,
-                            transactional_id=self.member_id, who=f"ETL {self.member_id}",
+                            transactional_id=self.member_id, who=who,
                             timeout_s=max(1.0, started + ready_timeout_s - time.monotonic()),
                         )
                         prepared = True
@@ -331,8 +333,9 @@ class EtlService:
                 except (KafkaError, OSError, TimeoutError) as exc:
                     if not prepared and time.monotonic() - started > ready_timeout_s:
                         raise BrokerNotReady(
-                            f"ETL {self.member_id}: could not prepare its topics on {kafka.bootstrap} within "
-                            f"{ready_timeout_s:.0f}s: {exc!r}. Is the broker running (`ember dev status`)?"
+                            f"ETL {self.member_id}: could not prepare its topics on {kafka.bootstrap} in "
+                            f"{time.monotonic() - started:.0f}s (limit {ready_timeout_s:.0f}s): {exc!r}. "
+                            "Is the broker running (`ember dev status`)?"
                         ) from exc
                     failures += 1
                     self._recoveries += 1

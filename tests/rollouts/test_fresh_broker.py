@@ -6,8 +6,8 @@ coordinator answers NotCoordinator for seconds, no partition is assigned, poll()
 although the topics are full. The first `make demo` used to stop its ETL right then, with 0 rollouts
 and unbalanced books.
 
-About 45 s (over the ~20 s budget because it must format and start its own throwaway broker, about
-25 s on two shared cores; the stage itself takes about 15 s). The suite's broker is not touched.
+About 60 s (over the ~20 s budget because it must format and start its own throwaway broker, about
+25 s on two shared cores, and stop it; the stage itself takes about 20 s). The suite's broker is not touched.
 """
 
 from __future__ import annotations
