@@ -25,7 +25,7 @@ from ember.rollouts.topics import MAX_MESSAGE_BYTES, Topics
 from ember.schemas import DecodeError, Reward, Rollout, TrainBatch, decode, encode
 
 
-READY_TIMEOUT_S = 120.0  # a freshly formatted broker on a small machine takes 10-30 s to create its internal topics
+READY_TIMEOUT_S = 300.0  # a new broker takes 10-30 s to create its internal topics; a restarting one with thousands of partitions on a loaded small machine, minutes
 
 
 class BrokerNotReady(TimeoutError):
