@@ -59,3 +59,4 @@ def fresh_broker() -> Iterator[str]:
     finally:
         _script("reset", env, 90)
         shutil.rmtree(home / name, ignore_errors=True)
+        (home / "run" / f"{name}.lock").unlink(missing_ok=True)
