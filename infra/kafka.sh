@@ -10,7 +10,9 @@
 #   infra/kafka.sh reset      stop and delete all broker data (topics, offsets, cluster id)
 #
 # Env: EMBER_HOME, EMBER_KAFKA_PORT (19092), EMBER_KAFKA_CONTROLLER_PORT (19093),
-#      EMBER_KAFKA_HEAP (1G), EMBER_KAFKA_START_TIMEOUT (90 seconds).
+#      EMBER_KAFKA_HEAP (1G), EMBER_KAFKA_START_TIMEOUT (90 seconds),
+#      EMBER_KAFKA_NAME (kafka): another name is another broker (state in $EMBER_HOME/<name>, its own pid
+#      file and lock) sharing the jars, e.g. a throwaway freshly formatted one on other ports for a test.
 # The secured broker (SASL_SSL, SCRAM, ACLs) is infra/kafka-secure.sh; both share infra/kafka/lib.sh.
 set -euo pipefail
 
@@ -20,15 +22,19 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 source "$INFRA_DIR/kafka/lib.sh"
 EMBER_LOG_TAG=kafka
 
-KAFKA_NAME=kafka
+KAFKA_NAME="${EMBER_KAFKA_NAME:-kafka}"
+[[ "$KAFKA_NAME" =~ ^kafka[A-Za-z0-9_-]*$ && "$KAFKA_NAME" != kafka-secure ]] \
+  || die "EMBER_KAFKA_NAME must start with 'kafka' (letters, digits, - and _) and not be kafka-secure, got '$KAFKA_NAME'"
 KAFKA_PORT="${EMBER_KAFKA_PORT:-19092}"
 KAFKA_CPORT="${EMBER_KAFKA_CONTROLLER_PORT:-19093}"
-KAFKA_DIR="$EMBER_HOME/kafka"
+KAFKA_DIR="$EMBER_HOME/$KAFKA_NAME"
+# The default broker keeps its historical pattern; a named one must match its own config (pid reuse, two brokers).
 KAFKA_PID_PATTERN="kafka.Kafka"
+[[ "$KAFKA_NAME" == kafka ]] || KAFKA_PID_PATTERN="kafka.Kafka $KAFKA_DIR/server.properties"
 kafka_init_paths
 
 usage() {
-  sed -n '2,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
   exit 2
 }
 
@@ -70,12 +76,12 @@ PY
 }
 
 case "${1:-}" in
-  start) acquire_lock kafka; kafka_cmd_start ;;
-  stop) acquire_lock kafka; kafka_cmd_stop ;;
-  restart) acquire_lock kafka; kafka_cmd_stop; kafka_cmd_start ;;
+  start) acquire_lock "$KAFKA_NAME"; kafka_cmd_start ;;
+  stop) acquire_lock "$KAFKA_NAME"; kafka_cmd_stop ;;
+  restart) acquire_lock "$KAFKA_NAME"; kafka_cmd_stop; kafka_cmd_start ;;
   status) kafka_cmd_status ;;
   bootstrap) printf '%s\n' "$KAFKA_BOOTSTRAP" ;;
   classpath) ensure_libs; printf '%s\n' "$KAFKA_LIBS/*" ;;
-  reset) acquire_lock kafka; kafka_cmd_reset ;;
+  reset) acquire_lock "$KAFKA_NAME"; kafka_cmd_reset ;;
   *) usage ;;
 esac

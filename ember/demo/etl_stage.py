@@ -3,6 +3,9 @@
 Publishes a small simulated run with every kind of fault, runs one ETL process in-process until it has
 decided everything, reads the committed batches with `RolloutBatchReader`, and checks the books: every
 published rollout is either in exactly one batch or in the ledger with the reason it was dropped.
+
+It is a newcomer's first contact with Kafka, often on a broker formatted seconds before: it first waits,
+bounded and saying so, for the topics' leaders and the group and transaction coordinators.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections import Counter
 from kafka import KafkaConsumer, TopicPartition
 from rich.console import Console
 
+from ember.rollouts.admin import wait_until_ready
 from ember.rollouts.config import kafka_bootstrap, parse_config
 from ember.rollouts.etl import EtlService, prepare_topics
 from ember.rollouts.reader import RolloutBatchReader
@@ -22,7 +26,7 @@ from ember.rollouts.simulate import SIMULATED_VOCAB, WorkloadSpec, plan_workload
 from ember.rollouts.transport import consumer_config, end_offsets
 
 
-def _outcomes_since(topic: str, start: int) -> list[Outcome]:
+def _outcomes_since(topic: str, start: int, timeout_s: float = 60.0) -> list[Outcome]:
     consumer = KafkaConsumer(**consumer_config(group_id=None))
     tp = TopicPartition(topic, 0)
     try:
@@ -30,7 +34,10 @@ def _outcomes_since(topic: str, start: int) -> list[Outcome]:
         consumer.seek(tp, start)
         end = consumer.end_offsets([tp])[tp]
         found = []
+        deadline = time.monotonic() + timeout_s
         while consumer.position(tp) < end:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"could not read the ledger {topic} from offset {start} to {end} within {timeout_s:.0f}s")
             for records in consumer.poll(timeout_ms=1000).values():
                 found += [Outcome.decode(r.value) for r in records if r.offset < end]
         return found
@@ -54,6 +61,15 @@ def run(console: Console, prefix: str, rollouts: int, group_size: int, tokens: i
         }
     )
     topics = prepare_topics(config, create=True)
+    service = EtlService(config, instance="demo")
+    with console.status("waiting for the broker's group and transaction coordinators (a new broker creates them on first use)..."):
+        wait_until_ready(
+            config.kafka.bootstrap,
+            topics=[topics.rollouts, topics.rewards, topics.train_batches, topics.outcomes],
+            group_id=config.kafka.group_id,
+            transactional_id=service.member_id,
+            who="demo rollout stage",
+        )
     batches_start = {tp.partition: o for tp, o in end_offsets([topics.train_batches]).items()}
     outcomes_start = {tp.partition: o for tp, o in end_offsets([topics.outcomes]).items()}
     spec = WorkloadSpec(
@@ -81,7 +97,6 @@ def run(console: Console, prefix: str, rollouts: int, group_size: int, tokens: i
     )
     with console.status(f"simulating {spec.groups} groups x {group_size} rollouts across 3 regions..."):
         published = publish_workload(plan_workload(spec), topics)
-    service = EtlService(config, instance="demo")
     started = time.perf_counter()
     with console.status("running the ETL until every group is decided..."):
         service.run(until_idle_s=1.5)

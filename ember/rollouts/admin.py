@@ -1,6 +1,9 @@
-"""Creating and describing the ETL's topics, and applying role ACLs, on a broker (Kafka's admin client), idempotently."""
+"""Creating and describing the ETL's topics, applying role ACLs, and waiting for a broker to be ready (Kafka's admin client)."""
 
 from __future__ import annotations
+
+import logging
+import time
 
 from kafka.admin import (
     ACL,
@@ -14,24 +17,103 @@ from kafka.admin import (
     ResourceType,
 )
 from kafka.errors import (
+    AuthorizationError,
     ClusterAuthorizationFailedError,
+    KafkaError,
+    SaslAuthenticationFailedError,
     SecurityDisabledError,
     TopicAlreadyExistsError,
     TopicAuthorizationFailedError,
+    TransactionalIdNotFoundError,
 )
 
 from ember.rollouts.acls import Binding
 from ember.rollouts.security import KafkaSecurity
 from ember.rollouts.topics import TopicSpec
-from ember.rollouts.transport import client_config
+from ember.rollouts.transport import READY_TIMEOUT_S, BrokerNotReady, client_config
+
+
+log = logging.getLogger("ember.kafka")
 
 
 class AdminRefused(RuntimeError):
     """The broker refused an admin operation; the message says which, as whom, and who can do it."""
 
 
-def _admin(bootstrap: str, security: KafkaSecurity | None) -> KafkaAdminClient:
-    return KafkaAdminClient(**{**client_config(security), "bootstrap_servers": bootstrap}, client_id="ember-admin")
+def _admin(bootstrap: str, security: KafkaSecurity | None, **overrides: object) -> KafkaAdminClient:
+    return KafkaAdminClient(**{**client_config(security), "bootstrap_servers": bootstrap, **overrides}, client_id="ember-admin")
+
+
+def _not_ready(admin: KafkaAdminClient, topics: list[str], group_id: str | None, transactional_id: str | None) -> str | None:
+    """What the broker does not serve yet, or None when all of it is there."""
+    if topics:
+        for row in admin.describe_topics(topics):
+            if row["error_code"]:
+                return f"metadata of topic {row['name']} (error code {row['error_code']})"
+            leaderless = sorted(p["partition_index"] for p in row["partitions"] if p["leader_id"] < 0 or p["error_code"])
+            if leaderless or not row["partitions"]:
+                return f"leaders of topic {row['name']} partitions {leaderless or 'all'}"
+    if group_id is not None:
+        admin.describe_groups([group_id])  # finds the group coordinator: on a new broker, once __consumer_offsets exists
+    if transactional_id is not None:
+        try:
+            admin.describe_transactions([transactional_id])  # the transaction coordinator (__transaction_state)
+        except TransactionalIdNotFoundError:
+            pass  # the coordinator answered: the id is simply new
+    return None
+
+
+def wait_until_ready(
+    bootstrap: str,
+    security: KafkaSecurity | None = None,
+    *,
+    topics: list[str] | tuple[str, ...] = (),
+    group_id: str | None = None,
+    transactional_id: str | None = None,
+    timeout_s: float = READY_TIMEOUT_S,
+    who: str = "client",
+) -> None:
+    """Wait, at most `timeout_s`, until the broker serves metadata (every partition of `topics` has a leader),
+    the coordinator of consumer group `group_id` and the transaction coordinator of `transactional_id`.
+
+    On a freshly formatted broker the first FindCoordinator creates `__consumer_offsets` (and the first
+    transactional producer `__transaction_state`); until they are loaded the coordinators answer
+    NotCoordinator / CoordinatorNotAvailable. Raises `BrokerNotReady` naming what it waited for.
+    """
+    deadline = time.monotonic() + timeout_s
+    waiting: str | None = "a connection"
+    error: Exception | None = None
+    logged = False
+    while True:
+        admin = None
+        try:
+            admin = _admin(bootstrap, security, request_timeout_ms=5000, bootstrap_timeout_ms=5000)
+            waiting = _not_ready(admin, list(topics), group_id, transactional_id)
+            error = None
+        except (AuthorizationError, SaslAuthenticationFailedError):
+            raise  # refused is not "not ready": waiting would only hide it
+        except (KafkaError, OSError, ValueError) as exc:
+            waiting = "an answer without errors" if admin is not None else "a connection"
+            error = exc
+        finally:
+            if admin is not None:
+                admin.close()
+        if waiting is None:
+            return
+        if time.monotonic() >= deadline:
+            wanted = ", ".join(
+                [*(f"topic {t}" for t in topics), *([f"group {group_id}'s coordinator"] if group_id else []),
+                 *([f"transaction coordinator of {transactional_id}"] if transactional_id else [])]
+            ) or "metadata"
+            raise BrokerNotReady(
+                f"{who}: the broker at {bootstrap} was not ready within {timeout_s:.0f}s; waited for {wanted}, "
+                f"still missing: {waiting}{f' ({error!r})' if error else ''}. Is it running (`ember dev status`), "
+                "and are its internal topics (__consumer_offsets, __transaction_state) able to get a leader?"
+            )
+        if not logged:
+            log.info("%s: waiting for %s on %s (a freshly formatted broker needs a few seconds)", who, waiting, bootstrap)
+            logged = True
+        time.sleep(0.5)
 
 
 def ensure_topics(bootstrap: str, specs: list[TopicSpec], security: KafkaSecurity | None = None) -> dict[str, str]:

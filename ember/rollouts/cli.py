@@ -295,6 +295,7 @@ def etl(
         settings = _overridden(settings, sections)
     from ember.rollouts.etl import EtlService, TopologyError
     from ember.rollouts.metrics import EtlMetrics
+    from ember.rollouts.transport import BrokerNotReady
 
     # force: an import may already have configured the root logger (Beam warns at import time);
     # a short prefix keeps the status lines within 100 columns
@@ -310,7 +311,7 @@ def etl(
     try:
         with _refusals():
             EtlService(settings, instance, metrics).run(stop, until_idle_s=until_idle)
-    except TopologyError as exc:
+    except (TopologyError, BrokerNotReady) as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from None
 

@@ -11,6 +11,10 @@ with rewards partition p, kept together by `CopartitionedCooperativeAssignor`). 
   owner re-reads from the committed offset, skips what is done and rebuilds exactly the pending state;
 - any Kafka error tears the clients down and rebuilds them and the state the same way, which is also
   how a broker restart or a rebalance is survived.
+
+Deadlines run on `LogClock`, time in the log: data that sits in a partition unread (a rebalance, a broker
+outage, a slow fetch) never makes a reward late. On a freshly formatted broker the service first waits,
+bounded, for its topics' leaders and its group and transaction coordinators (`wait_until_ready`).
 """
 
 from __future__ import annotations
@@ -31,19 +35,19 @@ from ember.rollouts.assignor import CopartitionedCooperativeAssignor
 from ember.rollouts.config import EtlConfig
 from ember.rollouts.engine import REWARDS, ROLLOUTS, InputMessage, ShardEngine, ShardOutput, StateMismatch, input_topics
 from ember.rollouts.faults import crash_point
+from ember.rollouts.log_clock import LogClock
 from ember.rollouts.metrics import EtlMetrics
 from ember.rollouts.records import ClosedGroup, PolicyVersion, Reason, ShardSnapshot
 from ember.rollouts.security import KafkaSecurity
 from ember.rollouts.topics import Topics
-from ember.rollouts.admin import describe_topics, ensure_topics, list_topics
+from ember.rollouts.admin import READY_TIMEOUT_S, BrokerNotReady, describe_topics, ensure_topics, list_topics, wait_until_ready
 from ember.rollouts.transport import consumer_config, producer_config
 from ember.schemas import encode
 
 log = logging.getLogger("ember.etl")
 
-ENDS_REFRESH_S = 1.0  # how often the broker is asked for the input partitions' end offsets
-ENDS_TIMEOUT_MS = 1000  # a broker that does not answer within this leaves the ends stale, not the loop stuck
-ENDS_FRESH_S = 3.0  # end offsets older than this cannot prove the ETL caught up
+ENDS_REFRESH_S = 0.25  # how often the broker is asked for the input partitions' end offsets (the clock's wall-time proofs)
+ENDS_TIMEOUT_MS = 1000  # a broker that does not answer within this proves nothing this time, and the loop goes on
 
 
 class TopologyError(RuntimeError):
@@ -273,9 +277,10 @@ class EtlService:
         self._last_commit = 0.0
         self._ends: dict[TopicPartition, int] = {}
         self._ends_at = float("-inf")
-        self._last_message = time.monotonic()
-        self._last_timestamp: dict[TopicPartition, int] = {}
-        self._clocks: dict[int, int] = {}
+        self._start_ends: dict[TopicPartition, int] | None = None  # input end offsets when the service first connected
+        self._caught_up: set[int] = set()  # shards read to end offsets asked for after the last records arrived
+        self._quiet_since: float | None = None  # when the service last became assigned, caught up and without pending work
+        self._clocks: dict[int, LogClock] = {}
         self.transactions = 0
         self.totals = RunTotals()
         self._status_from = RunTotals()
@@ -289,17 +294,32 @@ class EtlService:
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
-    def run(self, stop: threading.Event | None = None, *, until_idle_s: float | None = None) -> None:
-        """Process until `stop` is set, or (with `until_idle_s`) until nothing is pending and no input came for that long."""
+    def run(
+        self, stop: threading.Event | None = None, *, until_idle_s: float | None = None, ready_timeout_s: float = READY_TIMEOUT_S
+    ) -> None:
+        """Process until `stop` is set, or (with `until_idle_s`) until it has been idle that long: every owned
+        partition assigned and read to the end offsets seen at start and to fresh ones, nothing pending, no input.
+
+        A broker that is not ready at start (unreachable, just formatted) is waited for at most `ready_timeout_s`,
+        then `BrokerNotReady` says what was missing; once running, Kafka errors are recovered from without limit.
+        """
         stop = stop or threading.Event()
         prepared = False
         failures = 0
         started = time.monotonic()
+        kafka = self.config.kafka
         try:
             while not stop.is_set():
                 try:
                     if not prepared:  # inside the retry: a broker that is (re)starting is waited for, not fatal
+                        who = f"ETL {self.member_id}"
+                        wait_until_ready(kafka.bootstrap, kafka.security, who=who, timeout_s=ready_timeout_s)
                         prepare_topics(self.config)
+                        wait_until_ready(
+                            kafka.bootstrap, kafka.security, topics=list(self.inputs.values()), group_id=kafka.group_id,
+                            transactional_id=self.member_id, who=who,
+                            timeout_s=max(1.0, started + ready_timeout_s - time.monotonic()),
+                        )
                         prepared = True
                     self._connect()
                     failures = 0
@@ -308,9 +328,15 @@ class EtlService:
                         if until_idle_s is not None and self._idle_for(until_idle_s):
                             stop.set()
                     self._commit(force=True)
-                except (AuthorizationError, SaslAuthenticationFailedError):
-                    raise  # a principal without its ACLs or credentials stays refused: retrying would only hide it
+                except (AuthorizationError, SaslAuthenticationFailedError, BrokerNotReady):
+                    raise  # refused stays refused, and a start-up wait is bounded: retrying would only hide either
                 except (KafkaError, OSError, TimeoutError) as exc:
+                    if not prepared and time.monotonic() - started > ready_timeout_s:
+                        raise BrokerNotReady(
+                            f"ETL {self.member_id}: could not prepare its topics on {kafka.bootstrap} in "
+                            f"{time.monotonic() - started:.0f}s (limit {ready_timeout_s:.0f}s): {exc!r}. "
+                            "Is the broker running (`ember dev status`)?"
+                        ) from exc
                     failures += 1
                     self._recoveries += 1
                     self.metrics.recoveries.inc()
@@ -362,7 +388,13 @@ class EtlService:
             raise
         self._clients = _Clients(producer, consumer, state_reader, policy, listener)
         policy.catch_up()
+        if self._start_ends is None:
+            tps = [TopicPartition(t, p) for t in self.inputs.values() for p in sorted(consumer.partitions_for_topic(t) or ())]
+            self._start_ends = consumer.end_offsets(tps)
         self.engines = {}
+        self._clocks = {}
+        self._caught_up = set()
+        self._quiet_since = None
         self._touched = set()
         self._committed_marks = {}
         log.info("ETL %s connected to %s (%s)", self.member_id, kafka.bootstrap, kafka.security.describe())
@@ -372,27 +404,36 @@ class EtlService:
             self._clients.close()
         self._clients = None
         self.engines = {}
+        self._clocks = {}
 
     def _idle_for(self, seconds: float) -> bool:
-        if time.monotonic() - self._last_message < seconds or not self.engines or not self._read_to_the_end():
+        """Settled (see `_settled`) for `seconds` without interruption."""
+        if not self._settled():
+            self._quiet_since = None
             return False
-        return all(e.pending_count() == 0 and not e.groups and not e.ready for e in self.engines.values())
+        if self._quiet_since is None:
+            self._quiet_since = time.monotonic()
+        return time.monotonic() - self._quiet_since >= seconds
 
-    def _read_to_the_end(self) -> bool:
-        """Every owned input partition read up to the end offsets the broker confirmed lately.
+    def _settled(self) -> bool:
+        """Partitions assigned and loaded, each read to the end offsets seen at start and to end offsets asked for
+        after the last records arrived, and nothing pending.
 
-        No input for a while is not the same as nothing left: on a broker formatted seconds ago the
-        group coordinator can answer `NotCoordinatorError` for a while after the partitions are
-        assigned, and no record arrives although the topics are full.
+        No input for a while is not the same as nothing left: on a broker formatted seconds ago the group
+        coordinator answers `NotCoordinatorError` for a while, no partition is assigned and no record arrives
+        although the topics are full; during a rebalance poll() returns nothing.
         """
-        if time.monotonic() - self._ends_at > ENDS_FRESH_S:
+        clients = self._clients
+        if clients is None or not self.engines or self._start_ends is None:
+            return False
+        assignment = clients.consumer.assignment()
+        if {tp.partition for tp in assignment} != set(self.engines) or not self._caught_up >= set(self.engines):
             return False
         for shard, engine in self.engines.items():
             for role, topic in self.inputs.items():
-                end = self._ends.get(TopicPartition(topic, shard))
-                if end is None or (engine.positions.get(role) or 0) < end:
+                if (engine.positions.get(role) or 0) < self._start_ends.get(TopicPartition(topic, shard), 0):
                     return False
-        return True
+        return all(e.pending_count() == 0 and not e.groups and not e.ready for e in self.engines.values())
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -403,24 +444,29 @@ class EtlService:
         loaded = self._apply_rebalance(clients)
         clients.policy.poll()
         now_ms = int(time.time() * 1000)
+        roles = {topic: role for role, topic in self.inputs.items()}
         for tp, messages in records.items():
             engine = self.engines.get(tp.partition)
             if engine is None or tp.partition in loaded or not messages:
                 continue
+            clock = self._clocks[tp.partition]
             for message in messages:
-                timestamp = message.timestamp if message.timestamp is not None and message.timestamp >= 0 else now_ms
+                stamped = message.timestamp is not None and message.timestamp >= 0
+                timestamp = message.timestamp if stamped else now_ms
                 engine.ingest(InputMessage(tp.topic, tp.partition, message.offset, timestamp, message.key, message.value), now_ms)
-                self._last_timestamp[tp] = timestamp
+                if stamped:  # an unstamped message proves nothing about time in the log
+                    clock.read(roles[tp.topic], timestamp, now_ms)
             self.metrics.messages.labels(tp.topic).inc(len(messages))
             self.totals.messages += len(messages)
             self._touched.add(tp.partition)
-            self._last_message = time.monotonic()
+            self._caught_up.discard(tp.partition)
+            self._quiet_since = None
         latest = clients.policy.latest
         if latest is not None:
             self.metrics.policy_version.set(latest)
         self._refresh_ends(clients)
         for shard, engine in self.engines.items():
-            engine.advance(self._clock(clients, shard, now_ms), latest)
+            engine.advance(self._clocks[shard].now_ms, latest)
             self.metrics.pending.labels(str(shard)).set(engine.pending_count())
             self.metrics.open_groups.labels(str(shard)).set(len(engine.groups))
         self._commit()
@@ -437,28 +483,6 @@ class EtlService:
         self._status_from = replace(self.totals, dropped=Counter(self.totals.dropped), rewards_dropped=Counter(self.totals.rewards_dropped))
         self._status_at = now
 
-    def _clock(self, clients: _Clients, shard: int, now_ms: int) -> int:
-        """Event time while catching up, wall time once caught up (so deadlines fire without new input).
-
-        A lagging ETL (after a restart, a broker outage, or behind a burst) must not declare rewards
-        missing that are simply not read yet, so while either partition has unread data the clock is the
-        timestamp of the last message read from the lagging partitions. "Caught up" needs end offsets
-        the broker confirmed within `ENDS_FRESH_S`: a fetch's high-water mark alone goes stale while the
-        broker is unreachable, and data written before an outage would look read. It never goes backwards.
-        """
-        engine = self.engines[shard]
-        fresh = time.monotonic() - self._ends_at <= ENDS_FRESH_S
-        behind = []
-        for role, topic in self.inputs.items():
-            tp = TopicPartition(topic, shard)
-            ends = [e for e in (clients.consumer.highwater(tp), self._ends.get(tp)) if e is not None]
-            position = engine.positions.get(role)
-            if not fresh or not ends or position is None or position < max(ends):
-                behind.append(self._last_timestamp.get(tp, 0))
-        clock = max(min(behind) if behind else now_ms, self._clocks.get(shard, 0))
-        self._clocks[shard] = clock
-        return clock
-
     def _apply_rebalance(self, clients: _Clients) -> set[int]:
         events, clients.listener.events = clients.listener.events, []
         to_load: set[int] = set()
@@ -466,6 +490,8 @@ class EtlService:
             for shard in shards:
                 if kind == "revoked":
                     self.engines.pop(shard, None)
+                    self._clocks.pop(shard, None)
+                    self._caught_up.discard(shard)
                     self._touched.discard(shard)
                     self._committed_marks.pop(shard, None)
                     to_load.discard(shard)
@@ -477,6 +503,7 @@ class EtlService:
             if all(tp in assignment for tp in pair):
                 self._load_shard(clients, shard, pair)
         if events:
+            self._quiet_since = None
             log.info("ETL %s owns shards %s", self.member_id, sorted(self.engines))
         return to_load
 
@@ -516,9 +543,8 @@ class EtlService:
         )
         self.engines[shard] = engine
         self._committed_marks[shard] = dict(offsets)
-        self._clocks.pop(shard, None)
-        for tp in pair:
-            self._last_timestamp.pop(tp, None)
+        self._clocks[shard] = LogClock(self.inputs)
+        self._caught_up.discard(shard)
         log.info("ETL %s loaded shard %d from offsets %s (%d pending to rebuild)", self.member_id, shard, offsets, engine.pending_count())
 
     # ---- transactions ------------------------------------------------------------------------
@@ -626,15 +652,29 @@ class EtlService:
             m.observe(name, value)
 
     def _refresh_ends(self, clients: _Clients) -> None:
-        """The input partitions' end offsets from the broker, about once a second (the clock and the lag gauge read them)."""
+        """Ask the broker for the owned input partitions' end offsets (every `ENDS_REFRESH_S`): the only way wall
+        time enters the shards' clocks, each up to the moment of asking, if the shard has read up to them."""
         if time.monotonic() - self._ends_at < ENDS_REFRESH_S or not self.engines:
             return
-        tps = {TopicPartition(topic, s): (s, role) for s in self.engines for role, topic in self.inputs.items()}
+        assignment = clients.consumer.assignment()
+        tps = {
+            TopicPartition(topic, s): (s, role)
+            for s in self.engines for role, topic in self.inputs.items() if TopicPartition(topic, s) in assignment
+        }
+        asked_at_ms = int(time.time() * 1000)
         try:
             self._ends = clients.consumer.end_offsets(list(tps), timeout_ms=ENDS_TIMEOUT_MS)
         except KafkaTimeoutError:
             return
         self._ends_at = time.monotonic()
+        behind: set[int] = set()
+        for tp, end in self._ends.items():
+            shard, role = tps[tp]
+            position = self.engines[shard].positions.get(role) or 0
+            if not self._clocks[shard].end_offset(role, position=position, end=end, asked_at_ms=asked_at_ms):
+                behind.add(shard)
+        proven = Counter(tps[tp][0] for tp in self._ends)
+        self._caught_up = {s for s in self.engines if proven[s] == len(self.inputs) and s not in behind}
         self._lag = 0
         for tp, end in self._ends.items():
             shard, role = tps[tp]

@@ -23,7 +23,7 @@ from kafka.structs import OffsetAndMetadata
 
 from ember.rollouts.config import kafka_bootstrap
 from ember.rollouts.security import KafkaSecurity
-from ember.rollouts.transport import TopicUnavailable, consumer_config, topic_partitions
+from ember.rollouts.transport import READY_TIMEOUT_S, consumer_config, topic_partitions, wait_for_group_coordinator
 from ember.schemas import DecodeError, TrainBatch, decode_train_batch
 
 
@@ -61,10 +61,12 @@ class RolloutBatchReader:
         bootstrap: str | None = None,
         idle_timeout_s: float | None = None,
         security: KafkaSecurity | None = None,
+        ready_timeout_s: float = READY_TIMEOUT_S,
     ):
         """`state` is a previous `state_dict()`; without it the group's committed position is used.
 
-        `security` defaults to EMBER_KAFKA_* (see `ember.rollouts.security`)."""
+        `security` defaults to EMBER_KAFKA_* (see `ember.rollouts.security`). On a freshly formatted broker the
+        group's coordinator is waited for, at most `ready_timeout_s` (then `BrokerNotReady`)."""
         self.topic = topic
         self.idle_timeout_s = idle_timeout_s
         self.consumer = KafkaConsumer(
@@ -72,7 +74,8 @@ class RolloutBatchReader:
         )
         try:
             self.partitions = topic_partitions(self.consumer, topic, security)
-        except TopicUnavailable:
+            wait_for_group_coordinator(self.consumer, self.partitions[0], ready_timeout_s, f"trainer reader of {topic}")
+        except BaseException:
             self.consumer.close()
             raise
         self.consumer.assign(self.partitions)

@@ -4,6 +4,10 @@ Writers are idempotent (acks=all, zstd) and key records by group_id so one group
 partition. Readers never crash on a bad message: it comes back as a `BadMessage` naming its
 topic/partition/offset and the reason, for the caller to dead-letter and count. Every client config
 built here carries `KafkaSecurity.client_kwargs()` (the settings given, else EMBER_KAFKA_*).
+
+Nothing here assumes a warm broker: a writer that gets no metadata and a reader whose group has no
+coordinator yet (a broker formatted seconds ago is still creating `__consumer_offsets`) wait a bounded
+time and then raise `BrokerNotReady` naming what they waited for.
 """
 
 from __future__ import annotations
@@ -13,11 +17,19 @@ from typing import Iterator
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
+from kafka.errors import KafkaTimeoutError
 
 from ember.rollouts.config import kafka_bootstrap
 from ember.rollouts.security import KafkaSecurity
 from ember.rollouts.topics import MAX_MESSAGE_BYTES, Topics
 from ember.schemas import DecodeError, Reward, Rollout, TrainBatch, decode, encode
+
+
+READY_TIMEOUT_S = 300.0  # a new broker takes 10-30 s to create its internal topics; a restarting one with thousands of partitions on a loaded small machine, minutes
+
+
+class BrokerNotReady(TimeoutError):
+    """The broker did not serve what a client needs (topic metadata, a group or transaction coordinator) in time."""
 
 
 def client_config(security: KafkaSecurity | None = None) -> dict[str, object]:
@@ -78,6 +90,23 @@ def topic_partitions(consumer: KafkaConsumer, topic: str, security: KafkaSecurit
     return [TopicPartition(topic, p) for p in sorted(partitions)]
 
 
+def wait_for_group_coordinator(consumer: KafkaConsumer, partition: TopicPartition, timeout_s: float, who: str) -> None:
+    """Block until the consumer's group coordinator answers (it reads `partition`'s committed offset), at most `timeout_s`.
+
+    On a freshly formatted broker the coordinator answers NotCoordinator / CoordinatorNotAvailable until
+    `__consumer_offsets` is created and loaded; kafka-python retries those, this bounds the wait and names it.
+    """
+    try:
+        consumer.committed(partition, timeout_ms=int(timeout_s * 1000))
+    except KafkaTimeoutError:
+        group = consumer.config.get("group_id")
+        raise BrokerNotReady(
+            f"{who}: the coordinator of consumer group {group!r} on {consumer.config.get('bootstrap_servers')} did not "
+            f"answer within {timeout_s:.0f}s (a broker formatted moments ago is still creating __consumer_offsets; "
+            "otherwise is it running: `ember dev status`?)"
+        ) from None
+
+
 class RecordWriter:
     """Publishes Rollouts, Rewards or TrainBatches to one topic; counts records and wire bytes."""
 
@@ -92,9 +121,18 @@ class RecordWriter:
     def write(self, record: Rollout | Reward | TrainBatch):
         key = getattr(record, "group_id", None) or getattr(record, "batch_id")
         value = encode(record)
+        try:
+            future = self.producer.send(self.topic, key=key.encode("utf-8"), value=value)
+        except KafkaTimeoutError as exc:  # send() waits up to max_block_ms for the topic's metadata
+            config = self.producer.config
+            raise BrokerNotReady(
+                f"writer for {self.topic}: no metadata for the topic from {config.get('bootstrap_servers')} within "
+                f"{config.get('max_block_ms', 0) / 1000:.0f}s ({exc}): is the broker running (`ember dev status`), "
+                f"and does the topic exist (`ember rollouts topics create`)?"
+            ) from None
         self.records += 1
         self.bytes += len(value)
-        return self.producer.send(self.topic, key=key.encode("utf-8"), value=value)
+        return future
 
     def flush(self) -> None:
         self.producer.flush()

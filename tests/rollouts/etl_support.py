@@ -363,6 +363,10 @@ def kill_9_scenario(deployment: Deployment, tmp_path: Path, processes: list[EtlP
             proc.kill()
     survivor = EtlProcess(tmp_path / "etl.yaml", "0", tmp_path)
     processes.append(survivor)
+    deadline = time.monotonic() + 120  # the survivor must really take over, not be stopped while still starting
+    while "owns shards" not in survivor.output():
+        assert survivor.proc.poll() is None and time.monotonic() < deadline, survivor.output()[-3000:]
+        time.sleep(0.2)
     thread.join(timeout=120)
     wait_for_books(topics, work, timeout_s=120, alive=lambda: survivor.proc.poll() is None, deployment=deployment)
     finish([survivor])
