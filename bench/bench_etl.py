@@ -77,7 +77,7 @@ def secured_broker() -> Broker:
 
 def prepare(broker: Broker, prefix: str, config: EtlConfig):
     """Topics created (and, when secured, the role ACLs applied) as the admin, as an operator would."""
-    topics = prepare_topics(config.with_overrides(kafka=broker.kafka_section("admin")))
+    topics = prepare_topics(config.with_overrides(kafka=broker.kafka_section("admin")), create=True)
     if broker.roles:
         apply_acls(broker.bootstrap, role_bindings(prefix), broker.security("admin"))
     return topics

@@ -607,10 +607,10 @@ class EtlService:
         for emitted in output.batches:
             t.batches += 1
             t.rollouts += emitted.batch.num_sequences
-            t.tokens += len(emitted.batch.tokens)
+            t.tokens += emitted.batch.num_tokens
             m.batches.inc()
             m.batch_rollouts.inc(emitted.batch.num_sequences)
-            m.batch_tokens.inc(len(emitted.batch.tokens))
+            m.batch_tokens.inc(emitted.batch.num_tokens)
             m.batch_latency.observe(max(0.0, now_ms - emitted.last_reward_ms) / 1e3)
         for outcome in output.outcomes:
             reason = Reason(outcome.reason).value  # a closed set: never message content in a label

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ember.schemas.errors import DecodeError, InvalidRecord
-from ember.schemas.rollouts import TURN_ROLES, Reward, Rollout, SourceOffset, TrainBatch, Turn
+from ember.schemas.rollouts import ROLLOUT_DIGEST_BYTES, TURN_ROLES, Reward, Rollout, RolloutRef, SourceOffset, TrainBatch, Turn
 
 MAGIC = b"EMBR"
 WIRE_VERSION = 1
@@ -320,6 +320,8 @@ def _reward_from(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Reward:
 
 
 def encode_train_batch(batch: TrainBatch) -> bytes:
+    """Inline or by reference (`TrainBatch.by_reference`): a by-reference batch carries its rollouts'
+    references and sequence advantages instead of the per-token arrays."""
     meta = {
         "batch_id": batch.batch_id,
         "step": int(batch.step),
@@ -329,20 +331,34 @@ def encode_train_batch(batch: TrainBatch) -> bytes:
     }
     if batch.advantage_estimator is not None:
         meta["advantage_estimator"] = batch.advantage_estimator
-    arrays = {
-        "tokens": batch.tokens,
-        "loss_mask": batch.loss_mask,
-        "advantages": batch.advantages,
-        "sampler_logprobs": batch.sampler_logprobs,
-        "cu_seqlens": batch.cu_seqlens,
-        "policy_versions": batch.policy_versions,
-        "source_offsets": np.array(
-            [[o.partition, o.start, o.end] for o in batch.source_offsets], dtype=np.int64
-        ).reshape(-1, 3),
-    }
+    arrays = {}
+    if not batch.by_reference:
+        arrays.update(tokens=batch.tokens, loss_mask=batch.loss_mask, advantages=batch.advantages, sampler_logprobs=batch.sampler_logprobs)
+    arrays.update(
+        cu_seqlens=batch.cu_seqlens,
+        policy_versions=batch.policy_versions,
+        source_offsets=np.array([[o.partition, o.start, o.end] for o in batch.source_offsets], dtype=np.int64).reshape(-1, 3),
+    )
+    if batch.by_reference:
+        refs = batch.rollout_refs
+        meta["ref_topics"] = [r.topic for r in refs]
+        arrays["ref_positions"] = np.array([[r.partition, r.offset] for r in refs], dtype=np.int64).reshape(-1, 2)
+        arrays["ref_sha256"] = np.frombuffer(b"".join(r.sha256 for r in refs), dtype=np.uint8).reshape(-1, ROLLOUT_DIGEST_BYTES)
+        arrays["sequence_advantages"] = batch.sequence_advantages
     if batch.routed_experts is not None:
         arrays["routed_experts"] = batch.routed_experts
     return _encode(KIND_TRAIN_BATCH, meta, arrays)
+
+
+def _rollout_refs(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> list[RolloutRef]:
+    topics = _field(meta, "ref_topics", list)
+    positions = _array(arrays, "ref_positions", "int64", 2)
+    digests = _array(arrays, "ref_sha256", "uint8", 2)
+    if positions.shape[1:] != (2,) or digests.shape[1:] != (ROLLOUT_DIGEST_BYTES,) or not len(topics) == len(positions) == len(digests):
+        raise DecodeError(f"rollout references: {len(topics)} topics, positions {positions.shape}, sha256 {digests.shape} do not match")
+    return [
+        RolloutRef(t, int(p), int(o), bytes(d)) for t, (p, o), d in zip(topics, positions.tolist(), digests)
+    ]
 
 
 def _train_batch_from(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> TrainBatch:
@@ -351,13 +367,14 @@ def _train_batch_from(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Tr
     if offsets.shape[1:] != (3,) or len(topics) != len(offsets):
         raise DecodeError(f"source_offsets shape {offsets.shape} does not match {len(topics)} topics")
     rollout_ids = _field(meta, "rollout_ids", list)
+    by_reference = "ref_positions" in arrays
     return TrainBatch(
         batch_id=_field(meta, "batch_id", str),
         step=_field(meta, "step", int),
-        tokens=_array(arrays, "tokens", "uint32", 1),
-        loss_mask=_array(arrays, "loss_mask", "uint8", 1),
-        advantages=_array(arrays, "advantages", "float32", 1),
-        sampler_logprobs=_array(arrays, "sampler_logprobs", "float32", 1),
+        tokens=_array(arrays, "tokens", "uint32", 1, optional=by_reference),
+        loss_mask=_array(arrays, "loss_mask", "uint8", 1, optional=by_reference),
+        advantages=_array(arrays, "advantages", "float32", 1, optional=by_reference),
+        sampler_logprobs=_array(arrays, "sampler_logprobs", "float32", 1, optional=by_reference),
         cu_seqlens=_array(arrays, "cu_seqlens", "int32", 1),
         policy_versions=_array(arrays, "policy_versions", "int64", 1),
         rollout_ids=rollout_ids,
@@ -365,6 +382,8 @@ def _train_batch_from(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Tr
         routed_experts=_array(arrays, "routed_experts", "expert", 3, optional=True),
         created_at_us=_field(meta, "created_at_us", int, 0),
         advantage_estimator=_field(meta, "advantage_estimator", str, None),
+        rollout_refs=_rollout_refs(meta, arrays) if by_reference else [],
+        sequence_advantages=_array(arrays, "sequence_advantages", "float32", 1) if by_reference else None,
     )
 
 
