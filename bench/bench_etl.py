@@ -47,6 +47,7 @@ from kafka import KafkaConsumer
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from ember.midtrain.rl_batch import rl_batch_share  # noqa: E402  (torch: imported once, before the ranks fork)
 from ember.rollouts.admin import ensure_topics  # noqa: E402
 from ember.rollouts.config import kafka_bootstrap, parse_config  # noqa: E402
 from ember.rollouts.etl import prepare_topics  # noqa: E402
@@ -113,7 +114,6 @@ def make_group(rng: np.random.Generator, prefix: str, g: int):
 
 def rank_main(rank: int, ranks: int, prefix: str, expected: int, ready, results) -> None:
     """One trainer rank: every batch header, its own share as tensors; reports when each rollout was held."""
-    from ember.midtrain.rl_batch import rl_batch_share
     from ember.rollouts.reader import RolloutBatchReader, RolloutFetcher
     from ember.schemas import decode_train_batch
 
@@ -140,10 +140,10 @@ def rank_main(rank: int, ranks: int, prefix: str, expected: int, ready, results)
 
 
 class Trainer:
-    """The rank processes (spawned, so torch and Kafka clients are their own), ready before the ETL starts."""
+    """The rank processes (forked from this one, which holds no Kafka client then), ready before the ETL starts."""
 
     def __init__(self, prefix: str, ranks: int, expected: int):
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("fork")
         self.results = ctx.Queue()
         self.ready = [ctx.Event() for _ in range(ranks)]
         self.procs = [
