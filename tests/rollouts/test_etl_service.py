@@ -15,7 +15,8 @@ from ember.rollouts.stats import collect_stats, render_stats
 from ember.rollouts.topics import Topics, TopicSpec
 from ember.rollouts.admin import ensure_topics
 from ember.schemas import TRAIN_BATCH_SCHEMA
-from tests.rollouts.etl_support import check_books, etl_settings, publish_in_background, workload
+from ember.schemas import decode_train_batch
+from tests.rollouts.etl_support import check_books, etl_settings, publish_in_background, read_topic, workload
 
 pytestmark = pytest.mark.integration
 
@@ -130,6 +131,23 @@ def test_replay_rebuilds_batches_with_another_estimator(pipeline, tmp_path):
     assert work.complete_groups(REWARD_TIMEOUT_S) <= replayed
     assert len(replayed) == summary.rollouts
     assert set(live.batched) & replayed, "replay sees the same log"
+
+
+def test_replay_to_a_topic_writes_the_live_batches_references(pipeline):
+    """Batches are by reference: replay with the live settings names the same rollouts by the same
+    topic/partition/offset/sha256 and gives them the same advantages, for every batch both made."""
+    config, topics, _work, _service, _ = pipeline
+    live = {b.batch_id: b for b in (decode_train_batch(r.value) for r in read_topic(topics.train_batches))}
+    replayed_topic = f"{topics.prefix}.replayed"
+    ensure_topics(config.kafka.bootstrap, [TopicSpec(replayed_topic, 1)])
+    replay(config, parse_start("earliest"), to_topic=replayed_topic)
+    again = {b.batch_id: b for b in (decode_train_batch(r.value) for r in read_topic(replayed_topic))}
+    common = sorted(set(live) & set(again))
+    assert common and all(live[b].by_reference for b in common)
+    for batch_id in common:
+        assert again[batch_id].rollout_refs == live[batch_id].rollout_refs
+        assert again[batch_id].sequence_advantages.tobytes() == live[batch_id].sequence_advantages.tobytes()
+        assert again[batch_id].cu_seqlens.tobytes() == live[batch_id].cu_seqlens.tobytes()
 
 
 def test_topology_errors_are_explained(kafka):
