@@ -134,20 +134,27 @@ def test_replay_rebuilds_batches_with_another_estimator(pipeline, tmp_path):
 
 
 def test_replay_to_a_topic_writes_the_live_batches_references(pipeline):
-    """Batches are by reference: replay with the live settings names the same rollouts by the same
-    topic/partition/offset/sha256 and gives them the same advantages, for every batch both made."""
+    """Batches are by reference: replay with the live settings names each rollout both batched by the same
+    topic/partition/offset/sha256 and gives it the same advantage (the packing into batches follows the
+    log's clock, so batch boundaries may differ; what a trainer resolves per rollout does not)."""
     config, topics, _work, _service, _ = pipeline
-    live = {b.batch_id: b for b in (decode_train_batch(r.value) for r in read_topic(topics.train_batches))}
+
+    def per_rollout(topic: str) -> dict:
+        batches = [decode_train_batch(r.value) for r in read_topic(topic)]
+        assert batches and all(b.by_reference for b in batches)
+        return {
+            rid: (ref, float(advantage))
+            for b in batches
+            for rid, ref, advantage in zip(b.rollout_ids, b.rollout_refs, b.sequence_advantages)
+        }
+
     replayed_topic = f"{topics.prefix}.replayed"
     ensure_topics(config.kafka.bootstrap, [TopicSpec(replayed_topic, 1)])
     replay(config, parse_start("earliest"), to_topic=replayed_topic)
-    again = {b.batch_id: b for b in (decode_train_batch(r.value) for r in read_topic(replayed_topic))}
-    common = sorted(set(live) & set(again))
-    assert common and all(live[b].by_reference for b in common)
-    for batch_id in common:
-        assert again[batch_id].rollout_refs == live[batch_id].rollout_refs
-        assert again[batch_id].sequence_advantages.tobytes() == live[batch_id].sequence_advantages.tobytes()
-        assert again[batch_id].cu_seqlens.tobytes() == live[batch_id].cu_seqlens.tobytes()
+    live, again = per_rollout(topics.train_batches), per_rollout(replayed_topic)
+    common = set(live) & set(again)
+    assert len(common) >= len(live) // 2, "replay batches what the live ETL batched"
+    assert {rid: again[rid] for rid in common} == {rid: live[rid] for rid in common}
 
 
 def test_topology_errors_are_explained(kafka):
