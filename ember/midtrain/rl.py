@@ -2,6 +2,8 @@
 
 Batches come from `<prefix>.train-batches` through `RolloutBatchReader` (read_committed only, on rank
 0; with several ranks each decodes only its share of a batch); after each step the reader commits.
+The ETL's batches are by reference: every rank fetches its own share's rollouts from the rollouts
+topic (`RolloutFetcher`), so no rank downloads the others' routed experts.
 Policy versions are announced on the policy-versions topic once their checkpoint is exported (URI +
 sha256 in the record, see `rl_trainer.run_rl` for which versions).
 Each batch carries the reader position it leaves behind, the trainer checkpoints it, and a restart
@@ -102,12 +104,17 @@ class KafkaTransport:
 def run(config: RLConfig, stop: StopRequest) -> int:
     from ember.midtrain.rl_trainer import RLTrainer, run_rl  # megatron: after main's checks and warning filters
 
+    from ember.rollouts.config import kafka_bootstrap
+    from ember.rollouts.reader import RolloutFetcher
+
     trainer = RLTrainer(config)
     transport = KafkaTransport(config, trainer.data_position) if trainer.rank == 0 else None
+    fetcher = RolloutFetcher(bootstrap=config.rollouts.bootstrap or kafka_bootstrap(), security=config.rollouts.security)
     try:
-        batches = trainer.rank_batches(transport.messages() if transport else None, stop)
+        batches = trainer.rank_batches(transport.messages() if transport else None, stop, fetcher.rollouts)
         run_rl(trainer, batches, transport, stop)
     finally:
+        fetcher.close()
         if transport:
             transport.close()
     trainer.close()

@@ -6,7 +6,9 @@ a list in the tests and benchmarks) turns each schema `TrainBatch` into an `RLBa
 With several data-parallel ranks each rank trains a contiguous share of a batch's rollouts:
 `share_bounds` cuts the batch where its token count is closest to an equal split, from `cu_seqlens`
 alone, and `rl_batch_share` decodes only that share of an encoded message (the codec's arrays are
-zero-copy views, so the other ranks' tokens and routed experts are never copied or checked here).
+zero-copy views, so the other ranks' tokens and routed experts are never copied or checked here). A
+by-reference batch (what the ETL writes) carries no tokens at all: each rank fetches only its share's
+rollouts (`fetch`, a `RolloutFetcher.rollouts` in `midtrain rl`), never the others'.
 `packed_seq_params` describes its packed row to Transformer Engine's THD attention, `attention_inputs`
 picks that or the dense mask for the attention a model was built with.
 """
@@ -15,15 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from ember.midtrain.rl_math import block_diagonal_causal_mask
-from ember.rollouts.batching import position_ids
-from ember.schemas import DecodeError, TrainBatch
+from ember.rollouts.batching import position_ids, reference_share, resolve_train_batch
+from ember.schemas import DecodeError, Rollout, RolloutRef, TrainBatch
 from ember.schemas.codec import decode
 
 if TYPE_CHECKING:
@@ -99,8 +101,12 @@ def share_bounds(cu_seqlens: np.ndarray, ranks: int) -> np.ndarray:
 def _header_problems(batch: TrainBatch) -> list[str]:
     """What a share cannot check about the whole batch: array lengths, cu_seqlens, unique rollout ids
     (sizes and the small per-sequence arrays only; no per-token contents are read)."""
-    n, cu = len(batch.tokens), batch.cu_seqlens
-    problems = [f"{name} has {len(getattr(batch, name))} entries for {n} tokens" for name in _TOKEN_ARRAYS[1:] if len(getattr(batch, name)) != n]
+    if batch.by_reference:
+        n, cu = batch.num_tokens, batch.cu_seqlens
+        problems = [] if len(batch.rollout_refs) == batch.num_sequences else [f"{len(batch.rollout_refs)} rollout references for {batch.num_sequences} rollout ids"]
+    else:
+        n, cu = len(batch.tokens), batch.cu_seqlens
+        problems = [f"{name} has {len(getattr(batch, name))} entries for {n} tokens" for name in _TOKEN_ARRAYS[1:] if len(getattr(batch, name)) != n]
     if batch.routed_experts is not None and (batch.routed_experts.ndim != 3 or len(batch.routed_experts) != n):
         problems.append(f"routed_experts shape {batch.routed_experts.shape} must be [{n}, layers, top_k]")
     if len(cu) != batch.num_sequences + 1 or len(batch.policy_versions) != batch.num_sequences:
@@ -112,11 +118,15 @@ def _header_problems(batch: TrainBatch) -> list[str]:
     return problems
 
 
+RolloutSource = Callable[[Sequence[RolloutRef]], list[Rollout]]
+
+
 def rl_batch_share(
     message: bytes | bytearray | memoryview, rank: int, ranks: int, *, offset: int | None = None,
-    position: dict[str, Any] | None = None,
+    position: dict[str, Any] | None = None, fetch: RolloutSource | None = None,
 ) -> RLBatch:
-    """This rank's share (`share_bounds`) of an encoded TrainBatch, decoded and validated alone.
+    """This rank's share (`share_bounds`) of an encoded TrainBatch, decoded and validated alone; for a
+    by-reference batch, `fetch` reads this share's rollouts only.
 
     Raises DecodeError naming the batch when the message is not a well-formed TrainBatch or the share is invalid."""
     batch = decode(message, validate=False)  # structure only; arrays stay views of the message
@@ -127,6 +137,8 @@ def rl_batch_share(
         raise DecodeError(f"invalid TrainBatch {batch.batch_id}: " + "; ".join(problems))
     bounds = share_bounds(batch.cu_seqlens, ranks)
     first, last = int(bounds[rank]), int(bounds[rank + 1])
+    if batch.by_reference:
+        return rl_batch(_resolved_share(batch, first, last, fetch), offset=offset, position=position)
     start, end = int(batch.cu_seqlens[first]), int(batch.cu_seqlens[last])
     share = TrainBatch(
         batch_id=batch.batch_id,
@@ -144,6 +156,17 @@ def rl_batch_share(
     except ValueError as exc:
         raise DecodeError(f"rollouts {first}..{last - 1} of batch {batch.batch_id}: {exc}") from None
     return rl_batch(share, offset=offset, position=position)
+
+
+def _resolved_share(batch: TrainBatch, first: int, last: int, fetch: RolloutSource | None) -> TrainBatch:
+    if fetch is None:
+        raise DecodeError(f"batch {batch.batch_id} is by reference: this trainer has no rollout source to fetch its rollouts")
+    share = reference_share(batch, first, last)
+    try:
+        share.validate()
+    except ValueError as exc:
+        raise DecodeError(f"rollouts {first}..{last - 1} of batch {batch.batch_id}: {exc}") from None
+    return resolve_train_batch(share, fetch(share.rollout_refs))
 
 
 def rl_batch(batch: TrainBatch, *, offset: int | None = None, position: dict[str, Any] | None = None) -> RLBatch:

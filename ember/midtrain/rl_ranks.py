@@ -4,7 +4,8 @@ Why rank 0 alone reads: the ranks must train the same batch at every step and st
 one reader hands out the next message (and the transport position it leaves behind), so the order
 cannot differ between ranks and only one process commits the read position. What travels to the
 other ranks is the encoded message; each decodes the rollouts `share_bounds` gives its data-parallel
-rank (`rl_batch_share`), never the others' tokens or routed experts.
+rank (`rl_batch_share`), never the others' tokens or routed experts. A by-reference batch (what the
+ETL writes) is a few hundred bytes: each rank fetches its own share's rollouts from Kafka (`fetch`).
 
 Every poll round is one all-reduce on a gloo group: a stop signal on any rank ends the batches on all
 of them at the same round, and an idle trainer still talks to its peers at each poll, so an idle wait
@@ -19,7 +20,7 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from ember.midtrain.rl_batch import RLBatch, rl_batch_share
+from ember.midtrain.rl_batch import RLBatch, RolloutSource, rl_batch_share
 from ember.midtrain.runtime import StopRequest
 
 _NOTHING, _BATCH, _END = 0, 1, 2
@@ -38,7 +39,10 @@ class RankBatches:
     """Iterates this rank's share of each batch. `messages` (rank 0 only; ignored elsewhere) yields a
     BatchMessage, or None when nothing arrived within one poll; it ends to end the batches."""
 
-    def __init__(self, messages: Iterable[BatchMessage | None] | None, stop: StopRequest, group: Any, dp_rank: int, dp_size: int):
+    def __init__(
+        self, messages: Iterable[BatchMessage | None] | None, stop: StopRequest, group: Any, dp_rank: int, dp_size: int,
+        fetch: RolloutSource | None = None,
+    ):
         self.rank = dist.get_rank()
         if self.rank == 0 and messages is None:
             raise ValueError("rank 0 reads the batches: give it the message source")
@@ -46,6 +50,7 @@ class RankBatches:
         self.stop = stop
         self.group = group
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.fetch = fetch  # every rank reads its own share's rollouts of a by-reference batch
 
     def __iter__(self) -> Iterator[RLBatch]:
         while True:
@@ -64,7 +69,9 @@ class RankBatches:
             box = [message if self.rank == 0 else None]
             dist.broadcast_object_list(box, src=0, group=self.group)
             read = box[0]
-            yield rl_batch_share(read.value, self.dp_rank, self.dp_size, offset=read.offset, position=read.position)
+            yield rl_batch_share(
+                read.value, self.dp_rank, self.dp_size, offset=read.offset, position=read.position, fetch=self.fetch
+            )
 
     def _next_message(self) -> BatchMessage | None | bool:
         """Rank 0: the next message, None (nothing this poll) or False (the source ended); others: None."""

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from ember.midtrain import rl_math, runtime
 from ember.midtrain.model import moe_routers, packed_attention
-from ember.midtrain.rl_batch import RLBatch, attention_inputs
+from ember.midtrain.rl_batch import RLBatch, RolloutSource, attention_inputs
 from ember.midtrain.rl_config import RLConfig, RLSettings
 from ember.midtrain.rl_ranks import BatchMessage, RankBatches
 from ember.midtrain.runtime import MetricsLog, StopRequest
@@ -157,9 +157,12 @@ class RLTrainer:
         elif config.init_checkpoint is not None:
             checkpoint.load_model_weights(config.init_checkpoint, self.model)
 
-    def rank_batches(self, messages: Iterable[BatchMessage | None] | None, stop: StopRequest) -> RankBatches:
-        """This rank's share of each batch `messages` (read on rank 0 only) delivers."""
-        return RankBatches(messages, stop, self.control, self.dp_rank, self.dp_size)
+    def rank_batches(
+        self, messages: Iterable[BatchMessage | None] | None, stop: StopRequest, fetch: RolloutSource | None = None
+    ) -> RankBatches:
+        """This rank's share of each batch `messages` (read on rank 0 only) delivers; `fetch` reads this
+        rank's rollouts of a by-reference batch."""
+        return RankBatches(messages, stop, self.control, self.dp_rank, self.dp_size, fetch)
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank when `flag` is true on any (a stop request must end the same step everywhere)."""

@@ -10,7 +10,8 @@ so those are not listed. No role gets CREATE: topics are created by the admin (a
 - etl: reads rollouts, rewards, policy-versions; writes train-batches, dead-letter, outcomes (its
   ledger, which it also reads for `ember rollouts stats`) and etl-state (which it reads back on
   recovery); owns its consumer group and the transactional ids `<group>-<instance>` it commits with.
-- trainer: reads train-batches with its group; writes policy-versions.
+- trainer: reads train-batches with its group, and rollouts (by assign, no group: the batches are by
+  reference, every trainer rank fetches its share's rollouts); writes policy-versions.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def role_bindings(
         ("etl", "WRITE", "TRANSACTIONAL_ID", f"{etl_group}-", "PREFIXED"),
         ("etl", "DESCRIBE", "TRANSACTIONAL_ID", f"{etl_group}-", "PREFIXED"),
         ("trainer", "READ", "TOPIC", topics.train_batches, "LITERAL"),
+        ("trainer", "READ", "TOPIC", topics.rollouts, "LITERAL"),
         ("trainer", "READ", "GROUP", trainer_group, "LITERAL"),
         ("trainer", "WRITE", "TOPIC", topics.policy_versions, "LITERAL"),
     ]

@@ -7,6 +7,8 @@ import time
 
 from kafka.admin import (
     ACL,
+    ConfigResource,
+    ConfigResourceType,
     ACLFilter,
     ACLOperation,
     ACLPermissionType,
@@ -234,3 +236,17 @@ def apply_acls(bootstrap: str, bindings: list[Binding], security: KafkaSecurity 
         return {b: ("created" if b in missing else "exists") for b in bindings}
     finally:
         admin.close()
+
+
+def topic_configs(bootstrap: str, names: list[str], security: KafkaSecurity | None = None) -> dict[str, dict[str, str]]:
+    """Each topic's effective configs (defaults included), as strings by key."""
+    admin = _admin(bootstrap, security)
+    try:
+        found = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, n, configs=None) for n in names], config_filter="all")
+    finally:
+        admin.close()
+    return {
+        name: {key: (entry.get("value") if isinstance(entry, dict) else entry) for key, entry in configs.items()}
+        for by_name in found.values()
+        for name, configs in by_name.items()
+    }

@@ -3,18 +3,23 @@
 Groups are the packing unit so a GRPO group reaches the trainer in one step and so all of a group's
 batches are committed in one Kafka transaction (crash safety depends on it). Only a group larger
 than the budget is split, into consecutive batches built together.
+
+Rollouts that come with a `RolloutRef` (where the ETL read them) make a by-reference batch (claim
+check): what the ETL decided plus the references, never a second copy of tokens and routed experts.
+`resolve_train_batch` turns it (or a `reference_share` of it) back into the inline form from the
+referenced rollouts, checking they are the ones the batch was built from.
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Hashable, Mapping, Sequence
 
 import numpy as np
 
 from ember.rollouts.advantages import token_advantages
-from ember.schemas import Rollout, SourceOffset, TrainBatch
+from ember.schemas import DecodeError, Rollout, RolloutRef, SourceOffset, TrainBatch, decode
 
 
 @dataclass(frozen=True)
@@ -23,6 +28,7 @@ class ScoredRollout:
 
     rollout: Rollout
     advantage: float
+    ref: RolloutRef | None = None  # where the rollout was read: set, the batch goes by reference
 
 
 def expert_signature(rollout: Rollout) -> tuple | None:
@@ -117,10 +123,28 @@ def build_train_batch(
     lengths = np.array([r.num_tokens for r in rollouts], dtype=np.int64)
     cu_seqlens = np.zeros(len(rollouts) + 1, dtype=np.int32)
     np.cumsum(lengths, out=cu_seqlens[1:])
+    ids = [r.rollout_id for r in rollouts]
+    refs = [s.ref for s in sequences]
+    if all(ref is not None for ref in refs):
+        return TrainBatch(
+            batch_id=batch_id_for(ids),
+            step=step,
+            tokens=None,
+            loss_mask=None,
+            advantages=None,
+            sampler_logprobs=None,
+            cu_seqlens=cu_seqlens,
+            policy_versions=np.array([r.policy_version for r in rollouts], dtype=np.int64),
+            rollout_ids=ids,
+            source_offsets=source_offsets,
+            created_at_us=created_at_us,
+            advantage_estimator=advantage_estimator,
+            rollout_refs=refs,
+            sequence_advantages=np.array([s.advantage for s in sequences], dtype=np.float32),
+        )
     experts = None
     if signatures != {None}:
         experts = np.concatenate([r.routed_experts for r in rollouts])
-    ids = [r.rollout_id for r in rollouts]
     return TrainBatch(
         batch_id=batch_id_for(ids),
         step=step,
@@ -135,6 +159,97 @@ def build_train_batch(
         routed_experts=experts,
         created_at_us=created_at_us,
         advantage_estimator=advantage_estimator,
+    )
+
+
+def reference_share(batch: TrainBatch, first: int, last: int) -> TrainBatch:
+    """Rollouts [first, last) of a by-reference batch, as a by-reference batch of their own (cu_seqlens rebased)."""
+    if not batch.by_reference:
+        raise ValueError(f"batch {batch.batch_id} is inline, not by reference")
+    if not 0 <= first < last <= batch.num_sequences:
+        raise ValueError(f"rollouts [{first}, {last}) outside batch {batch.batch_id} of {batch.num_sequences}")
+    cu = batch.cu_seqlens
+    return TrainBatch(
+        batch_id=batch.batch_id,
+        step=batch.step,
+        tokens=None,
+        loss_mask=None,
+        advantages=None,
+        sampler_logprobs=None,
+        cu_seqlens=(cu[first : last + 1] - cu[first]).astype(np.int32),
+        policy_versions=batch.policy_versions[first:last],
+        rollout_ids=batch.rollout_ids[first:last],
+        source_offsets=batch.source_offsets,
+        created_at_us=batch.created_at_us,
+        advantage_estimator=batch.advantage_estimator,
+        rollout_refs=batch.rollout_refs[first:last],
+        sequence_advantages=batch.sequence_advantages[first:last],
+    )
+
+
+class MissingRollout(DecodeError):
+    """A batch references a rollout that is not there any more, or not the bytes the ETL decided on."""
+
+
+def referenced_rollout(ref: RolloutRef, value: bytes | None) -> Rollout:
+    """The rollout in the message a reference names; MissingRollout unless its bytes hash to the reference.
+
+    Decoded without the schema checks: the sha256 proves these are the very bytes the ETL validated."""
+    if value is None:
+        raise MissingRollout(f"rollout {ref} is not in the log")
+    if hashlib.sha256(value).digest() != ref.sha256:
+        raise MissingRollout(
+            f"rollout {ref}: the message there is not the one the batch was built from (sha256 differs; "
+            "was the rollouts topic deleted and recreated?)"
+        )
+    record = decode(value, validate=False)
+    if not isinstance(record, Rollout):
+        raise MissingRollout(f"rollout {ref}: the message is a {type(record).__name__}, not a Rollout")
+    return record
+
+
+def resolve_from_log(batch: TrainBatch, values: Mapping[tuple[str, int, int], bytes]) -> TrainBatch:
+    """A by-reference batch resolved from messages already in memory, keyed (topic, partition, offset)."""
+    if not batch.by_reference:
+        return batch
+    rollouts = [referenced_rollout(r, values.get((r.topic, r.partition, r.offset))) for r in batch.rollout_refs]
+    return resolve_train_batch(batch, rollouts)
+
+
+def resolve_train_batch(batch: TrainBatch, rollouts: Sequence[Rollout]) -> TrainBatch:
+    """The inline batch a by-reference batch stands for, from its rollouts in reference order.
+
+    Raises DecodeError naming the reference when a rollout is not the one the batch was built from
+    (id, length or policy version differ); the bytes themselves are checked by sha256 where they are read."""
+    if len(rollouts) != batch.num_sequences:
+        raise DecodeError(f"batch {batch.batch_id}: {len(rollouts)} rollouts for {batch.num_sequences} references")
+    lengths = np.diff(batch.cu_seqlens)
+    for i, (ref, rollout) in enumerate(zip(batch.rollout_refs, rollouts)):
+        expected = (batch.rollout_ids[i], int(lengths[i]), int(batch.policy_versions[i]))
+        found = (rollout.rollout_id, rollout.num_tokens, int(rollout.policy_version))
+        if found != expected:
+            raise DecodeError(
+                f"batch {batch.batch_id}: {ref} holds rollout (id, tokens, policy version) {found}, the batch expects {expected}"
+            )
+    signatures = {expert_signature(r) for r in rollouts}
+    if len(signatures) != 1:
+        raise DecodeError(f"batch {batch.batch_id}: referenced rollouts have different routed-expert layouts {signatures}")
+    return TrainBatch(
+        batch_id=batch.batch_id,
+        step=batch.step,
+        tokens=np.concatenate([r.tokens for r in rollouts]),
+        loss_mask=np.concatenate([r.loss_mask for r in rollouts]),
+        advantages=np.concatenate(
+            [token_advantages(float(a), r.loss_mask) for a, r in zip(batch.sequence_advantages, rollouts)]
+        ),
+        sampler_logprobs=np.concatenate([r.sampler_logprobs for r in rollouts]),
+        cu_seqlens=batch.cu_seqlens,
+        policy_versions=batch.policy_versions,
+        rollout_ids=list(batch.rollout_ids),
+        source_offsets=batch.source_offsets,
+        routed_experts=None if signatures == {None} else np.concatenate([r.routed_experts for r in rollouts]),
+        created_at_us=batch.created_at_us,
+        advantage_estimator=batch.advantage_estimator,
     )
 
 

@@ -12,6 +12,7 @@ a crash can always rebuild the whole group from uncommitted input.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import logging
 import math
@@ -37,7 +38,7 @@ from ember.rollouts.batching import (
 from ember.rollouts.config import EtlConfig, TruncatedPolicy
 from ember.rollouts.records import ClosedGroup, Outcome, Reason, ShardSnapshot, offsets_to_ranges, ranges_to_offsets
 from ember.rollouts.topics import Topics
-from ember.schemas import DecodeError, Reward, Rollout, SourceOffset, TrainBatch, decode
+from ember.schemas import DecodeError, Reward, Rollout, RolloutRef, SourceOffset, TrainBatch, decode
 from ember.schemas.errors import InvalidRecord
 
 ROLLOUTS, REWARDS = "rollouts", "rewards"
@@ -96,6 +97,7 @@ class _Member:
     rollout: Rollout
     offset: int
     timestamp_ms: int
+    ref: RolloutRef  # where its batch will say it lives (the trainer reads it there)
     rewards: dict[str, _RewardHold] = field(default_factory=dict)
 
 
@@ -335,7 +337,8 @@ class ShardEngine:
                 self._rollout_outcome(Reason.GROUP_OVERFLOW, rollout, message.offset, now_ms, size=self.config.groups.size)
             )
             return
-        member = _Member(rollout, message.offset, message.timestamp_ms)
+        digest = hashlib.sha256(message.value or b"").digest()
+        member = _Member(rollout, message.offset, message.timestamp_ms, RolloutRef(message.topic, message.partition, message.offset, digest))
         group.members[rollout.rollout_id] = member
         self._owners[rollout.rollout_id] = rollout.group_id
         self.held[ROLLOUTS].add(message.offset)
@@ -560,7 +563,7 @@ class ShardEngine:
                 ("staleness_versions", float(lag)),
                 ("staleness_seconds", age_s),
             ]
-        return [ScoredRollout(m.rollout, float(a)) for (m, _), a in zip(valid, advantages)]
+        return [ScoredRollout(m.rollout, float(a), m.ref) for (m, _), a in zip(valid, advantages)]
 
     def _close(self, finished: _Finished, now_ms: int) -> None:
         self._out.outcomes.extend(finished.outcomes)
@@ -640,7 +643,7 @@ class ShardEngine:
             Reason.BATCHED,
             self.shard,
             now_ms,
-            tokens=int(len(batch.tokens)),
+            tokens=batch.num_tokens,
             detail={
                 "batch_id": batch.batch_id,
                 "step": batch.step,

@@ -39,8 +39,8 @@ from ember.rollouts.log_clock import LogClock
 from ember.rollouts.metrics import EtlMetrics
 from ember.rollouts.records import ClosedGroup, PolicyVersion, Reason, ShardSnapshot
 from ember.rollouts.security import KafkaSecurity
-from ember.rollouts.topics import Topics
-from ember.rollouts.admin import READY_TIMEOUT_S, BrokerNotReady, describe_topics, ensure_topics, list_topics, wait_until_ready
+from ember.rollouts.topics import Topics, reference_retention_problem
+from ember.rollouts.admin import READY_TIMEOUT_S, BrokerNotReady, describe_topics, ensure_topics, list_topics, topic_configs, wait_until_ready
 from ember.rollouts.transport import consumer_config, producer_config
 from ember.schemas import encode
 
@@ -86,6 +86,7 @@ def prepare_topics(config: EtlConfig, *, create: bool | None = None) -> Topics:
             f"{topics.rollouts} has {rollouts} partitions but {topics.rewards} has {rewards}: a group's rollouts "
             "and rewards must share a partition index; give both topics the same partition count"
         )
+    _check_reference_retention(config)
     ensure_topics(kafka.bootstrap, [replace(state, partitions=rollouts)], kafka.security)
     (row,) = describe_topics(kafka.bootstrap, [topics.etl_state], kafka.security)
     if int(row["partitions"]) < rollouts:
@@ -94,6 +95,25 @@ def prepare_topics(config: EtlConfig, *, create: bool | None = None) -> Topics:
             "add partitions to the state topic before running the ETL"
         )
     return topics
+
+
+def _check_reference_retention(config: EtlConfig) -> None:
+    """Refuse topics where batches could outlive the rollouts they reference; warn when this principal
+    may not read the topics' configs (DESCRIBE_CONFIGS), so the check is the operator's."""
+    kafka, topics = config.kafka, config.kafka.topics
+    try:
+        configs = topic_configs(kafka.bootstrap, [topics.rollouts, topics.train_batches], kafka.security)
+        if not {topics.rollouts, topics.train_batches} <= set(configs):
+            raise AuthorizationError(f"configs returned for {sorted(configs)} only")
+    except (AuthorizationError, KafkaError) as exc:
+        log.warning(
+            "cannot read the retention of %s and %s as %s (%r): make sure the rollouts topic is retained at least as "
+            "long as train-batches, whose batches reference it", topics.rollouts, topics.train_batches, kafka.security.describe(), exc,
+        )
+        return
+    problem = reference_retention_problem(configs[topics.rollouts], configs[topics.train_batches])
+    if problem:
+        raise TopologyError(f"{topics.rollouts}: {problem}")
 
 
 class PolicyWatcher:
@@ -633,10 +653,10 @@ class EtlService:
         for emitted in output.batches:
             t.batches += 1
             t.rollouts += emitted.batch.num_sequences
-            t.tokens += len(emitted.batch.tokens)
+            t.tokens += emitted.batch.num_tokens
             m.batches.inc()
             m.batch_rollouts.inc(emitted.batch.num_sequences)
-            m.batch_tokens.inc(len(emitted.batch.tokens))
+            m.batch_tokens.inc(emitted.batch.num_tokens)
             m.batch_latency.observe(max(0.0, now_ms - emitted.last_reward_ms) / 1e3)
         for outcome in output.outcomes:
             reason = Reason(outcome.reason).value  # a closed set: never message content in a label

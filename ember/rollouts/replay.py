@@ -5,7 +5,9 @@ the log's own clock (message timestamps), with the policy version that was curre
 timestamp, so timeouts and staleness behave as they did live. Groups still open at the end of the
 range are decided as if their deadlines had passed. Output goes to a topic or a directory
 (`batches.arrow` with TRAIN_BATCH_SCHEMA rows, `outcomes.jsonl`, `summary.json`); the live ETL's
-state, offsets and outputs are never touched.
+state, offsets and outputs are never touched. Batches to a topic are by reference, like the live
+ETL's (the references are the input's own offsets and sha256, so they are the same bytes); batches to
+a directory are resolved from the messages read, so the directory stands alone.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
+from ember.rollouts.batching import resolve_from_log
 from ember.rollouts.config import EtlConfig
 from ember.rollouts.engine import REWARDS, ROLLOUTS, InputMessage, ShardEngine, ShardOutput, input_topics
 from ember.rollouts.records import PolicyVersion
@@ -191,7 +194,8 @@ def replay(config: EtlConfig, start: ReplayStart, *, to_topic: str | None = None
             engine.flush_all(now, policy.at(now))
             output, _snapshot, _marks = engine.checkpoint("replay")
             summary.messages += len(messages)
-            _collect(output, summary, batches, outcome_lines, producer, to_topic)
+            values = {(m.topic, m.partition, m.offset): m.value for m in messages} if to_dir is not None else {}
+            _collect(output, summary, batches, outcome_lines, producer, to_topic, values)
         if producer is not None:
             producer.flush()
     finally:
@@ -215,16 +219,16 @@ def _start_offsets(consumer: KafkaConsumer, start: ReplayStart, tps: dict[str, T
     }
 
 
-def _collect(output: ShardOutput, summary: ReplaySummary, batches: list, outcome_lines: list, producer, to_topic) -> None:
+def _collect(output: ShardOutput, summary: ReplaySummary, batches: list, outcome_lines: list, producer, to_topic, values: dict) -> None:
     for emitted in output.batches:
         batch = emitted.batch
         summary.batches += 1
         summary.rollouts += batch.num_sequences
-        summary.tokens += len(batch.tokens)
+        summary.tokens += batch.num_tokens
         if producer is not None:
             producer.send(to_topic, key=batch.batch_id.encode(), value=encode(batch))
         else:
-            batches.append(batch)
+            batches.append(resolve_from_log(batch, values))
     for outcome in output.outcomes:
         summary.outcomes[(outcome.kind, outcome.reason)] += 1
         outcome_lines.append(outcome.encode().decode())

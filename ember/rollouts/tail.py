@@ -62,13 +62,16 @@ def _reward(r: Reward) -> str:
 
 
 def _batch(b: TrainBatch) -> str:
-    mask = np.asarray(b.loss_mask, dtype=bool)
-    advantages = np.asarray(b.advantages)[mask] if mask.any() else np.asarray([0.0])
+    if b.by_reference:
+        advantages = b.sequence_advantages if b.num_sequences else np.asarray([0.0])
+    else:
+        mask = np.asarray(b.loss_mask, dtype=bool)
+        advantages = np.asarray(b.advantages)[mask] if mask.any() else np.asarray([0.0])
     versions = np.asarray(b.policy_versions)
     low, high = (int(versions.min()), int(versions.max())) if versions.size else (0, 0)
     groups = len({rid.rsplit("-", 1)[0] for rid in b.rollout_ids})
     return (
-        f"batch {_short(b.batch_id, 20)} step {b.step} {b.num_sequences} rollouts ~{groups} groups {len(b.tokens)} tokens "
+        f"batch {_short(b.batch_id, 20)} step {b.step} {b.num_sequences} rollouts ~{groups} groups {b.num_tokens} tokens "
         f"v{low}-{high} adv {advantages.min():.2f}..{advantages.max():.2f}"
     )
 

@@ -30,6 +30,30 @@ class TopicSpec:
         }
 
 
+def reference_retention_problem(rollouts: dict[str, str], train_batches: dict[str, str]) -> str | None:
+    """Why the rollouts topic may lose rollouts that train batches still reference, or None.
+
+    Batches carry references to their rollouts (claim check), so a batch outlives its rollouts when the
+    rollouts topic's `retention.ms` is shorter than the train-batches topic's, or when `retention.bytes`
+    can delete rollouts early (its age bound is then no promise). Arguments: each topic's configs."""
+    def ms(configs: dict[str, str]) -> float:
+        value = int(configs.get("retention.ms", "-1"))
+        return float("inf") if value < 0 else float(value)
+
+    if ms(rollouts) < ms(train_batches):
+        return (
+            f"the rollouts topic keeps data {rollouts.get('retention.ms')} ms but train-batches "
+            f"{train_batches.get('retention.ms')} ms: a batch would outlive the rollouts it references; "
+            "set the rollouts topic's retention.ms at least as long (kafka-configs --alter --add-config retention.ms=...)"
+        )
+    if int(rollouts.get("retention.bytes", "-1")) >= 0:
+        return (
+            f"the rollouts topic has retention.bytes {rollouts['retention.bytes']}: size-based deletion can drop "
+            "rollouts that committed batches still reference; set retention.bytes=-1 and bound it by retention.ms"
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class Topics:
     """The names of one deployment's topics: `<prefix>.rollouts`, `<prefix>.rewards`, ..."""
@@ -70,6 +94,8 @@ class Topics:
         Rollouts and rewards share a partition count so a group's rollouts and rewards co-partition.
         `etl-state` has one partition per rollouts partition (the ETL's crash-recovery snapshots) and
         `outcomes` is the ETL's ledger: one record per batch, per dropped rollout or reward, per dead letter.
+        Batches reference their rollouts, so the rollouts topic is kept at least as long as train-batches
+        (`reference_retention_problem`).
         """
         month = 30 * 24 * 3600 * 1000
         return {

@@ -37,7 +37,9 @@ from ember.schemas.rollouts import (
     ROLLOUT_SCHEMA_VERSION,
     TRAIN_BATCH_SCHEMA_VERSION,
     Reward,
+    ROLLOUT_DIGEST_BYTES,
     Rollout,
+    RolloutRef,
     SourceOffset,
     TrainBatch,
     Turn,
@@ -200,8 +202,34 @@ class _Offsets:
         return [SourceOffset(*row) for row in zip(*(child.to_pylist() for child in children))]
 
 
+_REF = pa.struct(
+    [("topic", pa.string()), ("partition", pa.int32()), ("offset", pa.int64()), ("sha256", pa.binary(ROLLOUT_DIGEST_BYTES))]
+)
+
+
+class _Refs:
+    """A by-reference TrainBatch's rollouts: where each message lives and the sha256 of its value."""
+
+    expected = f"list<{_REF}>"
+
+    def accepts(self, arrow_type: pa.DataType) -> bool:
+        return pa.types.is_list(arrow_type) and arrow_type.value_type == _REF
+
+    def to_arrow(self, value: Any) -> pa.Array:
+        rows = [{"topic": r.topic, "partition": r.partition, "offset": r.offset, "sha256": r.sha256} for r in value]
+        return pa.array([rows], pa.list_(_REF))
+
+    def from_arrow(self, array: pa.Array) -> list[RolloutRef]:
+        structs = _row_values(array)
+        _no_nulls(structs, "its entries")
+        children = structs.flatten()
+        for child, name in zip(children, _REF.names):
+            _no_nulls(child, f"its {name}s")
+        return [RolloutRef(*row) for row in zip(*(child.to_pylist() for child in children))]
+
+
 # How one field travels: `accepts` its Arrow type, `to_arrow` makes a one-row array, `from_arrow` reads it back.
-_Kind = _Scalar | _Numbers | _Experts | _Strings | _Offsets
+_Kind = _Scalar | _Numbers | _Experts | _Strings | _Offsets | _Refs
 _STRING, _INT64 = _Scalar(pa.string()), _Scalar(pa.int64())
 
 
@@ -312,18 +340,22 @@ _LAYOUTS: dict[str, _Layout] = {
                 Column("batch_id", _STRING),
                 Column("step", _INT64),
                 Column("created_at_us", _INT64, default=0),
-                Column("tokens", _Numbers(np.dtype("<u4"))),
-                Column("loss_mask", _Numbers(np.dtype("<u1"))),
-                Column("advantages", _Numbers(np.dtype("<f4"))),
-                Column("sampler_logprobs", _Numbers(np.dtype("<f4"))),
+                # Inline batches carry the per-token arrays; by-reference ones (TrainBatch.by_reference)
+                # carry rollout_refs and sequence_advantages instead.
+                Column("tokens", _Numbers(np.dtype("<u4")), default=None),
+                Column("loss_mask", _Numbers(np.dtype("<u1")), default=None),
+                Column("advantages", _Numbers(np.dtype("<f4")), default=None),
+                Column("sampler_logprobs", _Numbers(np.dtype("<f4")), default=None),
                 Column("cu_seqlens", _Numbers(np.dtype("<i4"))),
                 Column("policy_versions", _Numbers(np.dtype("<i8"))),
                 Column("rollout_ids", _Strings()),
                 Column("source_offsets", _Offsets()),
                 Column("routed_experts", _Experts(), default=None),
                 Column("advantage_estimator", _STRING, default=None),
+                Column("rollout_refs", _Refs(), default=None, get=lambda b: b.rollout_refs or None),
+                Column("sequence_advantages", _Numbers(np.dtype("<f4")), default=None),
             ),
-            lambda values: TrainBatch(**values),
+            lambda values: TrainBatch(**{**values, "rollout_refs": values["rollout_refs"] or []}),
         ),
     )
 }

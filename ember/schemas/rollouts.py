@@ -177,14 +177,41 @@ class SourceOffset:
     end: int
 
 
+ROLLOUT_DIGEST_BYTES = 32  # sha256 of a rollout message's value
+
+
+@dataclass(frozen=True)
+class RolloutRef:
+    """Where a batch's rollout lives: the message at `topic[partition]@offset` whose value hashes to `sha256`.
+
+    A claim-check TrainBatch carries these instead of the rollouts' tokens and routed experts; the trainer's
+    reader fetches the messages and refuses one whose bytes are not the ones the ETL decided on."""
+
+    topic: str
+    partition: int
+    offset: int
+    sha256: bytes
+
+    def __str__(self) -> str:
+        return f"{self.topic}[{self.partition}]@{self.offset}"
+
+
 @dataclass
 class TrainBatch:
+    """One packed training batch. Two forms on the wire:
+
+    - inline: the per-token arrays (tokens, loss_mask, advantages, sampler_logprobs, routed_experts) in the record;
+    - by reference (what the ETL writes): `rollout_refs` and per-sequence `sequence_advantages` instead of
+      the per-token arrays (all None), so the rollouts' bytes cross the broker only on their way in and
+      out; `ember.rollouts.batching.resolve_train_batch` rebuilds the inline form from the rollouts.
+    """
+
     batch_id: str
     step: int
-    tokens: np.ndarray
-    loss_mask: np.ndarray
-    advantages: np.ndarray
-    sampler_logprobs: np.ndarray
+    tokens: np.ndarray | None
+    loss_mask: np.ndarray | None
+    advantages: np.ndarray | None
+    sampler_logprobs: np.ndarray | None
     cu_seqlens: np.ndarray
     policy_versions: np.ndarray
     rollout_ids: list[str]
@@ -194,19 +221,52 @@ class TrainBatch:
     # The estimator that computed `advantages` (the ETL's advantages.estimator): the trainer refuses a
     # batch whose estimator is not the one its loss normaliser is paired with. None: not stated.
     advantage_estimator: str | None = None
+    # By-reference form only: the rollouts in order, and each one's sequence advantage.
+    rollout_refs: list[RolloutRef] = field(default_factory=list)
+    sequence_advantages: np.ndarray | None = None
 
     @property
     def num_sequences(self) -> int:
         return len(self.rollout_ids)
 
+    @property
+    def by_reference(self) -> bool:
+        return bool(self.rollout_refs)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.cu_seqlens[-1]) if len(self.cu_seqlens) else 0
+
+    def _reference_issues(self) -> list[FieldIssue]:
+        found = [
+            FieldIssue(name, "must be absent in a by-reference batch (the rollouts carry it)")
+            for name in ("tokens", "loss_mask", "advantages", "sampler_logprobs", "routed_experts")
+            if getattr(self, name) is not None
+        ]
+        if len(self.rollout_refs) != self.num_sequences:
+            found.append(FieldIssue("rollout_refs", f"{len(self.rollout_refs)} references for {self.num_sequences} rollouts"))
+        for i, ref in enumerate(self.rollout_refs):
+            if ref.partition < 0 or not 0 <= ref.offset <= INT64_MAX or len(ref.sha256) != ROLLOUT_DIGEST_BYTES or not ref.topic:
+                found.append(FieldIssue(f"rollout_refs[{i}]", f"{ref} needs a topic, offsets >= 0 and a {ROLLOUT_DIGEST_BYTES}-byte sha256"))
+        found += _array_issues("sequence_advantages", self.sequence_advantages, np.dtype(np.float32), self.num_sequences)
+        if not found and not np.all(np.isfinite(self.sequence_advantages)):
+            found.append(FieldIssue("sequence_advantages", "must be finite"))
+        return found
+
     def issues(self) -> list[FieldIssue]:
-        found = _array_issues("tokens", self.tokens, np.dtype(np.uint32), None)
-        if found:
-            return found
-        n = len(self.tokens)
-        found += _array_issues("loss_mask", self.loss_mask, np.dtype(np.uint8), n)
-        found += _array_issues("advantages", self.advantages, np.dtype(np.float32), n)
-        found += _array_issues("sampler_logprobs", self.sampler_logprobs, np.dtype(np.float32), n)
+        if self.by_reference:
+            found = self._reference_issues()
+            n = self.num_tokens if isinstance(self.cu_seqlens, np.ndarray) and len(self.cu_seqlens) else 0
+        else:
+            found = _array_issues("tokens", self.tokens, np.dtype(np.uint32), None)
+            if found:
+                return found
+            n = len(self.tokens)
+            found += _array_issues("loss_mask", self.loss_mask, np.dtype(np.uint8), n)
+            found += _array_issues("advantages", self.advantages, np.dtype(np.float32), n)
+            found += _array_issues("sampler_logprobs", self.sampler_logprobs, np.dtype(np.float32), n)
+            if self.sequence_advantages is not None:
+                found.append(FieldIssue("sequence_advantages", "only a by-reference batch carries them"))
         found += _array_issues("cu_seqlens", self.cu_seqlens, np.dtype(np.int32), self.num_sequences + 1)
         found += _array_issues("policy_versions", self.policy_versions, np.dtype(np.int64), self.num_sequences)
         if not found:
@@ -214,7 +274,7 @@ class TrainBatch:
             if cu[0] != 0 or cu[-1] != n or np.any(np.diff(cu) <= 0):
                 found.append(FieldIssue("cu_seqlens", f"must rise strictly from 0 to {n}"))
             for name in ("advantages", "sampler_logprobs"):
-                if not np.all(np.isfinite(getattr(self, name))):
+                if not self.by_reference and not np.all(np.isfinite(getattr(self, name))):
                     found.append(FieldIssue(name, "must be finite on every token"))
             if np.any(self.policy_versions < 0):
                 found.append(FieldIssue("policy_versions", "must be >= 0"))

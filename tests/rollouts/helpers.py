@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ember.rollouts.batching import resolve_from_log
 from ember.rollouts.config import EtlConfig, parse_config
 from ember.rollouts.engine import REWARDS, ROLLOUTS, InputMessage, ShardEngine, input_topics
 from ember.rollouts.records import Outcome
@@ -71,9 +72,11 @@ class Committed:
     marks: dict = field(default_factory=dict)
     closed: list = field(default_factory=list)
 
-    def commit(self, engine: ShardEngine) -> None:
+    def commit(self, engine: ShardEngine, log: list[InputMessage] = ()) -> None:
+        """Batches come out by reference; those whose rollouts are in `log` are resolved, as the trainer's reader does."""
         output, snapshot, marks = engine.checkpoint("test")
-        self.batches += [b.batch for b in output.batches]
+        values = {(m.topic, m.partition, m.offset): m.value for m in log}
+        self.batches += [resolve_from_log(b.batch, values) if values else b.batch for b in output.batches]
         self.outcomes += output.outcomes
         self.snapshot, self.marks = snapshot, marks
         self.closed += list(snapshot.closed)
@@ -99,5 +102,5 @@ def run(cfg: EtlConfig, messages: list[InputMessage], *, end_ms: int | None = No
         engine.advance(message.timestamp_ms, policy)
     if end_ms is not None:
         engine.advance(end_ms, policy)
-    done.commit(engine)
+    done.commit(engine, messages)
     return done

@@ -172,6 +172,7 @@ def test_acls_give_each_role_only_its_own_topics_and_nobody_create():
     assert by_role["grader"] == {("WRITE", "TOPIC", topics.rewards, "LITERAL")}
     assert by_role["trainer"] == {
         ("READ", "TOPIC", topics.train_batches, "LITERAL"),
+        ("READ", "TOPIC", topics.rollouts, "LITERAL"),  # batches are by reference: ranks fetch their rollouts
         ("READ", "GROUP", "p-trainer", "LITERAL"),
         ("WRITE", "TOPIC", topics.policy_versions, "LITERAL"),
     }
