@@ -84,7 +84,20 @@ def _filesystems():
 
     if FileSystems._pipeline_options is None and RuntimeValueProvider.runtime_options is None:
         FileSystems.set_options(PipelineOptions([]))
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        _anonymous_for_the_emulator()
     return FileSystems
+
+
+def _anonymous_for_the_emulator() -> None:
+    """Beam looks up Google default credentials once per process and, when there are none, retries with backoff for
+    about 45 s before it connects anonymously. A GCS emulator takes no credentials (google-cloud-storage itself goes
+    anonymous when STORAGE_EMULATOR_HOST is set), so settle Beam's lookup as anonymous at once."""
+    from apache_beam.internal.gcp.auth import _Credentials
+
+    with _Credentials._credentials_lock:
+        if not _Credentials._credentials_init:
+            _Credentials._credentials, _Credentials._credentials_init = None, True
 
 
 def _check(location: str | Path) -> str:
@@ -113,11 +126,23 @@ def write_bytes(location: str | Path, data: bytes) -> str:
         Path(location).parent.mkdir(parents=True, exist_ok=True)
         write_atomically(location, data)
         return location
+    if not data and location.startswith("s3://"):
+        _put_empty_s3_object(location)
+        return location
     from apache_beam.io.filesystem import CompressionTypes
 
     with _filesystems().create(location, compression_type=CompressionTypes.UNCOMPRESSED) as handle:
         handle.write(data)
     return location
+
+
+def _put_empty_s3_object(location: str) -> None:
+    """Beam's S3 writer always completes a multipart upload, and S3 refuses one with no parts (MalformedXML): an empty
+    object is put in one request by boto3, configured as Beam's client is (environment and standard AWS settings)."""
+    import boto3
+
+    url = parse(location)
+    boto3.session.Session().client("s3").put_object(Bucket=url.bucket, Key=url.key, Body=b"")
 
 
 def upload(local: str | Path, location: str | Path) -> str:
@@ -132,6 +157,9 @@ def upload(local: str | Path, location: str | Path) -> str:
             os.replace(tmp, location)
         finally:
             tmp.unlink(missing_ok=True)
+        return location
+    if location.startswith("s3://") and Path(local).stat().st_size == 0:
+        _put_empty_s3_object(location)
         return location
     from apache_beam.io.filesystem import CompressionTypes
 
@@ -241,6 +269,22 @@ def commit_set(location: str | Path, files: dict[str, bytes], manifest: bytes) -
     write_bytes(join(location, MANIFEST_NAME), manifest)
 
 
+def commit_files(local: Path, location: str | Path) -> None:
+    """Uploads every file of the local set directory `local` to `location`, the manifest last, then checks that each
+    is there at its size; a failure before the manifest leaves no manifest, so no reader takes the set."""
+    files = list_files(local)
+    if MANIFEST_NAME not in files:
+        raise StorageError(f"{local}: no {MANIFEST_NAME}: not a finished set, nothing committed to {location}")
+    for name in sorted(files):
+        if name != MANIFEST_NAME:
+            upload(local / name, join(location, name))
+    present = list_files(location)
+    wrong = [name for name, size in files.items() if name != MANIFEST_NAME and present.get(name) != size]
+    if wrong:
+        raise StorageError(f"{location}: {wrong[:5]} are missing or truncated after upload; no {MANIFEST_NAME} written")
+    upload(local / MANIFEST_NAME, join(location, MANIFEST_NAME))
+
+
 def fetch_set(location: str, sizes: dict[str, int], manifest: bytes, *, refresh: bool = False) -> Path:
     """A local copy of the set at URL `location`: the files `sizes` names (manifest already read by the caller), then
     `manifest` as MANIFEST_NAME, last, in a cache directory keyed by the URL (`$EMBER_CACHE_DIR/objects`, else
@@ -288,7 +332,7 @@ def preflight(location: str | Path, *, write: bool = False) -> None:
     if write:
         probe = join(location, f"{PROBE_PREFIX}{uuid.uuid4().hex}")
         try:
-            write_bytes(probe, b"ember")  # not empty: Beam's S3 writer cannot complete an upload of no parts
+            write_bytes(probe, b"ember")
             delete([probe])
         except Exception as exc:  # noqa: BLE001 - the client's own error, reported with the URL
             raise StorageError(f"{location}: cannot create and delete objects there ({_first_line(exc)})") from None

@@ -109,6 +109,7 @@ def test_midtrain_trains_a_step_from_shards_on_s3(tmp_path, s3_bucket, cache):
 
     config_path = tiny_run(tmp_path / "run", steps=1, save_interval=1)
     config = yaml.safe_load(config_path.read_text())
+    config["schedule"] = {"warmup_steps": 0, "decay_steps": 1}
     config["data"]["shard_sets"] = [
         {"path": upload_set(tmp_path / "run" / "code", f"{s3_bucket}/code"), "weight": 0.7},
         {"path": "web", "weight": 0.3},
