@@ -40,7 +40,8 @@ from ember.pipelines.corpus_report import SourceWarning, build_warnings, read_st
 from ember.pipelines.corpus_report_html import write_html_report
 from ember.schemas.documents import REPORT_FILE, REPORT_HTML_FILE
 from ember.pipelines.output_guard import (
-    MIN_FREE_BYTES, check_room, is_local, owned_by_ownership_file, refuse_foreign, staged, up_to_date, write_ownership,
+    MIN_FREE_BYTES, OutputUnusable, check_room, is_local, owned_by_ownership_file, refuse_foreign, staged, up_to_date,
+    write_ownership,
 )
 from ember.pipelines.job_process import Interrupted, run_job, signals_deferred
 from ember.pipelines.progress import watch

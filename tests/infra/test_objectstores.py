@@ -192,3 +192,15 @@ def test_preflight_names_missing_credentials(object_stores, monkeypatch, tmp_pat
 def test_preflight_for_writing_creates_and_deletes_a_probe(bucket: str) -> None:
     storage.preflight(f"{bucket}/out", write=True)
     assert storage.list_files(bucket) == {}
+
+
+def test_dev_up_starts_the_stores_and_status_lists_them(object_stores) -> None:
+    from ember.dev import services
+
+    assert "objectstores" in services.SERVICES, "ember dev up starts the object stores by default"
+    listed = {s.name: s for s in services.status()}
+    assert (listed["gcs"].state, listed["gcs"].address) == ("running", object_stores["STORAGE_EMULATOR_HOST"])
+    assert (listed["s3"].state, listed["s3"].address) == ("running", object_stores["AWS_ENDPOINT_URL"])
+    dev = subprocess.run(["bash", str(REPO / "infra" / "dev.sh"), "status"], capture_output=True, text=True, timeout=120)
+    rows = [line.split("\t")[:2] for line in dev.stdout.splitlines()]
+    assert ["gcs", "running"] in rows and ["s3", "running"] in rows
