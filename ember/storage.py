@@ -15,6 +15,7 @@ missing credentials, an unreachable endpoint, a missing bucket, a permission err
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import os
 import re
@@ -89,6 +90,23 @@ def _filesystems():
     return FileSystems
 
 
+@functools.lru_cache(maxsize=4)
+def _s3io_for(settings: tuple[str | None, ...]):
+    from apache_beam.io.aws import s3io
+    from apache_beam.io.aws.clients.s3 import boto3_client
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    return s3io.S3IO(client=boto3_client.Client(options=PipelineOptions([])))
+
+
+def _s3():
+    """Beam's S3IO (what its S3 filesystem wraps) with one boto3 client per process and settings: the filesystem
+    makes a new client for every call, about a second each on a busy machine, which a set of many shards multiplies."""
+    _filesystems()
+    names = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_PROFILE")
+    return _s3io_for(tuple(os.environ.get(name) for name in names))
+
+
 def _anonymous_for_the_emulator() -> None:
     """Beam looks up Google default credentials once per process and, when there are none, retries with backoff for
     about 45 s before it connects anonymously. A GCS emulator takes no credentials (google-cloud-storage itself goes
@@ -111,6 +129,12 @@ def read_bytes(location: str | Path) -> bytes:
     location = _check(location)
     if not is_url(location):
         return Path(location).read_bytes()
+    if location.startswith("s3://"):
+        io = _s3()
+        if not io.exists(location):
+            raise FileNotFoundError(f"{location} does not exist")
+        with io.open(location, "rb") as handle:
+            return handle.read()
     fs = _filesystems()
     if not fs.exists(location):
         raise FileNotFoundError(f"{location} does not exist")
@@ -126,8 +150,12 @@ def write_bytes(location: str | Path, data: bytes) -> str:
         Path(location).parent.mkdir(parents=True, exist_ok=True)
         write_atomically(location, data)
         return location
-    if not data and location.startswith("s3://"):
-        _put_empty_s3_object(location)
+    if location.startswith("s3://"):
+        if not data:
+            _put_empty_s3_object(location)
+            return location
+        with _s3().open(location, "wb") as handle:
+            handle.write(data)
         return location
     from apache_beam.io.filesystem import CompressionTypes
 
@@ -158,8 +186,12 @@ def upload(local: str | Path, location: str | Path) -> str:
         finally:
             tmp.unlink(missing_ok=True)
         return location
-    if location.startswith("s3://") and Path(local).stat().st_size == 0:
-        _put_empty_s3_object(location)
+    if location.startswith("s3://"):
+        if Path(local).stat().st_size == 0:
+            _put_empty_s3_object(location)
+            return location
+        with open(local, "rb") as source, _s3().open(location, "wb") as out:
+            shutil.copyfileobj(source, out, 8 * 1024 * 1024)
         return location
     from apache_beam.io.filesystem import CompressionTypes
 
@@ -170,6 +202,8 @@ def upload(local: str | Path, location: str | Path) -> str:
 
 def exists(location: str | Path) -> bool:
     location = _check(location)
+    if location.startswith("s3://"):
+        return _s3().exists(location)
     return Path(location).exists() if not is_url(location) else _filesystems().exists(location)
 
 
@@ -182,6 +216,8 @@ def list_files(directory: str | Path) -> dict[str, int]:
             return {}
         return {p.relative_to(root).as_posix(): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
     prefix = directory.rstrip("/") + "/"
+    if prefix.startswith("s3://"):
+        return {path[len(prefix):]: size for path, size in sorted(_s3().list_files(prefix))}
     matched = _filesystems().match([prefix + "**"])[0].metadata_list
     return {m.path[len(prefix):]: m.size_in_bytes for m in sorted(matched, key=lambda m: m.path)}
 
@@ -194,7 +230,9 @@ def delete(locations: Iterable[str]) -> None:
     fs = _filesystems()
     s3 = [loc for loc in locations if loc.startswith("s3://")]
     if s3:
-        fs.delete(s3)
+        failed = {loc: err for loc, err in _s3().delete_paths(s3).items() if err is not None}
+        if failed:
+            raise StorageError(f"cannot delete {sorted(failed)[:5]}: {next(iter(failed.values()))}")
     gs = [loc for loc in locations if loc.startswith("gs://")]
     if gs:
         # One request per object (Beam's GcsIO.delete), not FileSystems.delete's batch request: the google-cloud-storage
