@@ -279,32 +279,15 @@ def output_state(location: str | Path) -> OutputState:
     return OutputState(str(location), list_files(location))
 
 
-def prepare_output(location: str | Path, *, clean: bool = False, owned: re.Pattern[str] | None = None) -> OutputState:
-    """Before a run writes a set to `location`: an empty location is used as it is. Files left by an interrupted run
-    (no manifest) are deleted when `clean` and every one matches `owned` (the names the writer produces), else the run
-    is refused with what was found. A finished set is never overwritten here."""
+def prepare_output(location: str | Path) -> OutputState:
+    """Before a run writes a set to `location`: an empty location is used as it is; a finished set, or the files of an
+    interrupted run (no manifest), are refused with what was found - never overwritten, mixed or deleted here."""
     state = output_state(location)
-    if not state.files:
-        return state
     if state.finished:
         raise StorageError(f"{state.describe()}; choose a new output location or delete the set first")
-    foreign = [name for name in state.leftovers if owned is None or not owned.fullmatch(name)]
-    if not clean or foreign:
-        why = f"; these were not written by ember: {foreign[:5]}" if clean and foreign else ""
-        raise StorageError(f"{state.describe()}{why}; rerun with cleanup of the leftovers or choose a new location")
-    delete([join(location, name) for name in state.leftovers])
-    return OutputState(str(location), {})
-
-
-def commit_set(location: str | Path, files: dict[str, bytes], manifest: bytes) -> None:
-    """Writes `files` under `location`, checks each is there at its size, then writes the manifest last."""
-    for name, data in files.items():
-        write_bytes(join(location, name), data)
-    present = list_files(location)
-    wrong = [name for name, data in files.items() if present.get(name) != len(data)]
-    if wrong:
-        raise StorageError(f"{location}: {wrong[:5]} are missing or truncated after writing; no {MANIFEST_NAME} written")
-    write_bytes(join(location, MANIFEST_NAME), manifest)
+    if state.files:
+        raise StorageError(f"{state.describe()}; delete them or choose a new output location")
+    return state
 
 
 def commit_files(local: Path, location: str | Path) -> None:

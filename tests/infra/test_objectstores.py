@@ -105,31 +105,37 @@ def test_beam_filesystems_write_read_list_delete(bucket: str) -> None:
         storage.read_bytes(f"{base}/a.bin")
 
 
-def test_a_set_is_committed_manifest_last_and_a_half_written_one_is_found(bucket: str) -> None:
+def _local_set(root: Path, files: dict[str, bytes]) -> Path:
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    return root
+
+
+def test_a_set_is_committed_manifest_last_and_a_half_written_one_is_refused(bucket: str, tmp_path: Path) -> None:
     out = f"{bucket}/shards"
     assert storage.prepare_output(out).files == {}
-    # An interrupted run: shards, no manifest.
-    storage.write_bytes(f"{out}/shard-00000.arrow", b"x" * 10)
+    storage.write_bytes(f"{out}/shard-00000.arrow", b"x" * 10)  # what an interrupted commit leaves: no manifest
     state = storage.output_state(out)
     assert not state.finished and state.leftovers == ["shard-00000.arrow"]
-    with pytest.raises(storage.StorageError, match="no manifest.json: what an interrupted run left behind"):
+    with pytest.raises(storage.StorageError, match=re.escape(f"{out} holds 1 files and no manifest.json: what an "
+                                                             "interrupted run left behind (shard-00000.arrow)")):
         storage.prepare_output(out)
-    owned = re.compile(r"shard-\d{5}\.arrow")
-    storage.write_bytes(f"{out}/notes.txt", b"mine")
-    with pytest.raises(storage.StorageError, match=r"not written by ember: \['notes.txt'\]"):
-        storage.prepare_output(out, clean=True, owned=owned)
-    storage.delete([f"{out}/notes.txt"])
-    assert storage.prepare_output(out, clean=True, owned=owned).files == {}
+    storage.delete([f"{out}/shard-00000.arrow"])
+    with pytest.raises(storage.StorageError, match="no manifest.json: not a finished set, nothing committed"):
+        storage.commit_files(_local_set(tmp_path / "unfinished", {"a.arrow": b"a"}), out)
     assert storage.list_files(out) == {}
-    storage.commit_set(out, {"shard-00000.arrow": b"a" * 3, "shard-00001.arrow": b"b" * 4}, b"{}")
-    assert storage.list_files(out) == {"shard-00000.arrow": 3, "shard-00001.arrow": 4, "manifest.json": 2}
+    local = _local_set(tmp_path / "set", {"shard-0.arrow": b"aaa", "sub/shard-1.arrow": b"bbbb", "manifest.json": b"{}"})
+    storage.commit_files(local, out)
+    assert storage.list_files(out) == {"shard-0.arrow": 3, "sub/shard-1.arrow": 4, "manifest.json": 2}
     with pytest.raises(storage.StorageError, match="holds a finished set"):
-        storage.prepare_output(out, clean=True, owned=owned)
+        storage.prepare_output(out)
 
 
 def test_fetch_set_copies_the_listed_files(bucket: str, tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
-    storage.commit_set(f"{bucket}/set", {"s/0.arrow": b"zero", "s/1.arrow": b"one"}, b"{}")
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path / "cache"))
+    storage.commit_files(_local_set(tmp_path / "set", {"s/0.arrow": b"zero", "s/1.arrow": b"one", "manifest.json": b"{}"}),
+                         f"{bucket}/set")
     local = storage.fetch_set(f"{bucket}/set", {"s/0.arrow": 4, "s/1.arrow": 3}, b"{}")
     assert (local / "s/0.arrow").read_bytes() == b"zero" and (local / "s/1.arrow").read_bytes() == b"one"
     assert (local / "manifest.json").read_bytes() == b"{}"
@@ -137,7 +143,7 @@ def test_fetch_set_copies_the_listed_files(bucket: str, tmp_path: Path, monkeypa
     assert (storage.fetch_set(f"{bucket}/set", {"s/0.arrow": 4, "s/1.arrow": 3}, b"{}") / "s/1.arrow").read_bytes() == b"one"
     refreshed = storage.fetch_set(f"{bucket}/set", {"s/0.arrow": 4, "s/1.arrow": 3}, b"{}", refresh=True)
     assert (refreshed / "s/1.arrow").read_bytes() == b"ONE"
-    assert local.is_relative_to(tmp_path)
+    assert local.is_relative_to(tmp_path / "cache")
 
 
 # ------------------------------------------------------------- preflight --
