@@ -12,7 +12,7 @@ from ember.pipelines.export_cli import app as export_app
 from ember.rollouts.cli import app as rollouts_app
 
 app = typer.Typer(help="ember: the data plane for post-training a coding model.", no_args_is_help=True)
-dev_app = typer.Typer(help="Local real services for development and tests (Kafka, secured Kafka, Slurm, Flink job-server jar).", no_args_is_help=True)
+dev_app = typer.Typer(help="Local real services for development and tests (Kafka, secured Kafka, Slurm, Flink job-server jar, GCS and S3 object stores).", no_args_is_help=True)
 app.add_typer(dev_app, name="dev")
 app.add_typer(rollouts_app, name="rollouts")
 app.add_typer(corpus_app, name="corpus")
@@ -30,12 +30,14 @@ def _print_status() -> None:
 
 @dev_app.command("up")
 def dev_up(
-    only: list[str] = typer.Option(None, "--only", help="Start just these services (kafka, slurm, flink, kafka-secure)."),
+    only: list[str] = typer.Option(None, "--only", help="Start just these services (kafka, slurm, flink, objectstores, kafka-secure)."),
     secure: bool = typer.Option(
         False, "--secure", help="Also start kafka-secure, the SASL_SSL/SCRAM broker (same as EMBER_KAFKA_SECURITY=sasl_ssl)."
     ),
 ) -> None:
-    """Start every local service (idempotent): Kafka KRaft broker, single-node Slurm, Flink job-server jar.
+    """Start every local service (idempotent): Kafka KRaft broker, single-node Slurm, Flink job-server jar, and the
+    object stores (fake-gcs-server for gs://, moto's S3 server for s3://; `infra/objectstores.sh env` prints the
+    client settings).
 
     With --secure (or EMBER_KAFKA_SECURITY=sasl_ssl) the secured broker kafka-secure starts as well.
     """

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # All local services at once.
 #
-#   infra/dev.sh up [--secure]  kafka start, slurm start, flink fetch (a flink failure is only a warning);
+#   infra/dev.sh up [--secure]  kafka start, slurm start, flink fetch (a flink failure is only a warning),
+#                               objectstores start (gs:// and s3://);
 #                               --secure or EMBER_KAFKA_SECURITY=sasl_ssl: also kafka-secure start
-#   infra/dev.sh down           stop slurm, kafka and kafka-secure
+#   infra/dev.sh down           stop slurm, kafka, kafka-secure and the object stores
 #   infra/dev.sh status         table of every service's status line
 set -euo pipefail
 
@@ -12,7 +13,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 EMBER_LOG_TAG=dev
 
 usage() {
-  sed -n '2,7p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,8p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
   exit 2
 }
 
@@ -36,6 +37,7 @@ cmd_up() {
   if ((rc != 0)); then
     log_warn "flink job server unavailable (infra/flink.sh fetch exit $rc); Kafka and Slurm are up, Beam-on-Flink is not"
   fi
+  "$INFRA_DIR/objectstores.sh" start
   cmd_status
 }
 
@@ -44,6 +46,7 @@ cmd_down() {
   "$INFRA_DIR/slurm.sh" stop || rc=1
   "$INFRA_DIR/kafka.sh" stop || rc=1
   "$INFRA_DIR/kafka-secure.sh" stop || rc=1
+  "$INFRA_DIR/objectstores.sh" stop || rc=1
   return "$rc"
 }
 
@@ -54,6 +57,7 @@ cmd_status() {
     "$INFRA_DIR/kafka-secure.sh" status || status_line kafka-secure error - "infra/kafka-secure.sh status failed"
     "$INFRA_DIR/slurm.sh" status || status_line slurm error - "infra/slurm.sh status failed"
     "$INFRA_DIR/flink.sh" status || status_line flink-job-server error - "infra/flink.sh status failed"
+    "$INFRA_DIR/objectstores.sh" status || status_line objectstores error - "infra/objectstores.sh status failed"
   } | if command -v column >/dev/null 2>&1 && [[ -t 1 ]]; then column -t -s $'\t'; else cat; fi
 }
 

@@ -10,7 +10,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 INFRA_DIR = REPO_ROOT / "infra"
 # What `ember dev up` and the demo start by default.
-SERVICES = ("kafka", "slurm", "flink")
+SERVICES = ("kafka", "slurm", "flink", "objectstores")
 # Opt-in services: `ember dev up --secure` / EMBER_KAFKA_SECURITY=sasl_ssl, or services.start(name).
 OPTIONAL_SERVICES = ("kafka-secure",)
 ALL_SERVICES = SERVICES + OPTIONAL_SERVICES
@@ -100,11 +100,20 @@ def stop(service: str) -> str:
     return run_script(f"{service}.sh", "stop").stdout
 
 
+def objectstores_env() -> dict[str, str]:
+    """The standard client settings that point google-cloud-storage and boto3 (so Beam's GCS and S3 FileSystems)
+    at the local stores of infra/objectstores.sh: STORAGE_EMULATOR_HOST, AWS_ENDPOINT_URL, dummy AWS keys, region."""
+    lines = run_script("objectstores.sh", "env").stdout.splitlines()
+    return dict(line.removeprefix("export ").split("=", 1) for line in lines if line.startswith("export "))
+
+
 def status() -> list[ServiceStatus]:
+    """One row per status line; a script may report several (objectstores.sh: gcs and s3)."""
     statuses = []
     for service in ALL_SERVICES:
         result = run_script(f"{service}.sh", "status", check=False)
-        line = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else f"{service}\tunknown\t-\t{result.stderr.strip()}"
-        name, state, address, log = (line.split("\t") + ["-"] * 4)[:4]
-        statuses.append(ServiceStatus(name, state, address, log))
+        lines = [line for line in result.stdout.strip().splitlines() if "\t" in line]
+        for line in lines or [f"{service}\tunknown\t-\t{result.stderr.strip()}"]:
+            name, state, address, log = (line.split("\t") + ["-"] * 4)[:4]
+            statuses.append(ServiceStatus(name, state, address, log))
     return statuses

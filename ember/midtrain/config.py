@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from ember import configs
 from ember.configs import MidtrainConfigError, StrictModel, at_most
@@ -123,8 +123,17 @@ class ScheduleConfig(StrictModel):
 
 
 class ShardSetConfig(StrictModel):
-    path: Path
+    path: Path | str = Field(description="a shard-set directory: local path, gs://BUCKET/... or s3://BUCKET/...")
     weight: float = Field(default=1.0, gt=0)
+
+    @field_validator("path", mode="before")
+    @classmethod
+    def _path_or_url(cls, value: object) -> object:
+        """A URL stays a string (the data check names a typo in it before training starts: see data.local_specs);
+        anything else is a local Path."""
+        if isinstance(value, str) and "://" not in value:
+            return Path(value)
+        return value
 
 
 class DataConfig(StrictModel):
@@ -257,7 +266,9 @@ def _resolve(data: dict, base: Path) -> dict:
         data["data"] = {
             **data["data"],
             "shard_sets": [
-                {**s, "path": str((base / s["path"]).resolve())} if isinstance(s, dict) and isinstance(s.get("path"), str) else s
+                {**s, "path": str((base / s["path"]).resolve())}
+                if isinstance(s, dict) and isinstance(s.get("path"), str) and "://" not in s["path"]
+                else s
                 for s in sets
             ],
         }

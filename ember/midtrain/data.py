@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -26,6 +27,8 @@ import torch
 
 from ember.midtrain.sampling import Blend, EpochShuffle, chunk_bounds, microbatch_positions
 from ember.schemas import Manifest, SchemaValidationError, read_manifest
+from ember.storage import StorageError
+from ember.tokenize.remote_sets import RemoteSetError, local_shard_set
 from ember.tokenize.shards import ROWS_PER_BATCH_KEY
 from ember.tokenize.shardset import FileState, ShardError, ShardVerifier, vocab_problem
 
@@ -257,6 +260,18 @@ class _ShardSet:
         """(shard, record batch, row within batch) of a row of this set, in manifest order."""
         chunk = int(np.searchsorted(self.chunk_start, row, side="right")) - 1
         return int(self.chunk_shard[chunk]), int(self.chunk_batch[chunk]), row - int(self.chunk_start[chunk])
+
+
+def local_specs(shard_sets: Iterable[tuple[str | Path, float]]) -> list[ShardSetSpec]:
+    """(path or URL, weight) -> specs on local directories: a set on gs:// or s3:// is read from its manifest and
+    copied into the local cache (ember.tokenize.remote_sets), then checked like any local set."""
+    specs = []
+    for location, weight in shard_sets:
+        try:
+            specs.append(ShardSetSpec(local_shard_set(location), weight))
+        except (StorageError, RemoteSetError, SchemaValidationError, OSError) as exc:
+            raise DataError(f"shard set {location}: {exc}") from None
+    return specs
 
 
 def open_manifests(specs: list[ShardSetSpec]) -> list[Manifest]:

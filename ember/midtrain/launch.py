@@ -22,7 +22,7 @@ from pathlib import Path
 from string import Template
 
 from ember.midtrain.config import MidtrainConfig
-from ember.midtrain.data import ShardSetSpec, check_model_compatible, open_manifests
+from ember.midtrain.data import check_model_compatible, local_specs, open_manifests
 from ember.midtrain.rl_config import RLConfig
 from ember.midtrain.slurm import LaunchError, partition_resources
 
@@ -164,7 +164,7 @@ def _rl_world_size_problems(config: RLConfig, world: int) -> list[str]:
 
 def check_data(config: MidtrainConfig) -> None:
     """Shard sets exist, are finished and complete, and were tokenized for this model."""
-    specs = [ShardSetSpec(s.path, s.weight) for s in config.data.shard_sets]
+    specs = local_specs((s.path, s.weight) for s in config.data.shard_sets)
     check_model_compatible(
         specs,
         open_manifests(specs),

@@ -28,8 +28,8 @@ from ember.midtrain.data import (
     DataError,
     GlobalOrderSampler,
     MidtrainDataset,
-    ShardSetSpec,
     check_model_compatible,
+    local_specs,
     open_manifests,
     thd_cu_seqlens,
 )
@@ -128,7 +128,7 @@ class Trainer:
     def _build_dataset(self) -> MidtrainDataset:
         """The blended dataset, after checking the shard sets' manifests against the model."""
         config = self.config
-        specs = [ShardSetSpec(s.path, s.weight) for s in config.data.shard_sets]
+        specs = local_specs((s.path, s.weight) for s in config.data.shard_sets)
         manifests = open_manifests(specs)
         check_model_compatible(
             specs, manifests, vocab_size=config.model.vocab_size, seq_len=config.model.seq_len,

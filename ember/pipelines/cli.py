@@ -97,14 +97,17 @@ def tokenize(
 
 
 @app.command("verify")
-def verify(directory: str = typer.Argument(..., help="Shard-set directory holding manifest.json.")) -> None:
-    """Check a shard set against its manifest: files present, sizes, sha256, row counts."""
+def verify(directory: str = typer.Argument(..., help="Shard-set directory holding manifest.json (local, gs://, s3://).")) -> None:
+    """Check a shard set against its manifest: files present, sizes, sha256, row counts. A set on an object store is
+    downloaded afresh and checked byte for byte."""
     from ember.schemas import SchemaValidationError
+    from ember.storage import StorageError
+    from ember.tokenize.remote_sets import RemoteSetError, local_shard_set
     from ember.tokenize.shardset import verify_shard_set
 
     try:
-        problems = verify_shard_set(directory)
-    except (FileNotFoundError, SchemaValidationError) as exc:
+        problems = verify_shard_set(local_shard_set(directory, refresh=True))
+    except (FileNotFoundError, SchemaValidationError, StorageError, RemoteSetError) as exc:
         fail(exc)
     for problem in problems:
         console.print(f"[red]FAIL[/red] {problem}")
@@ -115,8 +118,9 @@ def verify(directory: str = typer.Argument(..., help="Shard-set directory holdin
 
 @app.command("inspect")
 def inspect(
-    locate: tuple[Path, int, int] = typer.Option(
-        ..., "--locate", metavar="SHARD ROW TOKEN", help="Map token TOKEN of row ROW of shard file SHARD to its source."
+    locate: tuple[str, int, int] = typer.Option(
+        ..., "--locate", metavar="SHARD ROW TOKEN",
+        help="Map token TOKEN of row ROW of shard file SHARD (a path, gs:// or s3:// URL) to its source.",
     ),
     window: int = typer.Option(200, "--window", min=0, help="Characters of the document's text shown either side."),
 ) -> None:
@@ -133,10 +137,14 @@ def inspect(
         from ember.tokenize.shardset import ShardError, read_verified_row
         from ember.tokenize.tokenizers import TokenizerLoadError
 
+        from ember.storage import StorageError
+        from ember.tokenize.remote_sets import RemoteSetError, local_shard
+
         shard, row, token = locate
         try:
-            record = read_verified_row(shard, row)
-        except (ShardError, SchemaValidationError) as exc:
+            local = local_shard(shard)
+            record = read_verified_row(local, row)
+        except (ShardError, SchemaValidationError, StorageError, RemoteSetError) as exc:
             fail(exc)
         try:
             if not 0 <= token < len(record["tokens"]):
@@ -155,7 +163,7 @@ def inspect(
             f"(this row holds its tokens [{segment['doc_token_start']}, {segment['doc_token_end']}))", highlight=False
         )
         try:
-            where = locate_text(shard, record["source"], segment["document_id"], index, window)
+            where = locate_text(local, record["source"], segment["document_id"], index, window)
         except (LocateError, TokenizerLoadError, OSError) as exc:
             fail(f"the document's text cannot be shown: {exc}", 1)
         console.print(f"from {where.origin}", highlight=False)
@@ -216,7 +224,7 @@ def build(
 
 @app.command("report")
 def report(
-    directory: str = typer.Argument(..., help="Output directory of a finished build (local or gs://...)."),
+    directory: str = typer.Argument(..., help="Output directory of a finished build (local, gs:// or s3://)."),
     warn_share: float | None = typer.Option(
         None, "--warn-share", min=0, max=1,
         help="Warn about a reason rejecting more than this share of a source (default: the config default, 0.5)."),
@@ -231,10 +239,20 @@ def report(
         from ember.pipelines.corpus_report import build_warnings, read_stats, write_report
         from ember.pipelines.corpus_report_html import write_html_report
 
-        shards = f"{directory.rstrip('/')}/shards"
+        from ember import storage
+        from ember.tokenize.remote_sets import RemoteSetError, local_shard_set
+
+        shards = storage.join(directory, "shards")
         try:
+            storage.preflight(directory)
+            if storage.is_url(directory):  # the histogram reads a local copy of the set, named by its URL
+                local = str(local_shard_set(shards)) if storage.exists(storage.join(shards, "manifest.json")) else None
+            else:
+                local = shards if Path(shards).is_dir() else None
             path = write_report(directory)
-            html_path = write_html_report(directory, shards_directory=shards if Path(shards).is_dir() else None)
+            html_path = write_html_report(directory, shards_directory=local, shown_as=(directory, shards if local else None))
+        except (storage.StorageError, RemoteSetError) as exc:
+            fail(exc)
         except FileNotFoundError as exc:
             fail(f"{directory} holds no finished build: {exc}")
         console.print(summary_table(read_stats(directory)))

@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from ember import storage
 from ember.configs import CorpusConfigError
 from ember.pipelines import corpus_phases, corpus_pipeline
 from ember.pipelines.corpus_config import CorpusConfig, check_inputs
@@ -39,7 +40,8 @@ from ember.pipelines.corpus_report import SourceWarning, build_warnings, read_st
 from ember.pipelines.corpus_report_html import write_html_report
 from ember.schemas.documents import REPORT_FILE, REPORT_HTML_FILE
 from ember.pipelines.output_guard import (
-    MIN_FREE_BYTES, check_room, is_local, owned_by_ownership_file, refuse_foreign, staged, up_to_date, write_ownership,
+    MIN_FREE_BYTES, OutputUnusable, check_room, is_local, owned_by_ownership_file, refuse_foreign, staged, up_to_date,
+    write_ownership,
 )
 from ember.pipelines.job_process import Interrupted, run_job, signals_deferred
 from ember.pipelines.progress import watch
@@ -90,8 +92,9 @@ def summary_table(stats: dict[str, Any]) -> Table:
     return table
 
 
-def shards_config(config: CorpusConfig) -> TokenizeConfig:
-    """The tokenize stage's config: the kept documents of each source that kept any, at its weight."""
+def shards_config(config: CorpusConfig, output_dir: str | None = None) -> TokenizeConfig:
+    """The tokenize stage's config: the kept documents of each source that kept any, at its weight; the shard set goes
+    to `output_dir` when given (a local staging directory for a set on an object store), else config's directory."""
     assert config.tokenize is not None and config.shards_directory is not None
     documents = f"{config.output.directory.rstrip('/')}/documents"
     sources = [
@@ -102,7 +105,20 @@ def shards_config(config: CorpusConfig) -> TokenizeConfig:
     if not sources:
         raise CorpusConfigError(f"tokenize: the build kept no document in any source (see {config.output.directory}/stats.json)")
     settings = config.tokenize.model_dump(exclude={"output_dir"})
-    return TokenizeConfig(**settings, output_dir=config.shards_directory, sources=sources)
+    return TokenizeConfig(**settings, output_dir=output_dir or config.shards_directory, sources=sources)
+
+
+def _tokenize_to_url(config: CorpusConfig, final: CorpusConfig, args: list[str], tokenizer: Tokenizer | None,
+                     console: Console | None) -> Manifest:
+    """A shard set for a gs:// or s3:// directory: written locally (staging), then committed there shards first and
+    manifest last (ember.storage.commit_files), so a reader never finds half a set."""
+    from ember.pipelines.tokenize_pipeline import write_shard_set
+
+    with tempfile.TemporaryDirectory(prefix="ember-shards-") as staging:
+        settings = shards_config(config, output_dir=staging)
+        write_shard_set(settings, args, tokenizer, _recorded(settings, final), console=console)
+        storage.commit_files(Path(staging), config.shards_directory)
+        return read_manifest(staging)
 
 
 def free_space_needed(config: CorpusConfig) -> int:
@@ -189,23 +205,49 @@ def _build(config: CorpusConfig, final: CorpusConfig, args: list[str], options, 
 
         if console is not None:
             console.print(f"\ntokenize + pack -> {final.shards_directory}", highlight=False)
-        settings = shards_config(config)
-        recorded = _recorded(settings, final)
-        if config.shards_directory != final.shards_directory:  # inside the staged output: written in place
-            Path(settings.output_dir).mkdir(parents=True)
-            write_shard_set(settings, args, tokenizer, recorded, console=console)
-            shards = read_manifest(settings.output_dir)
+        if storage.is_url(config.shards_directory):
+            shards = _tokenize_to_url(config, final, args, tokenizer, console)
         else:
-            shards = tokenize(settings, args, overwrite=True, tokenizer=tokenizer, min_free_bytes=min_free_bytes, recorded=recorded,
-                              console=console)
+            settings = shards_config(config)
+            recorded = _recorded(settings, final)
+            if config.shards_directory != final.shards_directory:  # inside the staged output: written in place
+                Path(settings.output_dir).mkdir(parents=True)
+                write_shard_set(settings, args, tokenizer, recorded, console=console)
+                shards = read_manifest(settings.output_dir)
+            else:
+                shards = tokenize(settings, args, overwrite=True, tokenizer=tokenizer, min_free_bytes=min_free_bytes,
+                                  recorded=recorded, console=console)
         if console is not None:
             console.print(shards_table(shards))
     # After tokenize, so the page's token-length histogram reads the shard set the build just made.
-    write_html_report(directory, config_path, config.shards_directory if shards else None,
+    shards_read = config.shards_directory if shards else None
+    if shards_read is not None and storage.is_url(shards_read):
+        from ember.tokenize.remote_sets import local_shard_set
+
+        shards_read = str(local_shard_set(shards_read))
+    write_html_report(directory, config_path, shards_read,
                       shown_as=(final.output.directory, final.shards_directory if shards else None))
     if console is not None:
         console.print(f"report with charts: {final.output.directory.rstrip('/')}/{REPORT_HTML_FILE}", highlight=False)
     return BuildOutcome("DONE", args, stats, report, shards, warnings)
+
+
+def preflight_urls(config: CorpusConfig, url_shards: str | None) -> None:
+    """Before any work: every gs:// or s3:// input's bucket is reachable with the credentials at hand, the output and
+    shard directories can be written, and a shard directory holds no set or leftovers of an interrupted run. Raises
+    OutputUnusable naming the URL."""
+    try:
+        for source in config.sources:
+            for pattern in source.inputs:
+                if storage.is_url(pattern):
+                    storage.preflight(pattern)
+        if storage.is_url(config.output.directory):
+            storage.preflight(config.output.directory, write=True)
+        if url_shards is not None:
+            storage.preflight(url_shards, write=True)
+            storage.prepare_output(url_shards)
+    except storage.StorageError as exc:
+        raise OutputUnusable(str(exc)) from None
 
 
 def build_corpus(config: CorpusConfig, beam_args: list[str], console: Console | None = None,
@@ -213,6 +255,8 @@ def build_corpus(config: CorpusConfig, beam_args: list[str], console: Console | 
     """Run the build to completion; with a console, local runs show live progress and a summary.
     `min_free_bytes` overrides the free-space floor estimated from the inputs."""
     args, options = prepare_options(beam_args)
+    url_shards = config.shards_directory if config.shards_directory and storage.is_url(config.shards_directory) else None
+    preflight_urls(config, url_shards)
     check_inputs(config)
     tokenizer = None
     if config.tokenize is not None:
@@ -222,7 +266,7 @@ def build_corpus(config: CorpusConfig, beam_args: list[str], console: Console | 
     need = free_space_needed(config) if min_free_bytes is None else min_free_bytes
     local = is_local(config.output.directory)
     target = Path(os.path.abspath(config.output.directory)) if local else None
-    shards = Path(os.path.abspath(config.shards_directory)) if config.shards_directory else None
+    shards = Path(os.path.abspath(config.shards_directory)) if config.shards_directory and not url_shards else None
     inside = _inside(str(shards), target) if shards and target else None
     if inside == Path("."):
         raise CorpusConfigError("tokenize.output_dir: the shard set needs its own directory, not output.directory itself")
@@ -251,7 +295,7 @@ def build_corpus(config: CorpusConfig, beam_args: list[str], console: Console | 
     keys = (keys, corpus_phases.output_key(final, keys))
     phase = "phase documents"
     try:
-        if shards is None or inside is not None:  # a shard set elsewhere may have changed since: rebuilt, not trusted
+        if (shards is None and url_shards is None) or inside is not None:  # a set elsewhere may have changed: rebuilt
             if up_to_date(target, keys[1]):
                 return _unchanged(final, target, args, keys, console)
         entry, marker = _documents_phase(final, target, args, options, console, keys[0])

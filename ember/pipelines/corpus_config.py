@@ -425,7 +425,7 @@ class TokenizeStage(PackSettings):
     """`tokenize:` makes the build the whole mid-training data prep: the kept documents of every
     source are tokenized and packed into a verified shard set, weighted by the sources' weights."""
 
-    output_dir: str | None = Field(default=None, description="local shard directory; default <output.directory>/shards")
+    output_dir: str | None = Field(default=None, description="shard directory (local, gs://, s3://); default <output.directory>/shards")
 
 
 class CorpusConfig(StrictModel):
@@ -440,15 +440,6 @@ class CorpusConfig(StrictModel):
         default=DEFAULT_WARN_SHARE, gt=0, le=1,
         description="warn when one reason rejects more than this share of a source's documents; --strict fails then",
     )
-
-    @model_validator(mode="after")
-    def _shards_are_local(self) -> "CorpusConfig":
-        if self.tokenize is not None and _is_url(self.shards_directory or ""):
-            raise ValueError(
-                "tokenize.output_dir: shard sets are written to a local (or mounted) path; "
-                f"got {self.shards_directory!r} - set tokenize.output_dir to a local directory"
-            )
-        return self
 
     @property
     def shards_directory(self) -> str | None:

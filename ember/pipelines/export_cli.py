@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import typer
@@ -16,8 +17,10 @@ SHOWN = 10
 
 @app.command("megatron")
 def export_megatron(
-    shards_dir: Path = typer.Argument(..., help="Finished shard-set directory (manifest.json present)."),
-    out_prefix: Path = typer.Argument(..., help="Output prefix: writes OUT_PREFIX.bin and OUT_PREFIX.idx."),
+    shards_dir: str = typer.Argument(..., help="Finished shard-set directory (manifest.json present): path, gs:// or s3://."),
+    out_prefix: str = typer.Argument(
+        ..., help="Output prefix: writes OUT_PREFIX.bin and OUT_PREFIX.idx (path, gs:// or s3://; .idx last)."
+    ),
     documents: bool = typer.Option(
         False, "--documents", help="One Megatron document per source document, padding dropped (as preprocess_data.py writes)."
     ),
@@ -25,17 +28,27 @@ def export_megatron(
 ) -> None:
     """Write Megatron .bin/.idx readable by megatron-core's IndexedDataset: one sequence per packed row, or
     with --documents one per source document, rebuilt from the rows' provenance in manifest order."""
+    from ember import storage
     from ember.schemas import SchemaValidationError
     from ember.tokenize.megatron_export import ExportError
     from ember.tokenize.megatron_export import export_megatron as export
+    from ember.tokenize.remote_sets import RemoteSetError, local_shard_set
 
     try:
-        result = export(shards_dir, out_prefix, documents=documents)
-    except (FileNotFoundError, SchemaValidationError, ExportError) as exc:
+        if storage.is_url(out_prefix):
+            storage.preflight(out_prefix.rsplit("/", 1)[0], write=True)
+        local_set = local_shard_set(shards_dir)
+        with tempfile.TemporaryDirectory(prefix="ember-export-") as staging:
+            local_prefix = Path(staging) / "out" if storage.is_url(out_prefix) else Path(out_prefix)
+            result = export(local_set, local_prefix, documents=documents)
+            written = [str(result.bin_path), str(result.idx_path)]
+            if storage.is_url(out_prefix):  # the index last: a reader that finds it finds the whole .bin
+                written = [storage.upload(result.bin_path, f"{out_prefix}.bin"), storage.upload(result.idx_path, f"{out_prefix}.idx")]
+    except (FileNotFoundError, SchemaValidationError, ExportError, storage.StorageError, RemoteSetError) as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2)
     what = "documents" if documents else "sequences"
-    console.print(f"[green]OK[/green] {result.sequences} {what}, {result.tokens} tokens -> {result.bin_path}, {result.idx_path}")
+    console.print(f"[green]OK[/green] {result.sequences} {what}, {result.tokens} tokens -> {written[0]}, {written[1]}")
     if result.incomplete:
         shown = "; ".join(f"{key} ({why})" for key, why in list(result.incomplete.items())[:SHOWN])
         more = f"; and {len(result.incomplete) - SHOWN} more" if len(result.incomplete) > SHOWN else ""
