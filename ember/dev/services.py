@@ -90,21 +90,22 @@ def run_script(script: str, action: str, *, check: bool = True, timeout: float =
 
 
 def start(service: str) -> str:
-    action = "fetch" if service == "flink" else "start"
-    return run_script(f"{service}.sh", action).stdout
+    if service == "flink":  # stage the job server's jars, then the session cluster built from them
+        return run_script("flink.sh", "fetch").stdout + run_script("flink-cluster.sh", "start").stdout
+    return run_script(f"{service}.sh", "start").stdout
 
 
 def stop(service: str) -> str:
     if service == "flink":
-        return ""
+        return run_script("flink-cluster.sh", "stop").stdout
     return run_script(f"{service}.sh", "stop").stdout
 
 
 def status() -> list[ServiceStatus]:
     statuses = []
-    for service in ALL_SERVICES:
-        result = run_script(f"{service}.sh", "status", check=False)
-        line = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else f"{service}\tunknown\t-\t{result.stderr.strip()}"
+    for script in [f"{s}.sh" for s in ALL_SERVICES] + ["flink-cluster.sh"]:
+        result = run_script(script, "status", check=False)
+        line = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else f"{script[:-3]}\tunknown\t-\t{result.stderr.strip()}"
         name, state, address, log = (line.split("\t") + ["-"] * 4)[:4]
         statuses.append(ServiceStatus(name, state, address, log))
     return statuses
