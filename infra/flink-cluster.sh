@@ -217,7 +217,8 @@ cmd_status() {
 cmd_args() {
   printf '%s\n' --runner=PortableRunner "--job_endpoint=127.0.0.1:$JOB_PORT" \
     "--artifact_endpoint=127.0.0.1:$ARTIFACT_PORT" --environment_type=EXTERNAL \
-    "--environment_config=127.0.0.1:$POOL_PORT" "--parallelism=$((TASKMANAGERS * SLOTS))"
+    "--environment_config=127.0.0.1:$POOL_PORT" "--parallelism=$((TASKMANAGERS * SLOTS))" \
+    --environment_cache_millis=600000
 }
 
 cmd_tm_pid() {
