@@ -103,6 +103,10 @@ slot.request.timeout: 60000
 resourcemanager.taskmanager-timeout: 30000
 io.tmp.dirs: $ROOT/tmp
 web.submit.enable: true
+# Classes come from the TaskManagers' own classpath (the same jars the job server stages): only then does
+# Beam keep a TaskManager's SDK harness for the job's next stages instead of starting one per stage
+# (parent-first for everything: Beam's classes parent-first with their joda-time child-first clash).
+classloader.resolve-order: parent-first
 EOF
   mv "$CONF_DIR/flink-conf.yaml.tmp" "$CONF_DIR/flink-conf.yaml"
 }
