@@ -90,13 +90,14 @@ def run_script(script: str, action: str, *, check: bool = True, timeout: float =
 
 
 def start(service: str) -> str:
-    action = "fetch" if service == "flink" else "start"
-    return run_script(f"{service}.sh", action).stdout
+    if service == "flink":  # stage the job server's jars, then the session cluster built from them
+        return run_script("flink.sh", "fetch").stdout + run_script("flink-cluster.sh", "start").stdout
+    return run_script(f"{service}.sh", "start").stdout
 
 
 def stop(service: str) -> str:
     if service == "flink":
-        return ""
+        return run_script("flink-cluster.sh", "stop").stdout
     return run_script(f"{service}.sh", "stop").stdout
 
 
@@ -110,10 +111,10 @@ def objectstores_env() -> dict[str, str]:
 def status() -> list[ServiceStatus]:
     """One row per status line; a script may report several (objectstores.sh: gcs and s3)."""
     statuses = []
-    for service in ALL_SERVICES:
-        result = run_script(f"{service}.sh", "status", check=False)
+    for script in [f"{s}.sh" for s in ALL_SERVICES] + ["flink-cluster.sh"]:
+        result = run_script(script, "status", check=False)
         lines = [line for line in result.stdout.strip().splitlines() if "\t" in line]
-        for line in lines or [f"{service}\tunknown\t-\t{result.stderr.strip()}"]:
+        for line in lines or [f"{script[:-3]}\tunknown\t-\t{result.stderr.strip()}"]:
             name, state, address, log = (line.split("\t") + ["-"] * 4)[:4]
             statuses.append(ServiceStatus(name, state, address, log))
     return statuses

@@ -9,6 +9,7 @@ download the Prism runner from GitHub, which offline machines cannot reach.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from apache_beam.options.pipeline_options import (
@@ -32,8 +33,40 @@ def default_local_args() -> list[str]:
     return local_args(os.cpu_count() or 1)
 
 
+# `--flink_cluster` stands for the options that target the session cluster of infra/flink-cluster.sh.
+FLINK_CLUSTER_FLAG = "--flink_cluster"
+
+
+def flink_cluster_args(env: Mapping[str, str] = os.environ) -> list[str]:
+    """Beam options for the session cluster (`infra/flink-cluster.sh args` prints the same, from the same ports).
+
+    The job goes to Beam's Flink job server, which submits it to the JobManager's REST port; the Python
+    SDK harness runs in the cluster's worker pool (EXTERNAL environment), one slot per TaskManager.
+    """
+    def port(name: str, default: int) -> int:
+        value = env.get(name, str(default))
+        if not value.isdigit() or not 0 < int(value) < 65536:
+            raise ValueError(f"{name}={value!r} is not a TCP port (1-65535)")
+        return int(value)
+
+    parallelism = port("EMBER_FLINK_TASKMANAGERS", 2) * port("EMBER_FLINK_SLOTS", 1)
+    return [
+        "--runner=PortableRunner",
+        f"--job_endpoint=127.0.0.1:{port('EMBER_FLINK_JOB_PORT', 18099)}",
+        f"--artifact_endpoint=127.0.0.1:{port('EMBER_FLINK_ARTIFACT_PORT', 18098)}",
+        "--environment_type=EXTERNAL",
+        f"--environment_config=127.0.0.1:{port('EMBER_FLINK_WORKER_POOL_PORT', 18050)}",
+        f"--parallelism={parallelism}",
+        # Keep each TaskManager's SDK harness for the next stages: a fresh Python worker per stage would
+        # import ember (and its models) again for each of the job's ~240 tasks.
+        "--environment_cache_millis=600000",
+    ]
+
+
 def with_defaults(beam_args: list[str]) -> list[str]:
-    """`beam_args` as given, or the local FnApiRunner default when they name no runner."""
+    """`beam_args` as given (`--flink_cluster` expanded), or the local FnApiRunner default when they name no runner."""
+    if FLINK_CLUSTER_FLAG in beam_args:
+        return flink_cluster_args() + [a for a in beam_args if a != FLINK_CLUSTER_FLAG]
     if PipelineOptions(beam_args).view_as(StandardOptions).runner is None:
         return default_local_args() + list(beam_args)
     return list(beam_args)
@@ -44,13 +77,18 @@ def runner_name(options: PipelineOptions) -> str:
 
 
 def runs_locally(options: PipelineOptions) -> bool:
-    """Workers share this machine's disk: FnApiRunner, or an embedded Flink with LOOPBACK workers."""
+    """Workers share this machine's disk: FnApiRunner, an embedded Flink with LOOPBACK workers, or the local
+    session cluster's worker pool (EXTERNAL on 127.0.0.1)."""
     name = runner_name(options)
     if name in ("FnApiRunner", "DirectRunner", "BundleBasedDirectRunner", "SwitchingDirectRunner"):
         return True
     portable = options.view_as(PortableOptions)
     flink_master = options.get_all_options().get("flink_master")
-    return name in ("FlinkRunner", "PortableRunner") and portable.environment_type == "LOOPBACK" and flink_master == "[local]"
+    if name not in ("FlinkRunner", "PortableRunner"):
+        return False
+    if portable.environment_type == "EXTERNAL":
+        return (portable.environment_config or "").split(":")[0] in ("127.0.0.1", "localhost")
+    return portable.environment_type == "LOOPBACK" and flink_master == "[local]"
 
 
 def dataflow_problems(options: PipelineOptions) -> list[str]:

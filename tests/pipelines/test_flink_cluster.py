@@ -1,0 +1,121 @@
+"""The corpus build on the Flink session cluster of infra/flink-cluster.sh (JobManager, two TaskManagers,
+Beam job server, Python worker pool: separate processes on 127.0.0.1), against FnApiRunner byte for byte,
+and surviving a TaskManager killed with -9 in the middle of the build.
+
+The job server is Beam 2.62.0 (the newest Flink runner the Maven mirror serves) while the Python SDK is
+2.77.0 (Beam 2.62 needs pyarrow<17; ember needs pyarrow>=23): these tests are what proves that pairing.
+Slow by necessity: a cluster build of the 66-document sample (121 Flink vertices, a job submission that
+translates and stages the job server's jars) took 68 s in this file's run (114 s with the TaskManager
+killed and the job restarted; 208 s for the file), and up to 359 s on two heavily shared cores, where
+FnApiRunner takes 16 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from apache_beam.options.pipeline_options import PipelineOptions
+
+from ember.dev import services
+from ember.demo.sample_corpus import SampleCorpus, write_sample_corpus
+from ember.pipelines.corpus_config import parse_config
+from ember.pipelines.runners import FLINK_CLUSTER_FLAG, flink_cluster_args, runs_locally, with_defaults
+
+from .corpus_support import build, file_digests
+
+REST = f"http://127.0.0.1:{os.environ.get('EMBER_FLINK_REST_PORT', '18081')}"
+
+
+def rest(path: str) -> dict:
+    with urllib.request.urlopen(REST + path, timeout=5) as response:
+        return json.load(response)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> list[str]:
+    """The running session cluster (started when it is not: `ember dev up flink` does the same)."""
+    try:
+        services.start("flink")
+    except services.ServiceError as exc:
+        pytest.fail(f"the Flink session cluster did not start:\n{exc}")
+    assert rest("/overview")["taskmanagers"] >= 2
+    return flink_cluster_args()
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory: pytest.TempPathFactory) -> SampleCorpus:
+    return write_sample_corpus(tmp_path_factory.mktemp("corpus-input"))
+
+
+@pytest.fixture(scope="module")
+def reference(sample: SampleCorpus, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    out = tmp_path_factory.mktemp("fnapi")
+    assert build(parse_config(sample.config(str(out)))) == "DONE"
+    return file_digests(out)
+
+
+def test_the_cluster_flag_expands_to_the_scripts_options(cluster: list[str]) -> None:
+    script = services.run_script("flink-cluster.sh", "args").stdout.split()
+    assert with_defaults([FLINK_CLUSTER_FLAG, "--max_num_workers=3"]) == script + ["--max_num_workers=3"]
+    assert runs_locally(PipelineOptions(script)), "the worker pool shares this machine's disk"
+    with pytest.raises(ValueError, match="EMBER_FLINK_JOB_PORT='x'"):
+        flink_cluster_args({"EMBER_FLINK_JOB_PORT": "x"})
+
+
+def test_the_session_cluster_builds_the_same_bytes_as_fnapi(sample: SampleCorpus, reference: dict[str, str],
+                                                           cluster: list[str], tmp_path: Path) -> None:
+    finished_before = rest("/overview")["jobs-finished"]
+    assert build(parse_config(sample.config(str(tmp_path))), cluster) == "DONE"
+    assert file_digests(tmp_path) == reference
+    assert rest("/overview")["jobs-finished"] == finished_before + 1, "the job ran on the session cluster"
+
+
+def test_a_taskmanager_killed_mid_build_is_recovered_with_identical_output(
+    sample: SampleCorpus, reference: dict[str, str], cluster: list[str], tmp_path: Path
+) -> None:
+    """kill -9 of TaskManager 1 once the job's tasks run: Flink declares it lost (6 s heartbeat), restarts
+    the job (fixed-delay), its supervisor restarts the JVM, and the output is the FnApiRunner bytes."""
+    known = {j["jid"] for j in rest("/jobs/overview")["jobs"]}
+    outcome: dict[str, object] = {}
+
+    def run_build() -> None:
+        try:
+            outcome["state"] = build(parse_config(sample.config(str(tmp_path))), cluster)
+        except Exception as exc:  # reported by the assertion below
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=run_build)
+    worker.start()
+    job = None
+    deadline = time.monotonic() + 300
+    while job is None and time.monotonic() < deadline and worker.is_alive():
+        running = [j for j in rest("/jobs/overview")["jobs"] if j["jid"] not in known and j["state"] == "RUNNING"]
+        if running and running[0]["tasks"]["finished"] >= 4:
+            job = running[0]["jid"]
+        time.sleep(0.5)
+    assert job, f"no job of this build reached its running tasks: {outcome}"
+    victim = _tm_pid(1)
+    os.kill(victim, signal.SIGKILL)
+    worker.join(timeout=600)
+    assert not worker.is_alive(), "the build did not finish within 10 minutes of the kill"
+    assert outcome.get("state") == "DONE", outcome
+    assert file_digests(tmp_path) == reference, "nothing doubled or lost after the restart"
+    history = rest(f"/jobs/{job}/exceptions")["exceptionHistory"]["entries"]
+    assert history, "Flink recorded the lost TaskManager as a failure it recovered from"
+    assert _tm_pid(1) != victim, "the supervisor restarted TaskManager 1"
+    assert rest("/overview")["taskmanagers"] >= 2
+
+
+def _tm_pid(n: int) -> int:
+    """The JVM pid of TaskManager n (its supervisor's child)."""
+    result = subprocess.run(["bash", str(services.INFRA_DIR / "flink-cluster.sh"), "tm-pid", str(n)],
+                            capture_output=True, text=True, check=True)
+    return int(result.stdout.strip())
