@@ -2,11 +2,10 @@
 
 Beam, absl and grpc log at INFO/WARNING in the driver and in every SDK worker process (the
 FnApiRunner's multi-process workers are `sdk_worker_main` subprocesses that log to the stderr they
-inherit, and importing Beam warns "apitools not found" once per process). None of it is the
-operator's business unless something breaks, so for the duration of a job file descriptor 2 - the
-driver's and, by inheritance, the workers' - is a pipe that a thread copies into the log file (and,
-when verbose, on to the terminal's stderr); the driver's Python logging writes to the same descriptor
-at INFO. The terminal keeps stdout: progress, the summary, warnings and errors.
+inherit). None of it is the operator's business unless something breaks, so for the duration of a
+job file descriptor 2 - the driver's and, by inheritance, the job process's and the workers' - is a
+pipe that a thread copies into the log file (and, when verbose, on to the terminal's stderr); the
+driver's and the job process's Python logging write to the same descriptor at INFO. The terminal keeps stdout: progress, the summary, warnings and errors.
 """
 
 from __future__ import annotations
@@ -93,8 +92,7 @@ class _OwnOrSevere(logging.Filter):
 @contextmanager
 def quiet_third_party() -> Iterator[None]:
     """For commands that use Beam's filesystems but run no job (report, inspect): ember's own warnings
-    and anyone's errors reach stderr, third-party INFO/WARNING (Beam's import-time "apitools not
-    found") do not. A root handler also keeps `logging.warning` from installing its own."""
+    and anyone's errors reach stderr, third-party INFO/WARNING do not. A root handler also keeps `logging.warning` from installing its own."""
     root = logging.getLogger()
     handler = logging.StreamHandler()
     handler.addFilter(_OwnOrSevere())

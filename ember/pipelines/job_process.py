@@ -13,6 +13,7 @@ jobs run in this process as before.
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import signal
@@ -159,6 +160,9 @@ def _portable(exc: BaseException) -> BaseException:
 
 
 def _main(call: str, result: str) -> None:
+    from ember.pipelines.job_logs import LOG_FORMAT
+
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)  # to the inherited fd 2: the parent's job log
     fn, args = pickle.loads(Path(call).read_bytes())
     try:
         outcome = (True, fn(*args))

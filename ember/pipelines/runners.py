@@ -94,16 +94,26 @@ def runs_locally(options: PipelineOptions) -> bool:
 def dataflow_problems(options: PipelineOptions) -> list[str]:
     """Everything that would make a Dataflow submit fail, found before any network call.
 
-    Beam's own validator checks project, region and the gs:// locations; ember adds that its package
+    Beam's own validators check project, region and the gs:// locations; ember adds that its package
     must reach the workers (`--setup_file` pointing at an existing pyproject.toml/setup.py, or a
-    prebuilt `--sdk_container_image`).
+    prebuilt `--sdk_container_image`). GoogleCloudOptions.validate is not called as a whole: with the
+    GCS client installed it probes the buckets over the network (soft-delete policy, and creating a
+    default bucket when both locations are bad), so its pure checks are called one by one.
     """
     gcp = options.view_as(GoogleCloudOptions)
     if gcp.temp_location and not gcp.staging_location:
         gcp.staging_location = gcp.temp_location.rstrip("/") + "/staging"  # what DataflowRunner derives
     from apache_beam.runners.dataflow.dataflow_runner import DataflowRunner
 
-    problems = list(PipelineOptionsValidator(options, DataflowRunner()).validate())
+    validator = PipelineOptionsValidator(options, DataflowRunner())
+    problems = [
+        problem
+        for view in validator.OPTIONS
+        if view is not GoogleCloudOptions and callable(view.__dict__.get("validate"))
+        for problem in options.view_as(view).validate(validator)
+    ]
+    problems += validator.validate_gcs_path(gcp, "temp_location") + validator.validate_gcs_path(gcp, "staging_location")
+    problems += validator.validate_cloud_options(gcp)
     setup_file = options.view_as(SetupOptions).setup_file
     image = options.view_as(WorkerOptions).sdk_container_image
     if setup_file:
