@@ -178,58 +178,45 @@ class _Strings:
         return values.to_pylist()
 
 
-_OFFSET = pa.struct([("topic", pa.string()), ("partition", pa.int32()), ("start", pa.int64()), ("end", pa.int64())])
+@dataclass(frozen=True)
+class _Records:
+    """A list of small dataclass records, one struct per record whose fields are the struct's fields in order
+    (a TrainBatch's input ranges, a by-reference batch's rollout references)."""
 
+    struct: pa.StructType
+    record: type
 
-class _Offsets:
-    """A TrainBatch's input ranges, one struct per topic partition."""
-
-    expected = f"list<{_OFFSET}>"
+    @property
+    def expected(self) -> str:
+        return f"list<{self.struct}>"
 
     def accepts(self, arrow_type: pa.DataType) -> bool:
-        return pa.types.is_list(arrow_type) and arrow_type.value_type == _OFFSET
+        return pa.types.is_list(arrow_type) and arrow_type.value_type == self.struct
 
     def to_arrow(self, value: Any) -> pa.Array:
-        rows = [{"topic": o.topic, "partition": o.partition, "start": o.start, "end": o.end} for o in value]
-        return pa.array([rows], pa.list_(_OFFSET))
+        rows = [{name: getattr(r, name) for name in self.struct.names} for r in value]
+        return pa.array([rows], pa.list_(self.struct))
 
-    def from_arrow(self, array: pa.Array) -> list[SourceOffset]:
+    def from_arrow(self, array: pa.Array) -> list[Any]:
         structs = _row_values(array)
         _no_nulls(structs, "its entries")
         children = structs.flatten()
-        for child, name in zip(children, _OFFSET.names):
+        for child, name in zip(children, self.struct.names):
             _no_nulls(child, f"its {name}s")
-        return [SourceOffset(*row) for row in zip(*(child.to_pylist() for child in children))]
+        return [self.record(*row) for row in zip(*(child.to_pylist() for child in children))]
 
 
-_REF = pa.struct(
-    [("topic", pa.string()), ("partition", pa.int32()), ("offset", pa.int64()), ("sha256", pa.binary(ROLLOUT_DIGEST_BYTES))]
+_OFFSETS = _Records(
+    pa.struct([("topic", pa.string()), ("partition", pa.int32()), ("start", pa.int64()), ("end", pa.int64())]), SourceOffset
+)
+_REFS = _Records(
+    pa.struct([("topic", pa.string()), ("partition", pa.int32()), ("offset", pa.int64()), ("sha256", pa.binary(ROLLOUT_DIGEST_BYTES))]),
+    RolloutRef,
 )
 
 
-class _Refs:
-    """A by-reference TrainBatch's rollouts: where each message lives and the sha256 of its value."""
-
-    expected = f"list<{_REF}>"
-
-    def accepts(self, arrow_type: pa.DataType) -> bool:
-        return pa.types.is_list(arrow_type) and arrow_type.value_type == _REF
-
-    def to_arrow(self, value: Any) -> pa.Array:
-        rows = [{"topic": r.topic, "partition": r.partition, "offset": r.offset, "sha256": r.sha256} for r in value]
-        return pa.array([rows], pa.list_(_REF))
-
-    def from_arrow(self, array: pa.Array) -> list[RolloutRef]:
-        structs = _row_values(array)
-        _no_nulls(structs, "its entries")
-        children = structs.flatten()
-        for child, name in zip(children, _REF.names):
-            _no_nulls(child, f"its {name}s")
-        return [RolloutRef(*row) for row in zip(*(child.to_pylist() for child in children))]
-
-
 # How one field travels: `accepts` its Arrow type, `to_arrow` makes a one-row array, `from_arrow` reads it back.
-_Kind = _Scalar | _Numbers | _Experts | _Strings | _Offsets | _Refs
+_Kind = _Scalar | _Numbers | _Experts | _Strings | _Records
 _STRING, _INT64 = _Scalar(pa.string()), _Scalar(pa.int64())
 
 
@@ -349,10 +336,10 @@ _LAYOUTS: dict[str, _Layout] = {
                 Column("cu_seqlens", _Numbers(np.dtype("<i4"))),
                 Column("policy_versions", _Numbers(np.dtype("<i8"))),
                 Column("rollout_ids", _Strings()),
-                Column("source_offsets", _Offsets()),
+                Column("source_offsets", _OFFSETS),
                 Column("routed_experts", _Experts(), default=None),
                 Column("advantage_estimator", _STRING, default=None),
-                Column("rollout_refs", _Refs(), default=None, get=lambda b: b.rollout_refs or None),
+                Column("rollout_refs", _REFS, default=None, get=lambda b: b.rollout_refs or None),
                 Column("sequence_advantages", _Numbers(np.dtype("<f4")), default=None),
             ),
             lambda values: TrainBatch(**{**values, "rollout_refs": values["rollout_refs"] or []}),
