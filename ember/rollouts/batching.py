@@ -125,40 +125,36 @@ def build_train_batch(
     np.cumsum(lengths, out=cu_seqlens[1:])
     ids = [r.rollout_id for r in rollouts]
     refs = [s.ref for s in sequences]
+    common = dict(
+        batch_id=batch_id_for(ids),
+        step=step,
+        cu_seqlens=cu_seqlens,
+        policy_versions=np.array([r.policy_version for r in rollouts], dtype=np.int64),
+        rollout_ids=ids,
+        source_offsets=source_offsets,
+        created_at_us=created_at_us,
+        advantage_estimator=advantage_estimator,
+    )
     if all(ref is not None for ref in refs):
         return TrainBatch(
-            batch_id=batch_id_for(ids),
-            step=step,
             tokens=None,
             loss_mask=None,
             advantages=None,
             sampler_logprobs=None,
-            cu_seqlens=cu_seqlens,
-            policy_versions=np.array([r.policy_version for r in rollouts], dtype=np.int64),
-            rollout_ids=ids,
-            source_offsets=source_offsets,
-            created_at_us=created_at_us,
-            advantage_estimator=advantage_estimator,
             rollout_refs=refs,
             sequence_advantages=np.array([s.advantage for s in sequences], dtype=np.float32),
+            **common,
         )
     experts = None
     if signatures != {None}:
         experts = np.concatenate([r.routed_experts for r in rollouts])
     return TrainBatch(
-        batch_id=batch_id_for(ids),
-        step=step,
         tokens=np.concatenate([r.tokens for r in rollouts]),
         loss_mask=np.concatenate([r.loss_mask for r in rollouts]),
         advantages=np.concatenate([token_advantages(s.advantage, s.rollout.loss_mask) for s in sequences]),
         sampler_logprobs=np.concatenate([r.sampler_logprobs for r in rollouts]),
-        cu_seqlens=cu_seqlens,
-        policy_versions=np.array([r.policy_version for r in rollouts], dtype=np.int64),
-        rollout_ids=ids,
-        source_offsets=source_offsets,
         routed_experts=experts,
-        created_at_us=created_at_us,
-        advantage_estimator=advantage_estimator,
+        **common,
     )
 
 
