@@ -21,6 +21,7 @@ in-process exchange has no such counter. The projection to --project documents s
 run's per-document costs linearly (see `projection`). Restarting the cluster stops any job on it.
 
     EMBER_HOME=... .venv/bin/python bench/bench_flink_cluster.py [--docs 4000] [--files 4] [--skip-fnapi]
+        [--marginal-from bench/results/flink_cluster_400.json]   # the results of a smaller --docs run
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ def stage_of(vertex_name: str) -> str:
         target = vertex_name.split("GroupCombine: ", 1)[1]
     else:
         target = vertex_name.split(" at ", 1)[-1]
-    return re.split(r"[/,{}() ]", re.sub(r"^\[\d+\]\{?", "", target), maxsplit=1)[0] or "other"
+    name = re.split(r"[/,{}() ]", re.sub(r"^\[\d+\]\{?", "", target), maxsplit=1)[0]
+    return "other" if not name or name.startswith("ExtractOutput") else name  # Beam's multi-output plumbing
 
 
 def exchanged(jobs: list[str]) -> tuple[dict[str, int], int]:
@@ -160,23 +162,32 @@ def one_run(name: str, args: list[str], input_dir: Path, work: Path, docs: int) 
     }
 
 
-def projection(run: dict, docs: int, input_bytes: int, target: int, ratio: float | None) -> dict:
+def projection(run: dict, docs: int, input_bytes: int, target: int, ratio: float, smaller: dict | None) -> dict:
     """A `target`-document build from `run`'s per-document costs, linearly.
 
     Assumes: documents like these (input_bytes / docs each; cost grows with bytes, so 4x longer documents
     cost ~4x); every stage linear in N (the cost model in BENCHMARKS.md: B x N band keys, star edges,
-    at most max_cc_rounds rounds over <= E edges); the fixed start-up of this small run spread over the
-    documents (so an upper bound on CPU per document); parallel efficiency per added worker as measured
-    from 1 to 2 TaskManagers (ratio / 2), capped at 1; one core per worker (one slot per TaskManager).
+    at most max_cc_rounds rounds over <= E edges); one core per worker (one slot per TaskManager). Per
+    document is either the run's average (its fixed start-up spread over the documents: an upper bound)
+    or, given the same run at a smaller size (`smaller`, a results file's run), the marginal cost
+    between the two sizes. Workers are given at the parallel efficiency measured from 1 to 2
+    TaskManagers (ratio / 2, capped at 1) and at 1 (each TaskManager on cores of its own).
     """
-    cpu_per_doc = run["ember_cpu_s"] / docs
-    efficiency = min(1.0, ratio / 2) if ratio else 1.0
+    if smaller:
+        extra = docs - smaller["docs"]
+        cpu_per_doc = (run["ember_cpu_s"] - smaller["ember_cpu_s"]) / extra
+        shuffle_per_doc = (run["shuffled_total"] - smaller["shuffled_total"]) / extra
+    else:
+        cpu_per_doc, shuffle_per_doc = run["ember_cpu_s"] / docs, run["shuffled_total"] / docs
+    measured = min(1.0, ratio / 2)
     cpu_hours = cpu_per_doc * target / 3600
-    workers = {hours: math.ceil(cpu_hours / hours / efficiency) for hours in (24, 72)}
     return {
-        "documents": target, "bytes_per_document": input_bytes / docs, "cpu_s_per_document": cpu_per_doc,
-        "cpu_hours": cpu_hours, "parallel_efficiency": efficiency, "workers_for_hours": workers,
-        "shuffle_bytes": run["shuffled_total"] / docs * target,
+        "documents": target, "per_document": "marginal" if smaller else "average",
+        "bytes_per_document": input_bytes / docs, "cpu_s_per_document": cpu_per_doc, "cpu_hours": cpu_hours,
+        "measured_parallel_efficiency": measured,
+        "workers_for_hours": {f"{hours}h_efficiency_{e:.2f}": math.ceil(cpu_hours / hours / e)
+                              for hours in (24, 72) for e in (measured, 1.0)},
+        "shuffle_bytes": shuffle_per_doc * target,
     }
 
 
@@ -204,6 +215,8 @@ def main() -> None:
     p.add_argument("--files", type=int, default=4)
     p.add_argument("--project", type=int, default=10**9, help="documents of the projected build")
     p.add_argument("--skip-fnapi", action="store_true")
+    p.add_argument("--marginal-from", type=Path,
+                   help="a results JSON of a smaller --docs run: project from the cost between the two sizes")
     p.add_argument("--results", type=Path, default=BENCH / "results")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ember-bench-flink-"))
@@ -225,16 +238,20 @@ def main() -> None:
             restart_cluster(2)
     by_name = {r["run"]: r for r in runs}
     ratio = by_name["flink-1"]["wall_s"] / by_name["flink-2"]["wall_s"]
-    projected = projection(by_name["flink-2"], args.docs, input_bytes, args.project, ratio)
+    smaller = None
+    if args.marginal_from:
+        earlier = json.loads(args.marginal_from.read_text())
+        smaller = {**next(r for r in earlier["runs"] if r["run"] == "flink-2"), "docs": earlier["docs"]}
+    projected = projection(by_name["flink-2"], args.docs, input_bytes, args.project, ratio, smaller)
     print()
     print(table(runs))
     print(f"\nscaling 2 TM / 1 TM (wall of 1 TM / wall of 2 TM): {ratio:.2f}x; "
           f"load average at the end {os.getloadavg()[0]:.2f}")
-    print(f"\nprojection, {args.project:.0e} documents of {projected['bytes_per_document']:.0f} B: "
-          f"{projected['cpu_hours']:,.0f} CPU hours ({projected['cpu_s_per_document'] * 1e3:.2f} CPU ms per document), "
-          f"workers for 24 h: {projected['workers_for_hours'][24]:,}, for 72 h: {projected['workers_for_hours'][72]:,} "
-          f"(parallel efficiency {projected['parallel_efficiency']:.2f}), "
-          f"shuffle {projected['shuffle_bytes'] / 1e12:.1f} TB")
+    workers = ", ".join(f"{k}: {v:,}" for k, v in projected["workers_for_hours"].items())
+    print(f"\nprojection ({projected['per_document']} cost per document), {args.project:.0e} documents of "
+          f"{projected['bytes_per_document']:.0f} B: {projected['cpu_hours']:,.0f} CPU hours "
+          f"({projected['cpu_s_per_document'] * 1e3:.2f} CPU ms per document); workers {workers}; "
+          f"shuffle {projected['shuffle_bytes'] / 1e12:.2f} TB")
     args.results.mkdir(parents=True, exist_ok=True)
     result = args.results / f"flink_cluster_{args.docs}.json"
     result.write_text(json.dumps({
