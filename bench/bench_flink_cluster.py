@@ -15,10 +15,11 @@ process plus every process of the cluster (its pid files and their children). By
 Flink's own counters from the REST API's /jobs/<id>: `shuffled` is the `write-bytes` of each vertex that
 feeds a repartitioning edge (hash partition for a GroupByKey, broadcast, rebalance), summed per ember
 transform; `passed between vertices` adds the forward edges (serialised through Flink's network stack
-too, but not repartitioned). A local build runs as two Flink jobs (the documents phase and the output
-phase), both counted. FnApiRunner's
-in-process exchange has no such counter. The projection to --project documents scales the 2-TaskManager
-run's per-document costs linearly (see `projection`). Restarting the cluster stops any job on it.
+too, but not repartitioned). Each run is one Beam job, the whole graph (corpus_pipeline.run, what a
+build to gs:// or s3:// submits; `ember corpus build` to a local directory splits it into two jobs with
+a phase cache between). FnApiRunner's in-process exchange has no such counter. The projection to
+--project documents scales the 2-TaskManager run's per-document costs linearly (see `projection`).
+Restarting the cluster stops any job on it.
 
     EMBER_HOME=... .venv/bin/python bench/bench_flink_cluster.py [--docs 4000] [--files 4] [--skip-fnapi]
         [--marginal-from bench/results/flink_cluster_400.json]   # the results of a smaller --docs run
