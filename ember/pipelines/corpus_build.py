@@ -45,7 +45,7 @@ from ember.pipelines.output_guard import (
 )
 from ember.pipelines.job_process import Interrupted, run_job, signals_deferred
 from ember.pipelines.progress import watch
-from ember.pipelines.runners import dataflow_problems, runner_name, runs_locally, with_defaults
+from ember.pipelines.runners import BuildFailed, dataflow_problems, runner_name, runs_locally, with_defaults
 from ember.schemas import Manifest, read_manifest
 from ember.tokenize.config import ShardSource, TokenizeConfig
 
@@ -55,10 +55,6 @@ if TYPE_CHECKING:
 # Output bytes per input byte, a generous ceiling: outputs are zstd Parquet, so plain JSONL shrinks;
 # compressed inputs (Parquet, gzip, zstd) expand to their text first. A shard set inside the output doubles it.
 OUTPUT_PER_INPUT_BYTE = {"jsonl": 1, "parquet": 3, "jsonl.gz": 4, "jsonl.zst": 4, "warc": 4, "html": 1}
-
-
-class BuildFailed(RuntimeError):
-    """The Beam job did not finish in state DONE."""
 
 
 @dataclass(frozen=True)

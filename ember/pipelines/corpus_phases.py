@@ -39,6 +39,7 @@ from ember.pipelines.corpus_config import CorpusConfig
 from ember.pipelines.corpus_outputs import WriteParquetParts, write_outputs
 from ember.pipelines.corpus_pipeline import corpus_stages
 from ember.pipelines.corpus_stages import ExactDedup, NearDedup, StageOutput
+from ember.pipelines.runners import finish
 from ember.files import write_atomically
 from ember.schemas.documents import DOCUMENT_SCHEMA, REJECTED_SCHEMA
 
@@ -212,12 +213,14 @@ def output_pipeline(p: beam.Pipeline, config: CorpusConfig, entry: str, marker: 
 
 def run_documents(config: CorpusConfig, args: list[str], entry: str, progress_dir: str | None) -> str:
     """The `documents` phase as one Beam job; returns its final state (module level: it may run in a child process)."""
-    p = beam.Pipeline(options=PipelineOptions(args))
+    options = PipelineOptions(args)
+    p = beam.Pipeline(options=options)
     documents_pipeline(p, config, entry, progress_dir)
-    return str(p.run().wait_until_finish())
+    return finish(p.run(), options)
 
 
 def run_output(config: CorpusConfig, args: list[str], entry: str, marker: dict[str, Any], progress_dir: str | None) -> str:
-    p = beam.Pipeline(options=PipelineOptions(args))
+    options = PipelineOptions(args)
+    p = beam.Pipeline(options=options)
     output_pipeline(p, config, entry, marker, progress_dir)
-    return str(p.run().wait_until_finish())
+    return finish(p.run(), options)

@@ -18,6 +18,7 @@ from ember.pipelines.corpus_stages import (
     CLUSTER_TEXT_FIELDS, REJECT_TEXT_FIELDS, ExactDedup, FilterDocuments, NearDedup, PerDocument, ReadSources,
     RedactDocuments, RedactRows, StageOutput, UniqueIds,
 )
+from ember.pipelines.runners import finish
 
 
 def corpus_stages(config: CorpusConfig, progress_dir: str | None = None) -> list[beam.PTransform]:
@@ -62,4 +63,4 @@ def run(config: CorpusConfig, options: PipelineOptions, progress_dir: str | None
     p = beam.Pipeline(options=options)
     build_pipeline(p, config, progress_dir)
     result = p.run()
-    return str(result.wait_until_finish() if wait else result.state)
+    return finish(result, options) if wait else str(result.state)

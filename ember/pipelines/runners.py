@@ -9,6 +9,7 @@ download the Prism runner from GitHub, which offline machines cannot reach.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -21,6 +22,11 @@ from apache_beam.options.pipeline_options import (
     WorkerOptions,
 )
 from apache_beam.options.pipeline_options_validator import PipelineOptionsValidator
+from apache_beam.runners.runner import PipelineResult
+
+
+class BuildFailed(RuntimeError):
+    """The Beam job did not finish in state DONE."""
 
 
 def local_args(workers: int) -> list[str]:
@@ -74,6 +80,28 @@ def with_defaults(beam_args: list[str]) -> list[str]:
 
 def runner_name(options: PipelineOptions) -> str:
     return (options.view_as(StandardOptions).runner or "").rsplit(".", 1)[-1]
+
+
+def finish(result: PipelineResult, options: PipelineOptions) -> str:
+    """Wait for the job and return its final state; a job that ends FAILED or CANCELLED raises `BuildFailed`.
+
+    A portable runner (the Flink session cluster) reports a failed job as a RuntimeError carrying the job
+    server's whole Java stack trace, which the CLI would print as a traceback. `BuildFailed` gives it one line
+    instead (runner, state, the error's first line); Beam has already logged the full text into the job log.
+    """
+    try:
+        return str(result.wait_until_finish())
+    except RuntimeError as exc:
+        state = result.state
+        if state not in ("FAILED", "CANCELLED"):
+            raise
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "no error text")
+        beams = re.match(r"Pipeline (\S+) failed in state \w+: (.*)", first)  # Beam's wording of a portable failure
+        job, cause = (f" {beams[1]}", beams[2]) if beams else ("", first)
+        raise BuildFailed(
+            f"the {runner_name(options)} job{job} failed: it ended in state {state} ({cause[:300]}); "
+            "Beam wrote the runner's full error into the job log"
+        ) from exc
 
 
 def runs_locally(options: PipelineOptions) -> bool:

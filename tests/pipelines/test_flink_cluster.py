@@ -1,6 +1,7 @@
 """The corpus build on the Flink session cluster of infra/flink-cluster.sh (JobManager, two TaskManagers,
 Beam job server, Python worker pool: separate processes on 127.0.0.1), against FnApiRunner byte for byte,
-and surviving a TaskManager killed with -9 in the middle of the build.
+surviving a TaskManager killed with -9 in the middle of the build, and failing with one clear line (no
+manifest) when the worker pool is killed and stays down.
 
 The job server is Beam 2.62.0 (the newest Flink runner the Maven mirror serves) while the Python SDK is
 2.77.0 (Beam 2.62 needs pyarrow<17; ember needs pyarrow>=23): these tests are what proves that pairing.
@@ -16,12 +17,14 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from ember.dev import services
@@ -30,6 +33,8 @@ from ember.pipelines.corpus_config import parse_config
 from ember.pipelines.runners import FLINK_CLUSTER_FLAG, flink_cluster_args, runs_locally, with_defaults
 
 from .corpus_support import build, file_digests
+
+REPO = Path(__file__).resolve().parents[2]
 
 REST = f"http://127.0.0.1:{os.environ.get('EMBER_FLINK_REST_PORT', '18081')}"
 
@@ -78,6 +83,36 @@ def test_the_session_cluster_builds_the_same_bytes_as_fnapi(sample: SampleCorpus
     assert rest("/overview")["jobs-finished"] == finished_before + 1, "the job ran on the session cluster"
 
 
+def test_a_stage_that_cannot_recover_fails_the_build_with_one_line_and_no_manifest(
+    sample: SampleCorpus, cluster: list[str], tmp_path: Path
+) -> None:
+    """kill -9 of the worker pool's process group (the pool and every SDK harness) once the job's tasks run,
+    and no pool restarted: each of Flink's restarts (fixed-delay, 4 attempts 2 s apart) finds no harness to
+    start, the job ends FAILED, and `ember corpus build` says so in one line, exit 1, with no manifest.json
+    or stats.json written. The pool is started again afterwards; the next test builds on it."""
+    out = tmp_path / "out"
+    config = tmp_path / "corpus.yaml"
+    config.write_text(yaml.safe_dump(sample.config(str(out))))
+    known = {j["jid"] for j in rest("/jobs/overview")["jobs"]}
+    command = [sys.executable, "-c", "from ember.cli import app; app()", "corpus", "build", str(config), FLINK_CLUSTER_FLAG]
+    env = {**os.environ, "COLUMNS": "200", "PYTHONPATH": str(REPO)}
+    cli = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        job = _running_job(known, cli)
+        assert job, "no job of this build reached its running tasks"
+        os.killpg(_pool_pid(), signal.SIGKILL)
+        output, _ = cli.communicate(timeout=300)
+    finally:
+        cli.terminate()  # a no-op once it has exited; else SIGTERM stops its job process too
+        services.start("flink")
+    assert cli.returncode == 1, output
+    assert "Traceback" not in output, output
+    assert "failed: it ended in state FAILED" in output and "(the log: " in output, output
+    assert rest(f"/jobs/{job}")["state"] == "FAILED"
+    assert not list(tmp_path.rglob("manifest.json")) and not list(tmp_path.rglob("stats.json")), sorted(tmp_path.rglob("*"))
+    assert "worker pool 127.0.0.1" in services.run_script("flink-cluster.sh", "status").stdout
+
+
 def test_a_taskmanager_killed_mid_build_is_recovered_with_identical_output(
     sample: SampleCorpus, reference: dict[str, str], cluster: list[str], tmp_path: Path
 ) -> None:
@@ -112,6 +147,23 @@ def test_a_taskmanager_killed_mid_build_is_recovered_with_identical_output(
     assert history, "Flink recorded the lost TaskManager as a failure it recovered from"
     assert _tm_pid(1) != victim, "the supervisor restarted TaskManager 1"
     assert rest("/overview")["taskmanagers"] >= 2
+
+
+def _running_job(known: set[str], cli: subprocess.Popen) -> str | None:
+    """The Flink job id of the build `cli` submitted, once one of its tasks runs."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and cli.poll() is None:
+        for j in rest("/jobs/overview")["jobs"]:
+            if j["jid"] not in known and j["state"] == "RUNNING" and j["tasks"]["running"] + j["tasks"]["finished"]:
+                return j["jid"]
+        time.sleep(0.5)
+    return None
+
+
+def _pool_pid() -> int:
+    """The worker pool's pid, which leads its process group (infra/common.sh start_bg runs it under setsid)."""
+    home = Path(os.environ.get("EMBER_HOME", REPO / ".ember"))
+    return int((home / "run" / "flink-cluster" / "worker-pool.pid").read_text().split()[0])
 
 
 def _tm_pid(n: int) -> int:
