@@ -11,8 +11,10 @@ given; only then are staging, auth and the endpoint pointed away from the networ
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,11 +44,30 @@ def render_problems(beam_args: list[str]) -> list[str]:
     if runner_name(options) != "DataflowRunner":
         return ["dataflow-render renders a Dataflow job: pass --runner=DataflowRunner"]
     problems = dataflow_problems(options)
-    if options.view_as(SetupOptions).setup_file and importlib.util.find_spec("build") is None:
-        problems.append(
-            "--setup_file needs the 'build' package (Beam runs `python -m build --no-isolation --sdist`), which is "
-            "not installed in this environment: install it, or ship ember in --sdk_container_image instead")
+    setup_file = options.view_as(SetupOptions).setup_file
+    if setup_file and Path(setup_file).is_file():
+        missing = missing_build_tools(Path(setup_file))
+        if missing:
+            problems.append(
+                f"--setup_file needs {', '.join(missing)} in this environment (Beam packages ember with "
+                "`python -m build --no-isolation --sdist`, which uses the build-system requirements as installed): "
+                "install them, or ship ember in --sdk_container_image instead")
     return problems
+
+
+def missing_build_tools(setup_file: Path) -> list[str]:
+    """The `build` package and the setup file's build-system requirements that are not installed here."""
+    from packaging.requirements import Requirement
+
+    missing = [] if importlib.util.find_spec("build") else ["build"]
+    if setup_file.name == "pyproject.toml":
+        requires = tomllib.loads(setup_file.read_text()).get("build-system", {}).get("requires", [])
+        for name in (Requirement(r).name for r in requires):
+            try:
+                importlib.metadata.version(name)
+            except importlib.metadata.PackageNotFoundError:
+                missing.append(name)
+    return missing
 
 
 def render(config: CorpusConfig, beam_args: list[str], out: Path) -> Rendered:

@@ -5,7 +5,6 @@ FnApiRunner."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -25,7 +24,7 @@ from ember.pipelines import flex_main
 from ember.pipelines.corpus_build import prepare_options
 from ember.pipelines.cli import app
 from ember.pipelines.corpus_report import read_stats
-from ember.pipelines.dataflow_render import proto_transforms
+from ember.pipelines.dataflow_render import missing_build_tools, proto_transforms
 from ember.pipelines.decontamination import write_benchmark
 from ember.pipelines.runners import default_local_args, local_args, with_defaults
 from ember.demo.sample_corpus import write_sample_corpus
@@ -182,9 +181,11 @@ def test_render_writes_the_job_staged_files_and_flex_spec_without_network(exampl
 
 def test_render_with_the_setup_file_packages_ember_or_says_what_is_missing(example_config: Path, tmp_path: Path) -> None:
     result = cli_offline("dataflow-render", str(example_config), str(tmp_path / "render"), *GOOD)
-    if importlib.util.find_spec("build") is None:
-        assert result.returncode == 2 and "--setup_file needs the 'build' package" in result.stdout
-        assert "Traceback" not in result.stdout + result.stderr
+    missing = missing_build_tools(ROOT / "pyproject.toml")
+    if missing:
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert f"--setup_file needs {', '.join(missing)} in this environment" in result.stdout
+        assert "Traceback" not in result.stdout + result.stderr and not (tmp_path / "render" / "job.json").exists()
     else:
         assert result.returncode == 0, result.stdout + result.stderr
         assert "staged: workflow.tar.gz" in result.stdout
