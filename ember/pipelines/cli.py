@@ -222,6 +222,42 @@ def build(
         fail(f"--strict: {len(outcome.warnings)} source warning(s) above; the output is written", STRICT_EXIT)
 
 
+@app.command("dataflow-render", context_settings=BEAM_OPTIONS)
+def dataflow_render(
+    config: Path = typer.Argument(..., help="Corpus build YAML, as `build` takes it."),
+    out: Path = typer.Argument(..., help="New or empty folder for the job request, staged files and flex template spec."),
+    beam_args: list[str] = typer.Argument(
+        None, help="The Dataflow options `build` would get: --runner=DataflowRunner --project --region --temp_location=gs://..."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help=VERBOSE_HELP),
+) -> None:
+    """Render a Dataflow submit without sending it: the options checked as `build` checks them, then Beam's
+    DataflowRunner writes the job request (OUT/job.json), the pipeline proto and packages it would stage
+    (OUT/staging) and the flex template spec (OUT/flex-template.json), with no credentials and no network."""
+    from ember.configs import CorpusConfigError
+    from ember.pipelines.corpus_config import load_config
+
+    try:
+        settings = load_config(str(config))
+    except CorpusConfigError as exc:
+        fail(exc)
+    from ember.pipelines.job_logs import job_logs
+
+    with job_logs(verbose) as logs:
+        console.print(f"log: {logs.write_to(out.with_name(out.name + '.log'))}", highlight=False)
+        from ember.pipelines.dataflow_render import render
+
+        try:
+            rendered = render(settings, list(beam_args or []), out)
+        except CorpusConfigError as exc:
+            fail(exc)
+    console.print(f"job request: {rendered.job} ({rendered.job.stat().st_size} bytes)", highlight=False)
+    console.print(f"pipeline: {rendered.transforms} transforms, {rendered.leaf_transforms} leaf", highlight=False)
+    for name, size in rendered.staged.items():
+        console.print(f"staged: {name} ({size} bytes)", highlight=False)
+    spec = rendered.flex_spec or "not written (needs --sdk_container_image, and a checkout's infra/dataflow/metadata.json)"
+    console.print(f"flex template spec: {spec}", highlight=False)
+
+
 @app.command("report")
 def report(
     directory: str = typer.Argument(..., help="Output directory of a finished build (local, gs:// or s3://)."),
