@@ -179,16 +179,22 @@ def test_render_writes_the_job_staged_files_and_flex_spec_without_network(exampl
     assert spec["metadata"] == json.loads((TEMPLATE / "metadata.json").read_text())
 
 
-def test_render_with_the_setup_file_packages_ember_or_says_what_is_missing(example_config: Path, tmp_path: Path) -> None:
+def test_render_with_the_setup_file_packages_ember(example_config: Path, tmp_path: Path) -> None:
+    assert missing_build_tools(ROOT / "pyproject.toml") == [], "build and the build backend are in the lock"
     result = cli_offline("dataflow-render", str(example_config), str(tmp_path / "render"), *GOOD)
-    missing = missing_build_tools(ROOT / "pyproject.toml")
-    if missing:
-        assert result.returncode == 2, result.stdout + result.stderr
-        assert f"--setup_file needs {', '.join(missing)} in this environment" in result.stdout
-        assert "Traceback" not in result.stdout + result.stderr and not (tmp_path / "render" / "job.json").exists()
-    else:
-        assert result.returncode == 0, result.stdout + result.stderr
-        assert "staged: workflow.tar.gz" in result.stdout
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "staged: workflow.tar.gz" in result.stdout
+
+
+def test_a_setup_file_whose_build_backend_is_missing_is_refused_naming_it(example_config: Path, tmp_path: Path) -> None:
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "pyproject.toml").write_text('[build-system]\nrequires = ["hatchling>=1.0"]\nbuild-backend = "hatchling.build"\n')
+    args = [a for a in GOOD if not a.startswith("--setup_file")] + [f"--setup_file={project / 'pyproject.toml'}"]
+    result = CliRunner().invoke(app, ["dataflow-render", str(example_config), str(tmp_path / "render"), *args])
+    assert result.exit_code == 2, result.stdout
+    assert "--setup_file needs hatchling in this environment" in result.stdout
+    assert "Traceback" not in result.stdout and not (tmp_path / "render" / "job.json").exists()
 
 
 def test_render_names_every_bad_option_on_its_own_line(example_config: Path, tmp_path: Path) -> None:
