@@ -48,7 +48,7 @@ def stopped(exc: BaseException) -> NoReturn:
 @app.command("tokenize", context_settings=BEAM_OPTIONS)
 def tokenize(
     ctx: typer.Context,
-    config: Path = typer.Argument(..., help="YAML config (see ember/tokenize/examples/tokenize.yaml)."),
+    config: str = typer.Argument(..., help="YAML config, a path or gs:// / s3:// URL (see ember/tokenize/examples/tokenize.yaml)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a previous build in output_dir."),
     min_free_mb: int | None = typer.Option(None, "--min-free-mb", min=0, help=MIN_FREE_HELP),
     verbose: bool = typer.Option(False, "--verbose", "-v", help=VERBOSE_HELP),
@@ -81,8 +81,10 @@ def tokenize(
             fail(exc)
         except Interrupted as exc:
             out = settings.output_dir
-            exc.state = exc.state or (f"output_dir {out} holds the previous shard set, unchanged" if out.exists()
-                                      else f"output_dir {out} was not created") + "; a rerun starts the tokenize job over"
+            exc.state = exc.state or (
+                f"output_dir {out}: nothing committed (the manifest is written last)" if isinstance(out, str)
+                else f"output_dir {out} holds the previous shard set, unchanged" if out.exists()
+                else f"output_dir {out} was not created") + "; a rerun starts the tokenize job over"
             stopped(exc)
     table = Table("source", "documents", "tokens", "sequences", "padding", "fill", "split docs", "rejected")
     for name, stats in manifest.sources.items():
@@ -175,7 +177,7 @@ def inspect(
 
 @app.command("build", context_settings=BEAM_OPTIONS)
 def build(
-    config: Path = typer.Argument(..., help="Corpus build YAML (sources, filters, redaction, dedup, output)."),
+    config: str = typer.Argument(..., help="Corpus build YAML, a path or gs:// / s3:// URL (sources, filters, redaction, dedup, output)."),
     beam_args: list[str] = typer.Argument(
         None,
         help="Beam pipeline options, passed through unchanged. Default: --runner=FnApiRunner "

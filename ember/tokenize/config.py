@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from ember import configs
+from ember import configs, storage
 from ember.configs import StrictModel, TokenizeConfigError, at_most
 
 MAX_SEQ_LEN = 2**20
@@ -146,8 +146,14 @@ class PackSettings(StrictModel):
 class TokenizeConfig(PackSettings):
     """The whole build: one config hash covers everything that changes the bytes of the shards."""
 
-    output_dir: Path
+    output_dir: Path | str = Field(description="a local directory, gs://BUCKET/... or s3://BUCKET/...")
     sources: list[ShardSource] = Field(min_length=1)
+
+    @field_validator("output_dir")
+    @classmethod
+    def _local_path_or_url(cls, value: Path | str) -> Path | str:
+        """A URL stays a string (a Path would fold gs:// into gs:/); a local directory is a Path."""
+        return value if isinstance(value, Path) or storage.is_url(value) else Path(value)
 
     @field_validator("sources")
     @classmethod
@@ -167,15 +173,34 @@ def parse_config(data: object, where: str = "config") -> TokenizeConfig:
 
 
 def load_config(path: str | Path) -> TokenizeConfig:
-    """Relative paths inside the file resolve against the file's own directory."""
-    path = Path(path)
-    data = configs.read_yaml_mapping(path, TokenizeConfigError)
-    config = parse_config(data, str(path))
-    base = path.resolve().parent
+    """A local file or a gs:// / s3:// URL. Relative sources and output_dir resolve against the file's own directory
+    (for a URL config, as URLs beside it); a relative tokenizer.path against a local config's directory, else the
+    current one (a tokenizer file is read locally)."""
+    if storage.is_url(path):
+        try:
+            storage.preflight(path)
+            raw = storage.read_bytes(path)
+        except storage.StorageError as exc:
+            raise TokenizeConfigError(str(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - Beam wraps every filesystem failure in its own BeamIOError
+            raise TokenizeConfigError(f"{path}: cannot read the config file: {exc}") from None
+        data = configs.parse_yaml_bytes(raw, str(path), TokenizeConfigError)
+        config = parse_config(data, str(path))
+        base = str(path).rsplit("/", 1)[0]
+        tokenizer = config.tokenizer
+    else:
+        path = Path(path)
+        config = parse_config(configs.read_yaml_mapping(path, TokenizeConfigError), str(path))
+        base = path.resolve().parent
+        tokenizer = config.tokenizer.resolved_against(base)
+
+    def resolve(location: Path | str) -> Path | str:
+        return location if storage.is_url(location) else storage.join(base, str(location)) if storage.is_url(base) else base / location
+
     return config.model_copy(
         update={
-            "output_dir": base / config.output_dir,
-            "tokenizer": config.tokenizer.resolved_against(base),
-            "sources": [s.model_copy(update={"path": str(base / s.path)}) for s in config.sources],
+            "output_dir": resolve(config.output_dir),
+            "tokenizer": tokenizer,
+            "sources": [s.model_copy(update={"path": str(resolve(s.path))}) for s in config.sources],
         }
     )
