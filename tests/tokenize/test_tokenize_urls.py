@@ -5,7 +5,16 @@ than mixed on a rerun."""
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
 
+import boto3
+import botocore.exceptions
 import pytest
 import yaml
 from typer.testing import CliRunner
@@ -113,3 +122,50 @@ def test_a_bad_source_bucket_fails_before_any_work_naming_it(tmp_path, gs_bucket
     code, output = invoke("corpus", "tokenize", tmp_path / "t.yaml")
     assert code == 2 and f"{source}: bucket 'ember-no-such-bucket' does not exist" in output, output
     assert storage.list_files(f"{gs_bucket}/out") == {}
+
+
+@pytest.fixture(scope="module")
+def locked_s3() -> Iterator[dict[str, str]]:
+    """A second moto S3 server, on a free port, that enforces IAM (INITIAL_NO_AUTH_ACTION_COUNT: the first three
+    requests are let through to create bucket `locked` and a user with no policy and its keys): the client settings
+    of that user, who may do nothing on S3. Stopped after the module."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(
+        [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
+        env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        endpoint = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.5).close()
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, f"moto_server on {endpoint} did not start"
+                time.sleep(0.1)
+        admin = {"endpoint_url": endpoint, "region_name": "us-east-1", "aws_access_key_id": "admin",
+                 "aws_secret_access_key": "admin"}
+        boto3.client("s3", **admin).create_bucket(Bucket="locked")
+        iam = boto3.client("iam", **admin)
+        iam.create_user(UserName="nobody")
+        key = iam.create_access_key(UserName="nobody")["AccessKey"]
+        yield {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
+               "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"], "AWS_DEFAULT_REGION": "us-east-1"}
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_no_permission_on_the_output_bucket_fails_before_any_work_naming_it(tmp_path, inputs, locked_s3, monkeypatch,
+                                                                             hf_tokenizer_path):
+    for name, value in locked_s3.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(botocore.exceptions.ClientError, match="AccessDenied"):  # the store knows and refuses this user
+        boto3.session.Session().client("s3").list_objects_v2(Bucket="locked")
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump(config(hf_tokenizer_path, inputs["local"], "s3://locked/out")))
+    code, output = invoke("corpus", "tokenize", tmp_path / "t.yaml")
+    assert code == 2 and "s3://locked/out: permission denied on bucket 'locked'" in output, output
+    assert "documents/s" not in output and not list(tmp_path.glob("out*"))
