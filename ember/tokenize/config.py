@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from ember import configs, storage
+from ember import configs
 from ember.configs import StrictModel, TokenizeConfigError, at_most
 
 MAX_SEQ_LEN = 2**20
@@ -153,7 +153,7 @@ class TokenizeConfig(PackSettings):
     @classmethod
     def _local_path_or_url(cls, value: Path | str) -> Path | str:
         """A URL stays a string (a Path would fold gs:// into gs:/); a local directory is a Path."""
-        return value if isinstance(value, Path) or storage.is_url(value) else Path(value)
+        return value if isinstance(value, Path) or is_url(value) else Path(value)
 
     @field_validator("sources")
     @classmethod
@@ -172,21 +172,19 @@ def parse_config(data: object, where: str = "config") -> TokenizeConfig:
     return configs.validate(TokenizeConfig, data, where, TokenizeConfigError)
 
 
-def load_config(path: str | Path) -> TokenizeConfig:
-    """A local file or a gs:// / s3:// URL. Relative sources and output_dir resolve against the file's own directory
-    (for a URL config, as URLs beside it); a relative tokenizer.path against a local config's directory, else the
-    current one (a tokenizer file is read locally)."""
-    if storage.is_url(path):
-        try:
-            storage.preflight(path)
-            raw = storage.read_bytes(path)
-        except storage.StorageError as exc:
-            raise TokenizeConfigError(str(exc)) from None
-        except Exception as exc:  # noqa: BLE001 - Beam wraps every filesystem failure in its own BeamIOError
-            raise TokenizeConfigError(f"{path}: cannot read the config file: {exc}") from None
-        data = configs.parse_yaml_bytes(raw, str(path), TokenizeConfigError)
-        config = parse_config(data, str(path))
-        base = str(path).rsplit("/", 1)[0]
+def is_url(location: str | Path) -> bool:
+    """gs://, s3://: the scheme checks belong to ember.storage, which this module does not import (it loads Beam, and
+    the midtrain config reads this module)."""
+    return "://" in str(location)
+
+
+def load_config(path: str | Path, data: bytes | None = None) -> TokenizeConfig:
+    """A local file, or the bytes `data` of a config at URL `path` (read by the caller). Relative sources and
+    output_dir resolve against the file's own directory (for a URL config, as URLs beside it); a relative
+    tokenizer.path against a local config's directory, else the current one (a tokenizer file is read locally)."""
+    if data is not None:
+        config = parse_config(configs.parse_yaml_bytes(data, str(path), TokenizeConfigError), str(path))
+        base: str | Path = str(path).rsplit("/", 1)[0]
         tokenizer = config.tokenizer
     else:
         path = Path(path)
@@ -195,7 +193,9 @@ def load_config(path: str | Path) -> TokenizeConfig:
         tokenizer = config.tokenizer.resolved_against(base)
 
     def resolve(location: Path | str) -> Path | str:
-        return location if storage.is_url(location) else storage.join(base, str(location)) if storage.is_url(base) else base / location
+        if is_url(location):
+            return location
+        return f"{base}/{location}" if isinstance(base, str) else base / location
 
     return config.model_copy(
         update={

@@ -169,3 +169,9 @@ def test_no_permission_on_the_output_bucket_fails_before_any_work_naming_it(tmp_
     code, output = invoke("corpus", "tokenize", tmp_path / "t.yaml")
     assert code == 2 and "s3://locked/out: permission denied on bucket 'locked'" in output, output
     assert "documents/s" not in output and not list(tmp_path.glob("out*"))
+
+
+def test_a_missing_config_url_is_named(gs_bucket):
+    missing = f"{gs_bucket}/configs/missing.yaml"
+    code, output = invoke("corpus", "tokenize", missing)
+    assert code == 2 and f"{missing}: cannot read the config file" in output, output
