@@ -45,10 +45,30 @@ def stopped(exc: BaseException) -> NoReturn:
     raise typer.Exit(exc.exit_code)
 
 
+def _tokenize_config(location: str):
+    """The tokenize config at a local path, or at a gs:// / s3:// URL (its bucket checked first, so a typo, a missing
+    bucket or credentials are named as such)."""
+    from ember.configs import TokenizeConfigError
+    from ember.tokenize.config import is_url, load_config
+
+    if not is_url(location):
+        return load_config(location)
+    from ember import storage
+
+    try:
+        storage.preflight(location)
+        data = storage.read_bytes(location)
+    except storage.StorageError as exc:
+        raise TokenizeConfigError(str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - Beam wraps every filesystem failure in its own BeamIOError
+        raise TokenizeConfigError(f"{location}: cannot read the config file: {exc}") from None
+    return load_config(location, data)
+
+
 @app.command("tokenize", context_settings=BEAM_OPTIONS)
 def tokenize(
     ctx: typer.Context,
-    config: Path = typer.Argument(..., help="YAML config (see ember/tokenize/examples/tokenize.yaml)."),
+    config: str = typer.Argument(..., help="YAML config, a path or gs:// / s3:// URL (see ember/tokenize/examples/tokenize.yaml)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a previous build in output_dir."),
     min_free_mb: int | None = typer.Option(None, "--min-free-mb", min=0, help=MIN_FREE_HELP),
     verbose: bool = typer.Option(False, "--verbose", "-v", help=VERBOSE_HELP),
@@ -58,10 +78,9 @@ def tokenize(
     Any further arguments go to Beam (default --runner=FnApiRunner), e.g. --direct_num_workers=2.
     """
     from ember.configs import TokenizeConfigError
-    from ember.tokenize.config import load_config
 
     try:
-        settings = load_config(config)
+        settings = _tokenize_config(config)
     except TokenizeConfigError as exc:
         fail(exc)
     from ember.pipelines.job_logs import job_logs, log_path_for
@@ -81,8 +100,10 @@ def tokenize(
             fail(exc)
         except Interrupted as exc:
             out = settings.output_dir
-            exc.state = exc.state or (f"output_dir {out} holds the previous shard set, unchanged" if out.exists()
-                                      else f"output_dir {out} was not created") + "; a rerun starts the tokenize job over"
+            exc.state = exc.state or (
+                f"output_dir {out}: nothing committed (the manifest is written last)" if isinstance(out, str)
+                else f"output_dir {out} holds the previous shard set, unchanged" if out.exists()
+                else f"output_dir {out} was not created") + "; a rerun starts the tokenize job over"
             stopped(exc)
     table = Table("source", "documents", "tokens", "sequences", "padding", "fill", "split docs", "rejected")
     for name, stats in manifest.sources.items():
@@ -175,7 +196,7 @@ def inspect(
 
 @app.command("build", context_settings=BEAM_OPTIONS)
 def build(
-    config: Path = typer.Argument(..., help="Corpus build YAML (sources, filters, redaction, dedup, output)."),
+    config: str = typer.Argument(..., help="Corpus build YAML, a path or gs:// / s3:// URL (sources, filters, redaction, dedup, output)."),
     beam_args: list[str] = typer.Argument(
         None,
         help="Beam pipeline options, passed through unchanged. Default: --runner=FnApiRunner "

@@ -106,15 +106,11 @@ def shards_config(config: CorpusConfig, output_dir: str | None = None) -> Tokeni
 
 def _tokenize_to_url(config: CorpusConfig, final: CorpusConfig, args: list[str], tokenizer: Tokenizer | None,
                      console: Console | None) -> Manifest:
-    """A shard set for a gs:// or s3:// directory: written locally (staging), then committed there shards first and
-    manifest last (ember.storage.commit_files), so a reader never finds half a set."""
-    from ember.pipelines.tokenize_pipeline import write_shard_set
+    """A shard set for a gs:// or s3:// directory, committed by the tokenize command's own `write_to_url`."""
+    from ember.pipelines.tokenize_pipeline import write_to_url
 
-    with tempfile.TemporaryDirectory(prefix="ember-shards-") as staging:
-        settings = shards_config(config, output_dir=staging)
-        write_shard_set(settings, args, tokenizer, _recorded(settings, final), console=console)
-        storage.commit_files(Path(staging), config.shards_directory)
-        return read_manifest(staging)
+    settings = shards_config(config)
+    return write_to_url(settings, args, tokenizer, _recorded(settings, final), console)
 
 
 def free_space_needed(config: CorpusConfig) -> int:
@@ -149,7 +145,8 @@ def _recorded(shards: TokenizeConfig, final: CorpusConfig) -> TokenizeConfig:
     """The shard config as the finished output will have it: the manifest's hash and the rejects name these paths."""
     documents = f"{final.output.directory.rstrip('/')}/documents"
     sources = [s.model_copy(update={"path": f"{documents}/{s.name}/*.parquet"}) for s in shards.sources]
-    return shards.model_copy(update={"sources": sources, "output_dir": Path(final.shards_directory)})
+    return shards.model_copy(update={"sources": sources, "output_dir": final.shards_directory if storage.is_url(final.shards_directory)
+                                else Path(final.shards_directory)})
 
 
 def _whole_job(config: CorpusConfig, args: list[str], progress_dir: str | None) -> str:

@@ -17,7 +17,8 @@ The graph is kept to few transforms: Beam's fixed cost (graph construction, bund
 transform, and on a small build it is most of the run (bench/bench_tokenize_pack.py).
 `run` writes the set into a fresh staging directory next to `output_dir` and swaps it in once the
 manifest is written (ember/pipelines/output_guard.py): a failed run leaves the previous set intact,
-and files the previous manifest does not list are never deleted.
+and files the previous manifest does not list are never deleted. A gs:// or s3:// `output_dir` gets the set
+staged locally and committed there shards first, manifest last (`write_to_url`).
 """
 
 from __future__ import annotations
@@ -42,10 +43,11 @@ from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions
 from rich.console import Console
 
+from ember import storage
 from ember.configs import TokenizeConfigError
 from ember.files import write_atomically
 from ember.pipelines.job_process import isolating, run_job
-from ember.pipelines.output_guard import MIN_FREE_BYTES, check_room, refuse_foreign, staged
+from ember.pipelines.output_guard import MIN_FREE_BYTES, OutputUnusable, check_room, refuse_foreign, staged
 from ember.pipelines.progress import ProgressWriter, watch
 from ember.pipelines.runners import runs_locally
 from ember.schemas import SchemaValidationError
@@ -511,6 +513,68 @@ def _pipeline_in_job_process(config: TokenizeConfig, beam_args: list[str], recor
     _run_pipeline(config, beam_args, load_tokenizer(config.tokenizer), recorded, progress_dir)
 
 
+def preflight_sources(config: TokenizeConfig) -> None:
+    """Before any work: each gs:// or s3:// source's bucket is reachable with the credentials at hand."""
+    try:
+        for source in config.sources:
+            if storage.is_url(source.path):
+                storage.preflight(source.path)
+    except storage.StorageError as exc:
+        raise OutputUnusable(str(exc)) from None
+
+
+def preflight_url_output(config: TokenizeConfig, overwrite: bool) -> set[str]:
+    """Before any work on a set for URL `config.output_dir`: the sources are reachable, the output can be written, and
+    it holds nothing, or (with overwrite) exactly a finished set ember wrote, whose files are returned for
+    `write_to_url` to replace. Leftovers of an interrupted run (no manifest) or files the set does not list are
+    refused with what was found: never mixed into a new set, never deleted."""
+    preflight_sources(config)
+    location = str(config.output_dir)
+    try:
+        storage.preflight(location, write=True)
+        state = storage.output_state(location)
+    except storage.StorageError as exc:
+        raise OutputUnusable(str(exc)) from None
+    if not state.files:
+        return set()
+    if not (overwrite and state.finished):
+        hint = "pass --overwrite to replace it" if state.finished else "delete them or choose a new output_dir"
+        raise OutputUnusable(f"output_dir: {state.describe()}; {hint}")
+    owned = remote_set_files(location)
+    foreign = sorted(set(state.files) - owned)
+    if foreign:
+        raise OutputUnusable(
+            f"output_dir: {location} holds files its {MANIFEST_FILENAME} does not list ({', '.join(foreign[:5])}); "
+            "--overwrite replaces only a shard set ember wrote: move them or choose a new output_dir"
+        )
+    return owned
+
+
+def remote_set_files(location: str) -> set[str]:
+    """`shard_set_files` of a set on an object store, from its manifest alone."""
+    with tempfile.TemporaryDirectory(prefix="ember-manifest-") as local:
+        Path(local, MANIFEST_FILENAME).write_bytes(storage.read_bytes(storage.join(location, MANIFEST_FILENAME)))
+        return shard_set_files(Path(local))
+
+
+def write_to_url(config: TokenizeConfig, beam_args: list[str], tokenizer: Tokenizer | None, recorded: TokenizeConfig,
+                 console: Console | None = None, previous: Iterable[str] = ()) -> Manifest:
+    """A shard set for a gs:// or s3:// `config.output_dir`: written in a local staging directory, then committed
+    there shards first and manifest last (ember.storage.commit_files), so a reader never finds half a set. `previous`,
+    the files of the set being replaced (`preflight_url_output`), are deleted once the new set is written locally:
+    its manifest first, so no reader takes a mix of old and new."""
+    location = str(config.output_dir)
+    with tempfile.TemporaryDirectory(prefix="ember-shards-") as staging:
+        write_shard_set(config.model_copy(update={"output_dir": Path(staging)}), beam_args,
+                        tokenizer or load_tokenizer(config.tokenizer), recorded, console=console)
+        previous = set(previous)
+        if previous:
+            storage.delete([storage.join(location, MANIFEST_FILENAME)])
+            storage.delete([storage.join(location, name) for name in sorted(previous - {MANIFEST_FILENAME})])
+        storage.commit_files(Path(staging), location)
+        return read_manifest(staging)
+
+
 def run(
     config: TokenizeConfig,
     beam_args: list[str] = (),
@@ -525,6 +589,12 @@ def run(
     is used instead of loading it again; `min_free_bytes` overrides the free-space floor estimated from the sources;
     `recorded` is the config the manifest describes when `config`'s sources are themselves staged (see `build`);
     with a console, a local run shows its progress."""
+    if storage.is_url(config.output_dir):
+        previous = preflight_url_output(config, overwrite)
+        tokenizer = tokenizer or load_tokenizer(config.tokenizer)
+        check_sources(config)
+        return write_to_url(config, beam_args, tokenizer, recorded or config, console, previous)
+    preflight_sources(config)
     tokenizer = tokenizer or load_tokenizer(config.tokenizer)
     check_sources(config)
     target = Path(os.path.abspath(config.output_dir))

@@ -146,8 +146,14 @@ class PackSettings(StrictModel):
 class TokenizeConfig(PackSettings):
     """The whole build: one config hash covers everything that changes the bytes of the shards."""
 
-    output_dir: Path
+    output_dir: Path | str = Field(description="a local directory, gs://BUCKET/... or s3://BUCKET/...")
     sources: list[ShardSource] = Field(min_length=1)
+
+    @field_validator("output_dir")
+    @classmethod
+    def _local_path_or_url(cls, value: Path | str) -> Path | str:
+        """A URL stays a string (a Path would fold gs:// into gs:/); a local directory is a Path."""
+        return value if isinstance(value, Path) or is_url(value) else Path(value)
 
     @field_validator("sources")
     @classmethod
@@ -166,16 +172,35 @@ def parse_config(data: object, where: str = "config") -> TokenizeConfig:
     return configs.validate(TokenizeConfig, data, where, TokenizeConfigError)
 
 
-def load_config(path: str | Path) -> TokenizeConfig:
-    """Relative paths inside the file resolve against the file's own directory."""
-    path = Path(path)
-    data = configs.read_yaml_mapping(path, TokenizeConfigError)
-    config = parse_config(data, str(path))
-    base = path.resolve().parent
+def is_url(location: str | Path) -> bool:
+    """gs://, s3://: the scheme checks belong to ember.storage, which this module does not import (it loads Beam, and
+    the midtrain config reads this module)."""
+    return "://" in str(location)
+
+
+def load_config(path: str | Path, data: bytes | None = None) -> TokenizeConfig:
+    """A local file, or the bytes `data` of a config at URL `path` (read by the caller). Relative sources and
+    output_dir resolve against the file's own directory (for a URL config, as URLs beside it); a relative
+    tokenizer.path against a local config's directory, else the current one (a tokenizer file is read locally)."""
+    if data is not None:
+        config = parse_config(configs.parse_yaml_bytes(data, str(path), TokenizeConfigError), str(path))
+        base: str | Path = str(path).rsplit("/", 1)[0]
+        tokenizer = config.tokenizer
+    else:
+        path = Path(path)
+        config = parse_config(configs.read_yaml_mapping(path, TokenizeConfigError), str(path))
+        base = path.resolve().parent
+        tokenizer = config.tokenizer.resolved_against(base)
+
+    def resolve(location: Path | str) -> Path | str:
+        if is_url(location):
+            return location
+        return f"{base}/{location}" if isinstance(base, str) else base / location
+
     return config.model_copy(
         update={
-            "output_dir": base / config.output_dir,
-            "tokenizer": config.tokenizer.resolved_against(base),
-            "sources": [s.model_copy(update={"path": str(base / s.path)}) for s in config.sources],
+            "output_dir": resolve(config.output_dir),
+            "tokenizer": tokenizer,
+            "sources": [s.model_copy(update={"path": str(resolve(s.path))}) for s in config.sources],
         }
     )

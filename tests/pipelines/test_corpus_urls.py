@@ -118,3 +118,18 @@ def test_leftovers_of_an_interrupted_shard_commit_are_refused_before_any_work(sa
     with pytest.raises(OutputUnusable, match=f"{shards} holds 1 files and no manifest.json"):
         build_corpus(parse_config(config), ["--runner=FnApiRunner"])
     assert storage.list_files(f"{stores['gs']}/half") == {"shards/shard-00000.arrow": 10}, "no work started"
+
+
+def test_a_config_on_an_object_store_is_read_from_its_url(sample, stores, hf_tokenizer_path, tmp_path, monkeypatch) -> None:
+    """The config argument is a URL string, not a Path (which folds gs:// into gs:/): the build reads it, then stops at
+    its unusable output before any work; a missing config is named by its URL."""
+    monkeypatch.chdir(tmp_path)
+    config = f"{stores['gs']}/configs/corpus.yaml"
+    output = "s3://ember-no-such-bucket/out"
+    storage.write_bytes(config, yaml.safe_dump(config_for(sample, hf_tokenizer_path, stores["s3"], output)).encode())
+    result = CliRunner().invoke(app, ["corpus", "build", config, "--runner=FnApiRunner"])
+    assert result.exit_code == 2, result.output
+    assert f"{output}: bucket 'ember-no-such-bucket' does not exist" in " ".join(result.output.split())
+    missing = f"{stores['gs']}/configs/missing.yaml"
+    result = CliRunner().invoke(app, ["corpus", "build", missing])
+    assert result.exit_code == 2 and f"{missing}: cannot read the config file" in " ".join(result.output.split()), result.output
