@@ -194,6 +194,17 @@ def inspect(
         console.print(Text.assemble(where.before, (where.token_text or f"<{where.framing}>", "reverse bold"), where.after))
 
 
+def _corpus_config(config: str):
+    """The corpus build config at `config` (a path or a gs:// / s3:// URL), or exit 2 naming what to fix."""
+    from ember.configs import CorpusConfigError
+    from ember.pipelines.corpus_config import load_config
+
+    try:
+        return load_config(config)
+    except CorpusConfigError as exc:
+        fail(exc)
+
+
 @app.command("build", context_settings=BEAM_OPTIONS)
 def build(
     config: str = typer.Argument(..., help="Corpus build YAML, a path or gs:// / s3:// URL (sources, filters, redaction, dedup, output)."),
@@ -214,12 +225,8 @@ def build(
     when the output holds files ember did not write. Ctrl-C (SIGINT) or SIGTERM stops it within seconds
     (exit 130 / 143); a rerun of the same config skips the phases that are complete."""
     from ember.configs import CorpusConfigError, TokenizeConfigError
-    from ember.pipelines.corpus_config import load_config
 
-    try:
-        settings = load_config(str(config))
-    except CorpusConfigError as exc:
-        fail(exc)
+    settings = _corpus_config(config)
     from ember.pipelines.job_logs import job_logs, log_path_for
     from ember.pipelines.job_process import Interrupted, stop_on_signals
 
@@ -245,7 +252,7 @@ def build(
 
 @app.command("dataflow-render", context_settings=BEAM_OPTIONS)
 def dataflow_render(
-    config: Path = typer.Argument(..., help="Corpus build YAML, as `build` takes it."),
+    config: str = typer.Argument(..., help="Corpus build YAML (a path or gs:// / s3:// URL), as `build` takes it."),
     out: Path = typer.Argument(..., help="New or empty folder for the job request, staged files and flex template spec."),
     beam_args: list[str] = typer.Argument(
         None, help="The Dataflow options `build` would get: --runner=DataflowRunner --project --region --temp_location=gs://..."),
@@ -255,12 +262,8 @@ def dataflow_render(
     DataflowRunner writes the job request (OUT/job.json), the pipeline proto and packages it would stage
     (OUT/staging) and the flex template spec (OUT/flex-template.json), with no credentials and no network."""
     from ember.configs import CorpusConfigError
-    from ember.pipelines.corpus_config import load_config
 
-    try:
-        settings = load_config(str(config))
-    except CorpusConfigError as exc:
-        fail(exc)
+    settings = _corpus_config(config)
     from ember.pipelines.job_logs import job_logs
 
     with job_logs(verbose) as logs:
