@@ -118,8 +118,10 @@ def test_the_images_export_of_the_lock_is_hashed_and_holds_beam_with_its_cloud_e
 
 def cli_offline(*args: str) -> subprocess.CompletedProcess:
     """`ember corpus ...` in a network namespace of its own: no interface but a down loopback, no credentials."""
-    if subprocess.run(["unshare", "-rn", "true"], capture_output=True).returncode != 0:
-        pytest.skip("unshare -rn (a user and network namespace) is not permitted here")
+    probe = subprocess.run(["unshare", "-rn", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.fail("the offline render runs in a network namespace of its own, and `unshare -rn` is refused here "
+                    f"({probe.stderr.strip()}): run the suite as root or allow unprivileged user namespaces")
     env = {k: v for k, v in os.environ.items()
            if k not in ("GOOGLE_APPLICATION_CREDENTIALS", "STORAGE_EMULATOR_HOST", "CLOUDSDK_CONFIG")}
     env.update(PYTHONPATH=str(ROOT), HOME=os.environ.get("HOME", "/root"))
