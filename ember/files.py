@@ -1,4 +1,4 @@
-"""Writing a local file so that it appears under its name only complete.
+"""Writing a local file so that it appears under its name only complete; telling a local path from a URL.
 
 Manifests, shards, ownership lists and verification markers all need the same guarantee: a reader sees the old
 file, no file, or the whole new one, and a failed write (a full disk) leaves nothing under either name.
@@ -29,3 +29,8 @@ def write_atomically(path: str | Path, data: bytes, *, durable: bool = True) -> 
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def is_url(location: str | Path) -> bool:
+    """gs://, s3:// (any scheme): here, not in ember.storage, so configs can tell without importing Beam."""
+    return "://" in str(location)

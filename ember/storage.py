@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from ember.files import write_atomically
+from ember.files import is_url, write_atomically
 
 SCHEMES = ("gs", "s3")
 MANIFEST_NAME = "manifest.json"
@@ -40,9 +40,6 @@ _TIMEOUT_S = 10
 class StorageError(RuntimeError):
     """A location cannot be used; the message names the location and what to fix."""
 
-
-def is_url(location: str | Path) -> bool:
-    return "://" in str(location)
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,8 @@ def _tokenize_config(location: str):
     """The tokenize config at a local path, or at a gs:// / s3:// URL (its bucket checked first, so a typo, a missing
     bucket or credentials are named as such)."""
     from ember.configs import TokenizeConfigError
-    from ember.tokenize.config import is_url, load_config
+    from ember.files import is_url
+    from ember.tokenize.config import load_config
 
     if not is_url(location):
         return load_config(location)

@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field, ValidationError, create_model, field_vali
 
 from ember import configs
 from ember.configs import CorpusConfigError, StrictModel, at_most
+from ember.files import is_url
 from ember.pipelines import minhash
 from ember.pipelines.language_id import DEFAULT_CANDIDATES, unknown_codes
 from ember.pipelines.url_blocklist import normalize_domain
@@ -457,20 +458,16 @@ def parse_config(data: object, where: str = "config") -> CorpusConfig:
     return configs.validate(CorpusConfig, data, where, CorpusConfigError)
 
 
-def _is_url(path: str) -> bool:
-    return "://" in path
-
-
 def _resolve(base: str, path: str) -> str:
-    if _is_url(path) or posixpath.isabs(path):
+    if is_url(path) or posixpath.isabs(path):
         return path
-    return posixpath.normpath(posixpath.join(base, path)) if not _is_url(base) else f"{base.rstrip('/')}/{path}"
+    return posixpath.normpath(posixpath.join(base, path)) if not is_url(base) else f"{base.rstrip('/')}/{path}"
 
 
 def _open(path: str):
     """A local file directly, a URL through Beam's filesystems (whose import takes seconds: a local config's
     errors come before it)."""
-    if not _is_url(path):
+    if not is_url(path):
         return open(path, "rb")
     from apache_beam.io.filesystems import FileSystems
 
@@ -486,7 +483,7 @@ def load_config(path: str) -> CorpusConfig:
     except Exception as exc:  # Beam wraps every filesystem failure in its own BeamIOError
         raise CorpusConfigError(f"{path}: cannot read the config file: {exc}") from None
     config = parse_config(configs.parse_yaml_bytes(data, path, CorpusConfigError), path)
-    base = posixpath.dirname(path) if _is_url(path) else posixpath.dirname(posixpath.abspath(path))
+    base = posixpath.dirname(path) if is_url(path) else posixpath.dirname(posixpath.abspath(path))
     tokenize = config.tokenize
     if tokenize is not None:
         tokenize = tokenize.model_copy(

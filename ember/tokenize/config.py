@@ -15,6 +15,7 @@ from pydantic import Field, field_validator, model_validator
 
 from ember import configs
 from ember.configs import StrictModel, TokenizeConfigError, at_most
+from ember.files import is_url
 
 MAX_SEQ_LEN = 2**20
 SEQ_LEN_WHY = "1M tokens, beyond any model's context"
@@ -170,12 +171,6 @@ class TokenizeConfig(PackSettings):
 
 def parse_config(data: object, where: str = "config") -> TokenizeConfig:
     return configs.validate(TokenizeConfig, data, where, TokenizeConfigError)
-
-
-def is_url(location: str | Path) -> bool:
-    """gs://, s3://: the scheme checks belong to ember.storage, which this module does not import (it loads Beam, and
-    the midtrain config reads this module)."""
-    return "://" in str(location)
 
 
 def load_config(path: str | Path, data: bytes | None = None) -> TokenizeConfig:
