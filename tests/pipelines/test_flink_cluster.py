@@ -86,10 +86,13 @@ def test_the_session_cluster_builds_the_same_bytes_as_fnapi(sample: SampleCorpus
 def test_a_stage_that_cannot_recover_fails_the_build_with_one_line_and_no_manifest(
     sample: SampleCorpus, cluster: list[str], tmp_path: Path
 ) -> None:
-    """kill -9 of the worker pool's process group (the pool and every SDK harness) once the job's tasks run,
-    and no pool restarted: each of Flink's restarts (fixed-delay, 4 attempts 2 s apart) finds no harness to
-    start, the job ends FAILED, and `ember corpus build` says so in one line, exit 1, with no manifest.json
-    or stats.json written. The pool is started again afterwards; the next test builds on it."""
+    """Once the job's tasks run, kill -9 the worker pool's process group (the pool and every SDK harness)
+    and both TaskManager JVMs, and keep the pool down: a node lost with its workers. Killing the
+    TaskManagers makes the loss one Flink always sees (heartbeat timeout; a harness killed alone can leave
+    a task blocked on it, the job RUNNING with no failure), and their supervisor-restarted JVMs hold no
+    cached harness, so each of Flink's restarts (fixed-delay, 4 attempts 2 s apart) asks the dead pool for
+    one and fails. The job ends FAILED and `ember corpus build` says so in one line, exit 1, with no
+    manifest.json or stats.json written. The whole cluster is restarted afterwards for the next test."""
     out = tmp_path / "out"
     config = tmp_path / "corpus.yaml"
     config.write_text(yaml.safe_dump(sample.config(str(out))))
@@ -101,14 +104,18 @@ def test_a_stage_that_cannot_recover_fails_the_build_with_one_line_and_no_manife
         job = _running_job(known, cli)
         assert job, "no job of this build reached its running tasks"
         os.killpg(_pool_pid(), signal.SIGKILL)
-        output, _ = cli.communicate(timeout=300)
+        for n in (1, 2):
+            os.kill(_tm_pid(n), signal.SIGKILL)
+        output, _ = cli.communicate(timeout=420)
+        state = rest(f"/jobs/{job}")["state"]  # read before the restart below clears the JobManager
     finally:
         cli.terminate()  # a no-op once it has exited; else SIGTERM stops its job process too
+        services.stop("flink")
         services.start("flink")
     assert cli.returncode == 1, output
     assert "Traceback" not in output, output
     assert "failed: it ended in state FAILED" in output and "(the log: " in output, output
-    assert rest(f"/jobs/{job}")["state"] == "FAILED"
+    assert state == "FAILED"
     assert not list(tmp_path.rglob("manifest.json")) and not list(tmp_path.rglob("stats.json")), sorted(tmp_path.rglob("*"))
     assert "worker pool 127.0.0.1" in services.run_script("flink-cluster.sh", "status").stdout
 
