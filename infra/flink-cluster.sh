@@ -222,7 +222,7 @@ cmd_args() {
   printf '%s\n' --runner=PortableRunner "--job_endpoint=127.0.0.1:$JOB_PORT" \
     "--artifact_endpoint=127.0.0.1:$ARTIFACT_PORT" --environment_type=EXTERNAL \
     "--environment_config=127.0.0.1:$POOL_PORT" "--parallelism=$((TASKMANAGERS * SLOTS))" \
-    --environment_cache_millis=600000
+    "--flink_master=127.0.0.1:$REST_PORT" --environment_cache_millis=600000
 }
 
 cmd_tm_pid() {

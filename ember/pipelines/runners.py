@@ -8,9 +8,17 @@ download the Prism runner from GitHub, which offline machines cannot reach.
 
 from __future__ import annotations
 
+import logging
 import os
+import json
 import re
-from collections.abc import Mapping
+import signal
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 from apache_beam.options.pipeline_options import (
@@ -22,7 +30,13 @@ from apache_beam.options.pipeline_options import (
     WorkerOptions,
 )
 from apache_beam.options.pipeline_options_validator import PipelineOptionsValidator
-from apache_beam.runners.runner import PipelineResult
+from apache_beam.runners.runner import PipelineResult, PipelineState
+
+from ember.pipelines.job_process import SIGNALS, Interrupted
+
+CANCEL_WAIT_SECONDS = 4.0
+"""How long a stopped build waits for its cancelled job to end before it exits anyway (under the job
+process's grace period, job_process.GRACE_SECONDS)."""
 
 
 class BuildFailed(RuntimeError):
@@ -63,6 +77,7 @@ def flink_cluster_args(env: Mapping[str, str] = os.environ) -> list[str]:
         "--environment_type=EXTERNAL",
         f"--environment_config=127.0.0.1:{port('EMBER_FLINK_WORKER_POOL_PORT', 18050)}",
         f"--parallelism={parallelism}",
+        f"--flink_master=127.0.0.1:{port('EMBER_FLINK_REST_PORT', 18081)}",
         # Keep each TaskManager's SDK harness for the next stages: a fresh Python worker per stage would
         # import ember (and its models) again for each of the job's ~240 tasks.
         "--environment_cache_millis=600000",
@@ -70,12 +85,30 @@ def flink_cluster_args(env: Mapping[str, str] = os.environ) -> list[str]:
 
 
 def with_defaults(beam_args: list[str]) -> list[str]:
-    """`beam_args` as given (`--flink_cluster` expanded), or the local FnApiRunner default when they name no runner."""
+    """`beam_args` as given (`--flink_cluster` expanded), or the local FnApiRunner default when they name no runner.
+
+    A job for a Flink cluster ember can reach over REST gets a `--job_name` when it has none: the name is
+    how a stopped build finds its Flink job to cancel it (see `cancelled_on_stop`).
+    """
     if FLINK_CLUSTER_FLAG in beam_args:
-        return flink_cluster_args() + [a for a in beam_args if a != FLINK_CLUSTER_FLAG]
-    if PipelineOptions(beam_args).view_as(StandardOptions).runner is None:
+        args = flink_cluster_args() + [a for a in beam_args if a != FLINK_CLUSTER_FLAG]
+    elif PipelineOptions(beam_args).view_as(StandardOptions).runner is None:
         return default_local_args() + list(beam_args)
-    return list(beam_args)
+    else:
+        args = list(beam_args)
+    options = PipelineOptions(args)
+    if flink_rest_url(options) and not options.view_as(GoogleCloudOptions).job_name:
+        args.append(f"--job_name=ember-{uuid.uuid4().hex[:12]}")
+    return args
+
+
+def flink_rest_url(options: PipelineOptions) -> str | None:
+    """The REST address of the Flink cluster a Flink or portable job goes to, where the options name one
+    (`--flink_master=host:port`; not `[local]` or `[auto]`)."""
+    master = options.get_all_options().get("flink_master") or ""
+    if runner_name(options) not in ("FlinkRunner", "PortableRunner") or not master or master.startswith("["):
+        return None
+    return master if "://" in master else f"http://{master}"
 
 
 def runner_name(options: PipelineOptions) -> str:
@@ -90,7 +123,8 @@ def finish(result: PipelineResult, options: PipelineOptions) -> str:
     instead (runner, state, the error's first line); Beam has already logged the full text into the job log.
     """
     try:
-        return str(result.wait_until_finish())
+        with cancelled_on_stop(result, options):
+            return str(result.wait_until_finish())
     except RuntimeError as exc:
         state = result.state
         if state not in ("FAILED", "CANCELLED"):
@@ -102,6 +136,90 @@ def finish(result: PipelineResult, options: PipelineOptions) -> str:
             f"the {runner_name(options)} job{job} failed: it ended in state {state} ({cause[:300]}); "
             "Beam wrote the runner's full error into the job log"
         ) from exc
+
+
+class _Stop(BaseException):
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextmanager
+def cancelled_on_stop(result: PipelineResult, options: PipelineOptions) -> Iterator[None]:
+    """SIGINT or SIGTERM while the job runs cancels it on its runner, then does what it did before.
+
+    A portable (Flink) or Dataflow job runs on its cluster, not in this process: without a cancel it goes on
+    after `ember corpus build` stops, holding the cluster's slots. A signal that was ignored stays ignored;
+    signal handlers belong to the main thread, so elsewhere (a library caller's thread) nothing changes.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, _frame: object) -> None:
+        raise _Stop(signum)
+
+    previous = {s: signal.getsignal(s) for s in SIGNALS}
+    for s, handler in previous.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(s, stop)
+    try:
+        yield
+    except _Stop as received:
+        for s in previous:  # a second signal (a process group and its members both signalled) waits for the cancel
+            signal.signal(s, lambda *_: None)
+        _cancel(result, options)
+        _restore(previous)
+        handler = previous[received.signum]
+        if callable(handler):
+            handler(received.signum, None)
+        os.kill(os.getpid(), received.signum)  # SIG_DFL (or a handler that let it pass): the default action
+        raise Interrupted(received.signum) from None
+    finally:
+        _restore(previous)
+
+
+def _restore(handlers: Mapping[int, object]) -> None:
+    for s, handler in handlers.items():
+        signal.signal(s, handler)  # type: ignore[arg-type]
+
+
+def _cancel(result: PipelineResult, options: PipelineOptions) -> None:
+    """Cancel the job through Beam, and on its Flink cluster where ember can reach one: Beam 2.62's Flink job
+    server marks its own invocation CANCELLED but leaves the job running on a session cluster. Waits a
+    little for the job to end; the job log says how that went."""
+    log, name = logging.getLogger(__name__), runner_name(options)
+    deadline = time.monotonic() + CANCEL_WAIT_SECONDS
+    try:
+        result.cancel()
+        while not PipelineState.is_terminal(state := result.state) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        log.warning("stopped: the %s job was cancelled (state %s)", name, state)
+    except Exception as exc:  # the runner is gone or refuses: the signal still stops the build
+        log.warning("cancelling the %s job failed: %s", name, exc)
+    rest, job_name = flink_rest_url(options), options.view_as(GoogleCloudOptions).job_name
+    if rest and job_name:
+        try:
+            log.warning("stopped: Flink job(s) %s cancelled at %s", _cancel_flink_jobs(rest, job_name, deadline), rest)
+        except (OSError, ValueError, KeyError) as exc:
+            log.warning("cancelling Flink job %r at %s failed: %s", job_name, rest, exc)
+
+
+FLINK_DONE = {"FINISHED", "FAILED", "CANCELED", "SUSPENDED"}
+
+
+def _cancel_flink_jobs(rest: str, job_name: str, deadline: float) -> list[str]:
+    """PATCH /jobs/<id>?mode=cancel (Flink's REST API) for each unfinished job called `job_name`; wait for them."""
+    def jobs() -> list[dict]:
+        with urllib.request.urlopen(f"{rest}/jobs/overview", timeout=3) as response:
+            return [j for j in json.load(response)["jobs"] if j["name"] == job_name]
+
+    ids = [j["jid"] for j in jobs() if j["state"] not in FLINK_DONE]
+    for jid in ids:
+        urllib.request.urlopen(urllib.request.Request(f"{rest}/jobs/{jid}?mode=cancel", method="PATCH"), timeout=3).close()
+    while time.monotonic() < deadline and any(j["state"] not in FLINK_DONE for j in jobs() if j["jid"] in ids):
+        time.sleep(0.5)
+    return ids
 
 
 def runs_locally(options: PipelineOptions) -> bool:

@@ -1,7 +1,7 @@
 """The corpus build on the Flink session cluster of infra/flink-cluster.sh (JobManager, two TaskManagers,
 Beam job server, Python worker pool: separate processes on 127.0.0.1), against FnApiRunner byte for byte,
-surviving a TaskManager killed with -9 in the middle of the build, and failing with one clear line (no
-manifest) when the worker pool is killed and stays down.
+surviving a TaskManager killed with -9 in the middle of the build, cancelling its Flink job on Ctrl-C, and
+failing with one clear line (no manifest) when a stage cannot be recovered.
 
 The job server is Beam 2.62.0 (the newest Flink runner the Maven mirror serves) while the Python SDK is
 2.77.0 (Beam 2.62 needs pyarrow<17; ember needs pyarrow>=23): these tests are what proves that pairing.
@@ -69,7 +69,10 @@ def reference(sample: SampleCorpus, tmp_path_factory: pytest.TempPathFactory) ->
 
 def test_the_cluster_flag_expands_to_the_scripts_options(cluster: list[str]) -> None:
     script = services.run_script("flink-cluster.sh", "args").stdout.split()
-    assert with_defaults([FLINK_CLUSTER_FLAG, "--max_num_workers=3"]) == script + ["--max_num_workers=3"]
+    *args, job_name = with_defaults([FLINK_CLUSTER_FLAG, "--max_num_workers=3"])
+    assert args == script + ["--max_num_workers=3"]
+    assert job_name.startswith("--job_name=ember-"), "a name to find the Flink job by, to cancel it"
+    assert with_defaults([FLINK_CLUSTER_FLAG, "--job_name=mine"])[-1] == "--job_name=mine"
     assert runs_locally(PipelineOptions(script)), "the worker pool shares this machine's disk"
     with pytest.raises(ValueError, match="EMBER_FLINK_JOB_PORT='x'"):
         flink_cluster_args({"EMBER_FLINK_JOB_PORT": "x"})
@@ -83,6 +86,27 @@ def test_the_session_cluster_builds_the_same_bytes_as_fnapi(sample: SampleCorpus
     assert rest("/overview")["jobs-finished"] == finished_before + 1, "the job ran on the session cluster"
 
 
+def test_ctrl_c_stops_the_build_and_cancels_its_flink_job(sample: SampleCorpus, cluster: list[str], tmp_path: Path) -> None:
+    """SIGINT to `ember corpus build` while its job runs on the cluster: the one-line "interrupted" message,
+    exit 130, and the job CANCELED on the cluster (Beam 2.62's job server alone leaves it running there)."""
+    known = {j["jid"] for j in rest("/jobs/overview")["jobs"]}
+    cli = _cli_build(sample, tmp_path)
+    try:
+        job = _running_job(known, cli)
+        assert job, "no job of this build reached its running tasks"
+        cli.send_signal(signal.SIGINT)
+        output, _ = cli.communicate(timeout=60)
+    finally:
+        cli.terminate()
+    assert cli.returncode == 130, output
+    assert "interrupted: SIGINT" in output and "Traceback" not in output, output
+    deadline = time.monotonic() + 30
+    while rest(f"/jobs/{job}")["state"] == "CANCELLING" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert rest(f"/jobs/{job}")["state"] == "CANCELED"
+    assert not list(tmp_path.rglob("manifest.json")), sorted(tmp_path.rglob("*"))
+
+
 def test_a_stage_that_cannot_recover_fails_the_build_with_one_line_and_no_manifest(
     sample: SampleCorpus, cluster: list[str], tmp_path: Path
 ) -> None:
@@ -93,13 +117,8 @@ def test_a_stage_that_cannot_recover_fails_the_build_with_one_line_and_no_manife
     cached harness, so each of Flink's restarts (fixed-delay, 4 attempts 2 s apart) asks the dead pool for
     one and fails. The job ends FAILED and `ember corpus build` says so in one line, exit 1, with no
     manifest.json or stats.json written. The whole cluster is restarted afterwards for the next test."""
-    out = tmp_path / "out"
-    config = tmp_path / "corpus.yaml"
-    config.write_text(yaml.safe_dump(sample.config(str(out))))
     known = {j["jid"] for j in rest("/jobs/overview")["jobs"]}
-    command = [sys.executable, "-c", "from ember.cli import app; app()", "corpus", "build", str(config), FLINK_CLUSTER_FLAG]
-    env = {**os.environ, "COLUMNS": "200", "PYTHONPATH": str(REPO)}
-    cli = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    cli = _cli_build(sample, tmp_path)
     try:
         job = _running_job(known, cli)
         assert job, "no job of this build reached its running tasks"
@@ -154,6 +173,15 @@ def test_a_taskmanager_killed_mid_build_is_recovered_with_identical_output(
     assert history, "Flink recorded the lost TaskManager as a failure it recovered from"
     assert _tm_pid(1) != victim, "the supervisor restarted TaskManager 1"
     assert rest("/overview")["taskmanagers"] >= 2
+
+
+def _cli_build(sample: SampleCorpus, tmp_path: Path) -> subprocess.Popen:
+    """`ember corpus build <the sample> --flink_cluster` in a process of its own, output into tmp_path/out."""
+    config = tmp_path / "corpus.yaml"
+    config.write_text(yaml.safe_dump(sample.config(str(tmp_path / "out"))))
+    command = [sys.executable, "-c", "from ember.cli import app; app()", "corpus", "build", str(config), FLINK_CLUSTER_FLAG]
+    env = {**os.environ, "COLUMNS": "200", "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
 def _running_job(known: set[str], cli: subprocess.Popen) -> str | None:
