@@ -8,9 +8,9 @@ download the Prism runner from GitHub, which offline machines cannot reach.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import json
 import re
 import signal
 import threading
@@ -173,8 +173,9 @@ def cancelled_on_stop(result: PipelineResult, options: PipelineOptions) -> Itera
         handler = previous[received.signum]
         if callable(handler):
             handler(received.signum, None)
-        os.kill(os.getpid(), received.signum)  # SIG_DFL (or a handler that let it pass): the default action
-        raise Interrupted(received.signum) from None
+        else:
+            os.kill(os.getpid(), received.signum)  # SIG_DFL: the default action, the process ends
+        raise Interrupted(received.signum) from None  # a handler that let the signal pass
     finally:
         _restore(previous)
 
