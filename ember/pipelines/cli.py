@@ -45,27 +45,6 @@ def stopped(exc: BaseException) -> NoReturn:
     raise typer.Exit(exc.exit_code)
 
 
-def _tokenize_config(location: str):
-    """The tokenize config at a local path, or at a gs:// / s3:// URL (its bucket checked first, so a typo, a missing
-    bucket or credentials are named as such)."""
-    from ember.configs import TokenizeConfigError
-    from ember.files import is_url
-    from ember.tokenize.config import load_config
-
-    if not is_url(location):
-        return load_config(location)
-    from ember import storage
-
-    try:
-        storage.preflight(location)
-        data = storage.read_bytes(location)
-    except storage.StorageError as exc:
-        raise TokenizeConfigError(str(exc)) from None
-    except Exception as exc:  # noqa: BLE001 - Beam wraps every filesystem failure in its own BeamIOError
-        raise TokenizeConfigError(f"{location}: cannot read the config file: {exc}") from None
-    return load_config(location, data)
-
-
 @app.command("tokenize", context_settings=BEAM_OPTIONS)
 def tokenize(
     ctx: typer.Context,
@@ -79,9 +58,10 @@ def tokenize(
     Any further arguments go to Beam (default --runner=FnApiRunner), e.g. --direct_num_workers=2.
     """
     from ember.configs import TokenizeConfigError
+    from ember.tokenize.config import load_config
 
     try:
-        settings = _tokenize_config(config)
+        settings = load_config(config)
     except TokenizeConfigError as exc:
         fail(exc)
     from ember.pipelines.job_logs import job_logs, log_path_for

@@ -464,24 +464,17 @@ def _resolve(base: str, path: str) -> str:
     return posixpath.normpath(posixpath.join(base, path)) if not is_url(base) else f"{base.rstrip('/')}/{path}"
 
 
-def _open(path: str):
-    """A local file directly, a URL through Beam's filesystems (whose import takes seconds: a local config's
-    errors come before it)."""
-    if not is_url(path):
-        return open(path, "rb")
-    from apache_beam.io.filesystems import FileSystems
-
-    return FileSystems.open(path)
-
-
 def load_config(path: str) -> CorpusConfig:
-    """Read YAML from any Beam filesystem; relative inputs and output resolve against the file's directory."""
+    """Read YAML from a local file or a gs:// / s3:// URL; relative inputs and output resolve against the file's directory."""
     path = str(path)
-    try:
-        with _open(path) as handle:
-            data = configs.read_config_bytes(handle.read)
-    except Exception as exc:  # Beam wraps every filesystem failure in its own BeamIOError
-        raise CorpusConfigError(f"{path}: cannot read the config file: {exc}") from None
+    if is_url(path):
+        data = configs.read_config_url(path, CorpusConfigError)
+    else:
+        try:
+            with open(path, "rb") as handle:
+                data = configs.read_config_bytes(handle.read)
+        except OSError as exc:
+            raise CorpusConfigError(f"{path}: cannot read the config file: {exc}") from None
     config = parse_config(configs.parse_yaml_bytes(data, path, CorpusConfigError), path)
     base = posixpath.dirname(path) if is_url(path) else posixpath.dirname(posixpath.abspath(path))
     tokenize = config.tokenize

@@ -32,6 +32,7 @@ from apache_beam.options.pipeline_options import (
 from apache_beam.options.pipeline_options_validator import PipelineOptionsValidator
 from apache_beam.runners.runner import PipelineResult, PipelineState
 
+from ember.files import is_url
 from ember.pipelines.job_process import SIGNALS, Interrupted
 
 CANCEL_WAIT_SECONDS = 4.0
@@ -108,7 +109,7 @@ def flink_rest_url(options: PipelineOptions) -> str | None:
     master = options.get_all_options().get("flink_master") or ""
     if runner_name(options) not in ("FlinkRunner", "PortableRunner") or not master or master.startswith("["):
         return None
-    return master if "://" in master else f"http://{master}"
+    return master if is_url(master) else f"http://{master}"
 
 
 def runner_name(options: PipelineOptions) -> str:

@@ -524,11 +524,10 @@ def preflight_sources(config: TokenizeConfig) -> None:
 
 
 def preflight_url_output(config: TokenizeConfig, overwrite: bool) -> set[str]:
-    """Before any work on a set for URL `config.output_dir`: the sources are reachable, the output can be written, and
-    it holds nothing, or (with overwrite) exactly a finished set ember wrote, whose files are returned for
-    `write_to_url` to replace. Leftovers of an interrupted run (no manifest) or files the set does not list are
-    refused with what was found: never mixed into a new set, never deleted."""
-    preflight_sources(config)
+    """Before any work on a set for URL `config.output_dir`: the output can be written, and it holds nothing, or (with
+    overwrite) exactly a finished set ember wrote, whose files are returned for `write_to_url` to replace. Leftovers of
+    an interrupted run (no manifest) or files the set does not list are refused with what was found: never mixed into
+    a new set, never deleted."""
     location = str(config.output_dir)
     try:
         storage.preflight(location, write=True)
@@ -589,14 +588,13 @@ def run(
     is used instead of loading it again; `min_free_bytes` overrides the free-space floor estimated from the sources;
     `recorded` is the config the manifest describes when `config`'s sources are themselves staged (see `build`);
     with a console, a local run shows its progress."""
-    if storage.is_url(config.output_dir):
-        previous = preflight_url_output(config, overwrite)
-        tokenizer = tokenizer or load_tokenizer(config.tokenizer)
-        check_sources(config)
-        return write_to_url(config, beam_args, tokenizer, recorded or config, console, previous)
+    to_url = storage.is_url(config.output_dir)
     preflight_sources(config)
+    previous = preflight_url_output(config, overwrite) if to_url else set()
     tokenizer = tokenizer or load_tokenizer(config.tokenizer)
     check_sources(config)
+    if to_url:
+        return write_to_url(config, beam_args, tokenizer, recorded or config, console, previous)
     target = Path(os.path.abspath(config.output_dir))
     check_output(target, overwrite)
     check_room(target, free_space_needed(config) if min_free_bytes is None else min_free_bytes, "output_dir")
