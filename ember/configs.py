@@ -291,20 +291,6 @@ def read_config_bytes(read: Callable[[int], bytes]) -> bytes:
     return b"".join(chunks)
 
 
-def read_config_url(location: str, error: type[ConfigError]) -> bytes:
-    """A config file's raw bytes at a gs:// or s3:// URL. Its bucket is checked first, so a typo, a missing bucket or
-    missing credentials are named as such; any other failure names the URL."""
-    from ember import storage
-
-    try:
-        storage.preflight(location)
-        return storage.read_bytes(location)
-    except storage.StorageError as exc:
-        raise error(str(exc)) from None
-    except Exception as exc:  # noqa: BLE001 - Beam wraps every filesystem failure in its own BeamIOError
-        raise error(f"{location}: cannot read the config file: {exc}") from None
-
-
 def read_yaml_mapping(path: str | Path, error: type[ConfigError], sections: str = "") -> dict:
     """`parse_yaml_bytes` of a local file, with a missing or unreadable file named as such."""
     path = Path(path)

@@ -412,3 +412,16 @@ def _s3_bucket(location: str, bucket: str) -> None:
         raise StorageError(f"{location}: storage endpoint {endpoint} unreachable ({_first_line(exc)})") from None
     except bexc.BotoCoreError as exc:
         raise StorageError(f"{location}: {_first_line(exc)}") from None
+
+
+def read_config_url(location: str, error: type[Exception]) -> bytes:
+    """A config file's raw bytes at a gs:// or s3:// URL. Its bucket is checked first, so a typo, a missing bucket or
+    missing credentials are named as such; any other failure names the URL. Failures raise `error` (the
+    config's own error class)."""
+    try:
+        preflight(location)
+        return read_bytes(location)
+    except StorageError as exc:
+        raise error(str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - Beam wraps every filesystem failure in its own BeamIOError
+        raise error(f"{location}: cannot read the config file: {exc}") from None

@@ -45,6 +45,20 @@ def stopped(exc: BaseException) -> NoReturn:
     raise typer.Exit(exc.exit_code)
 
 
+def _tokenize_config(location: str):
+    """The tokenize config at a local path, or at a gs:// / s3:// URL (read here: ember.tokenize.config stays free
+    of Beam, which the sampler-side policy loader must not import)."""
+    from ember.configs import TokenizeConfigError
+    from ember.files import is_url
+    from ember.tokenize.config import load_config
+
+    if not is_url(location):
+        return load_config(location)
+    from ember.storage import read_config_url
+
+    return load_config(location, read_config_url(location, TokenizeConfigError))
+
+
 @app.command("tokenize", context_settings=BEAM_OPTIONS)
 def tokenize(
     ctx: typer.Context,
@@ -58,10 +72,9 @@ def tokenize(
     Any further arguments go to Beam (default --runner=FnApiRunner), e.g. --direct_num_workers=2.
     """
     from ember.configs import TokenizeConfigError
-    from ember.tokenize.config import load_config
 
     try:
-        settings = load_config(config)
+        settings = _tokenize_config(config)
     except TokenizeConfigError as exc:
         fail(exc)
     from ember.pipelines.job_logs import job_logs, log_path_for

@@ -468,7 +468,9 @@ def load_config(path: str) -> CorpusConfig:
     """Read YAML from a local file or a gs:// / s3:// URL; relative inputs and output resolve against the file's directory."""
     path = str(path)
     if is_url(path):
-        data = configs.read_config_url(path, CorpusConfigError)
+        from ember.storage import read_config_url  # Beam and boto3: imported only for a URL
+
+        data = read_config_url(path, CorpusConfigError)
     else:
         try:
             with open(path, "rb") as handle:

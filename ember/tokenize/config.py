@@ -173,12 +173,11 @@ def parse_config(data: object, where: str = "config") -> TokenizeConfig:
     return configs.validate(TokenizeConfig, data, where, TokenizeConfigError)
 
 
-def load_config(path: str | Path) -> TokenizeConfig:
-    """A local file or a gs:// / s3:// URL. Relative sources and output_dir resolve against the file's own directory
-    (for a URL config, as URLs beside it); a relative tokenizer.path against a local config's directory, else the
-    current one (a tokenizer file is read locally)."""
-    if is_url(path):
-        data = configs.read_config_url(str(path), TokenizeConfigError)
+def load_config(path: str | Path, data: bytes | None = None) -> TokenizeConfig:
+    """A local file, or the bytes `data` of a config at URL `path` (read by the caller). Relative sources and
+    output_dir resolve against the file's own directory (for a URL config, as URLs beside it); a relative
+    tokenizer.path against a local config's directory, else the current one (a tokenizer file is read locally)."""
+    if data is not None:
         config = parse_config(configs.parse_yaml_bytes(data, str(path), TokenizeConfigError), str(path))
         base: str | Path = str(path).rsplit("/", 1)[0]
         tokenizer = config.tokenizer
