@@ -25,7 +25,7 @@ from ember.configs import CorpusConfigError, StrictModel, at_most
 from ember.files import is_url
 from ember.pipelines import minhash
 from ember.pipelines.language_id import DEFAULT_CANDIDATES, unknown_codes
-from ember.pipelines.url_blocklist import normalize_domain
+from ember.pipelines.web.blocklist import normalize_domain
 from ember.schemas.documents import DERIVED_METADATA_KEYS, METADATA_KEYS
 from ember.tokenize.config import PackSettings
 

@@ -11,9 +11,9 @@ rule: the units read before the break are kept, and the break is one `unreadable
 line/row reached. How many lines followed the break cannot be known, so that one reject stands for
 all of them; the read stage counts such files as `files_unreadable` and the report says so.
 
-WARC archives (`format: warc`, ember/pipelines/warc_input.py) give one unit per response record,
+WARC archives (`format: warc`, ember/pipelines/web/warc.py) give one unit per response record,
 at `path:record=N`, and HTML files (`format: html`) one per file; their pages become text in
-ember/pipelines/html_text.py, and a page that does not (too large, undecodable, empty, over the time
+ember/pipelines/web/html_text.py, and a page that does not (too large, undecodable, empty, over the time
 limit) is a reject with that reason. A cut WARC follows the rule above at the record reached.
 
 Text with C0 control characters other than tab, newline, carriage return and form feed (a NUL from an
@@ -39,8 +39,8 @@ from apache_beam.io.filesystems import FileSystems
 
 from ember.pipelines.code_filters import language_from_path
 from ember.pipelines.corpus_config import CorpusSource
-from ember.pipelines.html_text import ExtractOptions, HtmlExtractor, Submitted, thread_extractor
-from ember.pipelines.warc_input import WarcBreak, WarcPage, WarcReject, read_warc
+from ember.pipelines.web.html_text import ExtractOptions, HtmlExtractor, Submitted, thread_extractor
+from ember.pipelines.web.warc import WarcBreak, WarcPage, WarcReject, read_warc
 from ember.schemas.documents import METADATA_KEYS, content_hash, make_document_id, reject_row
 
 READ_STAGE = "read"

@@ -25,7 +25,7 @@ from ember.pipelines.corpus_io import READ_STAGE, UNREADABLE, Row, read_file
 from ember.pipelines.language_id import identifier, language_verdict
 from ember.pipelines.progress import ProgressWriter
 from ember.pipelines.redaction import redact_fields
-from ember.pipelines.url_blocklist import UrlBlocklist, parse_domain_lines
+from ember.pipelines.web.blocklist import UrlBlocklist, parse_domain_lines
 from ember.pipelines.web_filters import WebFilterStack
 from ember.schemas.documents import cluster_row, content_hash, reject_row
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from ember.pipelines.html_text import ExtractOptions, HtmlExtractor, extract, thread_extractor
+from ember.pipelines.web.html_text import ExtractOptions, HtmlExtractor, extract, thread_extractor
 
 from .web_support import PROSE, page
 
