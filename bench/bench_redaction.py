@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 from datatrove.pipeline.formatters import PIIFormatter  # noqa: E402
 
-from ember.pipelines.corpus_config import Redaction  # noqa: E402
+from ember.pipelines.quality.settings import Redaction  # noqa: E402
 from ember.pipelines.redaction import redact  # noqa: E402
 from tests.pipelines.redaction_labelled import Labelled, Score, clean, planted, score  # noqa: E402
 

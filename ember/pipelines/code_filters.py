@@ -8,7 +8,7 @@ from __future__ import annotations
 import posixpath
 import re
 
-from ember.pipelines.corpus_config import CodeFilters
+from ember.pipelines.quality.settings import CodeFilters
 
 EXTENSION_LANGUAGES: dict[str, str] = {
     "py": "python", "pyi": "python", "ipynb": "jupyter",

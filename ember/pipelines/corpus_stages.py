@@ -20,7 +20,8 @@ from apache_beam.pvalue import PCollection, TaggedOutput
 from ember.pipelines import minhash
 from ember.pipelines.code_filters import check_code
 from ember.pipelines.components import ConnectedComponents, Unconverged
-from ember.pipelines.corpus_config import CorpusSource, Dedup, Filters, Redaction, UrlBlocklistSettings
+from ember.pipelines.corpus_config import CorpusSource, Dedup
+from ember.pipelines.quality.settings import Filters, Redaction, UrlBlocklistSettings
 from ember.pipelines.corpus_io import READ_STAGE, UNREADABLE, Row, read_file
 from ember.pipelines.language_id import identifier, language_verdict
 from ember.pipelines.progress import ProgressWriter

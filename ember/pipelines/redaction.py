@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ember.pipelines.corpus_config import Redaction
+from ember.pipelines.quality.settings import Redaction
 
 PLACEHOLDERS = {
     "private_key": "<PRIVATE_KEY>",

@@ -13,7 +13,7 @@ from datatrove.pipeline.filters import C4QualityFilter, FineWebQualityFilter, Go
 from datatrove.pipeline.filters.base_filter import BaseFilter, get_filter_result
 from datatrove.utils.word_tokenizers import WhitespaceTokenizer
 
-from ember.pipelines.corpus_config import WEB_FILTER_ORDER, WebFilters
+from ember.pipelines.quality.settings import WEB_FILTER_ORDER, WebFilters
 
 _WORD = regex.compile(r"[\p{L}\p{M}\p{N}_]+(?:['’][\p{L}]+)*|[^\s\p{L}\p{M}\p{N}_]+")
 

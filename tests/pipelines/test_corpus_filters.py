@@ -7,7 +7,7 @@ import random
 import pytest
 
 from ember.pipelines.code_filters import check_code, language_from_path
-from ember.pipelines.corpus_config import CodeFilters, WebFilters
+from ember.pipelines.quality.settings import CodeFilters, WebFilters
 from ember.demo.sample_corpus import code_file, prose
 from ember.pipelines.web_filters import RegexWordTokenizer, WebFilterStack
 

@@ -11,7 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 from apache_beam.testing.util import assert_that, equal_to
 
-from ember.pipelines.corpus_config import CorpusSource, Dedup, Redaction, parse_config
+from ember.pipelines.corpus_config import CorpusSource, Dedup, parse_config
+
+from ember.pipelines.quality.settings import Redaction
 from ember.pipelines.corpus_io import record_to_row
 from ember.pipelines.corpus_outputs import WriteParquetParts
 from ember.pipelines.corpus_pipeline import corpus_stages

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from ember.pipelines.corpus_config import Redaction
+from ember.pipelines.quality.settings import Redaction
 from ember.pipelines.redaction import redact, redact_fields, shannon_entropy
 
 from .redaction_labelled import clean, planted, score
