@@ -144,7 +144,7 @@ def _write_parquet(path: Path, docs: list[dict]) -> None:
 
 def true_pairs(docs: list[dict]) -> tuple[set[tuple[str, str]], int]:
     """Pairs with exact 5-gram Jaccard >= THRESHOLD; also how many candidate pairs were checked."""
-    from ember.pipelines.minhash import jaccard, shingle_set
+    from ember.pipelines.quality.minhash import jaccard, shingle_set
 
     sets = {d["id"]: shingle_set(d["text"], N_GRAMS) for d in docs}
     postings: dict[int, list[str]] = defaultdict(list)
@@ -210,7 +210,7 @@ def datatrove_clusters(docs: list[dict], work: Path) -> tuple[dict[str, str], fl
     from datatrove.pipeline.readers import ParquetReader
     from datatrove.pipeline.writers import ParquetWriter
 
-    from ember.pipelines.web_filters import RegexWordTokenizer
+    from ember.pipelines.quality.web_filters import RegexWordTokenizer
 
     _write_parquet(work / "in" / "planted.parquet", docs)
     cfg, tok, w = _datatrove_minhash_config(), RegexWordTokenizer(), str(work)
@@ -305,7 +305,7 @@ def run_datatrove(input_dir: str, out: str, workers: int, files: int) -> int:
     from datatrove.pipeline.writers import ParquetWriter
     from datatrove.utils.hashing import HashConfig
 
-    from ember.pipelines.web_filters import RegexWordTokenizer
+    from ember.pipelines.quality.web_filters import RegexWordTokenizer
 
     tok, cfg = RegexWordTokenizer(), _datatrove_minhash_config()
     exact = ExactDedupConfig(content_getter=_text, hash_config=HashConfig(precision=64, hash_fc="sha1"))

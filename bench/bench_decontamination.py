@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ember.pipelines.decontamination import BenchmarkIndex, BenchmarkItem, Settings  # noqa: E402
+from ember.pipelines.quality.decontamination import BenchmarkIndex, BenchmarkItem, Settings  # noqa: E402
 from tests.pipelines.decontamination_cases import KINDS, humaneval_items, planted, read, stdlib_files  # noqa: E402
 
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 from datatrove.pipeline.formatters import PIIFormatter  # noqa: E402
 
 from ember.pipelines.quality.settings import Redaction  # noqa: E402
-from ember.pipelines.redaction import redact  # noqa: E402
+from ember.pipelines.quality.redaction import redact  # noqa: E402
 from tests.pipelines.redaction_labelled import Labelled, Score, clean, planted, score  # noqa: E402
 
 
@@ -40,7 +40,7 @@ def ember_tool(redact_fn: Callable = redact) -> tuple[Callable[[str], str], Call
 
 
 def module_redact(path: str) -> Callable:
-    """`redact` of another version of ember/pipelines/redaction.py (e.g. `git show main:...` saved to a file)."""
+    """`redact` of another version of ember/pipelines/quality/redaction.py (e.g. `git show main:...` saved to a file)."""
     spec = importlib.util.spec_from_file_location("redaction_under_test", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -41,7 +41,7 @@ from warcio.archiveiterator import ArchiveIterator  # noqa: E402
 
 from ember.pipelines.corpus_config import CorpusSource  # noqa: E402
 from ember.pipelines.corpus_io import read_file  # noqa: E402
-from ember.pipelines.language_id import DEFAULT_CANDIDATES, LanguageIdentifier, known_codes  # noqa: E402
+from ember.pipelines.quality.language_id import DEFAULT_CANDIDATES, LanguageIdentifier, known_codes  # noqa: E402
 from tests.pipelines.web_support import PROSE, Record, warc_bytes  # noqa: E402
 
 HTML_TYPES = ("text/html", "application/xhtml+xml")

@@ -327,7 +327,7 @@ def fetch_benchmark(
 ) -> None:
     """Write a packaged benchmark as JSONL for a `decontamination:` section; others (MBPP, APPS, GSM8K,
     DS-1000) are supplied as local files (README: Decontamination)."""
-    from ember.pipelines.decontamination import DecontaminationError, write_benchmark
+    from ember.pipelines.quality.decontamination import DecontaminationError, write_benchmark
 
     try:
         path, n = write_benchmark(name, out)
@@ -351,7 +351,7 @@ def decontaminate(
     Exit codes: 0 no prompt holds a benchmark item, 1 some do (both files written), 2 unusable input."""
     from ember.configs import CorpusConfigError
     from ember.pipelines.corpus_config import Benchmark, Decontamination, load_decontamination
-    from ember.pipelines.decontamination import BenchmarkIndex, DecontaminationError, decontaminate_prompts, item_counts
+    from ember.pipelines.quality.decontamination import BenchmarkIndex, DecontaminationError, decontaminate_prompts, item_counts
 
     if (config is None) == (not benchmark):
         fail("give either --config (a decontamination: section) or one or more --benchmark files")

@@ -20,13 +20,13 @@ from pydantic import Field, field_validator, model_validator
 from ember import configs
 from ember.configs import CorpusConfigError, StrictModel, at_most
 from ember.files import is_url
-from ember.pipelines import minhash
+from ember.pipelines.quality import minhash
 from ember.pipelines.quality.settings import PERMISSIVE_LICENSES, Filters, Redaction
 from ember.schemas.documents import DERIVED_METADATA_KEYS, METADATA_KEYS
 from ember.tokenize.config import PackSettings
 
 if TYPE_CHECKING:  # the matcher loads with the stage, not with every config
-    from ember.pipelines.decontamination import BenchmarkItem, Settings
+    from ember.pipelines.quality.decontamination import BenchmarkItem, Settings
 
 
 DEFAULT_WARN_SHARE = 0.5
@@ -176,7 +176,7 @@ class Benchmark(StrictModel):
 
 
 class Decontamination(StrictModel):
-    """Drop documents holding a benchmark item (ember/pipelines/decontamination.py says how they are matched)."""
+    """Drop documents holding a benchmark item (ember/pipelines/quality/decontamination.py says how they are matched)."""
 
     benchmarks: list[Benchmark] = Field(min_length=1)
     n_grams: Annotated[int, at_most(64, "longer n-grams miss an item copied with a small edit")] = Field(default=13, ge=5)
@@ -198,7 +198,7 @@ class Decontamination(StrictModel):
 
     def settings(self) -> Settings:
         """The matching parameters in the pure module's form."""
-        from ember.pipelines.decontamination import Settings
+        from ember.pipelines.quality.decontamination import Settings
 
         return Settings(n_grams=self.n_grams, min_substring_tokens=self.min_substring_tokens,
                         max_item_share=self.max_item_share, min_overlap=self.min_overlap, min_shared=self.min_shared,
@@ -206,7 +206,7 @@ class Decontamination(StrictModel):
 
     def read_items(self) -> list[BenchmarkItem]:
         """Every benchmark's items; a missing or malformed file is a `CorpusConfigError` naming it."""
-        from ember.pipelines.decontamination import DecontaminationError, read_items
+        from ember.pipelines.quality.decontamination import DecontaminationError, read_items
 
         items, problems = [], []
         for i, benchmark in enumerate(self.benchmarks):

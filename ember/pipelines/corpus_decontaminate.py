@@ -13,7 +13,7 @@ from typing import Any
 from ember.pipelines.corpus_config import Decontamination
 from ember.pipelines.corpus_io import Row
 from ember.pipelines.corpus_stages import CorpusFn, PerDocument
-from ember.pipelines.decontamination import BenchmarkIndex, BenchmarkItem
+from ember.pipelines.quality.decontamination import BenchmarkIndex, BenchmarkItem
 
 STAGE = "decontaminate"
 REASON_PREFIX = "decontamination:"

@@ -17,17 +17,17 @@ from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.pvalue import PCollection, TaggedOutput
 
-from ember.pipelines import minhash
-from ember.pipelines.code_filters import check_code
-from ember.pipelines.components import ConnectedComponents, Unconverged
+from ember.pipelines.quality import minhash
+from ember.pipelines.quality.code_filters import check_code
+from ember.pipelines.quality.components import ConnectedComponents, Unconverged
 from ember.pipelines.corpus_config import CorpusSource, Dedup
 from ember.pipelines.quality.settings import Filters, Redaction, UrlBlocklistSettings
 from ember.pipelines.corpus_io import READ_STAGE, UNREADABLE, Row, read_file
-from ember.pipelines.language_id import identifier, language_verdict
+from ember.pipelines.quality.language_id import identifier, language_verdict
 from ember.pipelines.progress import ProgressWriter
-from ember.pipelines.redaction import redact_fields
+from ember.pipelines.quality.redaction import redact_fields
 from ember.pipelines.web.blocklist import UrlBlocklist, parse_domain_lines
-from ember.pipelines.web_filters import WebFilterStack
+from ember.pipelines.quality.web_filters import WebFilterStack
 from ember.schemas.documents import cluster_row, content_hash, reject_row
 
 ALL_SOURCES = "*"

@@ -15,7 +15,7 @@ import re
 import sysconfig
 from pathlib import Path
 
-from ember.pipelines.decontamination import BenchmarkItem, humaneval_records
+from ember.pipelines.quality.decontamination import BenchmarkItem, humaneval_records
 
 KINDS = ("verbatim", "reindented", "renamed", "embedded")
 

@@ -7,7 +7,7 @@ import random
 import apache_beam as beam
 from apache_beam.testing.util import assert_that, equal_to
 
-from ember.pipelines.components import ConnectedComponents, Unconverged, large_star, small_star
+from ember.pipelines.quality.components import ConnectedComponents, Unconverged, large_star, small_star
 
 
 def _components(edges: list[tuple[str, str]]) -> dict[str, str]:

@@ -25,7 +25,7 @@ from ember.pipelines.corpus_io import record_to_row
 from ember.pipelines.corpus_pipeline import corpus_stages
 from ember.pipelines.corpus_report import read_stats, render_report
 from ember.pipelines.corpus_report_html import funnel
-from ember.pipelines.decontamination import humaneval_records, item_of
+from ember.pipelines.quality.decontamination import humaneval_records, item_of
 
 from .corpus_support import build, rows
 from .decontamination_cases import embedded, function, humaneval_items, read, renamed, stdlib_files

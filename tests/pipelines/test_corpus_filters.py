@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from ember.pipelines.code_filters import check_code, language_from_path
+from ember.pipelines.quality.code_filters import check_code, language_from_path
 from ember.pipelines.quality.settings import CodeFilters, WebFilters
 from ember.demo.sample_corpus import code_file, prose
-from ember.pipelines.web_filters import RegexWordTokenizer, WebFilterStack
+from ember.pipelines.quality.web_filters import RegexWordTokenizer, WebFilterStack
 
 ONLY = ("gopher_repetition", "gopher_quality", "c4_quality", "fineweb_quality")
 

@@ -24,7 +24,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from typer.testing import CliRunner
 
 from ember.pipelines.cli import app
-from ember.pipelines.code_filters import check_code
+from ember.pipelines.quality.code_filters import check_code
 from ember.pipelines.corpus_config import parse_config
 from ember.pipelines.corpus_report import source_warnings
 from ember.pipelines.job_logs import job_logs, log_path_for

@@ -25,7 +25,7 @@ from ember.pipelines.corpus_build import prepare_options
 from ember.pipelines.cli import app
 from ember.pipelines.corpus_report import read_stats
 from ember.pipelines.dataflow_render import missing_build_tools, proto_transforms
-from ember.pipelines.decontamination import write_benchmark
+from ember.pipelines.quality.decontamination import write_benchmark
 from ember.pipelines.runners import default_local_args, local_args, with_defaults
 from ember.demo.sample_corpus import write_sample_corpus
 

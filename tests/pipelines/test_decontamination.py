@@ -1,4 +1,4 @@
-"""Benchmark matching (ember/pipelines/decontamination.py): planted HumanEval contamination is found with the
+"""Benchmark matching (ember/pipelines/quality/decontamination.py): planted HumanEval contamination is found with the
 right item, clean standard-library code is not, and benchmark files fail with the file and record named."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ember.pipelines.decontamination import (
+from ember.pipelines.quality.decontamination import (
     BenchmarkIndex, BenchmarkItem, DecontaminationError, Match, Settings, Tokens, item_of, read_items,
     renamed_windows, windows,
 )

@@ -7,7 +7,7 @@ import pytest
 
 from ember.configs import CorpusConfigError
 from ember.pipelines.corpus_config import parse_config
-from ember.pipelines.language_id import DEFAULT_CANDIDATES, UNKNOWN, identifier, language_verdict
+from ember.pipelines.quality.language_id import DEFAULT_CANDIDATES, UNKNOWN, identifier, language_verdict
 from ember.pipelines.web.blocklist import UrlBlocklist, normalize_domain, parse_domain_lines
 
 from .web_support import PROSE

@@ -10,7 +10,7 @@ from datatrove.utils.text import simplify_text
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ember.pipelines import minhash
+from ember.pipelines.quality import minhash
 
 
 @settings(max_examples=400, deadline=None)

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from ember.pipelines.quality.settings import Redaction
-from ember.pipelines.redaction import redact, redact_fields, shannon_entropy
+from ember.pipelines.quality.redaction import redact, redact_fields, shannon_entropy
 
 from .redaction_labelled import clean, planted, score
 

@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field, ValidationError, create_model, field_vali
 
 from ember import configs
 from ember.configs import StrictModel
-from ember.pipelines.language_id import DEFAULT_CANDIDATES, unknown_codes
+from ember.pipelines.quality.language_id import DEFAULT_CANDIDATES, unknown_codes
 from ember.pipelines.web.blocklist import normalize_domain
 
 

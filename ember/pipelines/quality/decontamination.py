@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from ember.pipelines.minhash import splitmix64, windows
+from ember.pipelines.quality.minhash import splitmix64, windows
 
 TOKEN = re.compile(r"\w+|[^\w\s]")
 IDENTIFIER = re.compile(r"[^\W\d]\w*")
