@@ -278,7 +278,7 @@ def run_ember(input_dir: str, out: str, workers: int) -> int:
     from ember.pipelines.corpus_config import parse_config
     from ember.pipelines.corpus_pipeline import run
     from ember.pipelines.corpus_report import read_stats
-    from ember.pipelines.runners import local_args
+    from ember.pipelines.jobs.runners import local_args
 
     config = parse_config({
         "sources": [{"name": "web", "kind": "web", "inputs": [f"{input_dir}/*.parquet"], "format": "parquet"}],

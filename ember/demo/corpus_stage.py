@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 from rich.console import Console
 
 from ember.pipelines.corpus_config import parse_config
-from ember.pipelines.job_logs import job_logs
+from ember.pipelines.jobs.logs import job_logs
 from ember.demo.sample_corpus import write_sample_corpus
 from ember.demo.tokenize_stage import demo_pack_settings, shard_rows
 from ember.demo.sample_documents import code_documents, web_documents

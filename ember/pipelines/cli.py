@@ -77,12 +77,12 @@ def tokenize(
         settings = _tokenize_config(config)
     except TokenizeConfigError as exc:
         fail(exc)
-    from ember.pipelines.job_logs import job_logs, log_path_for
-    from ember.pipelines.job_process import Interrupted, stop_on_signals
+    from ember.pipelines.jobs.logs import job_logs, log_path_for
+    from ember.pipelines.jobs.process import Interrupted, stop_on_signals
 
     with job_logs(verbose) as logs:
         console.print(f"log: {logs.write_to(log_path_for(str(settings.output_dir)))}", highlight=False)
-        from ember.pipelines.output_guard import OutputUnusable
+        from ember.pipelines.jobs.output_guard import OutputUnusable
         from ember.pipelines.tokenize_pipeline import run
         from ember.tokenize.tokenizers import TokenizerLoadError
 
@@ -143,7 +143,7 @@ def inspect(
     token's index in the document's tokens, and the stored (redacted) text around it.
 
     The shard is first checked against its set's manifest (size, sha256, token ids in the vocabulary)."""
-    from ember.pipelines.job_logs import quiet_third_party
+    from ember.pipelines.jobs.logs import quiet_third_party
 
     with quiet_third_party():
         from ember.pipelines.locate import LocateError, locate_text
@@ -221,13 +221,13 @@ def build(
     from ember.configs import CorpusConfigError, TokenizeConfigError
 
     settings = _corpus_config(config)
-    from ember.pipelines.job_logs import job_logs, log_path_for
-    from ember.pipelines.job_process import Interrupted, stop_on_signals
+    from ember.pipelines.jobs.logs import job_logs, log_path_for
+    from ember.pipelines.jobs.process import Interrupted, stop_on_signals
 
     with job_logs(verbose) as logs:
         console.print(f"log: {logs.write_to(log_path_for(settings.output.directory))}", highlight=False)
         from ember.pipelines.corpus_build import BuildFailed, build_corpus
-        from ember.pipelines.output_guard import OutputUnusable
+        from ember.pipelines.jobs.output_guard import OutputUnusable
         from ember.tokenize.tokenizers import TokenizerLoadError
 
         min_free = None if min_free_mb is None else min_free_mb * 2**20
@@ -258,7 +258,7 @@ def dataflow_render(
     from ember.configs import CorpusConfigError
 
     settings = _corpus_config(config)
-    from ember.pipelines.job_logs import job_logs
+    from ember.pipelines.jobs.logs import job_logs
 
     with job_logs(verbose) as logs:
         console.print(f"log: {logs.write_to(out.with_name(out.name + '.log'))}", highlight=False)
@@ -285,7 +285,7 @@ def report(
 ) -> None:
     """(Re)write report.md and report.html from a build's outputs, e.g. after a Dataflow job, and print the
     summary and warnings. A shard set in DIR/shards (the tokenize stage's default) adds the token-length histogram."""
-    from ember.pipelines.job_logs import quiet_third_party
+    from ember.pipelines.jobs.logs import quiet_third_party
 
     with quiet_third_party():
         from ember.pipelines.corpus_build import summary_table

@@ -5,13 +5,13 @@ Shared by the `ember corpus build` command, the Dataflow flex-template entry poi
 A local output is checked before any work (only files of ember's own in it, a writable parent with
 room for the new output), built whole in a staging directory next to it - documents, rejects,
 clusters, stats, report and a shard set inside it - and swapped in only when complete
-(ember/pipelines/output_guard.py). A shard set outside the output is staged and swapped the same way,
+(ember/pipelines/jobs/output_guard.py). A shard set outside the output is staged and swapped the same way,
 just before the output. A URL output (gs://) must be new or empty: the job never deletes there.
 
 A local build runs in two checkpointed phases (ember/pipelines/corpus_phases.py): a rerun of the same
 config skips what is complete and verified, and an interrupted one resumes from the last finished phase.
 Under `stop_on_signals()` (the CLI) each Beam job runs in a child process that SIGINT/SIGTERM stop whole
-(ember/pipelines/job_process.py); `Interrupted` leaves here saying what state the output is in.
+(ember/pipelines/jobs/process.py); `Interrupted` leaves here saying what state the output is in.
 """
 
 from __future__ import annotations
@@ -39,13 +39,13 @@ from ember.pipelines.corpus_outputs import require_empty_output
 from ember.pipelines.corpus_report import SourceWarning, build_warnings, read_stats, summary_rows, write_report
 from ember.pipelines.corpus_report_html import write_html_report
 from ember.schemas.documents import REPORT_FILE, REPORT_HTML_FILE
-from ember.pipelines.output_guard import (
+from ember.pipelines.jobs.output_guard import (
     MIN_FREE_BYTES, OutputUnusable, check_room, is_local, owned_by_ownership_file, refuse_foreign, staged, up_to_date,
     write_ownership,
 )
-from ember.pipelines.job_process import Interrupted, run_job, signals_deferred
-from ember.pipelines.progress import watch
-from ember.pipelines.runners import BuildFailed, dataflow_problems, runner_name, runs_locally, with_defaults
+from ember.pipelines.jobs.process import Interrupted, run_job, signals_deferred
+from ember.pipelines.jobs.progress import watch
+from ember.pipelines.jobs.runners import BuildFailed, dataflow_problems, runner_name, runs_locally, with_defaults
 from ember.schemas import Manifest, read_manifest
 from ember.tokenize.config import ShardSource, TokenizeConfig
 

@@ -7,7 +7,7 @@
 
 Shard assignment hashes the row key and shard counts follow the row counts, so a rerun on the same
 input writes byte-identical files on any runner. The job writes only into an empty or new directory
-and never deletes anything; `build_corpus` stages local rebuilds (ember/pipelines/output_guard.py).
+and never deletes anything; `build_corpus` stages local rebuilds (ember/pipelines/jobs/output_guard.py).
 On a local disk each file appears under its final name only complete (temporary name + rename);
 object stores publish an object only when its upload completes.
 """
@@ -32,7 +32,7 @@ from apache_beam.pvalue import AsDict
 from ember.pipelines.corpus_config import CorpusConfig
 from ember.pipelines.corpus_io import READ_STAGE, Row, write_parquet
 from ember.pipelines.corpus_stages import ALL_SOURCES, CorpusFn, Event, StageOutput, document_events
-from ember.pipelines.output_guard import SHOWN_FOREIGN, OutputUnusable, is_local
+from ember.pipelines.jobs.output_guard import SHOWN_FOREIGN, OutputUnusable, is_local
 from ember.schemas.documents import CLUSTER_SCHEMA, DOCUMENT_SCHEMA, REJECTED_SCHEMA, STATS_FILE
 
 STATS_SCHEMA = "ember.corpus_stats"

@@ -39,7 +39,7 @@ from ember.pipelines.corpus_config import CorpusConfig
 from ember.pipelines.corpus_outputs import WriteParquetParts, write_outputs
 from ember.pipelines.corpus_pipeline import corpus_stages
 from ember.pipelines.corpus_stages import ExactDedup, NearDedup, StageOutput
-from ember.pipelines.runners import finish
+from ember.pipelines.jobs.runners import finish
 from ember.files import write_atomically
 from ember.schemas.documents import DOCUMENT_SCHEMA, REJECTED_SCHEMA
 

@@ -18,7 +18,7 @@ from ember.pipelines.corpus_stages import (
     CLUSTER_TEXT_FIELDS, REJECT_TEXT_FIELDS, ExactDedup, FilterDocuments, NearDedup, PerDocument, ReadSources,
     RedactDocuments, RedactRows, StageOutput, UniqueIds,
 )
-from ember.pipelines.runners import finish
+from ember.pipelines.jobs.runners import finish
 
 
 def corpus_stages(config: CorpusConfig, progress_dir: str | None = None) -> list[beam.PTransform]:

@@ -24,7 +24,7 @@ from ember.pipelines.corpus_config import CorpusSource, Dedup
 from ember.pipelines.quality.settings import Filters, Redaction, UrlBlocklistSettings
 from ember.pipelines.corpus_io import READ_STAGE, UNREADABLE, Row, read_file
 from ember.pipelines.quality.language_id import identifier, language_verdict
-from ember.pipelines.progress import ProgressWriter
+from ember.pipelines.jobs.progress import ProgressWriter
 from ember.pipelines.quality.redaction import redact_fields
 from ember.pipelines.web.blocklist import UrlBlocklist, parse_domain_lines
 from ember.pipelines.quality.web_filters import WebFilterStack

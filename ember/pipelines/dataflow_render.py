@@ -38,7 +38,7 @@ def render_problems(beam_args: list[str]) -> list[str]:
     """What stops a render: the Dataflow options' own problems, or a `--setup_file` Beam cannot package here."""
     from apache_beam.options.pipeline_options import PipelineOptions, SetupOptions
 
-    from ember.pipelines.runners import dataflow_problems, runner_name
+    from ember.pipelines.jobs.runners import dataflow_problems, runner_name
 
     options = PipelineOptions(beam_args)
     if runner_name(options) != "DataflowRunner":

@@ -16,7 +16,7 @@ Stages (each a Beam transform, so the same graph runs on FnApiRunner, Flink or D
 The graph is kept to few transforms: Beam's fixed cost (graph construction, bundle set-up) is paid per
 transform, and on a small build it is most of the run (bench/bench_tokenize_pack.py).
 `run` writes the set into a fresh staging directory next to `output_dir` and swaps it in once the
-manifest is written (ember/pipelines/output_guard.py): a failed run leaves the previous set intact,
+manifest is written (ember/pipelines/jobs/output_guard.py): a failed run leaves the previous set intact,
 and files the previous manifest does not list are never deleted. A gs:// or s3:// `output_dir` gets the set
 staged locally and committed there shards first, manifest last (`write_to_url`).
 """
@@ -46,10 +46,10 @@ from rich.console import Console
 from ember import storage
 from ember.configs import TokenizeConfigError
 from ember.files import write_atomically
-from ember.pipelines.job_process import isolating, run_job
-from ember.pipelines.output_guard import MIN_FREE_BYTES, OutputUnusable, check_room, refuse_foreign, staged
-from ember.pipelines.progress import ProgressWriter, watch
-from ember.pipelines.runners import runs_locally
+from ember.pipelines.jobs.process import isolating, run_job
+from ember.pipelines.jobs.output_guard import MIN_FREE_BYTES, OutputUnusable, check_room, refuse_foreign, staged
+from ember.pipelines.jobs.progress import ProgressWriter, watch
+from ember.pipelines.jobs.runners import runs_locally
 from ember.schemas import SchemaValidationError
 from ember.schemas.documents import REJECTED_SCHEMA, reject_row
 from ember.schemas.shards import MANIFEST_FILENAME, Manifest, read_manifest, write_manifest
@@ -330,7 +330,7 @@ def build(pipeline: beam.Pipeline, config: TokenizeConfig, tokenizer: Tokenizer,
           progress_dir: str | None = None) -> None:
     """Adds the whole tokenize-and-pack graph to `pipeline`. `recorded`, when `config` reads from or writes
     to a staging directory, is the final config: rejects name its source paths, the manifest its hash.
-    With `progress_dir`, the tokenize step counts its documents there (ember/pipelines/progress.py)."""
+    With `progress_dir`, the tokenize step counts its documents there (ember/pipelines/jobs/progress.py)."""
     recorded = recorded or config
     driver_tokenizer = uuid.uuid4().hex
     _DRIVER_TOKENIZERS[driver_tokenizer] = tokenizer

@@ -13,7 +13,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from ember.pipelines.corpus_config import CorpusConfig, check_inputs
 from ember.pipelines.corpus_phases import cache_root
 from ember.pipelines.corpus_pipeline import run
-from ember.pipelines.output_guard import OWNERSHIP_FILE
+from ember.pipelines.jobs.output_guard import OWNERSHIP_FILE
 
 IN_PROCESS = ["--runner=FnApiRunner"]
 

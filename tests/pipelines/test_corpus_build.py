@@ -19,7 +19,7 @@ from ember.pipelines.cli import app
 from ember.pipelines.corpus_build import build_corpus
 from ember.pipelines.corpus_config import parse_config
 from ember.pipelines.corpus_report import read_stats
-from ember.pipelines.output_guard import OWNERSHIP_FILE
+from ember.pipelines.jobs.output_guard import OWNERSHIP_FILE
 from ember.demo.sample_corpus import SampleCorpus, write_sample_corpus
 from ember.schemas.documents import CLUSTER_SCHEMA, DOCUMENT_SCHEMA, REJECTED_SCHEMA
 from ember.schemas.versioning import schema_identity

@@ -16,7 +16,7 @@ from ember.cli import app
 from ember.demo.sample_corpus import SampleCorpus, write_sample_corpus
 from ember.pipelines.corpus_build import build_corpus
 from ember.pipelines.corpus_config import parse_config
-from ember.pipelines.output_guard import OutputUnusable
+from ember.pipelines.jobs.output_guard import OutputUnusable
 from tests.conftest import _new_bucket
 from tests.pipelines.test_corpus_build import with_tokenize
 

@@ -26,7 +26,7 @@ from ember.pipelines.cli import app
 from ember.pipelines.corpus_report import read_stats
 from ember.pipelines.dataflow_render import missing_build_tools, proto_transforms
 from ember.pipelines.quality.decontamination import write_benchmark
-from ember.pipelines.runners import default_local_args, local_args, with_defaults
+from ember.pipelines.jobs.runners import default_local_args, local_args, with_defaults
 from ember.demo.sample_corpus import write_sample_corpus
 
 ROOT = Path(__file__).resolve().parents[2]

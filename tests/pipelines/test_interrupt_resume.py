@@ -23,7 +23,7 @@ from ember.pipelines.corpus_build import build_corpus
 from ember.pipelines.corpus_config import parse_config
 from ember.pipelines.corpus_io import write_parquet
 from ember.pipelines.corpus_phases import COMPLETE_FILE, cache_root, documents_key, output_key
-from ember.pipelines.output_guard import OWNERSHIP_FILE
+from ember.pipelines.jobs.output_guard import OWNERSHIP_FILE
 from ember.schemas.documents import DOCUMENT_SCHEMA
 
 from .corpus_support import IN_PROCESS, file_digests, rows

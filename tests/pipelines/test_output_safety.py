@@ -21,7 +21,7 @@ from ember.pipelines.cli import app
 from ember.pipelines.corpus_build import build_corpus, shards_config
 from ember.pipelines.corpus_config import parse_config
 from ember.pipelines.corpus_outputs import require_empty_output
-from ember.pipelines.output_guard import OWNERSHIP_FILE, OutputUnusable, files_under
+from ember.pipelines.jobs.output_guard import OWNERSHIP_FILE, OutputUnusable, files_under
 from ember.pipelines.tokenize_pipeline import run as tokenize
 from ember.schemas import read_manifest
 from ember.tokenize.shardset import verify_shard_set

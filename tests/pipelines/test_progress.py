@@ -10,8 +10,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ember.pipelines import progress
-from ember.pipelines.progress import FLUSH_SECONDS, ProgressWriter, read_progress, watch
+from ember.pipelines.jobs import progress
+from ember.pipelines.jobs.progress import FLUSH_SECONDS, ProgressWriter, read_progress, watch
 
 
 def test_writers_flush_and_the_driver_sums_them(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ember.files import write_atomically
-from ember.pipelines.job_process import signals_deferred
+from ember.pipelines.jobs.process import signals_deferred
 
 OWNERSHIP_FILE = ".ember-output.json"
 OWNERSHIP_SCHEMA = "ember.output_files"

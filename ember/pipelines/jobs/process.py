@@ -160,7 +160,7 @@ def _portable(exc: BaseException) -> BaseException:
 
 
 def _main(call: str, result: str) -> None:
-    from ember.pipelines.job_logs import LOG_FORMAT
+    from ember.pipelines.jobs.logs import LOG_FORMAT
 
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)  # to the inherited fd 2: the parent's job log
     fn, args = pickle.loads(Path(call).read_bytes())

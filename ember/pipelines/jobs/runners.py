@@ -33,7 +33,7 @@ from apache_beam.options.pipeline_options_validator import PipelineOptionsValida
 from apache_beam.runners.runner import PipelineResult, PipelineState
 
 from ember.files import is_url
-from ember.pipelines.job_process import SIGNALS, Interrupted
+from ember.pipelines.jobs.process import SIGNALS, Interrupted
 
 CANCEL_WAIT_SECONDS = 4.0
 """How long a stopped build waits for its cancelled job to end before it exits anyway (under the job
