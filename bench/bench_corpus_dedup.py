@@ -174,9 +174,9 @@ def ember_clusters(docs: list[dict], work: Path) -> tuple[dict[str, str], float]
     import polars as pl
     from apache_beam.options.pipeline_options import PipelineOptions
 
-    from ember.pipelines.corpus_config import parse_config
-    from ember.pipelines.corpus_pipeline import run
-    from ember.pipelines.corpus_report import read_output
+    from ember.pipelines.corpus.config import parse_config
+    from ember.pipelines.corpus.pipeline import run
+    from ember.pipelines.corpus.report import read_output
 
     _write_parquet(work / "in" / "planted.parquet", docs)
     off = {"enabled": False}
@@ -275,9 +275,9 @@ def web_corpus(directory: Path, docs: int, files: int, seed: int = 11) -> int:
 def run_ember(input_dir: str, out: str, workers: int) -> int:
     from apache_beam.options.pipeline_options import PipelineOptions
 
-    from ember.pipelines.corpus_config import parse_config
-    from ember.pipelines.corpus_pipeline import run
-    from ember.pipelines.corpus_report import read_stats
+    from ember.pipelines.corpus.config import parse_config
+    from ember.pipelines.corpus.pipeline import run
+    from ember.pipelines.corpus.report import read_stats
     from ember.pipelines.jobs.runners import local_args
 
     config = parse_config({

@@ -52,9 +52,9 @@ from bench_corpus_dedup import BANDS, N_GRAMS, ROWS, SEED, web_corpus  # noqa: E
 from apache_beam.options.pipeline_options import PipelineOptions  # noqa: E402
 
 from ember.dev import services  # noqa: E402
-from ember.pipelines.corpus_config import check_inputs, parse_config  # noqa: E402
-from ember.pipelines.corpus_pipeline import run  # noqa: E402
-from ember.pipelines.corpus_report import read_stats  # noqa: E402
+from ember.pipelines.corpus.config import check_inputs, parse_config  # noqa: E402
+from ember.pipelines.corpus.pipeline import run  # noqa: E402
+from ember.pipelines.corpus.report import read_stats  # noqa: E402
 from ember.pipelines.jobs.runners import flink_cluster_args, local_args  # noqa: E402
 
 REST = f"http://127.0.0.1:{os.environ.get('EMBER_FLINK_REST_PORT', '18081')}"

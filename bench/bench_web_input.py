@@ -39,8 +39,8 @@ from resiliparse.extract.html2text import extract_plain_text  # noqa: E402
 from resiliparse.parse.encoding import bytes_to_str, detect_encoding  # noqa: E402
 from warcio.archiveiterator import ArchiveIterator  # noqa: E402
 
-from ember.pipelines.corpus_config import CorpusSource  # noqa: E402
-from ember.pipelines.corpus_io import read_file  # noqa: E402
+from ember.pipelines.corpus.config import CorpusSource  # noqa: E402
+from ember.pipelines.corpus.formats import read_file  # noqa: E402
 from ember.pipelines.quality.language_id import DEFAULT_CANDIDATES, LanguageIdentifier, known_codes  # noqa: E402
 from tests.pipelines.web_support import PROSE, Record, warc_bytes  # noqa: E402
 

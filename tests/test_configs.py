@@ -14,7 +14,7 @@ from ember.cli import app as ember_app
 from ember.configs import ConfigError, CorpusConfigError, MidtrainConfigError
 from ember.midtrain.cli import app as midtrain_app
 from ember.midtrain.config import MidtrainConfig, load_config as load_midtrain
-from ember.pipelines.corpus_config import load_config as load_corpus
+from ember.pipelines.corpus.config import load_config as load_corpus
 
 REPO = Path(__file__).resolve().parents[1]
 MIDTRAIN = yaml.safe_load((REPO / "ember/midtrain/examples/tiny_cpu.yaml").read_text())

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from rich.console import Console
 
-from ember.pipelines.corpus_config import parse_config
+from ember.pipelines.corpus.config import parse_config
 from ember.pipelines.jobs.logs import job_logs
 from ember.demo.sample_corpus import write_sample_corpus
 from ember.demo.tokenize_stage import demo_pack_settings, shard_rows
@@ -56,7 +56,7 @@ def run(console: Console, workdir: Path) -> tuple[list[tuple[str, str]], Path]:
     console.print(f"corpus build: {len(config.sources)} sources -> {output}")
     with job_logs() as logs:  # Beam's own logging (and its import-time warnings) to a file, as `ember corpus build`
         console.print(f"log: {logs.write_to(workdir / 'corpus.log')}", highlight=False)
-        from ember.pipelines.corpus_build import build_corpus
+        from ember.pipelines.corpus.build import build_corpus
 
         outcome = build_corpus(config, DEMO_BEAM_ARGS, console)
     totals = outcome.stats["totals"]

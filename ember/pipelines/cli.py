@@ -191,7 +191,7 @@ def inspect(
 def _corpus_config(config: str):
     """The corpus build config at `config` (a path or a gs:// / s3:// URL), or exit 2 naming what to fix."""
     from ember.configs import CorpusConfigError
-    from ember.pipelines.corpus_config import load_config
+    from ember.pipelines.corpus.config import load_config
 
     try:
         return load_config(config)
@@ -226,7 +226,7 @@ def build(
 
     with job_logs(verbose) as logs:
         console.print(f"log: {logs.write_to(log_path_for(settings.output.directory))}", highlight=False)
-        from ember.pipelines.corpus_build import BuildFailed, build_corpus
+        from ember.pipelines.corpus.build import BuildFailed, build_corpus
         from ember.pipelines.jobs.output_guard import OutputUnusable
         from ember.tokenize.tokenizers import TokenizerLoadError
 
@@ -262,7 +262,7 @@ def dataflow_render(
 
     with job_logs(verbose) as logs:
         console.print(f"log: {logs.write_to(out.with_name(out.name + '.log'))}", highlight=False)
-        from ember.pipelines.dataflow_render import render
+        from ember.pipelines.corpus.dataflow import render
 
         try:
             rendered = render(settings, list(beam_args or []), out)
@@ -288,10 +288,10 @@ def report(
     from ember.pipelines.jobs.logs import quiet_third_party
 
     with quiet_third_party():
-        from ember.pipelines.corpus_build import summary_table
-        from ember.pipelines.corpus_config import DEFAULT_WARN_SHARE
-        from ember.pipelines.corpus_report import build_warnings, read_stats, write_report
-        from ember.pipelines.corpus_report_html import write_html_report
+        from ember.pipelines.corpus.build import summary_table
+        from ember.pipelines.corpus.config import DEFAULT_WARN_SHARE
+        from ember.pipelines.corpus.report import build_warnings, read_stats, write_report
+        from ember.pipelines.corpus.report_html import write_html_report
 
         from ember import storage
         from ember.tokenize.remote_sets import RemoteSetError, local_shard_set
@@ -350,7 +350,7 @@ def decontaminate(
     """Split a prompt set into clean and contaminated rows with the corpus build's benchmark check.
     Exit codes: 0 no prompt holds a benchmark item, 1 some do (both files written), 2 unusable input."""
     from ember.configs import CorpusConfigError
-    from ember.pipelines.corpus_config import Benchmark, Decontamination, load_decontamination
+    from ember.pipelines.corpus.config import Benchmark, Decontamination, load_decontamination
     from ember.pipelines.quality.decontamination import BenchmarkIndex, DecontaminationError, decontaminate_prompts, item_counts
 
     if (config is None) == (not benchmark):

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import yaml
 
-from ember.pipelines.corpus_build import build_corpus
-from ember.pipelines.corpus_config import parse_config
+from ember.pipelines.corpus.build import build_corpus
+from ember.pipelines.corpus.config import parse_config
 from ember.demo.sample_corpus import write_sample_corpus
 from ember.schemas import read_manifest
 

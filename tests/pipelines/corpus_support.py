@@ -10,9 +10,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from ember.pipelines.corpus_config import CorpusConfig, check_inputs
-from ember.pipelines.corpus_phases import cache_root
-from ember.pipelines.corpus_pipeline import run
+from ember.pipelines.corpus.config import CorpusConfig, check_inputs
+from ember.pipelines.corpus.phases import cache_root
+from ember.pipelines.corpus.pipeline import run
 from ember.pipelines.jobs.output_guard import OWNERSHIP_FILE
 
 IN_PROCESS = ["--runner=FnApiRunner"]

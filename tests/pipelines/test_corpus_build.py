@@ -16,9 +16,9 @@ from ember.configs import CorpusConfigError
 from ember.dev import services
 from ember.demo import corpus_stage as demo_stage
 from ember.pipelines.cli import app
-from ember.pipelines.corpus_build import build_corpus
-from ember.pipelines.corpus_config import parse_config
-from ember.pipelines.corpus_report import read_stats
+from ember.pipelines.corpus.build import build_corpus
+from ember.pipelines.corpus.config import parse_config
+from ember.pipelines.corpus.report import read_stats
 from ember.pipelines.jobs.output_guard import OWNERSHIP_FILE
 from ember.demo.sample_corpus import SampleCorpus, write_sample_corpus
 from ember.schemas.documents import CLUSTER_SCHEMA, DOCUMENT_SCHEMA, REJECTED_SCHEMA

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from ember.configs import CorpusConfigError
-from ember.pipelines.corpus_config import check_inputs, load_config, parse_config
+from ember.pipelines.corpus.config import check_inputs, load_config, parse_config
 
 BASE = {"sources": [{"name": "web", "kind": "web", "inputs": ["in/*.jsonl"]}], "output": {"directory": "out"}}
 

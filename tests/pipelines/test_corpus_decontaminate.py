@@ -17,14 +17,14 @@ from typer.testing import CliRunner
 from ember.configs import CorpusConfigError
 from ember.demo.sample_corpus import prose
 from ember.pipelines.cli import app
-from ember.pipelines.corpus_config import (
+from ember.pipelines.corpus.config import (
     CorpusSource, Decontamination, check_inputs, load_config, load_decontamination, parse_config,
 )
-from ember.pipelines.corpus_decontaminate import decontaminate_stage
-from ember.pipelines.corpus_io import record_to_row
-from ember.pipelines.corpus_pipeline import corpus_stages
-from ember.pipelines.corpus_report import read_stats, render_report
-from ember.pipelines.corpus_report_html import funnel
+from ember.pipelines.corpus.decontaminate import decontaminate_stage
+from ember.pipelines.corpus.formats import record_to_row
+from ember.pipelines.corpus.pipeline import corpus_stages
+from ember.pipelines.corpus.report import read_stats, render_report
+from ember.pipelines.corpus.report_html import funnel
 from ember.pipelines.quality.decontamination import humaneval_records, item_of
 
 from .corpus_support import build, rows

@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import zstandard
 
-from ember.pipelines.corpus_config import CorpusSource
-from ember.pipelines.corpus_io import read_file
+from ember.pipelines.corpus.config import CorpusSource
+from ember.pipelines.corpus.formats import read_file
 from ember.schemas.documents import content_hash, make_document_id
 
 

@@ -25,8 +25,8 @@ from typer.testing import CliRunner
 
 from ember.pipelines.cli import app
 from ember.pipelines.quality.code_filters import check_code
-from ember.pipelines.corpus_config import parse_config
-from ember.pipelines.corpus_report import source_warnings
+from ember.pipelines.corpus.config import parse_config
+from ember.pipelines.corpus.report import source_warnings
 from ember.pipelines.jobs.logs import job_logs, log_path_for
 from ember.pipelines.locate import locate_text
 from ember.schemas.shards import read_manifest

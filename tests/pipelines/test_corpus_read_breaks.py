@@ -8,8 +8,8 @@ from pathlib import Path
 
 import zstandard
 
-from ember.pipelines.corpus_config import parse_config
-from ember.pipelines.corpus_report import read_stats, render_report, summary_rows
+from ember.pipelines.corpus.config import parse_config
+from ember.pipelines.corpus.report import read_stats, render_report, summary_rows
 
 from .corpus_support import build, rows
 

@@ -19,13 +19,13 @@ from typer.testing import CliRunner
 
 from ember.demo.sample_corpus import SampleCorpus, write_sample_corpus
 from ember.pipelines.cli import app
-from ember.pipelines.corpus_build import BuildOutcome, build_corpus
-from ember.pipelines.corpus_config import parse_config
-from ember.pipelines.corpus_report_html import (
+from ember.pipelines.corpus.build import BuildOutcome, build_corpus
+from ember.pipelines.corpus.config import parse_config
+from ember.pipelines.corpus.report_html import (
     NOT_RECORDED, bin_label, cluster_sizes, collect, document_mix, figures, funnel, length_bin, length_bins,
     redactions_by_source, rejects_by_source, render_html, token_lengths,
 )
-from ember.pipelines.corpus_stages import size_bin
+from ember.pipelines.corpus.stages import size_bin
 from ember.schemas.documents import CLUSTER_SCHEMA, Document, documents_to_table
 from ember.schemas.shards import Manifest, SourceStats, TokenizerIdentity, read_manifest, write_manifest
 from ember.tokenize.packing import PackedRow

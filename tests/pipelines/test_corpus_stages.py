@@ -11,13 +11,13 @@ import pyarrow.parquet as pq
 import pytest
 from apache_beam.testing.util import assert_that, equal_to
 
-from ember.pipelines.corpus_config import CorpusSource, Dedup, parse_config
+from ember.pipelines.corpus.config import CorpusSource, Dedup, parse_config
 
 from ember.pipelines.quality.settings import Redaction
-from ember.pipelines.corpus_io import record_to_row
-from ember.pipelines.corpus_outputs import WriteParquetParts
-from ember.pipelines.corpus_pipeline import corpus_stages
-from ember.pipelines.corpus_stages import (
+from ember.pipelines.corpus.formats import record_to_row
+from ember.pipelines.corpus.outputs import WriteParquetParts
+from ember.pipelines.corpus.pipeline import corpus_stages
+from ember.pipelines.corpus.stages import (
     CLUSTER_TEXT_FIELDS, REJECT_TEXT_FIELDS, ExactDedup, NearDedup, PerDocument, RedactDocuments, RedactRows, StageOutput, UniqueIds,
     node_key, rank_key, size_bin, text_bytes,
 )

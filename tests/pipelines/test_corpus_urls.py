@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 from ember import storage
 from ember.cli import app
 from ember.demo.sample_corpus import SampleCorpus, write_sample_corpus
-from ember.pipelines.corpus_build import build_corpus
-from ember.pipelines.corpus_config import parse_config
+from ember.pipelines.corpus.build import build_corpus
+from ember.pipelines.corpus.config import parse_config
 from ember.pipelines.jobs.output_guard import OutputUnusable
 from tests.conftest import _new_bucket
 from tests.pipelines.test_corpus_build import with_tokenize

@@ -20,11 +20,11 @@ import yaml
 from typer.testing import CliRunner
 
 from ember.configs import CorpusConfigError
-from ember.pipelines import flex_main
-from ember.pipelines.corpus_build import prepare_options
+from ember.pipelines.corpus import flex_main
+from ember.pipelines.corpus.build import prepare_options
 from ember.pipelines.cli import app
-from ember.pipelines.corpus_report import read_stats
-from ember.pipelines.dataflow_render import missing_build_tools, proto_transforms
+from ember.pipelines.corpus.report import read_stats
+from ember.pipelines.corpus.dataflow import missing_build_tools, proto_transforms
 from ember.pipelines.quality.decontamination import write_benchmark
 from ember.pipelines.jobs.runners import default_local_args, local_args, with_defaults
 from ember.demo.sample_corpus import write_sample_corpus
@@ -88,7 +88,7 @@ def test_dockerfile_points_at_the_entry_point_and_installs_the_lock() -> None:
     dockerfile = (TEMPLATE / "Dockerfile").read_text()
     workdir = re.search(r"ARG WORKDIR=(\S+)", dockerfile).group(1)
     py_file = re.search(r'FLEX_TEMPLATE_PYTHON_PY_FILE="\$\{WORKDIR\}/(\S+)"', dockerfile).group(1)
-    assert workdir == "/template" and (ROOT / py_file).is_file() and py_file == "ember/pipelines/flex_main.py"
+    assert workdir == "/template" and (ROOT / py_file).is_file() and py_file == "ember/pipelines/corpus/flex_main.py"
     assert f"apache/beam_python3.12_sdk:{apache_beam.__version__}" in dockerfile
     uv_version = re.search(r'^UV_VERSION="(\S+)"', (ROOT / "infra" / "setup-env.sh").read_text(), re.M).group(1)
     assert f"ghcr.io/astral-sh/uv:{uv_version} AS uv" in dockerfile, "the image exports the lock with the project's uv"

@@ -29,7 +29,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from ember.dev import services
 from ember.demo.sample_corpus import SampleCorpus, write_sample_corpus
-from ember.pipelines.corpus_config import parse_config
+from ember.pipelines.corpus.config import parse_config
 from ember.pipelines.jobs.runners import FLINK_CLUSTER_FLAG, flink_cluster_args, runs_locally, with_defaults
 
 from .corpus_support import build, file_digests

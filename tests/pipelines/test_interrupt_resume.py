@@ -19,10 +19,10 @@ import yaml
 from rich.console import Console
 
 from ember.demo.sample_corpus import SampleCorpus, write_sample_corpus
-from ember.pipelines.corpus_build import build_corpus
-from ember.pipelines.corpus_config import parse_config
-from ember.pipelines.corpus_io import write_parquet
-from ember.pipelines.corpus_phases import COMPLETE_FILE, cache_root, documents_key, output_key
+from ember.pipelines.corpus.build import build_corpus
+from ember.pipelines.corpus.config import parse_config
+from ember.pipelines.corpus.formats import write_parquet
+from ember.pipelines.corpus.phases import COMPLETE_FILE, cache_root, documents_key, output_key
 from ember.pipelines.jobs.output_guard import OWNERSHIP_FILE
 from ember.schemas.documents import DOCUMENT_SCHEMA
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ember.configs import CorpusConfigError
-from ember.pipelines.corpus_config import parse_config
+from ember.pipelines.corpus.config import parse_config
 from ember.pipelines.quality.language_id import DEFAULT_CANDIDATES, UNKNOWN, identifier, language_verdict
 from ember.pipelines.web.blocklist import UrlBlocklist, normalize_domain, parse_domain_lines
 

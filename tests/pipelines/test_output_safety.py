@@ -18,9 +18,9 @@ from typer.testing import CliRunner
 from ember.configs import CorpusConfigError
 from ember.demo.sample_corpus import SampleCorpus, write_sample_corpus
 from ember.pipelines.cli import app
-from ember.pipelines.corpus_build import build_corpus, shards_config
-from ember.pipelines.corpus_config import parse_config
-from ember.pipelines.corpus_outputs import require_empty_output
+from ember.pipelines.corpus.build import build_corpus, shards_config
+from ember.pipelines.corpus.config import parse_config
+from ember.pipelines.corpus.outputs import require_empty_output
 from ember.pipelines.jobs.output_guard import OWNERSHIP_FILE, OutputUnusable, files_under
 from ember.pipelines.tokenize_pipeline import run as tokenize
 from ember.schemas import read_manifest
@@ -212,7 +212,7 @@ def run_on_a_full_disk(setup: str, write: str) -> str:
 def test_a_full_disk_leaves_no_truncated_parquet_part(tmp_path: Path) -> None:
     setup = f"""
     import random
-    from ember.pipelines.corpus_outputs import WriteParquetPart
+    from ember.pipelines.corpus.outputs import WriteParquetPart
     from ember.schemas.documents import REJECTED_SCHEMA
     rng = random.Random(1)
     rows = [{{"source": "web", "location": f"in.jsonl:line={{i}}", "stage": "read", "reason": "invalid_json",

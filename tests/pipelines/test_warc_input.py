@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from ember.configs import CorpusConfigError
-from ember.pipelines.corpus_config import CorpusSource, parse_config
-from ember.pipelines.corpus_io import read_file
+from ember.pipelines.corpus.config import CorpusSource, parse_config
+from ember.pipelines.corpus.formats import read_file
 from ember.pipelines.web.warc import WarcBreak, WarcPage, WarcReject, read_warc
 
 from .web_support import PROSE, Record, page, warc_bytes

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import yaml
 
-from ember.pipelines.corpus_config import load_config
-from ember.pipelines.corpus_report import read_stats, render_report
-from ember.pipelines.corpus_report_html import collect, render_html
+from ember.pipelines.corpus.config import load_config
+from ember.pipelines.corpus.report import read_stats, render_report
+from ember.pipelines.corpus.report_html import collect, render_html
 
 from .corpus_support import build, rows
 from .web_support import PROSE, Record, page, warc_bytes

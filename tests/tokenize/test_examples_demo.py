@@ -3,7 +3,7 @@ from pathlib import Path
 import ember.pipelines
 import ember.tokenize
 from ember.demo.tokenize_stage import DEMO_TOKENIZER
-from ember.pipelines.corpus_config import load_config as load_corpus_config
+from ember.pipelines.corpus.config import load_config as load_corpus_config
 from ember.tokenize.config import load_config
 from ember.tokenize.tokenizers import load_tokenizer
 

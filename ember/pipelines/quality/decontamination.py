@@ -1,6 +1,6 @@
 """Benchmark decontamination: does a document contain an evaluation item's prompt or solution?
 
-Pure functions of (text, benchmark items), shared by the corpus stage (ember/pipelines/corpus_decontaminate.py)
+Pure functions of (text, benchmark items), shared by the corpus stage (ember/pipelines/corpus/decontaminate.py)
 and `ember corpus decontaminate` on RL prompt sets. Texts are compared as token sequences: the lower-cased
 text cut into words and single punctuation characters, so whitespace (re-indentation, reflowed lines) and
 case never matter. Three checks, strongest first:

@@ -8,7 +8,7 @@ clusters, stats, report and a shard set inside it - and swapped in only when com
 (ember/pipelines/jobs/output_guard.py). A shard set outside the output is staged and swapped the same way,
 just before the output. A URL output (gs://) must be new or empty: the job never deletes there.
 
-A local build runs in two checkpointed phases (ember/pipelines/corpus_phases.py): a rerun of the same
+A local build runs in two checkpointed phases (ember/pipelines/corpus/phases.py): a rerun of the same
 config skips what is complete and verified, and an interrupted one resumes from the last finished phase.
 Under `stop_on_signals()` (the CLI) each Beam job runs in a child process that SIGINT/SIGTERM stop whole
 (ember/pipelines/jobs/process.py); `Interrupted` leaves here saying what state the output is in.
@@ -33,11 +33,11 @@ from rich.table import Table
 
 from ember import storage
 from ember.configs import CorpusConfigError
-from ember.pipelines import corpus_phases, corpus_pipeline
-from ember.pipelines.corpus_config import CorpusConfig, check_inputs
-from ember.pipelines.corpus_outputs import require_empty_output
-from ember.pipelines.corpus_report import SourceWarning, build_warnings, read_stats, summary_rows, write_report
-from ember.pipelines.corpus_report_html import write_html_report
+from ember.pipelines.corpus import phases, pipeline
+from ember.pipelines.corpus.config import CorpusConfig, check_inputs
+from ember.pipelines.corpus.outputs import require_empty_output
+from ember.pipelines.corpus.report import SourceWarning, build_warnings, read_stats, summary_rows, write_report
+from ember.pipelines.corpus.report_html import write_html_report
 from ember.schemas.documents import REPORT_FILE, REPORT_HTML_FILE
 from ember.pipelines.jobs.output_guard import (
     MIN_FREE_BYTES, OutputUnusable, check_room, is_local, owned_by_ownership_file, refuse_foreign, staged, up_to_date,
@@ -151,7 +151,7 @@ def _recorded(shards: TokenizeConfig, final: CorpusConfig) -> TokenizeConfig:
 
 def _whole_job(config: CorpusConfig, args: list[str], progress_dir: str | None) -> str:
     """The one-graph build (URL outputs), at module level so it can run in a job process."""
-    return corpus_pipeline.run(config, PipelineOptions(args), progress_dir)
+    return pipeline.run(config, PipelineOptions(args), progress_dir)
 
 
 def _run_job(job: Callable[..., str], job_args: tuple, options, console: Console | None) -> None:
@@ -284,8 +284,8 @@ def build_corpus(config: CorpusConfig, beam_args: list[str], console: Console | 
 
     refuse_foreign(target, owned(target), "output.directory")
     check_room(target, need, "output.directory")
-    keys = corpus_phases.documents_key(final)
-    keys = (keys, corpus_phases.output_key(final, keys))
+    keys = phases.documents_key(final)
+    keys = (keys, phases.output_key(final, keys))
     phase = "phase documents"
     try:
         if (shards is None and url_shards is None) or inside is not None:  # a set elsewhere may have changed: rebuilt
@@ -295,7 +295,7 @@ def build_corpus(config: CorpusConfig, beam_args: list[str], console: Console | 
         phase = "phase output"
         _say(console, f"phase output: running (key {keys[1]})")
         with staged(target, owned, "output.directory") as staging:
-            job = (corpus_phases.run_output, (_staged_config(final, staging, target), args, str(entry), marker))
+            job = (phases.run_output, (_staged_config(final, staging, target), args, str(entry), marker))
             outcome = _build(_staged_config(final, staging, target), final, args, options, tokenizer, console, min_free_bytes,
                              config_path, job)
             write_ownership(staging, build_key=keys[1])
@@ -303,7 +303,7 @@ def build_corpus(config: CorpusConfig, beam_args: list[str], console: Console | 
         exc.where = exc.where or phase
         exc.state = exc.state or _interrupted_state(target, keys)
         raise
-    removed = corpus_phases.prune(corpus_phases.cache_root(target), entry.name)
+    removed = phases.prune(phases.cache_root(target), entry.name)
     if removed:
         _say(console, f"cache: removed {len(removed)} superseded entr{'y' if len(removed) == 1 else 'ies'}")
     return BuildOutcome(outcome.state, args, outcome.stats, outcome.report, outcome.shards, outcome.warnings, {
@@ -320,22 +320,22 @@ def _documents_phase(config: CorpusConfig, target: Path, args: list[str], option
                      key: str) -> tuple[Path, dict[str, Any]]:
     """The `documents` phase's verified cache entry, reused when complete, else built (under a partial name
     until sealed, so an interrupted one is never taken for done)."""
-    root = corpus_phases.cache_root(target)
+    root = phases.cache_root(target)
     entry = root / f"documents-{key}"
-    marker = corpus_phases.verified(entry)
+    marker = phases.verified(entry)
     if marker is not None:
         _say(console, f"phase documents: up to date (key {key}), skipped")
         return entry, {**marker, "reused": True}
     _say(console, f"phase documents: running (key {key})")
-    partial = corpus_phases.partial_entry(root, entry.name)
+    partial = phases.partial_entry(root, entry.name)
     try:
-        _run_job(corpus_phases.run_documents, (config, args, str(partial)), options, console)
+        _run_job(phases.run_documents, (config, args, str(partial)), options, console)
         with signals_deferred():
-            corpus_phases.publish_entry(partial, entry)
+            phases.publish_entry(partial, entry)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    marker = corpus_phases.verified(entry)
+    marker = phases.verified(entry)
     if marker is None:
         raise BuildFailed(f"the documents phase's cache entry {entry} does not verify right after it was written")
     return entry, marker
@@ -364,8 +364,8 @@ def _interrupted_state(target: Path, keys: tuple[str, str]) -> str:
         return f"the build had finished: output.directory {target} is complete"
     output = (f"output.directory {target} holds the previous build, unchanged" if target.exists()
               else f"output.directory {target} was not created")
-    entry = corpus_phases.cache_root(target) / f"documents-{keys[0]}"
-    if corpus_phases.verified(entry) is not None:
+    entry = phases.cache_root(target) / f"documents-{keys[0]}"
+    if phases.verified(entry) is not None:
         return f"{output}; phase documents is complete in {entry}, so a rerun of this config resumes after it"
     return f"{output}; no phase completed, so a rerun starts over"
 

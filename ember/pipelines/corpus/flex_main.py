@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import argparse
 
-from ember.pipelines import corpus_pipeline
-from ember.pipelines.corpus_build import prepare_options
-from ember.pipelines.corpus_config import check_inputs, load_config
+from ember.pipelines.corpus import pipeline
+from ember.pipelines.corpus.build import prepare_options
+from ember.pipelines.corpus.config import check_inputs, load_config
 
 
 def parser() -> argparse.ArgumentParser:
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> str:
     config = load_config(known.config)
     _, options = prepare_options(beam_args)
     check_inputs(config)
-    return corpus_pipeline.run(config, options, wait=False)
+    return pipeline.run(config, options, wait=False)
 
 
 if __name__ == "__main__":

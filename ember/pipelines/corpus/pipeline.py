@@ -1,9 +1,9 @@
 """`ember corpus build` as one Beam graph: read -> unique ids -> filter -> redact -> decontaminate -> exact dedup
 -> near dedup -> write (decontamination only with a `decontamination:` section).
 
-The graph is a list of stages folded in order: each stage (ember/pipelines/corpus_stages.py) takes
+The graph is a list of stages folded in order: each stage (ember/pipelines/corpus/stages.py) takes
 the previous one's documents and returns a `StageOutput`; the rejects, clusters and stats events of
-all stages are flattened once and written with the kept documents (ember/pipelines/corpus_outputs.py).
+all stages are flattened once and written with the kept documents (ember/pipelines/corpus/outputs.py).
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from __future__ import annotations
 import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from ember.pipelines.corpus_config import CorpusConfig
-from ember.pipelines.corpus_decontaminate import decontaminate_stage
-from ember.pipelines.corpus_outputs import require_empty_output, write_outputs
-from ember.pipelines.corpus_stages import (
+from ember.pipelines.corpus.config import CorpusConfig
+from ember.pipelines.corpus.decontaminate import decontaminate_stage
+from ember.pipelines.corpus.outputs import require_empty_output, write_outputs
+from ember.pipelines.corpus.stages import (
     CLUSTER_TEXT_FIELDS, REJECT_TEXT_FIELDS, ExactDedup, FilterDocuments, NearDedup, PerDocument, ReadSources,
     RedactDocuments, RedactRows, StageOutput, UniqueIds,
 )

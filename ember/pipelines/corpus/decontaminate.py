@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from ember.pipelines.corpus_config import Decontamination
-from ember.pipelines.corpus_io import Row
-from ember.pipelines.corpus_stages import CorpusFn, PerDocument
+from ember.pipelines.corpus.config import Decontamination
+from ember.pipelines.corpus.formats import Row
+from ember.pipelines.corpus.stages import CorpusFn, PerDocument
 from ember.pipelines.quality.decontamination import BenchmarkIndex, BenchmarkItem
 
 STAGE = "decontaminate"
@@ -51,5 +51,5 @@ class DecontaminateDocuments(CorpusFn):
 
 
 def decontaminate_stage(decontamination: Decontamination, progress_dir: str | None) -> PerDocument:
-    """The stage for `ember/pipelines/corpus_pipeline.py`'s list, with the benchmark files read now."""
+    """The stage for `ember/pipelines/corpus/pipeline.py`'s list, with the benchmark files read now."""
     return PerDocument(DecontaminateDocuments(decontamination, decontamination.read_items(), progress_dir), counted=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ember.configs import CorpusConfigError
-from ember.pipelines.corpus_config import CorpusConfig
+from ember.pipelines.corpus.config import CorpusConfig
 
 CLOSED_ENDPOINT = "http://localhost:1"
 FLEX_METADATA = Path(__file__).resolve().parents[2] / "infra" / "dataflow" / "metadata.json"
@@ -76,7 +76,7 @@ def render(config: CorpusConfig, beam_args: list[str], out: Path) -> Rendered:
     import apache_beam as beam
     from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions, TestOptions, WorkerOptions
 
-    from ember.pipelines.corpus_pipeline import build_pipeline
+    from ember.pipelines.corpus.pipeline import build_pipeline
 
     problems = render_problems(beam_args)
     if problems:

@@ -38,7 +38,7 @@ from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 
 from ember.pipelines.quality.code_filters import language_from_path
-from ember.pipelines.corpus_config import CorpusSource
+from ember.pipelines.corpus.config import CorpusSource
 from ember.pipelines.web.html_text import ExtractOptions, HtmlExtractor, Submitted, thread_extractor
 from ember.pipelines.web.warc import WarcBreak, WarcPage, WarcReject, read_warc
 from ember.schemas.documents import METADATA_KEYS, content_hash, make_document_id, reject_row

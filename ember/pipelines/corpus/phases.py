@@ -14,7 +14,7 @@ key is recorded in the output's ownership file: a rerun whose key matches skips 
 A completed build removes every other cache entry of that output (superseded keys) and keeps the
 current one, so a later change to dedup or output settings still skips `documents`.
 
-Both graphs end in the same `write_outputs` as the one-graph build (ember/pipelines/corpus_pipeline.py),
+Both graphs end in the same `write_outputs` as the one-graph build (ember/pipelines/corpus/pipeline.py),
 fed the same rows, so a resumed build writes byte-identical files.
 """
 
@@ -35,10 +35,10 @@ import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from ember.pipelines.corpus_config import CorpusConfig
-from ember.pipelines.corpus_outputs import WriteParquetParts, write_outputs
-from ember.pipelines.corpus_pipeline import corpus_stages
-from ember.pipelines.corpus_stages import ExactDedup, NearDedup, StageOutput
+from ember.pipelines.corpus.config import CorpusConfig
+from ember.pipelines.corpus.outputs import WriteParquetParts, write_outputs
+from ember.pipelines.corpus.pipeline import corpus_stages
+from ember.pipelines.corpus.stages import ExactDedup, NearDedup, StageOutput
 from ember.pipelines.jobs.runners import finish
 from ember.files import write_atomically
 from ember.schemas.documents import DOCUMENT_SCHEMA, REJECTED_SCHEMA

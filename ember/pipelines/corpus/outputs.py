@@ -29,9 +29,9 @@ from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.pvalue import AsDict
 
-from ember.pipelines.corpus_config import CorpusConfig
-from ember.pipelines.corpus_io import READ_STAGE, Row, write_parquet
-from ember.pipelines.corpus_stages import ALL_SOURCES, CorpusFn, Event, StageOutput, document_events
+from ember.pipelines.corpus.config import CorpusConfig
+from ember.pipelines.corpus.formats import READ_STAGE, Row, write_parquet
+from ember.pipelines.corpus.stages import ALL_SOURCES, CorpusFn, Event, StageOutput, document_events
 from ember.pipelines.jobs.output_guard import SHOWN_FOREIGN, OutputUnusable, is_local
 from ember.schemas.documents import CLUSTER_SCHEMA, DOCUMENT_SCHEMA, REJECTED_SCHEMA, STATS_FILE
 

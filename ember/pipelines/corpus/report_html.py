@@ -28,7 +28,7 @@ from apache_beam.io.filesystems import FileSystems
 from plotly.colors import qualitative
 from plotly.offline import get_plotlyjs
 
-from ember.pipelines.corpus_report import output_paths, read_stats, summary_rows
+from ember.pipelines.corpus.report import output_paths, read_stats, summary_rows
 from ember.schemas.documents import REPORT_HTML_FILE, STATS_FILE
 from ember.schemas.shards import MANIFEST_FILENAME, read_manifest
 

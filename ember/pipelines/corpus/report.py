@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 
-from ember.pipelines.corpus_decontaminate import REASON_PREFIX as DECONTAMINATION_REASON, STAGE as DECONTAMINATION_STAGE
+from ember.pipelines.corpus.decontaminate import REASON_PREFIX as DECONTAMINATION_REASON, STAGE as DECONTAMINATION_STAGE
 from ember.pipelines.quality.decontamination import item_of
 from ember.schemas.documents import CORPUS_TABLES, REPORT_FILE, STATS_FILE
 

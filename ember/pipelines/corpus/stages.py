@@ -20,9 +20,9 @@ from apache_beam.pvalue import PCollection, TaggedOutput
 from ember.pipelines.quality import minhash
 from ember.pipelines.quality.code_filters import check_code
 from ember.pipelines.quality.components import ConnectedComponents, Unconverged
-from ember.pipelines.corpus_config import CorpusSource, Dedup
+from ember.pipelines.corpus.config import CorpusSource, Dedup
 from ember.pipelines.quality.settings import Filters, Redaction, UrlBlocklistSettings
-from ember.pipelines.corpus_io import READ_STAGE, UNREADABLE, Row, read_file
+from ember.pipelines.corpus.formats import READ_STAGE, UNREADABLE, Row, read_file
 from ember.pipelines.quality.language_id import identifier, language_verdict
 from ember.pipelines.jobs.progress import ProgressWriter
 from ember.pipelines.quality.redaction import redact_fields
