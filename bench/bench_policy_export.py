@@ -30,7 +30,7 @@ SIZES = {
 
 def _config(root: Path, prefix: str, sizes: dict):
     from ember.demo.sampler import toy_policy_config
-    from ember.midtrain.rl_config import parse_rl_config
+    from ember.midtrain.config import parse_rl_config
 
     data = toy_policy_config(root, prefix, steps=10)
     data["model"].update({k: v for k, v in sizes.items() if k in ("num_layers", "hidden_size")})

@@ -79,7 +79,7 @@ def wire_and_batch(tokens: int, sequences: int, repeats: int):
 
 def step_times(batch, repeats: int) -> tuple[dict[str, list[float]], list[float]]:
     """Per configuration, the wall time of each `train_step`; and the routing comparison's time per replay step."""
-    from ember.midtrain.rl_config import parse_rl_config
+    from ember.midtrain.config import parse_rl_config
     from ember.midtrain.rl_trainer import RLTrainer
 
     root = Path(tempfile.mkdtemp(prefix="bench-replay-"))

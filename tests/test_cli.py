@@ -46,7 +46,7 @@ def _python(*args: str) -> subprocess.CompletedProcess:
 def test_config_and_cli_modules_import_no_beam_torch_megatron_or_kafka():
     modules = [
         "ember.cli", "ember.midtrain.cli", "ember.configs", "ember.pipelines.corpus.config", "ember.tokenize.config",
-        "ember.midtrain.config", "ember.midtrain.rl_config", "ember.rollouts.config",
+        "ember.midtrain.config", "ember.midtrain.config", "ember.rollouts.config",
     ]
     code = f"import sys, {', '.join(modules)}; print(sorted({{m.split('.')[0] for m in sys.modules}} & {set(HEAVY)}))"
     result = _python("-c", code)

@@ -151,7 +151,7 @@ def publish(prefix: str, rollouts: list[Rollout], rewards: list[Reward]) -> None
 def sample_and_publish(config_path: str | Path, groups: int, sigma: float, group_size: int = 4, new_tokens: int = 8) -> None:
     """Saves the initial policy (step 0 in the config's run_dir), then samples `groups` groups with
     router weights perturbed by `sigma` and publishes them with their rewards, as a fleet would."""
-    from ember.midtrain.rl_config import load_rl_config
+    from ember.midtrain.config import load_rl_config
     from ember.midtrain.rl_trainer import RLTrainer
 
     config = load_rl_config(config_path)

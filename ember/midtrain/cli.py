@@ -27,8 +27,7 @@ def _error(message: object) -> None:
 def _load(config: Path, rl: bool = False):
     """The validated config, or its errors and exit code 2."""
     from ember.configs import MidtrainConfigError
-    from ember.midtrain.config import load_config
-    from ember.midtrain.rl_config import load_rl_config
+    from ember.midtrain.config import load_config, load_rl_config
 
     try:
         return (load_rl_config if rl else load_config)(config)
@@ -149,8 +148,7 @@ def export_hf(
 def _load_any(config: Path):
     """A mid-training or an RL config, whichever this file is (both carry model and moe)."""
     from ember.configs import MidtrainConfigError, read_yaml_mapping
-    from ember.midtrain.config import load_config
-    from ember.midtrain.rl_config import load_rl_config
+    from ember.midtrain.config import load_config, load_rl_config
 
     data = read_yaml_mapping(config, MidtrainConfigError, sections="model, moe, ...")
     return (load_rl_config if "rl" in data else load_config)(config)

@@ -21,9 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 
-from ember.midtrain.config import MidtrainConfig
+from ember.midtrain.config import MidtrainConfig, RLConfig
 from ember.midtrain.data import check_model_compatible, local_specs, open_manifests
-from ember.midtrain.rl_config import RLConfig
 from ember.midtrain.slurm import LaunchError, partition_resources
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

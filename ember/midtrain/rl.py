@@ -22,7 +22,7 @@ from typing import Any, Iterator
 from ember.configs import MidtrainConfigError
 from ember.midtrain import runtime
 from ember.midtrain.launch import check_runnable
-from ember.midtrain.rl_config import RLConfig, load_rl_config
+from ember.midtrain.config import RLConfig, load_rl_config
 from ember.midtrain.rl_ranks import BatchMessage
 from ember.midtrain.runtime import StopRequest
 from ember.midtrain.slurm import LaunchError

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from ember.midtrain import rl_math, runtime
 from ember.midtrain.model import moe_routers, packed_attention
 from ember.midtrain.rl_batch import RLBatch, RolloutSource, attention_inputs
-from ember.midtrain.rl_config import RLConfig, RLSettings
+from ember.midtrain.config import RLConfig, RLSettings
 from ember.midtrain.rl_ranks import BatchMessage, RankBatches
 from ember.midtrain.runtime import MetricsLog, StopRequest
 from ember.rollouts.faults import crash_point

@@ -27,8 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ember.midtrain import cpu_compat
-from ember.midtrain.config import MidtrainConfig, ParallelConfig
-from ember.midtrain.rl_config import RLConfig
+from ember.midtrain.config import MidtrainConfig, ParallelConfig, RLConfig
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 

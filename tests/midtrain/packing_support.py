@@ -40,7 +40,7 @@ def packed_row(tokens: np.ndarray, lengths: tuple[int, ...] = LENGTHS, estimator
 def main(config_path: str, out: str) -> None:
     from ember.midtrain import rl_math
     from ember.midtrain.model import build_model, packed_attention, transformer_config
-    from ember.midtrain.rl_config import load_rl_config
+    from ember.midtrain.config import load_rl_config
     from ember.midtrain.rl_trainer import RLTrainer, _model_forward
 
     config = load_rl_config(config_path)

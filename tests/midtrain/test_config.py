@@ -130,7 +130,7 @@ def test_a_model_no_rank_can_hold_is_refused_with_the_estimate(tmp_path):
 
 
 def _rl_error(tmp_path: Path, section: str, **values) -> str:
-    from ember.midtrain.rl_config import parse_rl_config
+    from ember.midtrain.config import parse_rl_config
 
     data = yaml.safe_load((EXAMPLES / "rl_tiny_cpu.yaml").read_text())
     data[section] = {**data[section], **values}

@@ -9,7 +9,7 @@ import torch
 
 from ember.configs import MidtrainConfigError, validate
 from ember.midtrain import rl_math
-from ember.midtrain.rl_config import RLSettings
+from ember.midtrain.config import RLSettings
 from ember.rollouts.advantages import dr_grpo_advantages, grpo_advantages
 
 # two rollouts of one group: a (reward 1) has 2 policy tokens, b (reward 0) has 4; each starts with a

@@ -56,7 +56,7 @@ def test_policy_version_record_carries_weights_and_old_records_still_decode():
 
 def test_publish_interval_must_land_on_checkpoints(tmp_path):
     from ember.configs import MidtrainConfigError
-    from ember.midtrain.rl_config import parse_rl_config
+    from ember.midtrain.config import parse_rl_config
 
     def settings(**rl):
         return parse_rl_config(yaml.safe_load(rl_config(tmp_path / "c.yaml", tmp_path, "p", **rl).read_text()), tmp_path).rl

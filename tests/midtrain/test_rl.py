@@ -192,7 +192,7 @@ def test_example_config_loads_errors_name_the_key_and_launch_renders_rl(tmp_path
 
     from ember.midtrain.cli import app
     from ember.configs import MidtrainConfigError
-    from ember.midtrain.rl_config import load_rl_config, parse_rl_config
+    from ember.midtrain.config import load_rl_config, parse_rl_config
 
     example = REPO / "ember" / "midtrain" / "examples" / "rl_tiny_cpu.yaml"
     config = load_rl_config(example)

@@ -193,7 +193,7 @@ def test_launch_rl_on_two_ranks_preempt_requeue_resume_trains_every_batch_once(t
 
     import yaml
 
-    from ember.midtrain.rl_config import load_rl_config
+    from ember.midtrain.config import load_rl_config
     from ember.schemas import decode_train_batch
 
     from .rl_support import BatchFeed, rl_config

@@ -270,7 +270,7 @@ def test_each_role_is_refused_outside_its_acls_and_nothing_is_written(secured, t
 
 
 def test_midtrain_rl_takes_the_same_security_section(clean_env):
-    from ember.midtrain.rl_config import RolloutsConfig
+    from ember.midtrain.config import RolloutsConfig
 
     rollouts = RolloutsConfig(topic_prefix="p", security=_sasl(sasl_plain_username="ember-trainer", sasl_plain_password_file="/t"))
     assert rollouts.security.describe() == "SASL_SSL SCRAM-SHA-512 as ember-trainer"
