@@ -47,7 +47,7 @@ from kafka import KafkaConsumer
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ember.midtrain.rl_batch import rl_batch_share  # noqa: E402  (torch: imported once, before the ranks fork)
+from ember.midtrain.rl.batch import rl_batch_share  # noqa: E402  (torch: imported once, before the ranks fork)
 from ember.rollouts.admin import ensure_topics  # noqa: E402
 from ember.rollouts.config import kafka_bootstrap, parse_config  # noqa: E402
 from ember.rollouts.etl import prepare_topics  # noqa: E402

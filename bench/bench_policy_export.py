@@ -41,8 +41,8 @@ def _config(root: Path, prefix: str, sizes: dict):
 def measure(name: str, sizes: dict, repeats: int) -> dict:
     from ember.midtrain.export_hf import export_checkpoint
     from ember.midtrain.hf_policy import load_policy
-    from ember.midtrain.rl import PolicyVersionPublisher
-    from ember.midtrain.rl_trainer import RLTrainer
+    from ember.midtrain.rl.run import PolicyVersionPublisher
+    from ember.midtrain.rl.trainer import RLTrainer
     from ember.rollouts.config import kafka_bootstrap
     from ember.rollouts.records import PolicyVersion
     from ember.rollouts.security import KafkaSecurity

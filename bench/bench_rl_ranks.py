@@ -52,8 +52,8 @@ def encoded_batch(sequences: int, per_sequence: int) -> bytes:
 def worker(batch_path: str, run_dir: str, expert: int, steps: int, out: str) -> None:
     """One rank: the RL trainer on `steps` copies of the batch; rank 0 writes every step's record."""
     from ember.midtrain.config import parse_rl_config
-    from ember.midtrain.rl_ranks import BatchMessage
-    from ember.midtrain.rl_trainer import RLTrainer
+    from ember.midtrain.rl.ranks import BatchMessage
+    from ember.midtrain.rl.trainer import RLTrainer
     from ember.midtrain.runtime import StopRequest
 
     config = parse_rl_config(

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
-from ember.midtrain.rl_batch import rl_batch
+from ember.midtrain.rl.batch import rl_batch
 from ember.rollouts.batching import ScoredRollout, build_train_batch
 from ember.rollouts.simulate import synthetic_rollout
 from ember.schemas import decode_train_batch, encode, encode_train_batch
@@ -80,7 +80,7 @@ def wire_and_batch(tokens: int, sequences: int, repeats: int):
 def step_times(batch, repeats: int) -> tuple[dict[str, list[float]], list[float]]:
     """Per configuration, the wall time of each `train_step`; and the routing comparison's time per replay step."""
     from ember.midtrain.config import parse_rl_config
-    from ember.midtrain.rl_trainer import RLTrainer
+    from ember.midtrain.rl.trainer import RLTrainer
 
     root = Path(tempfile.mkdtemp(prefix="bench-replay-"))
     config = parse_rl_config(

@@ -23,7 +23,7 @@ import yaml
 from rich.console import Console
 
 from ember.demo import sampler as rl_sampler
-from ember.midtrain import rl_math
+from ember.midtrain.rl import step_math
 from ember.rollouts.reader import RolloutBatchReader
 from ember.rollouts.topics import Topics
 
@@ -39,7 +39,7 @@ def _shape(topic: str, group_id: str, batches: int) -> tuple[int, tuple[int, int
             if routed is not None:
                 top = max(int(routed.max()), experts[2] if experts else 0)
                 experts = (routed.shape[1], routed.shape[2], top)
-                repeats = repeats or rl_math.repeats_an_expert(torch.from_numpy(routed.astype(np.int64)))
+                repeats = repeats or step_math.repeats_an_expert(torch.from_numpy(routed.astype(np.int64)))
             if i + 1 == batches:
                 break
     if max_token == 0:
@@ -121,7 +121,7 @@ def _train(console: Console, config_path: Path, replay_note: str) -> list[tuple[
     steps, topic_prefix = config["rl"]["steps"], config["rollouts"]["topic_prefix"]
     with console.status(f"RL: {steps} megatron-core MoE steps on {Topics(topic_prefix).train_batches}..."):
         result = subprocess.run(
-            [sys.executable, "-m", "ember.midtrain.rl", str(config_path)], capture_output=True, text=True, timeout=900
+            [sys.executable, "-m", "ember.midtrain.rl.run", str(config_path)], capture_output=True, text=True, timeout=900
         )
     if result.returncode != 0:
         raise RuntimeError(f"midtrain rl {config_path} failed (exit {result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")

@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ember.midtrain import rl_math
+from ember.midtrain.rl import step_math
 from ember.midtrain.model import moe_routers, packed_attention
-from ember.midtrain.rl_batch import attention_inputs
+from ember.midtrain.rl.batch import attention_inputs
 from ember.rollouts.transport import RewardWriter, RolloutWriter
 from ember.schemas import Reward, Rollout, Turn
 
@@ -44,8 +44,8 @@ def score(model, sequences: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarr
     tokens = torch.from_numpy(np.concatenate(sequences).astype(np.int64))
     cu = torch.zeros(len(sequences) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor([len(s) for s in sequences]), 0)
-    positions = torch.arange(len(tokens)) - cu.long()[rl_math.segment_ids(cu)]
-    labels = rl_math.next_token_labels(tokens, cu)
+    positions = torch.arange(len(tokens)) - cu.long()[step_math.segment_ids(cu)]
+    labels = step_math.next_token_labels(tokens, cu)
     was_training = model.training
     model.eval()
     for router in routers:
@@ -60,7 +60,7 @@ def score(model, sequences: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarr
             router.router_replay.clear_router_replay_action()
             router.router_replay.clear_indices()
         model.train(was_training)
-    logp = rl_math.token_logprobs(-loss[0].float(), cu).numpy().astype(np.float32)
+    logp = step_math.token_logprobs(-loss[0].float(), cu).numpy().astype(np.float32)
     experts = torch.stack(recorded, dim=1).numpy()
     dtype = np.uint8 if experts.max(initial=0) < 256 else np.uint16
     bounds = cu.tolist()
@@ -152,7 +152,7 @@ def sample_and_publish(config_path: str | Path, groups: int, sigma: float, group
     """Saves the initial policy (step 0 in the config's run_dir), then samples `groups` groups with
     router weights perturbed by `sigma` and publishes them with their rewards, as a fleet would."""
     from ember.midtrain.config import load_rl_config
-    from ember.midtrain.rl_trainer import RLTrainer
+    from ember.midtrain.rl.trainer import RLTrainer
 
     config = load_rl_config(config_path)
     trainer = RLTrainer(config)

@@ -87,8 +87,8 @@ def rl(
     threads = threads or cfg.parallel.threads
     argv = [str(config), *(["--threads", str(threads)] if threads else [])]
     if nproc_per_node > 1:
-        _exec_torchrun(nproc_per_node, threads, "ember.midtrain.rl", argv, max_restarts)
-    from ember.midtrain.rl import main
+        _exec_torchrun(nproc_per_node, threads, "ember.midtrain.rl.run", argv, max_restarts)
+    from ember.midtrain.rl.run import main
 
     raise typer.Exit(main(argv))
 

@@ -100,7 +100,7 @@ class LaunchRequest:
     partition: str
     time: str
     signal_seconds: int
-    mode: str = "train"  # "rl": the RL trainer (`ember.midtrain.rl`) on an RLConfig
+    mode: str = "train"  # "rl": the RL trainer (`ember.midtrain.rl.run`) on an RLConfig
     threads: int | None = None  # CPU threads per rank; None: the config's parallel.threads, else the default
 
 
@@ -132,7 +132,7 @@ def render_sbatch(config: MidtrainConfig | RLConfig, request: LaunchRequest) -> 
         complete_marker=str(config.complete_marker),
         python=sys.executable,
         procs_per_node=request.procs_per_node,
-        module="ember.midtrain.rl" if request.mode == "rl" else "ember.midtrain.train",
+        module="ember.midtrain.rl.run" if request.mode == "rl" else "ember.midtrain.train",
     )
 
 

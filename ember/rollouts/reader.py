@@ -8,7 +8,7 @@ the checkpointed step, even if it had stepped (and committed) further before it 
 also carries `position`, the `state_dict()` the reader will have once that batch is committed.
 
 `next_message()` hands out the next record undecoded: a multi-rank trainer reads on one rank and each
-rank decodes only its own share of the batch (`ember.midtrain.rl_batch.rl_batch_share`).
+rank decodes only its own share of the batch (`ember.midtrain.rl.batch.rl_batch_share`).
 
 The ETL writes batches by reference (claim check: see `TrainBatch`); iterating the reader yields them
 resolved, the rollouts fetched by a `RolloutFetcher` from the rollouts topic itself, each message's

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ember.midtrain.rl_batch import RLBatch, rl_batch
+from ember.midtrain.rl.batch import RLBatch, rl_batch
 from ember.schemas import TrainBatch
 
 LENGTHS = (7, 9, 6)
@@ -38,10 +38,10 @@ def packed_row(tokens: np.ndarray, lengths: tuple[int, ...] = LENGTHS, estimator
 
 
 def main(config_path: str, out: str) -> None:
-    from ember.midtrain import rl_math
+    from ember.midtrain.rl import step_math
     from ember.midtrain.model import build_model, packed_attention, transformer_config
     from ember.midtrain.config import load_rl_config
-    from ember.midtrain.rl_trainer import RLTrainer, _model_forward
+    from ember.midtrain.rl.trainer import RLTrainer, _model_forward
 
     config = load_rl_config(config_path)
     trainer = RLTrainer(config)
@@ -58,7 +58,7 @@ def main(config_path: str, out: str) -> None:
     causal_only = torch.triu(torch.ones(len(perturbed), len(perturbed), dtype=torch.bool), diagonal=1)[None, None]
     with torch.no_grad():
         leaky = _model_forward(trainer.model, inputs.__class__(**{**vars(inputs), "attention_mask": causal_only}))
-    result["logp_perturbed_causal_only"] = rl_math.token_logprobs(-leaky[0].float(), inputs.cu_seqlens).tolist()
+    result["logp_perturbed_causal_only"] = step_math.token_logprobs(-leaky[0].float(), inputs.cu_seqlens).tolist()
     over_budget = (config.rl.max_generation_tokens or 0) + 2
     try:
         trainer.logprobs(packed_row(rng.integers(0, vocab, over_budget + 3), (3, over_budget)))

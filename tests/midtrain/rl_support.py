@@ -94,7 +94,7 @@ def sample_main(config_path: str, groups: int, out_dir: str) -> None:
     """Saves the initial policy (step 0 in the config's run_dir), samples `groups` groups with perturbed
     routers and writes one encoded batch per group to `out_dir`, as the ETL would publish them."""
     from ember.midtrain.config import load_rl_config
-    from ember.midtrain.rl_trainer import RLTrainer
+    from ember.midtrain.rl.trainer import RLTrainer
 
     trainer = RLTrainer(load_rl_config(config_path))
     trainer.save()
@@ -127,8 +127,8 @@ def memory_main(config_path: str, batch_dir: str, out: str) -> None:
     """`run_rl` on the encoded batches in `batch_dir`, no broker, on one rank or each rank of a torchrun
     group (rank 0 reads the files, every rank decodes its share); rank 0 writes the versions it published."""
     from ember.midtrain.config import load_rl_config
-    from ember.midtrain.rl_ranks import BatchMessage
-    from ember.midtrain.rl_trainer import RLTrainer, run_rl
+    from ember.midtrain.rl.ranks import BatchMessage
+    from ember.midtrain.rl.trainer import RLTrainer, run_rl
     from ember.midtrain.runtime import StopRequest
 
     trainer = RLTrainer(load_rl_config(config_path))
@@ -148,7 +148,7 @@ def memory_main(config_path: str, batch_dir: str, out: str) -> None:
 def score_main(config_path: str, source: str, out: str) -> None:
     from ember.demo.sampler import score
     from ember.midtrain.config import load_rl_config
-    from ember.midtrain.rl_trainer import RLTrainer
+    from ember.midtrain.rl.trainer import RLTrainer
 
     trainer = RLTrainer(load_rl_config(config_path))
     sequences = [np.array(s, dtype=np.int64) for s in json.loads(Path(source).read_text())["sequences"]]
@@ -159,9 +159,9 @@ def score_main(config_path: str, source: str, out: str) -> None:
 
 def toy_main(config_path: str, iterations: int, out: str) -> None:
     """On-policy loop through the real data path; writes the mean reward of every iteration."""
-    from ember.midtrain.rl_batch import rl_batch
+    from ember.midtrain.rl.batch import rl_batch
     from ember.midtrain.config import load_rl_config
-    from ember.midtrain.rl_trainer import RLTrainer
+    from ember.midtrain.rl.trainer import RLTrainer
     from ember.rollouts.etl import EtlService, prepare_topics
     from ember.rollouts.reader import RolloutBatchReader
 

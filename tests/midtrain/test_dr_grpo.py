@@ -8,22 +8,22 @@ import pytest
 import torch
 
 from ember.configs import MidtrainConfigError, validate
-from ember.midtrain import rl_math
+from ember.midtrain.rl import step_math
 from ember.midtrain.config import RLSettings
 from ember.rollouts.advantages import dr_grpo_advantages, grpo_advantages
 
 # two rollouts of one group: a (reward 1) has 2 policy tokens, b (reward 0) has 4; each starts with a
 # prompt token that is never trained
 CU = torch.tensor([0, 3, 8], dtype=torch.int32)
-MASK = rl_math.trainable_mask(torch.ones(8), CU)  # [0, 1, 1, 0, 1, 1, 1, 1]
-SEQ = rl_math.segment_ids(CU)
+MASK = step_math.trainable_mask(torch.ones(8), CU)  # [0, 1, 1, 0, 1, 1, 1, 1]
+SEQ = step_math.segment_ids(CU)
 
 
 def _loss_and_grad(advantages: list[float], mode: str, max_tokens: int | None = None) -> tuple[float, list[float]]:
     """The PPO loss at ratio 1 (logp == old: per-token loss -A) and its gradient per token."""
     logp = torch.full((8,), -1.0, requires_grad=True)
-    per_token, _ = rl_math.ppo_clipped_loss(logp, torch.full((8,), -1.0), torch.tensor(advantages)[SEQ] * MASK, 0.2, 0.28)
-    loss = rl_math.aggregate(per_token, MASK, CU, mode, max_tokens=max_tokens)
+    per_token, _ = step_math.ppo_clipped_loss(logp, torch.full((8,), -1.0), torch.tensor(advantages)[SEQ] * MASK, 0.2, 0.28)
+    loss = step_math.aggregate(per_token, MASK, CU, mode, max_tokens=max_tokens)
     loss.backward()
     return float(loss.detach()), logp.grad.tolist()
 
@@ -52,30 +52,30 @@ def test_constant_normaliser_counts_every_sequence_and_needs_a_budget():
     per_token = torch.tensor([1.0, 2.0, 3.0, 10.0, 20.0, 30.0, 40.0, 50.0])
     only_a = torch.tensor([0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0])
     # b has no policy token but is still one of the group's samples: (2 + 3) / (4 x 2)
-    assert float(rl_math.aggregate(per_token, only_a, CU, "constant", max_tokens=4)) == pytest.approx(5 / 8)
-    assert float(rl_math.aggregate(per_token, only_a, CU, "token_mean")) == pytest.approx(5 / 2)
+    assert float(step_math.aggregate(per_token, only_a, CU, "constant", max_tokens=4)) == pytest.approx(5 / 8)
+    assert float(step_math.aggregate(per_token, only_a, CU, "token_mean")) == pytest.approx(5 / 2)
     with pytest.raises(ValueError, match="needs max_tokens > 0"):
-        rl_math.aggregate(per_token, only_a, CU, "constant")
+        step_math.aggregate(per_token, only_a, CU, "constant")
 
 
 @pytest.mark.parametrize("mode", ["token_mean", "seq_mean", "constant"])
 def test_aggregate_terms_add_up_over_sequences(mode):
     """A batch split by whole sequences (as across data-parallel ranks) has the sums of its parts' terms."""
     per_token = torch.tensor([1.0, 2.0, 3.0, 10.0, 20.0, 30.0, 40.0, 50.0])
-    whole = rl_math.aggregate_terms(per_token, MASK, CU, mode, max_tokens=6)
+    whole = step_math.aggregate_terms(per_token, MASK, CU, mode, max_tokens=6)
     parts = [
-        rl_math.aggregate_terms(per_token[a:b], MASK[a:b], torch.tensor([0, b - a]), mode, max_tokens=6)
+        step_math.aggregate_terms(per_token[a:b], MASK[a:b], torch.tensor([0, b - a]), mode, max_tokens=6)
         for a, b in ((0, 3), (3, 8))
     ]
     assert float(whole[0]) == pytest.approx(sum(float(p[0]) for p in parts))
     assert float(whole[1]) == pytest.approx(sum(float(p[1]) for p in parts))
-    assert float(rl_math.aggregate(per_token, MASK, CU, mode, max_tokens=6)) == pytest.approx(float(whole[0] / whole[1]))
+    assert float(step_math.aggregate(per_token, MASK, CU, mode, max_tokens=6)) == pytest.approx(float(whole[0] / whole[1]))
 
 
 def test_generation_budget_names_the_first_rollout_over_it():
-    assert rl_math.check_generation_budget(MASK, CU, 4) is None
-    assert rl_math.check_generation_budget(MASK, CU, 3) == 1
-    assert rl_math.check_generation_budget(MASK, CU, 1) == 0
+    assert step_math.check_generation_budget(MASK, CU, 4) is None
+    assert step_math.check_generation_budget(MASK, CU, 3) == 1
+    assert step_math.check_generation_budget(MASK, CU, 1) == 0
 
 
 def test_the_estimator_picks_the_normaliser_and_refuses_a_mismatch():

@@ -207,7 +207,7 @@ def test_example_config_loads_errors_name_the_key_and_launch_renders_rl(tmp_path
         parse_rl_config(data, tmp_path)
     result = CliRunner().invoke(app, ["launch", str(example), "--mode", "rl", "--dry-run"])
     assert result.exit_code == 0, result.output
-    assert f"-m ember.midtrain.rl {example.resolve()}" in result.output
+    assert f"-m ember.midtrain.rl.run {example.resolve()}" in result.output
     result = CliRunner().invoke(app, ["launch", str(example), "--mode", "rl", "--dry-run", "--procs-per-node", "2"])
     assert result.exit_code == 0 and "--nproc-per-node 2" in result.output, result.output
     data["rl"]["alpha"] = 0.5

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ember.midtrain import rl_math
-from ember.midtrain.rl_batch import attention_inputs, packed_seq_params
+from ember.midtrain.rl import step_math
+from ember.midtrain.rl.batch import attention_inputs, packed_seq_params
 
 from .rl_support import rl_config
 
@@ -26,7 +26,7 @@ def test_packed_seq_params_follow_the_rows_cu_seqlens():
     assert params.cu_seqlens_q.tolist() == params.cu_seqlens_kv.tolist() == [0, 3, 10, 12]
     assert params.max_seqlen_q == params.max_seqlen_kv == 7
     # the THD blocks are the dense mask's diagonal blocks: a token sees exactly its own sequence's past
-    mask = ~rl_math.block_diagonal_causal_mask(cu)[0, 0]
+    mask = ~step_math.block_diagonal_causal_mask(cu)[0, 0]
     for start, end in zip(params.cu_seqlens_q[:-1].tolist(), params.cu_seqlens_q[1:].tolist()):
         assert mask[start:end, start:end].equal(torch.ones(end - start, end - start, dtype=torch.bool).tril())
         assert not mask[start:end, :start].any() and not mask[start:end, end:].any()
@@ -37,7 +37,7 @@ def test_attention_inputs_give_exactly_what_the_attention_honours():
     mask, packed = attention_inputs("thd", cu)
     assert mask is None and packed.cu_seqlens_q.tolist() == [0, 2, 5] and packed.max_seqlen_q == 3
     mask, packed = attention_inputs("dense_mask", cu)
-    assert packed is None and mask.equal(rl_math.block_diagonal_causal_mask(cu))
+    assert packed is None and mask.equal(step_math.block_diagonal_causal_mask(cu))
     with pytest.raises(ValueError, match="must be 'thd' or 'dense_mask'"):
         attention_inputs("causal", cu)
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import yaml
 
-from ember.midtrain.rl_batch import rl_batch_share, share_bounds
+from ember.midtrain.rl.batch import rl_batch_share, share_bounds
 from ember.schemas import DecodeError, TrainBatch, decode_train_batch, encode_train_batch
 
 from .rl_support import rl_config

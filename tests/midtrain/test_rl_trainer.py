@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ember.midtrain.rl_batch import rl_batch
+from ember.midtrain.rl.batch import rl_batch
 from ember.schemas import TrainBatch
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from kafka import KafkaProducer, TopicPartition
 
-from ember.midtrain.rl_batch import rl_batch_share, share_bounds
+from ember.midtrain.rl.batch import rl_batch_share, share_bounds
 from ember.rollouts.admin import _admin, ensure_topics
 from ember.rollouts.batching import (
     MissingRollout,

@@ -16,7 +16,7 @@ batch after it. One JSON line per step in metrics.jsonl; a restart appends
 {"event": "resumed", "step": S}: lines of steps after S before it were redone.
 
 Several ranks (data-parallel, experts split over `parallel.expert` of them) each train their share
-of every batch (`ember.midtrain.rl_ranks`); the loss is aggregated over the whole batch, so a step on
+of every batch (`ember.midtrain.rl.ranks`); the loss is aggregated over the whole batch, so a step on
 N ranks is the step one rank would take on the same batch, and the metrics line is the whole batch's.
 """
 
@@ -34,11 +34,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ember.midtrain import rl_math, runtime
+from ember.midtrain import runtime
+from ember.midtrain.rl import step_math
 from ember.midtrain.model import moe_routers, packed_attention
-from ember.midtrain.rl_batch import RLBatch, RolloutSource, attention_inputs
+from ember.midtrain.rl.batch import RLBatch, RolloutSource, attention_inputs
 from ember.midtrain.config import RLConfig, RLSettings
-from ember.midtrain.rl_ranks import BatchMessage, RankBatches
+from ember.midtrain.rl.ranks import BatchMessage, RankBatches
 from ember.midtrain.runtime import MetricsLog, StopRequest
 from ember.rollouts.faults import crash_point
 from ember.rollouts.records import PolicyVersion
@@ -75,10 +76,10 @@ class _Inputs:
 
 
 def _local_normaliser(mask: torch.Tensor, cu_seqlens: torch.Tensor, aggregation: str, max_tokens: int | None) -> float:
-    """What `rl_math.aggregate` divides this rank's sum by (the denominator of `rl_math.aggregate_terms`):
+    """What `step_math.aggregate` divides this rank's sum by (the denominator of `step_math.aggregate_terms`):
     policy tokens (token_mean), sequences with a policy token (seq_mean), or the generation budget times
     the sequences (constant, Dr.GRPO)."""
-    return float(rl_math.aggregate_terms(mask, mask, cu_seqlens, aggregation, max_tokens=max_tokens)[1])
+    return float(step_math.aggregate_terms(mask, mask, cu_seqlens, aggregation, max_tokens=max_tokens)[1])
 
 
 class _PolicyLoss:
@@ -105,15 +106,15 @@ class _PolicyLoss:
         first = self.first_logp is None
         if first:
             self.first_logp = logp.detach()
-            self.weights = rl_math.correction_weights(
+            self.weights = step_math.correction_weights(
                 rl.correction, self.first_logp - x.sampler_logp, x.mask, x.cu_seqlens, cap=rl.tis_cap, alpha=rl.alpha,
                 beta=rl.beta,
             )
         old = x.sampler_logp if rl.old_policy == "sampler" else self.first_logp
-        per_token, clipped = rl_math.ppo_clipped_loss(logp, old, x.advantages, rl.clip_low, rl.clip_high)
+        per_token, clipped = step_math.ppo_clipped_loss(logp, old, x.advantages, rl.clip_low, rl.clip_high)
         if first:
             self.clip_frac = float((clipped * x.mask).sum() / x.mask.sum().clamp(min=1))
-        loss = rl_math.aggregate(
+        loss = step_math.aggregate(
             per_token * self.weights, x.mask, x.cu_seqlens, rl.aggregation, max_tokens=rl.max_generation_tokens
         ) * self.share
         self.losses.append(float(loss.detach()))
@@ -198,7 +199,7 @@ class RLTrainer:
             )
         if int(experts.max()) >= moe.num_experts:
             raise ValueError(f"routed expert id {int(experts.max())} >= moe.num_experts {moe.num_experts}")
-        if rl_math.repeats_an_expert(experts):
+        if step_math.repeats_an_expert(experts):
             raise ValueError("the batch's routed experts repeat an expert within a token's top-k: not a router's output")
         return [experts[:, layer, :].long() for layer in range(layers)]
 
@@ -214,10 +215,10 @@ class RLTrainer:
         replay = self._replay_indices(b.routed_experts)
         if int(b.tokens.max()) >= self.model.vocab_size:
             raise ValueError(f"token id {int(b.tokens.max())} is outside the model's {self.model.vocab_size}-row vocabulary")
-        mask = rl_math.trainable_mask(b.loss_mask, cu)
+        mask = step_math.trainable_mask(b.loss_mask, cu)
         budget = self.config.rl.max_generation_tokens
         if budget is not None:
-            over = rl_math.check_generation_budget(mask, cu, budget)
+            over = step_math.check_generation_budget(mask, cu, budget)
             if over is not None:
                 raise ValueError(
                     f"batch {batch.batch_id}: rollout {batch.rollout_ids[over]} has more policy tokens than "
@@ -227,7 +228,7 @@ class RLTrainer:
         attention_mask, packed = attention_inputs(self.attention, cu)
         return _Inputs(
             tokens=b.tokens,
-            labels=rl_math.next_token_labels(b.tokens, cu),
+            labels=step_math.next_token_labels(b.tokens, cu),
             positions=b.position_ids,
             attention_mask=attention_mask,
             packed=packed,
@@ -265,7 +266,7 @@ class RLTrainer:
 
         if inputs.replay is not None:
             self._set_replay(RouterReplayAction.REPLAY_BACKWARD)
-        token_logp = rl_math.token_logprobs(-per_token_loss[0].float(), inputs.cu_seqlens)
+        token_logp = step_math.token_logprobs(-per_token_loss[0].float(), inputs.cu_seqlens)
         loss = loss_fn(token_logp)
         return loss, torch.tensor(1, dtype=torch.int), {"rl loss": loss.detach()}
 
@@ -309,7 +310,7 @@ class RLTrainer:
             self.model.train(training)
             if inputs.replay is not None:
                 self._clear_replay()
-        return rl_math.token_logprobs(-per_token_loss[0].float(), inputs.cu_seqlens).cpu()
+        return step_math.token_logprobs(-per_token_loss[0].float(), inputs.cu_seqlens).cpu()
 
     def train_step(self, batch: RLBatch) -> dict[str, Any]:
         """Trains on one batch (`updates_per_batch` optimizer updates); returns its metrics line."""
@@ -334,7 +335,7 @@ class RLTrainer:
         compare_s = 0.0
         if batch.routed_experts is not None:
             t0 = time.perf_counter()
-            per_layer = [rl_math.routing_disagreement(m.cpu(), batch.routed_experts[:, layer, :]) for layer, m in enumerate(maps)]
+            per_layer = [step_math.routing_disagreement(m.cpu(), batch.routed_experts[:, layer, :]) for layer, m in enumerate(maps)]
             per_layer = self._token_weighted_mean(per_layer, len(inputs.tokens))
             record["routing_disagreement"] = float(np.mean(per_layer))
             record["routing_disagreement_per_layer"] = per_layer
@@ -355,7 +356,7 @@ class RLTrainer:
         """The step's metrics line for the whole batch: sums and token-weighted means reduced over ranks."""
         rl, mask = self.config.rl, inputs.mask
         local_policy = float(mask.sum())
-        mismatch = rl_math.mismatch_metrics(loss.first_logp, inputs.sampler_logp, mask, rl.alpha, rl.beta)
+        mismatch = step_math.mismatch_metrics(loss.first_logp, inputs.sampler_logp, mask, rl.alpha, rl.beta)
         means = {
             "clip_frac": loss.clip_frac,
             "correction_mean_weight": float((loss.weights * mask).sum()) / max(local_policy, 1.0),

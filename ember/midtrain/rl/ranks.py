@@ -20,7 +20,7 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from ember.midtrain.rl_batch import RLBatch, RolloutSource, rl_batch_share
+from ember.midtrain.rl.batch import RLBatch, RolloutSource, rl_batch_share
 from ember.midtrain.runtime import StopRequest
 
 _NOTHING, _BATCH, _END = 0, 1, 2

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ember.midtrain.rl_math import block_diagonal_causal_mask
+from ember.midtrain.rl.step_math import block_diagonal_causal_mask
 from ember.rollouts.batching import position_ids, reference_share, resolve_train_batch
 from ember.schemas import DecodeError, Rollout, RolloutRef, TrainBatch
 from ember.schemas.codec import decode

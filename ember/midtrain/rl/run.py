@@ -1,4 +1,4 @@
-"""`midtrain rl CONFIG` (`python -m ember.midtrain.rl`): the RL trainer wired to Kafka.
+"""`midtrain rl CONFIG` (`python -m ember.midtrain.rl.run`): the RL trainer wired to Kafka.
 
 Batches come from `<prefix>.train-batches` through `RolloutBatchReader` (read_committed only, on rank
 0; with several ranks each decodes only its share of a batch); after each step the reader commits.
@@ -9,7 +9,7 @@ sha256 in the record, see `rl_trainer.run_rl` for which versions).
 Each batch carries the reader position it leaves behind, the trainer checkpoints it, and a restart
 hands it back to the reader, so the run resumes on the batch after the checkpoint even if it had
 stepped (and committed) further before it crashed. SIGTERM/SIGUSR1 finish the step, checkpoint and
-exit 0. The training itself is `ember.midtrain.rl_trainer`, which never sees Kafka.
+exit 0. The training itself is `ember.midtrain.rl.trainer`, which never sees Kafka.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ember.configs import MidtrainConfigError
 from ember.midtrain import runtime
 from ember.midtrain.launch import check_runnable
 from ember.midtrain.config import RLConfig, load_rl_config
-from ember.midtrain.rl_ranks import BatchMessage
+from ember.midtrain.rl.ranks import BatchMessage
 from ember.midtrain.runtime import StopRequest
 from ember.midtrain.slurm import LaunchError
 from ember.rollouts.records import PolicyVersion
@@ -57,7 +57,7 @@ class PolicyVersionPublisher:
 
 class KafkaTransport:
     """The trainer's Kafka side, on rank 0 only: batch records in from the train-batches topic (every
-    rank decodes its own share, see `ember.midtrain.rl_ranks`), policy versions out."""
+    rank decodes its own share, see `ember.midtrain.rl.ranks`), policy versions out."""
 
     def __init__(self, config: RLConfig, position: dict[str, Any] | None):
         from ember.rollouts.reader import RolloutBatchReader
@@ -102,7 +102,7 @@ class KafkaTransport:
 
 
 def run(config: RLConfig, stop: StopRequest) -> int:
-    from ember.midtrain.rl_trainer import RLTrainer, run_rl  # megatron: after main's checks and warning filters
+    from ember.midtrain.rl.trainer import RLTrainer, run_rl  # megatron: after main's checks and warning filters
 
     from ember.rollouts.config import kafka_bootstrap
     from ember.rollouts.reader import RolloutFetcher
@@ -122,12 +122,12 @@ def run(config: RLConfig, stop: StopRequest) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point for `python -m ember.midtrain.rl CONFIG [--threads N]`; the config is checked before
+    """Entry point for `python -m ember.midtrain.rl.run CONFIG [--threads N]`; the config is checked before
     megatron loads (a mistake is one line on stderr and exit 2)."""
     stop = StopRequest()
     stop.install()
     runtime.silence_known_warnings()
-    args = runtime.parse_entry_args("python -m ember.midtrain.rl", sys.argv[1:] if argv is None else argv)
+    args = runtime.parse_entry_args("python -m ember.midtrain.rl.run", sys.argv[1:] if argv is None else argv)
     try:
         config = runtime.with_threads(load_rl_config(args.config), args.threads)
         check_runnable(config, int(os.environ.get("WORLD_SIZE", "1")))
