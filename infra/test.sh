@@ -15,12 +15,31 @@ echo "==> checking the architecture (import-linter contracts in pyproject.toml)"
 if [ -n "${CI:-}" ]; then
   trap '.venv/bin/ember dev down >/dev/null 2>&1 || true' EXIT
 fi
+# Two phases: the tests that stop or restart a shared service (marked `serial`) alone, after the rest have run
+# on pytest-xdist workers (EMBER_TEST_WORKERS, default 3: most tests wait on Kafka, Slurm or a subprocess, so
+# three workers keep two cores busy). Tests that share a one-job service run on one worker (tests/conftest.py).
+RESULTS="${EMBER_HOME:-$REPO/.ember}/test-results"
+rm -rf "$RESULTS" && mkdir -p "$RESULTS"
 set +e
-.venv/bin/python -m pytest "$@"
-status=$?
+echo "==> pytest, parallel phase (${EMBER_TEST_WORKERS:-3} workers)"
+EMBER_SERIAL_TESTS="$RESULTS/serial-tests.txt" .venv/bin/python -m pytest -n "${EMBER_TEST_WORKERS:-3}" --dist loadgroup \
+  -m "not serial" --junitxml="$RESULTS/parallel.xml" "$@"
+parallel=$?
+serial=5
+if [ -s "$RESULTS/serial-tests.txt" ]; then
+  echo "==> pytest, serial phase: $(wc -l < "$RESULTS/serial-tests.txt") tests that stop or restart a shared service"
+  mapfile -t serial_tests < "$RESULTS/serial-tests.txt"
+  .venv/bin/python -m pytest -p no:xdist -m serial --junitxml="$RESULTS/serial.xml" "${serial_tests[@]}"
+  serial=$?
+fi
 set -e
-if [ "$status" -eq 5 ]; then
+.venv/bin/python infra/slowest.py 25 "$RESULTS/parallel.xml" "$RESULTS/serial.xml"
+if [ "$parallel" -eq 5 ] && [ "$serial" -eq 5 ]; then
   echo "error: pytest collected no tests; an empty run is a failure, not a pass" >&2
   exit 1
 fi
-exit "$status"
+for status in "$parallel" "$serial"; do
+  if [ "$status" -ne 0 ] && [ "$status" -ne 5 ]; then
+    exit "$status"
+  fi
+done

@@ -1,4 +1,11 @@
-"""Shared fixtures: real local services, started idempotently through infra/ (never mocked, never skipped)."""
+"""Shared fixtures: real local services, started idempotently through infra/ (never mocked, never skipped).
+
+The suite runs in two phases (infra/test.sh): tests marked `serial` (they stop or restart a shared service)
+run alone; the rest run on pytest-xdist workers with `--dist loadgroup`. Session fixtures are then per
+worker, which is why every service start is idempotent. A test that uses a service with room for one job
+at a time joins that service's xdist group (`SINGLE_JOB_SERVICES`), so its users run one after another on
+one worker, while everything else runs beside them.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +27,45 @@ def kafka() -> str:
     from ember.rollouts.config import kafka_bootstrap
 
     return kafka_bootstrap()
+
+
+SINGLE_JOB_SERVICES = {
+    "slurm": "slurm",  # one node with 2 CPUs: a second test's job would queue behind the first's
+    "slurm_cluster": "slurm",
+    "slurm_env": "slurm",
+    "flink_args": "flink",  # one session cluster whose TaskManagers and worker pool tests kill and restart
+}
+"""Fixture -> xdist group: the tests that use one of these share the service and run on one worker."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        groups = {SINGLE_JOB_SERVICES[name] for name in item.fixturenames if name in SINGLE_JOB_SERVICES}
+        if len(groups) > 1:
+            raise pytest.UsageError(f"{item.nodeid} uses services of xdist groups {sorted(groups)}; it can join only one")
+        for group in groups:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    """Lists the `serial` tests the parallel phase left out (EMBER_SERIAL_TESTS names the file), so the serial
+    phase runs exactly those without collecting the whole suite a second time."""
+    target = os.environ.get("EMBER_SERIAL_TESTS")
+    if target:
+        serial = sorted(item.nodeid for item in items if item.get_closest_marker("serial"))
+        tmp = f"{target}.{os.getpid()}"
+        with open(tmp, "w") as out:
+            out.write("".join(f"{nodeid}\n" for nodeid in serial))
+        os.replace(tmp, target)
+
+
+@pytest.fixture(scope="session")
+def slurm() -> None:
+    """Starts (or reuses) the single-node Slurm cluster; fails loudly when it cannot."""
+    try:
+        services.start("slurm")
+    except services.ServiceError as exc:
+        pytest.fail(f"the local Slurm cluster could not be started:\n{exc}")
 
 
 @pytest.fixture(scope="session")

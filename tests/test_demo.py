@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.integration
 
 
-def test_demo_runs_every_stage_and_its_checks_hold(kafka):
+def test_demo_runs_every_stage_and_its_checks_hold(kafka, slurm):
     result = subprocess.run(
         [sys.executable, "-m", "ember.cli", "demo"], cwd=REPO, capture_output=True, text=True, timeout=1500,
         env={**os.environ, "COLUMNS": "200"},

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from .infra_support import REPO, SlurmCluster, ember_home, require_ok, run_infra, status_fields
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.serial]  # stops and restarts the shared broker
 
 TERMINAL_JOB_STATES = {
     "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",

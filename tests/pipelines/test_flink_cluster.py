@@ -38,6 +38,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 REST = f"http://127.0.0.1:{os.environ.get('EMBER_FLINK_REST_PORT', '18081')}"
 
+pytestmark = pytest.mark.xdist_group("flink")  # the session cluster is one shared service these tests kill and restart
+
 
 def rest(path: str) -> dict:
     with urllib.request.urlopen(REST + path, timeout=5) as response:

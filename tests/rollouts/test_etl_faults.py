@@ -41,6 +41,7 @@ def test_second_process_takes_over_a_killed_ones_partitions(kafka, tmp_path, pro
     takeover_scenario(Deployment.plaintext(), tmp_path, processes)
 
 
+@pytest.mark.serial  # stops the broker every other test shares
 def test_broker_restart_mid_stream_is_survived_without_help(kafka, tmp_path, processes):
     # While the broker is down the fleet cannot deliver either: rewards then really are late by the
     # outage, so the reward and group deadlines here outlast it (a shorter one would rightly drop them).
