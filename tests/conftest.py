@@ -17,13 +17,18 @@ import pytest
 from ember.dev import services
 
 
+def start(service: str, what: str) -> None:
+    """Starts (or reuses) a service through infra/; a service that cannot start fails the test, never skips it."""
+    try:
+        services.start(service)
+    except services.ServiceError as exc:
+        pytest.fail(f"{what} could not be started:\n{exc}")
+
+
 @pytest.fixture(scope="session")
 def kafka() -> str:
     """Bootstrap address of the real KRaft broker that infra/kafka.sh runs on 127.0.0.1."""
-    try:
-        services.start("kafka")
-    except services.ServiceError as exc:
-        pytest.fail(f"the Kafka broker could not be started:\n{exc}")
+    start("kafka", "the Kafka broker")
     from ember.rollouts.config import kafka_bootstrap
 
     return kafka_bootstrap()
@@ -62,17 +67,14 @@ def pytest_deselected(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="session")
 def slurm() -> None:
     """Starts (or reuses) the single-node Slurm cluster; fails loudly when it cannot."""
-    try:
-        services.start("slurm")
-    except services.ServiceError as exc:
-        pytest.fail(f"the local Slurm cluster could not be started:\n{exc}")
+    start("slurm", "the local Slurm cluster")
 
 
 @pytest.fixture(scope="session")
 def secure_kafka() -> services.SecureBroker:
     """The secured broker (infra/kafka-secure.sh): SASL_SSL + SCRAM-SHA-512, one principal per role, ACLs enforced."""
+    start("kafka-secure", "the secured Kafka broker")
     try:
-        services.start("kafka-secure")
         return services.secure_broker()
     except services.ServiceError as exc:
         pytest.fail(f"the secured Kafka broker could not be started:\n{exc}")
@@ -89,8 +91,8 @@ def object_stores() -> dict[str, str]:
     """The real local object stores (infra/objectstores.sh: fake-gcs-server, moto's S3 server), and this process's
     environment pointed at them through the standard client settings (STORAGE_EMULATOR_HOST, AWS_ENDPOINT_URL, ...),
     which Beam's GCS and S3 FileSystems, and every subprocess started after this, pick up."""
+    start("objectstores", "the object stores")
     try:
-        services.start("objectstores")
         settings = services.objectstores_env()
     except services.ServiceError as exc:
         pytest.fail(f"the object stores could not be started:\n{exc}")
