@@ -1,11 +1,19 @@
-"""Small JSON control records the ETL reads and writes beside the binary data records.
+"""Small JSON control records, beside the Arrow IPC data records (Rollout, Reward, TrainBatch: ember.schemas.codec).
+
+Each is one compact UTF-8 JSON object per Kafka message, with no Arrow schema and no schema version, parsed
+by `ember.schemas.wire_json.parse_json` (any bytes parse or raise DecodeError). JSON because each is a
+few scalars and ids, where an Arrow IPC message would carry its whole schema every time, and because of
+what each holds:
 
 - `Outcome`: the ETL's ledger (topic `<prefix>.outcomes`), one record per emitted batch, per dropped
   rollout or reward, per dead letter. Written in the same transaction as the batches, so counting the
-  ledger counts exactly what the trainer can see; `ember rollouts stats` reads it.
-- `PolicyVersion`: the trainer announces each new policy version (topic `<prefix>.policy-versions`), with
-  where its exported weights are and their sha256 once they are durable.
-- `ShardSnapshot`: the ETL's crash-recovery state for one partition pair (topic `<prefix>.etl-state`).
+  ledger counts exactly what the trainer can see; `ember rollouts stats` and `tail` read it, `replay`
+  writes the same objects to `outcomes.jsonl`. Its `detail` object's keys depend on the reason.
+- `PolicyVersion`: the trainer (or `ember rollouts publish-policy`, `simulate`) announces each new policy
+  version (topic `<prefix>.policy-versions`), with where its exported weights are and their sha256 once
+  they are durable; samplers in any language read it with a JSON parser.
+- `ShardSnapshot`: the ETL's crash-recovery state for one partition pair (topic `<prefix>.etl-state`),
+  nested and of varying length; only the ETL reads it back (and `tail` prints it).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Arrow schemas, validation and the Kafka wire codec shared by every ember stage."""
+"""Arrow schemas, validation, the Kafka wire codec (Arrow IPC) and the bounded JSON parser for control records."""
 
 from ember.schemas.codec import (
     decode,

@@ -1,5 +1,8 @@
 """Kafka wire codec: one message = one Rollout, Reward or TrainBatch as an Arrow IPC stream.
 
+These are the records of the rollouts, rewards and train-batches topics. The control records on the
+other topics (policy versions, the ETL's ledger and state snapshots) are JSON: `ember.rollouts.records`.
+
 A message is an Arrow IPC stream (the standard streaming format, readable by every Arrow library):
 the schema, one record batch of one row, the end-of-stream marker. The schema metadata names the
 record and its version (`ember.schema`, `ember.schema_version`, as on ember's Arrow tables), so an

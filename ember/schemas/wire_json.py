@@ -1,4 +1,4 @@
-"""JSON that arrives from Kafka (the ETL's control records): parsed so that any bytes give a value or a DecodeError."""
+"""JSON that arrives from Kafka (the control records of `ember.rollouts.records`): any bytes give a value or a DecodeError."""
 
 from __future__ import annotations
 

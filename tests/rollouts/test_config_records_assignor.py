@@ -1,5 +1,6 @@
 """Config validation, control-record codecs and the co-partitioned cooperative assignor (pure parts)."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from ember.rollouts.records import (
     offsets_to_ranges,
     ranges_to_offsets,
 )
+from ember.schemas import DecodeError, decode
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "ember" / "rollouts" / "etl.example.yaml"
 REQUIRED = {"kafka": {"topic_prefix": "t", "group_id": "t-etl"}, "filters": {"vocab_size": 1000}}
@@ -119,6 +121,24 @@ def test_control_records_round_trip_and_reject_garbage():
         ShardSnapshot.decode(b'{"shard": 1}')
     with pytest.raises(ValueError, match="outcome kind"):
         Outcome("exploded", "x", 0, 0)
+
+
+def test_control_records_are_json_objects_not_arrow():
+    """What README's "Wire format" says: compact JSON objects, no schema or version key, not Arrow IPC."""
+    snapshot = ShardSnapshot(3, {"rollouts": 10, "rewards": 7}, {"rollouts": [[2, 4]], "rewards": []}, 5, (ClosedGroup("g", 9, ("a", "b")),), "etl-0")
+    outcome = Outcome("rollout_dropped", "stale", 1, 2, group_id="g", detail={"lag_versions": 9})
+    version = PolicyVersion.now(4, "file:///runs/a/versions/version_4", "ab" * 32)
+    records = [
+        (snapshot, {"shard", "positions", "pending", "next_step", "closed", "etl_instance"}),
+        (outcome, {"kind", "reason", "shard", "at_ms", "group_id", "rollout_id", "topic", "partition", "offset", "tokens", "detail"}),
+        (version, {"policy_version", "published_at_us", "weights_uri", "weights_sha256"}),
+    ]
+    for record, expected in records:
+        raw = record.encode()
+        assert raw == json.dumps(json.loads(raw), separators=(",", ":")).encode("utf-8")
+        assert set(json.loads(raw)) == expected
+        with pytest.raises(DecodeError, match="not an Arrow IPC stream"):
+            decode(raw)
 
 
 @given(
