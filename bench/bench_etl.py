@@ -19,10 +19,19 @@ ranks do. The batch headers every rank reads stand in for rank 0's broadcast.
   latency = time the rank held the group's rollouts as tensors - time the last reward was acknowledged.
 - compression: `--compression zstd` makes the rollouts topic and writer zstd (ember's default),
   `none` sends them uncompressed; `both` runs everything uncompressed plus the 1-ETL 1-rank case with zstd.
+- configurations: `--configs 1x1,2x1,2x2` (the default) picks the ETL processes x ranks to run.
+- security: `--security plaintext` (default) runs on the PLAINTEXT broker; `sasl_ssl` on the secured one
+  (`ember dev up --secure`: TLS with the local CA, SCRAM-SHA-512, ACLs), every role as its own principal
+  with ember's settings (`role_securities`): inference writes the rollouts, a grader the rewards, the ETL
+  processes run as ember-etl, the ranks as ember-trainer (batch headers and rollouts), the plain consumer
+  as ember-etl; the admin creates the topics and applies `role_bindings` (each rank's group bound as the
+  trainer's). `both` runs every configuration on both brokers, same input, repeats interleaved, and
+  prints SASL_SSL / PLAINTEXT.
 
 Timing never decides a test; medians over --repeats fresh topic sets, configurations interleaved.
 
     .venv/bin/python bench/bench_etl.py [--groups 12] [--repeats 3] [--latency-groups 15] [--compression none|zstd|both]
+                                        [--configs 1x1,2x1,2x2] [--security plaintext|sasl_ssl|both]
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -47,10 +56,13 @@ from kafka import KafkaConsumer
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from ember.dev import services  # noqa: E402
 from ember.midtrain.rl.batch import rl_batch_share  # noqa: E402  (torch: imported once, before the ranks fork)
-from ember.rollouts.admin import ensure_topics  # noqa: E402
+from ember.rollouts.acls import role_bindings  # noqa: E402
+from ember.rollouts.admin import apply_acls, ensure_topics  # noqa: E402
 from ember.rollouts.config import kafka_bootstrap, parse_config  # noqa: E402
 from ember.rollouts.etl import prepare_topics  # noqa: E402
+from ember.rollouts.security import KafkaSecurity, role_securities  # noqa: E402
 from ember.rollouts.simulate import SIMULATED_VOCAB, synthetic_reward, synthetic_rollout  # noqa: E402
 from ember.rollouts.topics import Topics  # noqa: E402
 from ember.rollouts.transport import RewardWriter, RolloutWriter, consumer_config, topic_partitions  # noqa: E402
@@ -61,20 +73,55 @@ LAYERS = 61
 PARTITIONS = 2
 
 
+@dataclass(frozen=True, eq=False)
+class Broker:
+    """Where a run goes and as whom each role connects (on PLAINTEXT every role is anonymous)."""
+
+    name: str
+    bootstrap: str
+    roles: dict[str, KafkaSecurity] = field(default_factory=dict)
+
+    def security(self, role: str) -> KafkaSecurity:
+        return self.roles.get(role) or KafkaSecurity(security_protocol="PLAINTEXT")
+
+    def kafka_section(self, role: str) -> dict:
+        """The `kafka:` keys of an ETL config that connect as `role`."""
+        return {"bootstrap": self.bootstrap, "security": self.security(role).model_dump(mode="json", exclude_none=True)}
+
+
+def plaintext_broker() -> Broker:
+    return Broker("PLAINTEXT", kafka_bootstrap())
+
+
+def secured_broker() -> Broker:
+    """The secured broker (started if it is not running), each role with its own principal."""
+    services.start("kafka-secure")
+    broker = services.secure_broker()
+    return Broker("SASL_SSL", broker.bootstrap, role_securities(broker))
+
+
+BROKERS = {"plaintext": [plaintext_broker], "sasl_ssl": [secured_broker], "both": [plaintext_broker, secured_broker]}
+
+
 @dataclass(frozen=True)
 class Run:
+    broker: Broker
     etls: int
     ranks: int
     compression: str  # rollouts topic and writer: "zstd" or "none"
 
     @property
-    def name(self) -> str:
+    def config(self) -> str:
         return f"{self.etls} ETL x {self.ranks} rank{'s' if self.ranks > 1 else ''}, {self.compression}"
 
 
-def etl_settings(prefix: str) -> dict:
+def rank_group(prefix: str, rank: int) -> str:
+    return f"{prefix}-rank{rank}"
+
+
+def etl_settings(prefix: str, broker: Broker) -> dict:
     return {
-        "kafka": {"topic_prefix": prefix, "partitions": PARTITIONS, "group_id": f"{prefix}-etl", "bootstrap": kafka_bootstrap(),
+        "kafka": {"topic_prefix": prefix, "partitions": PARTITIONS, "group_id": f"{prefix}-etl", **broker.kafka_section("etl"),
                   "session_timeout_ms": 6000, "heartbeat_interval_ms": 1000},
         "groups": {"size": GROUP_SIZE, "timeout_s": 600},
         "rewards": {"graders": ["unit-tests"], "timeout_s": 600},
@@ -84,21 +131,30 @@ def etl_settings(prefix: str) -> dict:
     }
 
 
-def prepare(prefix: str, compression: str, workdir: Path) -> tuple[Topics, Path]:
-    """Topics (the rollouts topic compressed as asked) and the ETL config file."""
-    settings = etl_settings(prefix)
+def prepare(broker: Broker, prefix: str, compression: str, ranks: int, workdir: Path) -> tuple[Topics, Path]:
+    """Topics (the rollouts topic compressed as asked) created as the admin, on the secured broker the role
+    ACLs applied (each rank's group as the trainer's), and the ETL config file."""
+    settings = etl_settings(prefix, broker)
     config = parse_config(settings)
+    admin = broker.security("admin")
     specs = config.kafka.topics.specs(PARTITIONS)
     rollouts = replace(specs["rollouts"], compression="zstd" if compression == "zstd" else "producer")
-    ensure_topics(config.kafka.bootstrap, [rollouts])
-    topics = prepare_topics(config, create=True)
+    ensure_topics(broker.bootstrap, [rollouts], admin)
+    topics = prepare_topics(config.with_overrides(kafka=broker.kafka_section("admin")), create=True)
+    if broker.roles:
+        bindings = dict.fromkeys(b for r in range(ranks) for b in role_bindings(prefix, trainer_group=rank_group(prefix, r)))
+        apply_acls(broker.bootstrap, list(bindings), admin)
     path = workdir / f"{prefix}.yaml"
     path.write_text(yaml.safe_dump(settings))
     return topics, path
 
 
-def writers(prefix: str, compression: str) -> tuple[RolloutWriter, RewardWriter]:
-    return RolloutWriter(prefix, compression_type=None if compression == "none" else "zstd"), RewardWriter(prefix)
+def writers(broker: Broker, prefix: str, compression: str) -> tuple[RolloutWriter, RewardWriter]:
+    return (
+        RolloutWriter(prefix, security=broker.security("inference"), bootstrap_servers=broker.bootstrap,
+                      compression_type=None if compression == "none" else "zstd"),
+        RewardWriter(prefix, security=broker.security("grader"), bootstrap_servers=broker.bootstrap),
+    )
 
 
 def make_group(rng: np.random.Generator, prefix: str, g: int):
@@ -112,7 +168,7 @@ def make_group(rng: np.random.Generator, prefix: str, g: int):
     return rollouts, [synthetic_reward(rng, r) for r in rollouts]
 
 
-def rank_main(rank: int, ranks: int, prefix: str, expected: int, ready, results) -> None:
+def rank_main(broker: Broker, rank: int, ranks: int, prefix: str, expected: int, ready, results) -> None:
     """One trainer rank: every batch header, its own share as tensors; reports when each rollout was held."""
     from ember.rollouts.reader import RolloutBatchReader, RolloutFetcher
     from ember.schemas import decode_train_batch
@@ -122,8 +178,11 @@ def rank_main(rank: int, ranks: int, prefix: str, expected: int, ready, results)
     batch_ids: set[str] = set()
     rollout_ids: set[str] = set()
     batch_bytes = tensor_bytes = 0
-    fetcher = RolloutFetcher()
-    with RolloutBatchReader(topics.train_batches, group_id=f"{prefix}-rank{rank}", idle_timeout_s=None) as reader:
+    security = broker.security("trainer")
+    fetcher = RolloutFetcher(bootstrap=broker.bootstrap, security=security)
+    with RolloutBatchReader(
+        topics.train_batches, group_id=rank_group(prefix, rank), idle_timeout_s=None, bootstrap=broker.bootstrap, security=security,
+    ) as reader:
         ready.set()
         while len(rollout_ids) < expected:
             raw = reader.next_message()
@@ -142,12 +201,12 @@ def rank_main(rank: int, ranks: int, prefix: str, expected: int, ready, results)
 class Trainer:
     """The rank processes (forked from this one, which holds no Kafka client then), ready before the ETL starts."""
 
-    def __init__(self, prefix: str, ranks: int, expected: int):
+    def __init__(self, broker: Broker, prefix: str, ranks: int, expected: int):
         ctx = mp.get_context("fork")
         self.results = ctx.Queue()
         self.ready = [ctx.Event() for _ in range(ranks)]
         self.procs = [
-            ctx.Process(target=rank_main, args=(r, ranks, prefix, expected, self.ready[r], self.results), daemon=True)
+            ctx.Process(target=rank_main, args=(broker, r, ranks, prefix, expected, self.ready[r], self.results), daemon=True)
             for r in range(ranks)
         ]
         for proc in self.procs:
@@ -185,9 +244,10 @@ def stop_etls(procs: list[subprocess.Popen]) -> None:
             proc.wait()
 
 
-def plain_consumer_mb_s(topics: Topics) -> tuple[float, int]:
-    plain = KafkaConsumer(**consumer_config(bootstrap_servers=kafka_bootstrap(), group_id=None))
-    tps = topic_partitions(plain, topics.rollouts) + topic_partitions(plain, topics.rewards)
+def plain_consumer_mb_s(broker: Broker, topics: Topics) -> tuple[float, int]:
+    security = broker.security("etl")
+    plain = KafkaConsumer(**consumer_config(security, bootstrap_servers=broker.bootstrap, group_id=None))
+    tps = topic_partitions(plain, topics.rollouts, security) + topic_partitions(plain, topics.rewards, security)
     plain.assign(tps)
     plain.seek_to_beginning(*tps)
     ends = plain.end_offsets(tps)
@@ -203,9 +263,9 @@ def plain_consumer_mb_s(topics: Topics) -> tuple[float, int]:
 
 def throughput_once(run: Run, groups: int, seed: int, workdir: Path) -> dict[str, float]:
     prefix = f"bench-etl-{uuid.uuid4().hex[:8]}"
-    topics, config_path = prepare(prefix, run.compression, workdir)
+    topics, config_path = prepare(run.broker, prefix, run.compression, run.ranks, workdir)
     rng = np.random.default_rng(seed)
-    rollout_writer, reward_writer = writers(prefix, run.compression)
+    rollout_writer, reward_writer = writers(run.broker, prefix, run.compression)
     with rollout_writer, reward_writer:
         for g in range(groups):
             rollouts, rewards = make_group(rng, prefix, g)
@@ -215,11 +275,11 @@ def throughput_once(run: Run, groups: int, seed: int, workdir: Path) -> dict[str
                 reward_writer.write(r)
     input_bytes = rollout_writer.bytes + reward_writer.bytes
     n = groups * GROUP_SIZE
-    plain_mb_s, plain_bytes = plain_consumer_mb_s(topics)
+    plain_mb_s, plain_bytes = plain_consumer_mb_s(run.broker, topics)
     if plain_bytes != input_bytes:
         raise RuntimeError(f"the plain consumer read {plain_bytes} bytes of {input_bytes} published")
 
-    trainer = Trainer(prefix, run.ranks, n)
+    trainer = Trainer(run.broker, prefix, run.ranks, n)
     started = time.time()
     etls = start_etls(config_path, run.etls)
     try:
@@ -251,17 +311,17 @@ def throughput_once(run: Run, groups: int, seed: int, workdir: Path) -> dict[str
     }
 
 
-def latency_once(groups: int, interval_s: float, seed: int, compression: str, workdir: Path) -> list[float]:
+def latency_once(broker: Broker, groups: int, interval_s: float, seed: int, compression: str, workdir: Path) -> list[float]:
     prefix = f"bench-etl-lat-{uuid.uuid4().hex[:8]}"
-    _topics, config_path = prepare(prefix, compression, workdir)
+    _topics, config_path = prepare(broker, prefix, compression, 1, workdir)
     n = groups * GROUP_SIZE
-    trainer = Trainer(prefix, 1, n)
+    trainer = Trainer(broker, prefix, 1, n)
     etls = start_etls(config_path, 1)
     rng = np.random.default_rng(seed)
     last_reward: dict[str, float] = {}
     try:
         time.sleep(8.0)  # the ETL process started, joined its group and loaded its shards
-        rollout_writer, reward_writer = writers(prefix, compression)
+        rollout_writer, reward_writer = writers(broker, prefix, compression)
         with rollout_writer, reward_writer:
             for g in range(groups):
                 rollouts, rewards = make_group(rng, prefix, g)
@@ -279,7 +339,19 @@ def latency_once(groups: int, interval_s: float, seed: int, compression: str, wo
     return [max(found["held"][f"{group}-{i}"] for i in range(GROUP_SIZE)) - sent for group, sent in last_reward.items()]
 
 
-def main() -> None:
+SHAPES = {"1x1": (1, 1), "2x1": (2, 1), "2x2": (2, 2)}
+
+
+def shapes(text: str) -> list[tuple[int, int]]:
+    """`1x1,2x2` -> [(1, 1), (2, 2)]: ETL processes x trainer ranks."""
+    names = [name.strip() for name in text.split(",")]
+    unknown = [name for name in names if name not in SHAPES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown configuration {', '.join(map(repr, unknown))}; choose from {', '.join(SHAPES)}")
+    return [SHAPES[name] for name in dict.fromkeys(names)]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--groups", type=int, default=12, help="groups of 8 per throughput run")
     parser.add_argument("--repeats", type=int, default=3)
@@ -287,46 +359,90 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between groups in the latency run")
     parser.add_argument("--compression", choices=["none", "zstd", "both"], default="none",
                         help="the rollouts topic and writer: uncompressed, zstd, or uncompressed plus the 1x1 case with zstd")
-    args = parser.parse_args()
+    parser.add_argument("--configs", type=shapes, default=shapes(",".join(SHAPES)),
+                        help="ETL processes x trainer ranks, comma-separated from 1x1, 2x1, 2x2 (default all three; "
+                             "the scaling lines print for the pairs run)")
+    parser.add_argument("--security", choices=list(BROKERS), default="plaintext",
+                        help="the PLAINTEXT broker, the secured one (SASL_SSL, one principal per role), or both in one run")
+    args = parser.parse_args(argv)
+    if args.groups < 2:
+        parser.error("--groups must be at least 2: a group is one batch, and the steady rate runs from one batch to a later one")
+    return args
+
+
+def runs_on(broker: Broker, compression: str, configs: list[tuple[int, int]]) -> list[Run]:
+    """Each ETL processes x ranks configuration (and with `both`, 1 x 1 on a zstd rollouts topic)."""
+    setting = "zstd" if compression == "zstd" else "none"
+    runs = [Run(broker, etls, ranks, setting) for etls, ranks in configs]
+    if compression == "both":
+        runs.append(Run(broker, 1, 1, "zstd"))
+    return runs
+
+
+def ratios(base: list[dict[str, float]], other: list[dict[str, float]], key: str) -> list[float]:
+    """other / base per repeat (both ran on the same seed, in the same repeat)."""
+    return [b[key] / a[key] for a, b in zip(base, other)]
+
+
+def describe(values: list[float]) -> str:
+    return f"median {statistics.median(values):.2f}x (runs: {', '.join(f'{v:.2f}' for v in values)})"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     main_setting = "zstd" if args.compression == "zstd" else "none"
-    runs = [Run(1, 1, main_setting), Run(2, 1, main_setting), Run(2, 2, main_setting)]
-    if args.compression == "both":
-        runs.append(Run(1, 1, "zstd"))
-    results: dict[Run, list[dict[str, float]]] = {r: [] for r in runs}
+    brokers = [make() for make in BROKERS[args.security]]
+    plans = {broker: runs_on(broker, args.compression, args.configs) for broker in brokers}
+    results: dict[Run, list[dict[str, float]]] = {run: [] for runs in plans.values() for run in runs}
+    latencies: dict[Broker, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(args.repeats):  # interleaved, so drift on a shared machine hits every configuration alike
-            for run in runs:
+            for run in results:
                 results[run].append(throughput_once(run, args.groups, seed, Path(tmp)))
-        latencies = latency_once(args.latency_groups, args.interval, 100, main_setting, Path(tmp))
+        for broker in brokers:
+            latencies[broker] = latency_once(broker, args.latency_groups, args.interval, 100, main_setting, Path(tmp))
 
     n = args.groups * GROUP_SIZE
     print(f"throughput: {n} rollouts x {TOKENS} tokens ({PARTITIONS} partitions), median of {args.repeats}; cores: {os.cpu_count()}, load {os.getloadavg()[0]:.1f}")
-    print("| configuration | e2e rollouts/s | e2e MB/s | steady rollouts/s | steady MB/s | plain consumer MB/s | steady / plain | e2e / plain | broker bytes per rollout byte |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| broker | configuration | e2e rollouts/s | e2e MB/s | steady rollouts/s | steady MB/s | plain consumer MB/s | steady / plain | e2e / plain | broker bytes per rollout byte |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     med: dict[Run, dict[str, float]] = {}
     for run, rs in results.items():
         m = med[run] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
         steady = statistics.median(r["steady_mb_s"] / r["plain_mb_s"] for r in rs)
         e2e = statistics.median(r["e2e_mb_s"] / r["plain_mb_s"] for r in rs)
-        print(f"| {run.name} | {m['e2e_rollouts_s']:.1f} | {m['e2e_mb_s']:.0f} | {m['steady_rollouts_s']:.1f} | {m['steady_mb_s']:.0f} | "
+        print(f"| {run.broker.name} | {run.config} | {m['e2e_rollouts_s']:.1f} | {m['e2e_mb_s']:.0f} | {m['steady_rollouts_s']:.1f} | {m['steady_mb_s']:.0f} | "
               f"{m['plain_mb_s']:.0f} | {steady:.2f} | {e2e:.2f} | {m['moved_per_byte']:.3f} |")
-    base, two_etl, two_ranks = runs[0], runs[1], runs[2]
-    scale = [b["steady_rollouts_s"] / a["steady_rollouts_s"] for a, b in zip(results[base], results[two_etl])]
-    ranks = [b["steady_rollouts_s"] / a["steady_rollouts_s"] for a, b in zip(results[two_etl], results[two_ranks])]
-    print(f"1 -> 2 ETL processes (1 rank), steady rollouts/s: median {statistics.median(scale):.2f}x (runs: {', '.join(f'{s:.2f}' for s in scale)})")
-    print(f"1 -> 2 reader ranks (2 ETL), steady rollouts/s: median {statistics.median(ranks):.2f}x (runs: {', '.join(f'{s:.2f}' for s in ranks)}); "
-          f"largest rank's share of the tensor bytes with 2 ranks: {med[two_ranks]['largest_rank_share']:.2f}")
-    print(f"train-batch record: {med[base]['batch_bytes_per_rollout']:.0f} bytes per rollout (by reference); "
-          f"rollout bytes per token on the wire: {med[base]['bytes_per_token']:.1f}")
-    if args.compression == "both":
-        z = runs[3]
-        ratio = [b["steady_rollouts_s"] / a["steady_rollouts_s"] for a, b in zip(results[base], results[z])]
-        print(f"zstd / none on the rollouts topic (1 ETL x 1 rank), steady rollouts/s: median {statistics.median(ratio):.2f}x; "
-              f"plain consumer MB/s {med[z]['plain_mb_s'] / med[base]['plain_mb_s']:.2f}x")
-    p50, p99 = np.percentile(latencies, [50, 99])
-    print(f"latency last reward -> tensors held by the rank over {len(latencies)} groups (max_wait_s 1, 1 ETL x 1 rank): "
-          f"p50 {p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms, max {max(latencies) * 1000:.0f} ms")
+    percentiles = {broker: np.percentile(found, [50, 99]) for broker, found in latencies.items()}
+    for broker, runs in plans.items():
+        shaped = {(run.etls, run.ranks, run.compression): run for run in runs}
+        base, two_etl, two_ranks = (shaped.get((etls, ranks, main_setting)) for etls, ranks in SHAPES.values())
+        if base and two_etl:
+            print(f"{broker.name}: 1 -> 2 ETL processes (1 rank), steady rollouts/s: "
+                  f"{describe(ratios(results[base], results[two_etl], 'steady_rollouts_s'))}")
+        if two_etl and two_ranks:
+            print(f"{broker.name}: 1 -> 2 reader ranks (2 ETL), steady rollouts/s: "
+                  f"{describe(ratios(results[two_etl], results[two_ranks], 'steady_rollouts_s'))}; "
+                  f"largest rank's share of the tensor bytes with 2 ranks: {med[two_ranks]['largest_rank_share']:.2f}")
+        print(f"{broker.name}: train-batch record: {med[runs[0]]['batch_bytes_per_rollout']:.0f} bytes per rollout (by reference); "
+              f"rollout bytes per token on the wire: {med[runs[0]]['bytes_per_token']:.1f}")
+        if args.compression == "both" and base:
+            z = runs[-1]
+            print(f"{broker.name}: zstd / none on the rollouts topic (1 ETL x 1 rank), steady rollouts/s: "
+                  f"{describe(ratios(results[base], results[z], 'steady_rollouts_s'))}; "
+                  f"plain consumer MB/s {med[z]['plain_mb_s'] / med[base]['plain_mb_s']:.2f}x")
+        p50, p99 = percentiles[broker]
+        print(f"{broker.name}: latency last reward -> tensors held by the rank over {len(latencies[broker])} groups "
+              f"(max_wait_s 1, 1 ETL x 1 rank): p50 {p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms, max {max(latencies[broker]) * 1000:.0f} ms")
+    if len(brokers) == 2:
+        plain, secure = brokers
+        for base, other in zip(plans[plain], plans[secure]):
+            print(f"SASL_SSL / PLAINTEXT, {base.config}: steady rollouts/s {describe(ratios(results[base], results[other], 'steady_rollouts_s'))}; "
+                  f"e2e {describe(ratios(results[base], results[other], 'e2e_rollouts_s'))}; "
+                  f"plain consumer MB/s {describe(ratios(results[base], results[other], 'plain_mb_s'))}")
+        (p50, p99), (s50, s99) = percentiles[plain], percentiles[secure]
+        print(f"SASL_SSL / PLAINTEXT, latency (1 ETL x 1 rank): p50 {s50 / p50:.2f}x, p99 {s99 / p99:.2f}x")
 
 
 if __name__ == "__main__":
