@@ -22,7 +22,7 @@ from ember.configs import CorpusConfigError
 from ember.pipelines.corpus.config import CorpusConfig
 
 CLOSED_ENDPOINT = "http://localhost:1"
-FLEX_METADATA = Path(__file__).resolve().parents[2] / "infra" / "dataflow" / "metadata.json"
+FLEX_METADATA = Path(__file__).resolve().parents[3] / "infra" / "dataflow" / "metadata.json"
 
 
 @dataclass(frozen=True)
