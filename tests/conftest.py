@@ -9,7 +9,9 @@ one worker, while everything else runs beside them.
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 import uuid
 
 import pytest
@@ -78,6 +80,32 @@ def secure_kafka() -> services.SecureBroker:
         return services.secure_broker()
     except services.ServiceError as exc:
         pytest.fail(f"the secured Kafka broker could not be started:\n{exc}")
+
+
+@pytest.fixture
+def secured(secure_kafka, tmp_path, capfd, caplog):
+    """The secured deployment (tests/rollouts/etl_support.py), and a list for subprocess and CLI output; afterwards
+    every output, log and error of the test, the files it wrote and the broker's logs are searched for each role's
+    password."""
+    from ember.rollouts.acls import ROLES
+    from tests.rollouts.etl_support import Deployment
+
+    caplog.set_level(logging.INFO)
+    outputs: list[str] = []
+    yield Deployment.secured(secure_kafka), outputs
+    out, err = capfd.readouterr()
+    sys.stdout.write(out)
+    sys.stderr.write(err)
+    passwords = {secure_kafka.password_file(role).read_text().strip() for role in ("admin", *ROLES)}
+    assert all(len(p) >= 8 for p in passwords)
+    texts = {"captured stdout": out, "captured stderr": err, "log records": caplog.text}
+    texts.update({f"subprocess output {i}": text for i, text in enumerate(outputs)})
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]
+    broker_logs = [p for p in (secure_kafka.credentials.parent / "logs").rglob("*") if p.is_file()]
+    assert broker_logs, "no broker logs to search"
+    texts.update({str(p): p.read_text(errors="replace") for p in written + broker_logs})
+    leaks = sorted(where for where, text in texts.items() if any(p in text for p in passwords))
+    assert not leaks, f"a password appears in: {leaks}"
 
 
 @pytest.fixture

@@ -168,6 +168,7 @@ def replay(config: EtlConfig, start: ReplayStart, *, to_topic: str | None = None
     started = time.monotonic()
     batches: list[TrainBatch] = []
     outcome_lines: list[str] = []
+    sent = []
     try:
         policy_tp = TopicPartition(topics.policy_versions, 0)
         policy_records = []
@@ -195,9 +196,11 @@ def replay(config: EtlConfig, start: ReplayStart, *, to_topic: str | None = None
             output, _snapshot, _marks = engine.checkpoint("replay")
             summary.messages += len(messages)
             values = {(m.topic, m.partition, m.offset): m.value for m in messages} if to_dir is not None else {}
-            _collect(output, summary, batches, outcome_lines, producer, to_topic, values)
+            sent += _collect(output, summary, batches, outcome_lines, producer, to_topic, values)
         if producer is not None:
             producer.flush()
+            for future in sent:  # a batch the broker refused (ACLs) or lost is an error, never counted as replayed
+                future.get()
     finally:
         consumer.close()
         if producer is not None:
@@ -219,19 +222,22 @@ def _start_offsets(consumer: KafkaConsumer, start: ReplayStart, tps: dict[str, T
     }
 
 
-def _collect(output: ShardOutput, summary: ReplaySummary, batches: list, outcome_lines: list, producer, to_topic, values: dict) -> None:
+def _collect(output: ShardOutput, summary: ReplaySummary, batches: list, outcome_lines: list, producer, to_topic, values: dict) -> list:
+    """Adds the shard's batches and outcomes to the summary and the output; returns the futures of the batches sent."""
+    sent = []
     for emitted in output.batches:
         batch = emitted.batch
         summary.batches += 1
         summary.rollouts += batch.num_sequences
         summary.tokens += batch.num_tokens
         if producer is not None:
-            producer.send(to_topic, key=batch.batch_id.encode(), value=encode(batch))
+            sent.append(producer.send(to_topic, key=batch.batch_id.encode(), value=encode(batch)))
         else:
             batches.append(resolve_from_log(batch, values))
     for outcome in output.outcomes:
         summary.outcomes[(outcome.kind, outcome.reason)] += 1
         outcome_lines.append(outcome.encode().decode())
+    return sent
 
 
 def _write_dir(path: Path, batches: list[TrainBatch], outcome_lines: list[str], summary: ReplaySummary) -> None:

@@ -4,7 +4,8 @@ in a subprocess.
 `python -m tests.midtrain.rl_support toy CONFIG ITERATIONS OUT.json` runs the verifiable-task loop:
 sample from the trainer's own policy (ember.demo.sampler), reward, publish, ETL, RL steps.
 `python -m tests.midtrain.rl_support sample CONFIG GROUPS DIR` writes batches sampled by the reference
-sampler (router weights perturbed); `... memory CONFIG DIR OUT.json` runs `run_rl` on them, no broker (under
+sampler (router weights perturbed); `... records CONFIG GROUPS DIR` writes the same samples as encoded rollouts and
+rewards (`NNNN.rollout`, `NNNN.reward`) for a test to publish as the fleet's principals; `... memory CONFIG DIR OUT.json` runs `run_rl` on them, no broker (under
 torchrun: on every rank). `... score CONFIG IN.json OUT.json` scores IN's {"sequences": [...]} with the trainer's
 model at its latest checkpoint (megatron forward, as the trainer computes log-probs).
 """
@@ -21,11 +22,20 @@ import torch
 import yaml
 
 from ember.demo.sampler import make_rollouts, perturb_routers, publish, toy_policy_config, toy_prompts
-from ember.schemas import Reward, Rollout, TrainBatch, decode_train_batch, encode_train_batch
+from ember.schemas import Reward, Rollout, TrainBatch, decode_train_batch, encode, encode_train_batch
 
 
 def rl_config(path: Path, run_dir: Path, prefix: str, *, replay: str = "replay", steps: int = 100, **rl) -> Path:
     path.write_text(yaml.safe_dump(toy_policy_config(run_dir, prefix, replay=replay, steps=steps, **rl), sort_keys=False))
+    return path
+
+
+def trainer_config(root: Path, name: str, prefix: str, init: Path, **rl) -> Path:
+    """root/NAME.yaml: the tiny policy trained in root/NAME (consumer group `<prefix>-NAME`), starting from `init`."""
+    path = rl_config(root / f"{name}.yaml", root / name, prefix, **rl)
+    data = yaml.safe_load(path.read_text())
+    data["init_checkpoint"] = str(init)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 
 
@@ -90,9 +100,9 @@ class BatchFeed:
         self.producer.close()
 
 
-def sample_main(config_path: str, groups: int, out_dir: str) -> None:
-    """Saves the initial policy (step 0 in the config's run_dir), samples `groups` groups with perturbed
-    routers and writes one encoded batch per group to `out_dir`, as the ETL would publish them."""
+def _sampled(config_path: str, groups: int, tag: str) -> tuple[list[Rollout], list[Reward]]:
+    """Saves the initial policy (step 0 in the config's run_dir) and samples `groups` groups of 4 with
+    perturbed routers."""
     from ember.midtrain.config import load_rl_config
     from ember.midtrain.rl.trainer import RLTrainer
 
@@ -101,12 +111,26 @@ def sample_main(config_path: str, groups: int, out_dir: str) -> None:
     perturb_routers(trainer.model, 0.01, seed=5)
     generator = torch.Generator().manual_seed(3)
     rollouts, rewards = make_rollouts(
-        trainer.model, toy_prompts(groups, 4, generator), 8, generator, tag="memory", version=0, group_size=4
+        trainer.model, toy_prompts(groups, 4, generator), 8, generator, tag=tag, version=0, group_size=4
     )
     trainer.close()
+    return rollouts, rewards
+
+
+def sample_main(config_path: str, groups: int, out_dir: str) -> None:
+    """Writes one encoded batch per sampled group to `out_dir`, as the ETL would publish them."""
+    rollouts, rewards = _sampled(config_path, groups, "memory")
     for g in range(groups):
         batch = train_batch(rollouts[g * 4 : g * 4 + 4], rewards[g * 4 : g * 4 + 4], g)
         (Path(out_dir) / f"{g:04d}.batch").write_bytes(encode_train_batch(batch))
+
+
+def records_main(config_path: str, groups: int, out_dir: str) -> None:
+    """Writes every sampled rollout and its reward, encoded, to `out_dir` (NNNN.rollout, NNNN.reward)."""
+    rollouts, rewards = _sampled(config_path, groups, "records")
+    for i, (rollout, reward) in enumerate(zip(rollouts, rewards)):
+        (Path(out_dir) / f"{i:04d}.rollout").write_bytes(encode(rollout))
+        (Path(out_dir) / f"{i:04d}.reward").write_bytes(encode(reward))
 
 
 class Channel:
@@ -205,6 +229,8 @@ if __name__ == "__main__":
         toy_main(args[0], int(args[1]), args[2])
     elif mode == "sample":
         sample_main(args[0], int(args[1]), args[2])
+    elif mode == "records":
+        records_main(args[0], int(args[1]), args[2])
     elif mode == "memory":
         memory_main(args[0], args[1], args[2])
     elif mode == "score":

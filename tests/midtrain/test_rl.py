@@ -23,7 +23,7 @@ from ember.rollouts.topics import Topics
 from ember.schemas import decode_train_batch
 from tests.rollouts.etl_support import read_topic
 
-from .rl_support import etl_config, rl_config
+from .rl_support import etl_config, rl_config, trainer_config
 
 pytestmark = pytest.mark.integration
 
@@ -33,14 +33,6 @@ GROUPS = 6
 
 def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def _trainer_config(root: Path, name: str, prefix: str, init: Path, **rl) -> Path:
-    path = rl_config(root / f"{name}.yaml", root / name, prefix, **rl)
-    data = yaml.safe_load(path.read_text())
-    data["init_checkpoint"] = str(init)
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
 
 
 def _run(config: Path) -> subprocess.Popen:
@@ -78,7 +70,7 @@ def batches(kafka, tmp_path_factory):
 def test_replay_forces_the_sampler_routing_and_off_reports_the_mismatch(batches):
     root, prefix, init, ids = batches
     runs = {
-        mode: _run(_trainer_config(root, mode, prefix, init, replay=mode, steps=3, correction="mis"))
+        mode: _run(trainer_config(root, mode, prefix, init, replay=mode, steps=3, correction="mis"))
         for mode in ("replay", "off")
     }
     outputs = {mode: _finish(proc) for mode, proc in runs.items()}
@@ -129,7 +121,7 @@ def test_kill_9_of_one_rank_restarts_both_from_the_checkpoint_and_trains_every_b
     values = [r.value for r in read_topic(Topics(prefix).train_batches)]
     own = f"{prefix}-ranks"
     feed = BatchFeed(own)
-    config = _trainer_config(root, "crash-ranks", own, init, save_interval=2, correction="tis", steps=len(ids))
+    config = trainer_config(root, "crash-ranks", own, init, save_interval=2, correction="tis", steps=len(ids))
     data = yaml.safe_load(config.read_text())
     data["rollouts"]["idle_timeout_s"] = 120
     config.write_text(yaml.safe_dump(data, sort_keys=False))

@@ -4,27 +4,33 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import apache_beam as beam
 import pyarrow.parquet as pq
 import pytest
+import yaml
 from apache_beam.testing.util import assert_that, equal_to
+from typer.testing import CliRunner
 
+from ember.cli import app
 from ember.pipelines.corpus.config import CorpusSource, Dedup, parse_config
 
 from ember.pipelines.quality.settings import Redaction
 from ember.pipelines.corpus.formats import record_to_row
 from ember.pipelines.corpus.outputs import WriteParquetParts
+from ember.pipelines.corpus.phases import cache_root
 from ember.pipelines.corpus.pipeline import corpus_stages
 from ember.pipelines.corpus.stages import (
     CLUSTER_TEXT_FIELDS, REJECT_TEXT_FIELDS, ExactDedup, NearDedup, PerDocument, RedactDocuments, RedactRows, StageOutput, UniqueIds,
     node_key, rank_key, size_bin, text_bytes,
 )
+from ember.pipelines.jobs.output_guard import OWNERSHIP_FILE
 from ember.demo.sample_corpus import near_duplicate, prose
 from ember.schemas.documents import DOCUMENT_SCHEMA, content_hash, reject_row
 
-from .corpus_support import build, rows
+from .corpus_support import rows
 
 CODE = CorpusSource.model_validate({"name": "code", "kind": "code", "inputs": ["x"], "fields": {
     "id": "id", "metadata": {"license": "license", "stars": "stars", "path": "path"}}})
@@ -162,9 +168,18 @@ def test_reject_details_and_locations_never_repeat_a_secret() -> None:
         assert_that(off, equal_to(rejects), label="disabled")
 
 
-def test_no_output_table_of_a_build_holds_a_planted_secret(tmp_path: Path) -> None:
-    """Secrets in text, metadata, a rejected document's path and the input's own path: none survives in
-    any string cell of documents, rejects or clusters."""
+def _as_text(path: Path) -> bytes:
+    """A Parquet file as the JSON of its rows and its key-value metadata; any other file as its bytes."""
+    if path.suffix != ".parquet":
+        return path.read_bytes()
+    rows_json = json.dumps(pq.read_table(path).to_pylist(), default=str)
+    return (rows_json + repr(pq.read_metadata(path).metadata)).encode("utf-8")
+
+
+def test_no_file_a_build_writes_holds_a_planted_secret(tmp_path: Path) -> None:
+    """Secrets in text, metadata, a rejected document's path and the input's own path: `ember corpus build` writes
+    none of them anywhere. Every file it leaves (the Parquet tables, stats.json, report.md, report.html, the
+    ownership file, the phase cache beside the output and the job log) is searched, and what it prints."""
     inputs = tmp_path / f"dump-{AWS_KEY}"
     inputs.mkdir()
     body = f"import requests\n\nHEADERS = {{'Authorization': 'Bearer {JWT}'}}\nDSN = 'postgres://admin:{DB_PASSWORD}@db/app'\n"
@@ -174,18 +189,28 @@ def test_no_output_table_of_a_build_holds_a_planted_secret(tmp_path: Path) -> No
         {"id": "c", "text": "puts 'hello from ruby, a file long enough to be kept'\n", "path": f"deploy/{GH_TOKEN}.rb"},
     ]
     (inputs / "part-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    config = parse_config({
+    config = tmp_path / "corpus.yaml"
+    config.write_text(yaml.safe_dump({
         "sources": [{"name": "code", "kind": "code", "inputs": [str(inputs / "*.jsonl")],
                      "fields": {"id": "id", "metadata": {"url": "url", "path": "path"}}}],
         "filters": {"code": {"languages": ["python"]}},
         "dedup": {"near": False},
         "output": {"directory": str(tmp_path / "out")},
-    })
-    assert build(config) == "DONE"
-    tables = {name: rows(tmp_path / "out", name) for name in ("documents", "rejects", "clusters")}
+    }))
+    result = CliRunner().invoke(app, ["corpus", "build", str(config), "--runner=FnApiRunner"])
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "out"
+    tables = {name: rows(out, name) for name in ("documents", "rejects", "clusters")}
     assert [len(tables[n]) for n in ("documents", "rejects", "clusters")] == [1, 2, 2]
     assert {r["reason"] for r in tables["rejects"]} == {"language_not_allowed", "exact_duplicate"}
-    cells = [str(v) for table in tables.values() for row in table for v in row.values()]
-    cells += [str(v) for row in tables["documents"] for v in (row["metadata"] or {}).values()]
-    assert not [c for c in cells if any(secret in c for secret in LEAKS)]
+    log = Path(re.search(r"^log: (.+)$", result.output, re.MULTILINE).group(1))
+    written = {p: _as_text(p) for p in sorted(tmp_path.rglob("*")) if p.is_file() and p != config and inputs not in p.parents}
+    expected = {log, out / "stats.json", out / "report.md", out / "report.html", out / OWNERSHIP_FILE}
+    assert expected <= set(written), sorted(expected - set(written))
+    assert any(cache_root(out) in p.parents for p in written), "the phase cache was not searched"
+    assert b"INFO" in written[log], "the job log holds no log lines"
+    searched = {str(p.relative_to(tmp_path)): data for p, data in written.items()}
+    searched["the command's output"] = result.output.encode("utf-8")
+    leaks = [(where, secret) for where, data in searched.items() for secret in LEAKS if secret.encode("utf-8") in data]
+    assert not leaks, f"planted secrets written by the build (file, secret): {leaks}"
     assert "Bearer <KEY>" in tables["documents"][0]["text"] and "admin:<PASSWORD>@db" in tables["documents"][0]["text"]

@@ -25,13 +25,14 @@ from ember.rollouts.config import EtlConfig, kafka_bootstrap, parse_config
 from ember.rollouts.etl import prepare_topics
 from ember.rollouts.reader import RolloutBatchReader
 from ember.rollouts.records import Outcome
-from ember.rollouts.security import KafkaSecurity, role_securities
+from ember.rollouts.security import ENVIRONMENT, PASSWORD_ENV, PASSWORD_FILE_ENV, KafkaSecurity, role_securities
 from ember.rollouts.simulate import SIMULATED_VOCAB, Event, PublishStats, WorkloadSpec, plan_workload, publish_workload
 from ember.rollouts.topics import Topics
 from ember.rollouts.transport import consumer_config
 from ember.schemas import Reward, Rollout, decode_train_batch
 
 REPO = Path(__file__).resolve().parents[2]
+SECURITY_ENV = [*ENVIRONMENT.values(), PASSWORD_ENV, PASSWORD_FILE_ENV]
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,16 @@ class Deployment:
 
     def security(self, role: str) -> KafkaSecurity:
         return self.roles.get(role) or KafkaSecurity(security_protocol="PLAINTEXT")
+
+    def environment(self, role: str) -> dict[str, str]:
+        """EMBER_KAFKA_BOOTSTRAP and every EMBER_KAFKA_* security variable for a command without a config to connect
+        as `role` (the password by its file); a variable the role does not use is empty, which counts as unset."""
+        kwargs = self.security(role).model_dump(mode="json", exclude_none=True)
+        env = {name: "" for name in SECURITY_ENV}
+        env.update({variable: str(kwargs[key]) for key, variable in ENVIRONMENT.items() if key in kwargs})
+        if "sasl_plain_password_file" in kwargs:
+            env[PASSWORD_FILE_ENV] = str(kwargs["sasl_plain_password_file"])
+        return {"EMBER_KAFKA_BOOTSTRAP": self.bootstrap, **env}
 
     def kafka_section(self, role: str = "etl") -> dict:
         """The `kafka:` keys an ETL config needs to connect as `role`."""
@@ -326,9 +337,11 @@ def trainer_batch_ids(topics: Topics, deployment: Deployment, prefix: str) -> li
 REWARD_TIMEOUT_S = 6.0
 
 
-def setup_etl(tmp_path: Path, deployment: Deployment, partitions: int = 4, **sections) -> tuple[str, EtlConfig, Topics]:
-    """A fresh prefix, its ETL config (connecting as the etl role) in tmp_path/etl.yaml, and its prepared topics."""
-    prefix = f"test-fault-{uuid.uuid4().hex[:8]}"
+def setup_etl(
+    tmp_path: Path, deployment: Deployment, partitions: int = 4, prefix: str | None = None, **sections
+) -> tuple[str, EtlConfig, Topics]:
+    """A prefix (fresh unless given), its ETL config (connecting as the etl role) in tmp_path/etl.yaml, and its prepared topics."""
+    prefix = prefix or f"test-fault-{uuid.uuid4().hex[:8]}"
     kafka = {**deployment.kafka_section("etl"), **sections.pop("kafka", {})}
     config = write_config(tmp_path / "etl.yaml", etl_settings(prefix, partitions=partitions, kafka=kafka, **sections))
     return prefix, config, deployment.prepare(prefix, config)

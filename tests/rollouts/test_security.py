@@ -25,43 +25,20 @@ from ember.rollouts.acls import ROLES, role_bindings
 from ember.rollouts.cli import app
 from ember.rollouts.config import load_config, parse_config
 from ember.rollouts.reader import RolloutBatchReader
-from ember.rollouts.security import ENVIRONMENT, PASSWORD_ENV, PASSWORD_FILE_ENV, KafkaSecurity, KafkaSecurityError
+from ember.rollouts.security import PASSWORD_ENV, KafkaSecurity, KafkaSecurityError
 from ember.rollouts.topics import Topics
 from ember.rollouts.transport import RolloutWriter, TopicUnavailable, producer_config
-from tests.rollouts.etl_support import REPO, Deployment, etl_settings, kill_9_scenario, takeover_scenario
+from tests.rollouts.etl_support import REPO, SECURITY_ENV, Deployment, etl_settings, kill_9_scenario, takeover_scenario
 from tests.rollouts.helpers import rollout
 
 SECRET = "s3cr3t-Pa55w0rd-that-must-not-leak"
-ALL_ENV = [*ENVIRONMENT.values(), PASSWORD_ENV, PASSWORD_FILE_ENV]
 
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for name in ALL_ENV:
+    for name in SECURITY_ENV:
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
-
-
-@pytest.fixture
-def secured(secure_kafka, tmp_path, capfd, caplog):
-    """The secured deployment, and a list for subprocess output; afterwards every output, log and error
-    of the test, the files it wrote and the broker's logs are searched for each role's password."""
-    caplog.set_level(logging.INFO)
-    outputs: list[str] = []
-    yield Deployment.secured(secure_kafka), outputs
-    out, err = capfd.readouterr()
-    sys.stdout.write(out)
-    sys.stderr.write(err)
-    passwords = {secure_kafka.password_file(role).read_text().strip() for role in ("admin", *ROLES)}
-    assert all(len(p) >= 8 for p in passwords)
-    texts = {"captured stdout": out, "captured stderr": err, "log records": caplog.text}
-    texts.update({f"subprocess output {i}": text for i, text in enumerate(outputs)})
-    written = [p for p in tmp_path.rglob("*") if p.is_file()]
-    broker_logs = [p for p in (secure_kafka.credentials.parent / "logs").rglob("*") if p.is_file()]
-    assert broker_logs, "no broker logs to search"
-    texts.update({str(p): p.read_text(errors="replace") for p in written + broker_logs})
-    leaks = sorted(where for where, text in texts.items() if any(p in text for p in passwords))
-    assert not leaks, f"a password appears in: {leaks}"
 
 
 # ---- the settings model ------------------------------------------------------------------------
@@ -247,16 +224,7 @@ def test_each_role_is_refused_outside_its_acls_and_nothing_is_written(secured, t
     finally:
         inference.close()
 
-    security = deployment.security("trainer")
-    env = {k: v for k, v in os.environ.items() if k not in ALL_ENV}
-    env.update(
-        EMBER_KAFKA_BOOTSTRAP=deployment.bootstrap,
-        EMBER_KAFKA_SECURITY_PROTOCOL=security.security_protocol,
-        EMBER_KAFKA_SASL_MECHANISM=str(security.sasl_mechanism),
-        EMBER_KAFKA_SASL_USERNAME=str(security.sasl_plain_username),
-        EMBER_KAFKA_SASL_PASSWORD_FILE=str(security.sasl_plain_password_file),
-        EMBER_KAFKA_SSL_CAFILE=str(security.ssl_cafile),
-    )
+    env = {**os.environ, **deployment.environment("trainer")}
     cli = subprocess.run(
         [sys.executable, "-m", "ember.cli", "rollouts", "simulate", "--prefix", prefix, "--groups", "1", "--layers", "0", "--time-scale", "1000"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,

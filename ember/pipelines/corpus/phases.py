@@ -1,7 +1,8 @@
 """A local corpus build in two checkpointed phases, so an interrupted build resumes instead of starting over.
 
   documents  read -> unique ids -> filter -> redact; the surviving rows, the rejects so far and the
-             summed stats events go to a cache entry beside the output:
+             summed stats events go to a cache entry beside the output, the rows' locations and the
+             rejects' locations and details redacted as the one-graph build redacts them before writing:
              `<output parent>/.<output name>-ember-cache/documents-<key>/`
   output     exact + near dedup and the final write, from that entry, into the staged output.
 
@@ -38,12 +39,12 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from ember.pipelines.corpus.config import CorpusConfig
 from ember.pipelines.corpus.outputs import WriteParquetParts, write_outputs
 from ember.pipelines.corpus.pipeline import corpus_stages
-from ember.pipelines.corpus.stages import ExactDedup, NearDedup, StageOutput
+from ember.pipelines.corpus.stages import CLUSTER_TEXT_FIELDS, REJECT_TEXT_FIELDS, ExactDedup, NearDedup, RedactRows, StageOutput
 from ember.pipelines.jobs.runners import finish
 from ember.files import write_atomically
 from ember.schemas.documents import DOCUMENT_SCHEMA, REJECTED_SCHEMA
 
-PHASE_VERSION = 1  # bump when a phase's graph or cache layout changes: old entries then never match
+PHASE_VERSION = 2  # bump when a phase's graph or cache layout changes: old entries then never match
 COMPLETE_FILE = ".complete.json"
 COMPLETE_SCHEMA = "ember.phase_cache"
 EVENTS_FILE = "events.json"
@@ -161,6 +162,9 @@ def documents_pipeline(p: beam.Pipeline, config: CorpusConfig, entry: str, progr
         outputs.append(output)
         documents = output.documents
     rejects, stats = ([getattr(o, name) for o in outputs] | f"All{name.title()}" >> beam.Flatten() for name in ("rejects", "stats"))
+    # a kept row's location becomes its cluster rows' and dedup rejects' location in the output phase
+    documents = documents | "RedactLocations" >> RedactRows(config.redaction, CLUSTER_TEXT_FIELDS)
+    rejects = rejects | "RedactRejects" >> RedactRows(config.redaction, REJECT_TEXT_FIELDS)
     _ = documents | "CacheDocuments" >> WriteParquetParts(
         f"{entry}/documents", CACHED_DOCUMENT_SCHEMA, "source", "id", ("id", "location"), CACHE_ROWS_PER_SHARD, None
     )

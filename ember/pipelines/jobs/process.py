@@ -108,7 +108,7 @@ def run_job(fn: Callable[..., Any], *args: Any) -> Any:
     with tempfile.TemporaryDirectory(prefix="ember-job-") as tmp:
         call, result = Path(tmp) / "call.pickle", Path(tmp) / "result.pickle"
         call.write_bytes(pickle.dumps((fn, args)))
-        root = str(Path(__file__).resolve().parents[2])  # the child imports this same ember, not an installed one
+        root = str(Path(__file__).resolve().parents[3])  # the child imports this same ember, not an installed one
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
         child = subprocess.Popen([sys.executable, "-m", __name__, str(call), str(result)], env=env, start_new_session=True)
         try:
