@@ -41,7 +41,7 @@ def rows(directory: Path, name: str) -> list[dict]:
 
 def forget_build(output: Path) -> None:
     """Make the next build of `output` run both phases again (no phase cache, no build key): a rerun of an
-    unchanged config is otherwise skipped as up to date (tests/pipelines/test_interrupt_resume.py)."""
+    unchanged config is otherwise skipped as up to date (tests/pipelines/jobs/test_interrupt_resume.py)."""
     ownership = output / OWNERSHIP_FILE
     payload = json.loads(ownership.read_text())
     payload.pop("build_key", None)

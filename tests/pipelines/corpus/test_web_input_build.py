@@ -12,8 +12,8 @@ from ember.pipelines.corpus.config import load_config
 from ember.pipelines.corpus.report import read_stats, render_report
 from ember.pipelines.corpus.report_html import collect, render_html
 
-from .corpus_support import build, rows
-from .web_support import PROSE, Record, page, warc_bytes
+from tests.pipelines.corpus_support import build, rows
+from tests.pipelines.web_support import PROSE, Record, page, warc_bytes
 
 PAGES = [
     Record("https://news.example.org/river", page("River", [PROSE["en"]])),

@@ -10,7 +10,7 @@ from ember.pipelines.corpus.config import parse_config
 from ember.pipelines.quality.language_id import DEFAULT_CANDIDATES, UNKNOWN, identifier, language_verdict
 from ember.pipelines.web.blocklist import UrlBlocklist, normalize_domain, parse_domain_lines
 
-from .web_support import PROSE
+from tests.pipelines.web_support import PROSE
 
 
 @pytest.mark.parametrize("low_accuracy", [False, True], ids=["high", "low"])

@@ -25,7 +25,7 @@ from ember.schemas.documents import CLUSTER_SCHEMA, DOCUMENT_SCHEMA, REJECTED_SC
 from ember.schemas.versioning import schema_identity
 from ember.tokenize.shardset import verify_shard_set
 
-from .corpus_support import IN_PROCESS, build, file_digests, forget_build, rows
+from tests.pipelines.corpus_support import IN_PROCESS, build, file_digests, forget_build, rows
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,7 @@ def test_rerun_writes_byte_identical_outputs(sample: SampleCorpus, built: Path, 
     build_corpus(config, IN_PROCESS)
     before = file_digests(tmp_path / "out")
     forget_build(tmp_path / "out")
-    rerun = build_corpus(config, IN_PROCESS)  # replaces the previous build whole (tests/pipelines/test_output_safety.py)
+    rerun = build_corpus(config, IN_PROCESS)  # replaces the previous build whole (tests/pipelines/jobs/test_output_safety.py)
     assert rerun.phases == {"documents": "ran", "output": "ran"}
     after = file_digests(tmp_path / "out")
     assert after.pop("report.html") != "" and before.pop("report.html") != ""  # the page records when it was written

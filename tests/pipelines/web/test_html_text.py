@@ -9,7 +9,7 @@ import pytest
 
 from ember.pipelines.web.html_text import ExtractOptions, HtmlExtractor, extract, thread_extractor
 
-from .web_support import PROSE, page
+from tests.pipelines.web_support import PROSE, page
 
 
 

@@ -26,8 +26,8 @@ from ember.pipelines.tokenize_pipeline import run as tokenize
 from ember.schemas import read_manifest
 from ember.tokenize.shardset import verify_shard_set
 
-from .corpus_support import IN_PROCESS, file_digests, forget_build, rows
-from .test_corpus_build import with_tokenize
+from tests.pipelines.corpus_support import IN_PROCESS, file_digests, forget_build, rows
+from tests.pipelines.corpus.test_build import with_tokenize
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from ember.pipelines.quality.decontamination import (
     renamed_windows, windows,
 )
 
-from .decontamination_cases import KINDS, function, humaneval_items, planted, read, stdlib_files
+from tests.pipelines.decontamination_cases import KINDS, function, humaneval_items, planted, read, stdlib_files
 
 FIELDS = {"id": "id", "prompt": "prompt", "solution": "solution", "tests": "tests"}
 MAX_FALSE_POSITIVE_RATE = 0.005

@@ -26,9 +26,9 @@ from ember.pipelines.corpus.phases import COMPLETE_FILE, cache_root, documents_k
 from ember.pipelines.jobs.output_guard import OWNERSHIP_FILE
 from ember.schemas.documents import DOCUMENT_SCHEMA
 
-from .corpus_support import IN_PROCESS, file_digests, rows
+from tests.pipelines.corpus_support import IN_PROCESS, file_digests, rows
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 STOP_WITHIN_SECONDS = 30  # liveness bound, not a speed measurement
 START_TIMEOUT_SECONDS = 400
 

@@ -34,7 +34,7 @@ from ember.tokenize.packing import locate as locate_token
 from ember.tokenize.shards import read_row
 
 WORDS = "def return import class self value data item index result total count name".split()
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 BEAM_NOISE = ("INFO:", "WARNING:", "statecache", "sdk_worker", "grpc")
 DRIVER_INFO = "Creating state cache"  # Beam's runner logs it at INFO in the driver
 

@@ -30,7 +30,7 @@ from ember.pipelines.jobs.output_guard import OWNERSHIP_FILE
 from ember.demo.sample_corpus import near_duplicate, prose
 from ember.schemas.documents import DOCUMENT_SCHEMA, content_hash, reject_row
 
-from .corpus_support import rows
+from tests.pipelines.corpus_support import rows
 
 CODE = CorpusSource.model_validate({"name": "code", "kind": "code", "inputs": ["x"], "fields": {
     "id": "id", "metadata": {"license": "license", "stars": "stars", "path": "path"}}})

@@ -11,7 +11,7 @@ import zstandard
 from ember.pipelines.corpus.config import parse_config
 from ember.pipelines.corpus.report import read_stats, render_report, summary_rows
 
-from .corpus_support import build, rows
+from tests.pipelines.corpus_support import build, rows
 
 
 def _lines(texts: list[str]) -> bytes:

@@ -13,7 +13,7 @@ from ember.pipelines.corpus.config import CorpusSource, parse_config
 from ember.pipelines.corpus.formats import read_file
 from ember.pipelines.web.warc import WarcBreak, WarcPage, WarcReject, read_warc
 
-from .web_support import PROSE, Record, page, warc_bytes
+from tests.pipelines.web_support import PROSE, Record, page, warc_bytes
 
 RECORDS = [
     Record("http://example.com/", b"GET / HTTP/1.1\r\nHost: example.com\r\n\r\n", rec_type="request"),

@@ -32,9 +32,9 @@ from ember.demo.sample_corpus import SampleCorpus, write_sample_corpus
 from ember.pipelines.corpus.config import parse_config
 from ember.pipelines.jobs.runners import FLINK_CLUSTER_FLAG, flink_cluster_args, runs_locally, with_defaults
 
-from .corpus_support import build, file_digests
+from tests.pipelines.corpus_support import build, file_digests
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 REST = f"http://127.0.0.1:{os.environ.get('EMBER_FLINK_REST_PORT', '18081')}"
 

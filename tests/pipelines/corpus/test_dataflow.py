@@ -29,7 +29,7 @@ from ember.pipelines.quality.decontamination import write_benchmark
 from ember.pipelines.jobs.runners import default_local_args, local_args, with_defaults
 from ember.demo.sample_corpus import write_sample_corpus
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TEMPLATE = ROOT / "infra" / "dataflow"
 GOOD = ["--runner=DataflowRunner", "--project=ember-prod", "--region=us-central1",
         "--temp_location=gs://ember-corpus/tmp", f"--setup_file={ROOT / 'pyproject.toml'}"]

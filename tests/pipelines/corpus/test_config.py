@@ -85,7 +85,7 @@ def test_glob_matching_nothing_is_a_config_error_naming_it(tmp_path: Path) -> No
 
 
 def test_example_config_is_valid() -> None:
-    example = Path(__file__).resolve().parents[2] / "ember/pipelines/examples/corpus.yaml"
+    example = Path(__file__).resolve().parents[3] / "ember/pipelines/examples/corpus.yaml"
     config = load_config(str(example))
     assert [s.name for s in config.sources] == ["web", "code"]
     assert config.dedup.prefer == ["permissive_license", "stars"]

@@ -10,7 +10,7 @@ import pytest
 from ember.pipelines.quality.settings import Redaction
 from ember.pipelines.quality.redaction import redact, redact_fields, shannon_entropy
 
-from .redaction_labelled import clean, planted, score
+from tests.pipelines.redaction_labelled import clean, planted, score
 
 ALL = Redaction()
 

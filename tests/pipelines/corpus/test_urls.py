@@ -18,7 +18,7 @@ from ember.pipelines.corpus.build import build_corpus
 from ember.pipelines.corpus.config import parse_config
 from ember.pipelines.jobs.output_guard import OutputUnusable
 from tests.conftest import _new_bucket
-from tests.pipelines.test_corpus_build import with_tokenize
+from tests.pipelines.corpus.test_build import with_tokenize
 
 pytestmark = pytest.mark.integration
 # Name the build's place (report pages) or its inputs and output (the manifest's hash and provenance); compared apart.

@@ -21,7 +21,7 @@ from ember.pipelines.tokenize_pipeline import write_rejects
 from ember.schemas.documents import REJECTED_SCHEMA, reject_row
 from tests.tokenize.support import mixed_documents, write_documents
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 BEAM_INFO = re.compile(r"\bINFO\b.*apache_beam|apache_beam.*\bINFO\b|sdk_worker")
 DRIVER_INFO = "Creating state cache"  # Beam's runner logs it at INFO in the driver
 

@@ -27,8 +27,8 @@ from ember.pipelines.corpus.report import read_stats, render_report
 from ember.pipelines.corpus.report_html import funnel
 from ember.pipelines.quality.decontamination import humaneval_records, item_of
 
-from .corpus_support import build, rows
-from .decontamination_cases import embedded, function, humaneval_items, read, renamed, stdlib_files
+from tests.pipelines.corpus_support import build, rows
+from tests.pipelines.decontamination_cases import embedded, function, humaneval_items, read, renamed, stdlib_files
 
 WEB_FILTERS_OFF = {name: {"enabled": False} for name in ("gopher_repetition", "gopher_quality", "c4_quality", "fineweb_quality")}
 
