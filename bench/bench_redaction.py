@@ -83,6 +83,8 @@ def report(name: str, result: Score, mb_s: float) -> None:
     print(f"false positives on {result.clean_files} clean files, {result.clean_lines} lines (emails apart): "
           f"{result.fp_per_file(not_email):.3f}/file, {result.fp_per_kline(not_email):.3f}/1k lines, by type {dict(fp - Counter({'email': fp['email']}))}")
     print(f"author emails redacted in the clean set: {fp['email']}")
+    print(f"precision (removed / removed + clean-set redactions, emails apart) {result.precision(exclude=not_email):.3f}, "
+          f"ip_address {result.precision('ip_address'):.3f}")
     print(f"throughput {mb_s:.2f} MB per CPU-second (median)")
     if result.missed:
         print("missed:", ", ".join(f"{f}:{t}" for f, t, _ in result.missed))

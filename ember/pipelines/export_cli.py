@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 
 import typer
@@ -25,28 +26,36 @@ def export_megatron(
         False, "--documents", help="One Megatron document per source document, padding dropped (as preprocess_data.py writes)."
     ),
     strict: bool = typer.Option(False, "--strict", help="Exit 3 when a document had to be left out (the output is still written)."),
+    verbose: bool = typer.Option(
+        False, "--verbose", "-v", help="Also show third-party Python warnings and logs (megatron, Transformer Engine, Beam) on stderr."
+    ),
 ) -> None:
     """Write Megatron .bin/.idx readable by megatron-core's IndexedDataset: one sequence per packed row, or
     with --documents one per source document, rebuilt from the rows' provenance in manifest order."""
-    from ember import storage
-    from ember.schemas import SchemaValidationError
-    from ember.tokenize.megatron_export import ExportError
-    from ember.tokenize.megatron_export import export_megatron as export
-    from ember.tokenize.remote_sets import RemoteSetError, local_shard_set
+    from ember.pipelines.jobs.logs import quiet_third_party
 
-    try:
-        if storage.is_url(out_prefix):
-            storage.preflight(out_prefix.rsplit("/", 1)[0], write=True)
-        local_set = local_shard_set(shards_dir)
-        with tempfile.TemporaryDirectory(prefix="ember-export-") as staging:
-            local_prefix = Path(staging) / "out" if storage.is_url(out_prefix) else Path(out_prefix)
-            result = export(local_set, local_prefix, documents=documents)
-            written = [str(result.bin_path), str(result.idx_path)]
-            if storage.is_url(out_prefix):  # the index last: a reader that finds it finds the whole .bin
-                written = [storage.upload(result.bin_path, f"{out_prefix}.bin"), storage.upload(result.idx_path, f"{out_prefix}.idx")]
-    except (FileNotFoundError, SchemaValidationError, ExportError, storage.StorageError, RemoteSetError) as exc:
-        console.print(f"[red]{exc}[/red]")
-        raise typer.Exit(2)
+    with nullcontext() if verbose else quiet_third_party():
+        from ember import storage
+        from ember.schemas import SchemaValidationError
+        from ember.tokenize.megatron_export import ExportError
+        from ember.tokenize.megatron_export import export_megatron as export
+        from ember.tokenize.remote_sets import RemoteSetError, local_shard_set
+
+        try:
+            if storage.is_url(out_prefix):
+                storage.preflight(out_prefix.rsplit("/", 1)[0], write=True)
+            local_set = local_shard_set(shards_dir)
+            with tempfile.TemporaryDirectory(prefix="ember-export-") as staging:
+                local_prefix = Path(staging) / "out" if storage.is_url(out_prefix) else Path(out_prefix)
+                result = export(local_set, local_prefix, documents=documents)
+                written = [str(result.bin_path), str(result.idx_path)]
+                if storage.is_url(out_prefix):  # the index last: a reader that finds it finds the whole .bin
+                    written = [
+                        storage.upload(result.bin_path, f"{out_prefix}.bin"), storage.upload(result.idx_path, f"{out_prefix}.idx")
+                    ]
+        except (FileNotFoundError, SchemaValidationError, ExportError, storage.StorageError, RemoteSetError) as exc:
+            console.print(f"[red]{exc}[/red]")
+            raise typer.Exit(2)
     what = "documents" if documents else "sequences"
     console.print(f"[green]OK[/green] {result.sequences} {what}, {result.tokens} tokens -> {written[0]}, {written[1]}")
     if result.incomplete:

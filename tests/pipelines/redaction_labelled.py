@@ -3,8 +3,8 @@
 Planted: realistic files (Python, JS, YAML, shell, .env, SQL, JSON, prose) under data/redaction/planted,
 each secret written as `⟪type|value⟫`; loading strips the markers and keeps every secret's span.
 Clean: hand-written negatives under data/redaction/clean (secret-sounding names without secrets,
-templated values, RFC section and version numbers, private addresses) plus the first standard-library
-modules of the running Python, read as they are.
+templated values, RFC section and version numbers, address-shaped version strings, private addresses)
+plus the first standard-library modules of the running Python, read as they are.
 
 Recall: a planted secret counts as removed only if none of it survives anywhere in the output (a short
 value whole, a long one as any of its 12-character windows), so a half-redacted key is a miss. False
@@ -105,6 +105,13 @@ class Score:
     @property
     def recall(self) -> float:
         return self.removed / self.planted
+
+    def precision(self, kind: str | None = None, exclude: frozenset[str] = frozenset()) -> float:
+        """Planted secrets removed over those plus the clean set's redactions, of one type or of all but
+        `exclude`: the clean files hold no secret, so every redaction there is a wrong one."""
+        removed = self.removed if kind is None else self.removed_by_type[kind]
+        wrong = sum(n for k, n in self.false_positives.items() if k not in exclude and kind in (None, k))
+        return removed / (removed + wrong) if removed + wrong else 1.0
 
     def fp_per_file(self, exclude: frozenset[str] = frozenset()) -> float:
         return sum(n for k, n in self.false_positives.items() if k not in exclude) / self.clean_files

@@ -1,5 +1,9 @@
 import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow.ipc as ipc
@@ -154,3 +158,53 @@ def test_export_checks_each_shard_once_per_version(tmp_path):
     shard.write_bytes(bytes(data))
     with pytest.raises(ExportError, match=f"{shard}: sha256 mismatch"):
         export_megatron(tmp_path / "set", tmp_path / "b", verifier)
+
+
+REPO = Path(__file__).resolve().parents[2]
+# What importing megatron-core without Transformer Engine does (a UserWarning per module, log lines), done here
+# inside the export itself so that it happens while the command runs whatever is installed.
+NOISY_EXPORT = """
+import logging, warnings
+import ember.tokenize.megatron_export as megatron_export
+real = megatron_export.export_megatron
+def export_megatron(*args, **kwargs):
+    warnings.warn("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.", UserWarning)
+    logging.getLogger("megatron.core.optimizer").warning("megatron-core log chatter")
+    return real(*args, **kwargs)
+megatron_export.export_megatron = export_megatron
+from ember.cli import app
+app()
+"""
+
+
+def ember(*args: str, code: str | None = None) -> subprocess.CompletedProcess:
+    """`ember ARGS` in a fresh interpreter (warnings shown as a terminal shows them), or `python -c CODE ARGS`."""
+    command = [sys.executable, "-c", code] if code else [sys.executable, "-m", "ember.cli"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "1000"}  # wide: rich would wrap the paths
+    return subprocess.run([*command, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_export_prints_its_result_line_and_nothing_else(tmp_path):
+    (tmp_path / "set").mkdir()
+    rows = packed_rows(2, 500)
+    write_set(tmp_path / "set", rows, "uint16", 500)
+    out = tmp_path / "mega" / "corpus"
+    result = ember("export", "megatron", str(tmp_path / "set"), str(out))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"OK {len(rows)} sequences, {len(rows) * SEQ_LEN} tokens -> {out}.bin, {out}.idx\n"
+    assert result.stderr == ""
+
+
+@pytest.mark.parametrize("verbose", [False, True], ids=["default", "verbose"])
+def test_third_party_warnings_and_logs_show_only_with_verbose(tmp_path, verbose):
+    (tmp_path / "set").mkdir()
+    write_set(tmp_path / "set", packed_rows(2, 500), "uint16", 500)
+    flags = ["--verbose"] if verbose else []
+    result = ember("export", "megatron", *flags, str(tmp_path / "set"), str(tmp_path / "out"), code=NOISY_EXPORT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("OK ") and result.stdout.count("\n") == 1
+    if verbose:
+        assert "UserWarning: Transformer Engine and Apex are not installed" in result.stderr
+        assert "megatron-core log chatter" in result.stderr
+    else:
+        assert result.stderr == ""

@@ -14,6 +14,7 @@ import logging
 import os
 import tempfile
 import threading
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -91,18 +92,23 @@ class _OwnOrSevere(logging.Filter):
 
 @contextmanager
 def quiet_third_party() -> Iterator[None]:
-    """For commands that use Beam's filesystems but run no job (report, inspect): ember's own warnings
-    and anyone's errors reach stderr, third-party INFO/WARNING do not. A root handler also keeps `logging.warning` from installing its own."""
+    """For commands that run no job (report, inspect, export): ember's own warnings and anyone's errors
+    reach stderr, third-party INFO/WARNING do not, nor Python warnings (megatron's and Transformer Engine's
+    import-time UserWarnings; ember issues none): they become `py.warnings` log records, filtered alike.
+    A root handler also keeps `logging.warning` from installing its own."""
     root = logging.getLogger()
     handler = logging.StreamHandler()
     handler.addFilter(_OwnOrSevere())
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     saved = root.handlers[:]
     root.handlers = [handler]
-    try:
-        yield
-    finally:
-        root.handlers = saved
+    with warnings.catch_warnings():  # restores warnings.showwarning, whatever captureWarnings leaves
+        logging.captureWarnings(True)
+        try:
+            yield
+        finally:
+            logging.captureWarnings(False)
+            root.handlers = saved
 
 
 @contextmanager

@@ -3,7 +3,9 @@
 Pure functions of (text, benchmark items), shared by the corpus stage (ember/pipelines/corpus/decontaminate.py)
 and `ember corpus decontaminate` on RL prompt sets. Texts are compared as token sequences: the lower-cased
 text cut into words and single punctuation characters, so whitespace (re-indentation, reflowed lines) and
-case never matter. Three checks, strongest first:
+case never matter, after dropping comment markers at line starts, `*/` and docstring quotes (`uncommented`),
+so a prompt's docstring copied as a `#`, `//`, `--` or `/* * */` comment block reads as the docstring.
+Three checks, strongest first:
 
 - `substring`: a whole prompt or solution of at least `min_substring_tokens` tokens appears, in order, in
   the document (StarCoder2's rule, on normalised text).
@@ -43,6 +45,9 @@ import pyarrow.parquet as pq
 from ember.pipelines.quality.minhash import splitmix64, windows
 
 TOKEN = re.compile(r"\w+|[^\w\s]")
+# Comment markers at a line's start: `#`, `//`, `--`, `/*` and a block comment's ` * ` (after `\n`, so the
+# regex scans for newlines only).
+LINE_COMMENT = re.compile(r"\n[ \t]*(?:(?:#+|/{2,}|-{2,}|/\*+|\*+)[ \t]*)++")
 IDENTIFIER = re.compile(r"[^\W\d]\w*")
 MATCH_FIELDS = ("prompt", "solution", "tests")
 MATCH_KINDS = ("substring", "ngram", "renamed_ngram")
@@ -192,6 +197,14 @@ def read_items(benchmark: str, path: str | Path, fields: Mapping[str, str | None
 # ---------------------------------------------------------------- token views
 
 
+def uncommented(text: str) -> str:
+    """`text` without comment markers at line starts, block comment ends (`*/`) and docstring quotes, so a
+    docstring copied as a comment block (`#`, `//`, `--`, `/* * */`), however indented, reads as the docstring.
+    Both a benchmark's fields and the documents go through it."""
+    text = text.replace('"""', " ").replace("'''", " ").replace("*/", " ")
+    return LINE_COMMENT.sub("\n", "\n" + text)
+
+
 @lru_cache(maxsize=1 << 18)
 def _token_hash(token: str) -> int:
     return int.from_bytes(hashlib.blake2b(token.encode("utf-8"), digest_size=8).digest(), "little")
@@ -207,7 +220,7 @@ class Tokens:
     @classmethod
     def of(cls, text: str) -> "Tokens":
         """Per distinct token once: its hash, whether it can be a name, whether it is a quote; then numpy."""
-        tokens = TOKEN.findall(text.lower())
+        tokens = TOKEN.findall(uncommented(text).lower())
         distinct = {t: k for k, t in enumerate(dict.fromkeys(tokens))}
         codes = np.array(list(map(distinct.__getitem__, tokens)), dtype=np.int64)
         hashes = np.fromiter((_token_hash(t) for t in distinct), dtype=np.uint64, count=len(distinct))

@@ -134,15 +134,35 @@ _LINE_REST_IS_EMPTY = re.compile(r"[ \t\r]*(?:(?:#|//|--).*)?$")
 _NUMBERED_BEFORE = re.compile(
     r"(?i)\b(?:v|ver|version|versions|release|rel|build|revision|rev|section|sections|sec|sect|chapter|clause|para|"
     r"paragraph|item|step|table|figure|fig|appendix|spec|specs|specification|numbered|rfc(?:\s*\d+)?|§)\.?[\s\"'(\[:=#,-]*$"
-    # a requirement pin (`numpy==1.26.4.1`, `pkg[extra]>=2.0.0.1`): a version whatever the package is called
-    r"|[A-Za-z][\w.-]*(?:\[[\w,.-]+\])?\s*(?:==|~=|>=|<=|!=)\s*$"
+    # a requirement pin (`numpy==1.26.4.1`, `pkg[extra]>=2.0.0.1`): a version whatever the package is called;
+    # a bare constraint (`>=1.2.3.4`, `~> 1.2.3.4`, `^1.2.3.4`) compares versions, never addresses
+    r"|[A-Za-z][\w.-]*(?:\[[\w,.-]+\])?\s*==\s*$|(?:~=|>=|<=|!=|===|~>|\^)\s*$"
+    # a language, runtime, library or OS named just before (`IronPython 2.7.4.0`, `zlib 1.3.0.1`)
+    r"|(?<![\w.-])(?:python|ironpython|jython|pypy|cpython|micropython|java|jdk|jre|openjdk|dotnet|\.net|mono|perl|"
+    r"ruby|php|golang|rustc|gcc|clang|llvm|msvc|openssl|libressl|boringssl|zlib|sqlite3?|numpy|torch|cuda|cudnn|"
+    r"windows|macos|ubuntu|debian|centos|rhel|fedora|android|kernel|chrome|chromium|firefox|safari|electron)[ \t]+$"
+)
+# The identifier a value is assigned or passed to (`__version__ = '`, `AssemblyVersion("`, `"app_ver": "`,
+# `version: str = "`): its name parts say whether the value is a version (and not, as in `VERSION_SERVER_IP`,
+# an address).
+_NAME_BEFORE = re.compile(r"(?<![A-Za-z0-9_])[A-Za-z_][A-Za-z0-9_]*(?=(?:[ \t]*:[ \t]*[\w.\[\]]+[ \t]*(?==))?[^\w\n]{0,6}$)")
+_VERSION_WORDS = frozenset({"version", "versions", "ver", "vers", "vsn", "release", "revision"})
+_ADDRESS_WORDS = frozenset(
+    "ip ips ipv4 addr address addresses host hosts hostname peer remote client gateway gw dns nameserver proxy endpoint".split()
+)
+# A dotted number just before, joined by a bracket, an arrow or a list or range word: `2.7.4 (2.7.4.0)`, `v1.2.3.4 -> 1.2.3.5`.
+_DOTTED_BEFORE = re.compile(
+    r"(?<![\w.])(?P<v>[vV]?)(?P<number>\d+(?:\.\d+)+)"
+    r"(?=[ \t]*(?:[(\[,/\u2013\u2192-]|->|(?:to|through|thru|and|or)\b)?[ \t\"'(\[]*$)"
 )
 # A section heading: `7.1.1.1.  Access Token Request` alone at a line start (RFC text), or after `#`s (Markdown).
 _HEADING_BEFORE = re.compile(r"[ \t]*")
 _HEADING_AFTER = re.compile(r"^\.[ \t]+[A-Z]")
 _MARKDOWN_HEADING = re.compile(r"[ \t]*#{1,6}[ \t]+")
-# ... and so are the ones followed by "of RFC ..."; a `/24` makes a network, `.in-addr.arpa` a DNS name.
-_NUMBERED_AFTER = re.compile(r"(?i)^(?:[\s\"')\],]*(?:of\s+(?:rfc|the\s+spec|section|chapter)|in\s+rfc)|/\d{1,3}\b|\.in-addr\.arpa)")
+# ... and so are the ones followed by "of RFC ...".
+_NUMBERED_AFTER = re.compile(r"(?i)^[\s\"')\],]*(?:of\s+(?:rfc|the\s+spec|section|chapter)|in\s+rfc)")
+# A `/24` makes an address a network, `.in-addr.arpa` a DNS name.
+_NETWORK_AFTER = re.compile(r"/\d{1,3}\b|\.in-addr\.arpa")
 # Addresses that identify no one: private, loopback, link-local, CGNAT, multicast and reserved (RFC 6890).
 _NOT_PERSONAL = tuple(
     ipaddress.ip_network(n)
@@ -236,6 +256,7 @@ class _Redactor:
         self.enabled = set(config.types)
         self.counts: Counter[str] = Counter()
         self._original, self._lower = text, text.lower()
+        self._version_prefixes: set[tuple[str, str]] = set()  # first two parts of the dotted versions met so far
 
     def may_match(self, pattern: re.Pattern[str]) -> bool:
         """False when the input holds none of `pattern`'s trigger strings. Placeholders hold none either,
@@ -305,15 +326,45 @@ class _Redactor:
         return self._hit(found, match, "value") if found in self.enabled else match.group(0)
 
     def ip(self, match: re.Match[str]) -> str:
+        candidate = match.group(0)
+        if not _personal_ip(candidate) or _NETWORK_AFTER.match(match.string, match.end()):
+            return candidate
+        if self._numbered(match):
+            if "." in candidate:
+                self._version_prefixes.add(_first_two(candidate))
+            return candidate
+        return self._hit("ip_address", match)
+
+    def _numbered(self, match: re.Match[str]) -> bool:
+        """Whether the words around an address-shaped match make it a version or section number."""
         text, start, end = match.string, match.start(), match.end()
         line_start = text.rfind("\n", 0, start) + 1
-        before, after = text[max(line_start, start - 40) : start], text[end : end + 24]
-        heading = _MARKDOWN_HEADING.fullmatch(text, line_start, start) or (
-            _HEADING_BEFORE.fullmatch(text, line_start, start) and _HEADING_AFTER.match(after)
-        )
-        if not _personal_ip(match.group(0)) or heading or _NUMBERED_BEFORE.search(before) or _NUMBERED_AFTER.search(after):
-            return match.group(0)
-        return self._hit("ip_address", match)
+        window = max(line_start, start - 40)
+        before, after = text[window:start], text[end : end + 24]
+        if _MARKDOWN_HEADING.fullmatch(text, line_start, start) or _NUMBERED_BEFORE.search(before) or _NUMBERED_AFTER.search(after):
+            return True
+        if _HEADING_BEFORE.fullmatch(text, line_start, start) and _HEADING_AFTER.match(after):
+            return True
+        name = _NAME_BEFORE.search(before)
+        if name:
+            parts = {p.lower() for p in _NAME_PARTS.findall(name.group(0))}
+            if parts & _VERSION_WORDS and not parts & _ADDRESS_WORDS:
+                return True
+        return "." in match.group(0) and self._versions_share_prefix(match, window)
+
+    def _versions_share_prefix(self, match: re.Match[str], window: int) -> bool:
+        """Versions of one thing share their first two parts: a dotted number is one more version when a
+        version found earlier in the text starts the same (`## 4.2.1.7` ... `was 4.2.1.5`), or when a
+        version sits just before it (`2.7.4 (2.7.4.0)`, `v1.2.3.4 -> 1.2.3.5`). A plain address just
+        before is no version, so an address range (`84.22.11.3 - 84.22.11.9`) stays addresses."""
+        prefix = _first_two(match.group(0))
+        if prefix in self._version_prefixes:
+            return True
+        previous = _DOTTED_BEFORE.search(match.string, window, match.start())
+        if not previous or _first_two(previous.group("number")) != prefix:
+            return False
+        parts = previous.group("number").split(".")
+        return bool(previous.group("v")) or len(parts) != 4 or any(int(p) > 255 for p in parts)
 
     def run(self, text: str) -> str:
         text = self.sub("private_key", _PRIVATE_KEY, text)
@@ -333,11 +384,19 @@ class _Redactor:
         return text
 
 
+def _first_two(dotted: str) -> tuple[str, str]:
+    major, minor = dotted.split(".")[:2]
+    return major, minor
+
+
 def _personal_ip(candidate: str) -> bool:
-    """A routable unicast address (documentation ranges included: they stand in for real hosts)."""
+    """A routable unicast address (documentation ranges included: they stand in for real hosts). An IPv4
+    address ending in .0 is its /24's network address, no host's; `1.0.0.0`-style versions end so too."""
     try:
         address = ipaddress.ip_address(candidate)
     except ValueError:
+        return False
+    if address.version == 4 and address.packed[-1] == 0:
         return False
     if address.version == 6 and address not in _GLOBAL_UNICAST_V6:
         return False

@@ -28,7 +28,7 @@ from ember.pipelines.corpus.report_html import funnel
 from ember.pipelines.quality.decontamination import humaneval_records, item_of
 
 from tests.pipelines.corpus_support import build, rows
-from tests.pipelines.decontamination_cases import embedded, function, humaneval_items, read, renamed, stdlib_files
+from tests.pipelines.decontamination_cases import commented_docstring, embedded, function, humaneval_items, read, renamed, stdlib_files
 
 WEB_FILTERS_OFF = {name: {"enabled": False} for name in ("gopher_repetition", "gopher_quality", "c4_quality", "fineweb_quality")}
 
@@ -52,7 +52,7 @@ def test_fetch_writes_humaneval_in_the_benchmark_form_and_never_overwrites(bench
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory, benchmark_file: Path) -> tuple[Path, dict]:
-    """Code: 10 clean stdlib files and three contaminated ones; web: 4 clean pages and one quoting a prompt."""
+    """Code: 10 clean stdlib files and four contaminated ones; web: 4 clean pages and one quoting a prompt."""
     root = tmp_path_factory.mktemp("decont-corpus")
     items = {i.id: i for i in humaneval_items()}
     clean = stdlib_files(10, seed=3)
@@ -61,6 +61,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory, benchmark_file: Path) -> tu
         {"text": function(items["HumanEval/0"]), "path": "close.py"},
         {"text": renamed(items["HumanEval/12"]), "path": "longest.py"},
         {"text": embedded(items["HumanEval/100"], read(clean[0]), seed=1), "path": "pile.py"},
+        {"text": commented_docstring(items["HumanEval/20"], "block"), "path": "closest.js"},  # a JSDoc comment
     ]
     rng = random.Random(1)
     web = [{"text": prose(rng, 10), "url": f"https://example.org/{k}"} for k in range(4)]
@@ -94,6 +95,7 @@ def test_contaminated_documents_are_rejected_with_benchmark_and_item(built: Path
         ("code", "decontamination:humaneval", "HumanEval/0"),
         ("code", "decontamination:humaneval", "HumanEval/12"),
         ("code", "decontamination:humaneval", "HumanEval/100"),
+        ("code", "decontamination:humaneval", "HumanEval/20"),
         ("web", "decontamination:humaneval", "HumanEval/5"),
     }
     kept = rows(built, "documents")
@@ -101,16 +103,16 @@ def test_contaminated_documents_are_rejected_with_benchmark_and_item(built: Path
     assert sum(d["source"] == "web" for d in kept) == 4
     stats = read_stats(str(built))
     assert stats["totals"]["balanced"]
-    assert stats["totals"]["rejected_by_reason"]["decontaminate:decontamination:humaneval"] == 4
+    assert stats["totals"]["rejected_by_reason"]["decontaminate:decontamination:humaneval"] == 5
     assert stats["sources"]["code"]["stages"]["decontaminate"]["matched.renamed_ngram"] == 1
 
 
 def test_the_report_has_a_section_per_benchmark(built: Path) -> None:
     report = render_report(str(built))
     section = report.split("## Decontamination", 1)[1].split("\n## ", 1)[0]
-    assert "### humaneval: 4 documents removed" in section
-    assert "| code | 3 |" in section and "| web | 1 |" in section
-    for item in ("HumanEval/0", "HumanEval/5", "HumanEval/12", "HumanEval/100"):
+    assert "### humaneval: 5 documents removed" in section
+    assert "| code | 4 |" in section and "| web | 1 |" in section
+    for item in ("HumanEval/0", "HumanEval/5", "HumanEval/12", "HumanEval/20", "HumanEval/100"):
         assert f"| {item} | 1 |" in section
     steps = dict(funnel(read_stats(str(built)))["web"])
     assert list(steps) == ["in", "read", "filtered", "redacted", "decontaminated", "exact dedup", "near dedup", "written"]

@@ -17,11 +17,16 @@ from ember.pipelines.quality.decontamination import (
     renamed_windows, windows,
 )
 
-from tests.pipelines.decontamination_cases import KINDS, function, humaneval_items, planted, read, stdlib_files
+from tests.pipelines.decontamination_cases import (
+    COMMENT_STYLES, KINDS, comment_block, commented_docstring, docstring, function, humaneval_items, planted, read,
+    stdlib_files,
+)
 
 FIELDS = {"id": "id", "prompt": "prompt", "solution": "solution", "tests": "tests"}
 MAX_FALSE_POSITIVE_RATE = 0.005
 MIN_RENAMED_RECALL = 0.95
+# Prompts whose docstring is one 13-token sentence under a whole helper function: too small a part of the prompt.
+DOCSTRING_TOO_SHORT = {"HumanEval/38", "HumanEval/50"}
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +51,51 @@ def test_planted_humaneval_items_are_found_with_their_id(kind: str, items: list[
     if kind == "renamed":  # a few items are a one-line solution under a short docstring: too little left to match
         assert recall >= MIN_RENAMED_RECALL
         assert any(m is not None and m.kind == "renamed_ngram" for m in found)
+    elif kind == "commented_docstring":  # a docstring alone is part of a prompt: shared n-grams, not the whole
+        missed = {item.id for m, item in zip(found, items) if m is None or m.item_id != item.id}
+        assert missed <= DOCSTRING_TOO_SHORT
+        assert {m.kind for m in found if m is not None} == {"ngram"}
     else:
         assert right == len(items)
         assert {m.kind for m in found} == {"substring"}
+
+
+@pytest.mark.parametrize("style", COMMENT_STYLES)
+def test_a_docstring_copied_as_a_comment_block_is_found_however_indented(
+    style: str, items: list[BenchmarkItem], index: BenchmarkIndex
+) -> None:
+    for indent in ("", "      ", "\t\t"):
+        missed = set()
+        for item in items:
+            found = index.match(comment_block(docstring(item), style, indent) + "int port(void);\n")
+            if found is None or found.item_id != item.id:
+                missed.add(item.id)
+        assert missed <= DOCSTRING_TOO_SHORT, (style, repr(indent))
+
+
+def test_a_comment_block_tokenises_as_its_text() -> None:
+    item = humaneval_items()[0]
+    text = docstring(item)
+    assert Tokens.of(commented_docstring(item, "block")).units[: len(Tokens.of(text))].tolist() == Tokens.of(text).units.tolist()
+    assert Tokens.of(item.prompt).units.tolist() == Tokens.of(comment_block(item.prompt, "slash", "  ")).units.tolist()
+
+
+LINE = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"), max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lines=st.lists(LINE, max_size=8), style=st.sampled_from(COMMENT_STYLES), indent=st.sampled_from(["", "  ", "\t", "        "]))
+def test_any_text_commented_in_any_style_tokenises_as_the_text(lines: list[str], style: str, indent: str) -> None:
+    text = "\n".join(lines)
+    assert Tokens.of(comment_block(text, style, indent)).units.tolist() == Tokens.of(text).units.tolist()
+
+
+def test_clean_code_commented_out_is_not_flagged(index: BenchmarkIndex) -> None:
+    """Markers dropped on both sides add no false positive: standard-library files turned into comment blocks."""
+    files = stdlib_files(100, seed=7)
+    flagged = [(p.name, style, m) for k, p in enumerate(files)
+               if (m := index.match(comment_block(read(p), style := COMMENT_STYLES[k % len(COMMENT_STYLES)], "  "))) is not None]
+    assert flagged == []
 
 
 def test_clean_standard_library_code_is_not_flagged(index: BenchmarkIndex, record_property) -> None:
