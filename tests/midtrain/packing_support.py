@@ -14,16 +14,24 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
-from ember.midtrain.rl.batch import RLBatch, rl_batch
+import numpy as np
+
 from ember.schemas import TrainBatch
+
+if TYPE_CHECKING:
+    from ember.midtrain.rl.batch import RLBatch
+
+# torch is imported inside the functions: megatron's checkpoint-writer helper, started by multiprocessing
+# spawn, imports this `__main__` module again.
 
 LENGTHS = (7, 9, 6)
 
 
 def packed_row(tokens: np.ndarray, lengths: tuple[int, ...] = LENGTHS, estimator: str | None = None) -> RLBatch:
+    from ember.midtrain.rl.batch import rl_batch
+
     cu = np.zeros(len(lengths) + 1, dtype=np.int32)
     cu[1:] = np.cumsum(lengths)
     n = int(cu[-1])
@@ -38,6 +46,8 @@ def packed_row(tokens: np.ndarray, lengths: tuple[int, ...] = LENGTHS, estimator
 
 
 def main(config_path: str, out: str) -> None:
+    import torch
+
     from ember.midtrain.rl import step_math
     from ember.midtrain.model import build_model, packed_attention, transformer_config
     from ember.midtrain.config import load_rl_config

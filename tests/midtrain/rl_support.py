@@ -18,14 +18,18 @@ import threading
 from pathlib import Path
 
 import numpy as np
-import torch
 import yaml
 
-from ember.demo.sampler import make_rollouts, perturb_routers, publish, toy_policy_config, toy_prompts
 from ember.schemas import Reward, Rollout, TrainBatch, decode_train_batch, encode, encode_train_batch
+
+# torch and ember.demo.sampler (megatron-core) are imported inside the functions: every trainer process
+# starts megatron's checkpoint-writer helper by multiprocessing spawn, which imports the `__main__` module
+# again, so this module's own imports are paid once more by each of its subprocesses.
 
 
 def rl_config(path: Path, run_dir: Path, prefix: str, *, replay: str = "replay", steps: int = 100, **rl) -> Path:
+    from ember.demo.sampler import toy_policy_config
+
     path.write_text(yaml.safe_dump(toy_policy_config(run_dir, prefix, replay=replay, steps=steps, **rl), sort_keys=False))
     return path
 
@@ -103,6 +107,9 @@ class BatchFeed:
 def _sampled(config_path: str, groups: int, tag: str) -> tuple[list[Rollout], list[Reward]]:
     """Saves the initial policy (step 0 in the config's run_dir) and samples `groups` groups of 4 with
     perturbed routers."""
+    import torch
+
+    from ember.demo.sampler import make_rollouts, perturb_routers, toy_prompts
     from ember.midtrain.config import load_rl_config
     from ember.midtrain.rl.trainer import RLTrainer
 
@@ -183,6 +190,9 @@ def score_main(config_path: str, source: str, out: str) -> None:
 
 def toy_main(config_path: str, iterations: int, out: str) -> None:
     """On-policy loop through the real data path; writes the mean reward of every iteration."""
+    import torch
+
+    from ember.demo.sampler import make_rollouts, publish, toy_prompts
     from ember.midtrain.rl.batch import rl_batch
     from ember.midtrain.config import load_rl_config
     from ember.midtrain.rl.trainer import RLTrainer
