@@ -55,7 +55,7 @@ def run(console: Console, workdir: Path) -> tuple[list[tuple[str, str]], Path]:
     config = parse_config(settings, "demo corpus config")
     console.print(f"corpus build: {len(config.sources)} sources -> {output}")
     with job_logs() as logs:  # Beam's own logging (and its import-time warnings) to a file, as `ember corpus build`
-        console.print(f"log: {logs.write_to(workdir / 'corpus.log')}", highlight=False)
+        console.print(f"log: {logs.write_to(workdir / 'corpus.log')}", highlight=False, soft_wrap=True)
         from ember.pipelines.corpus.build import build_corpus
 
         outcome = build_corpus(config, DEMO_BEAM_ARGS, console)

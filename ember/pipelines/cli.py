@@ -81,7 +81,7 @@ def tokenize(
     from ember.pipelines.jobs.process import Interrupted, stop_on_signals
 
     with job_logs(verbose) as logs:
-        console.print(f"log: {logs.write_to(log_path_for(str(settings.output_dir)))}", highlight=False)
+        console.print(f"log: {logs.write_to(log_path_for(str(settings.output_dir)))}", highlight=False, soft_wrap=True)
         from ember.pipelines.jobs.output_guard import OutputUnusable
         from ember.pipelines.tokenize_pipeline import run
         from ember.tokenize.tokenizers import TokenizerLoadError
@@ -225,7 +225,7 @@ def build(
     from ember.pipelines.jobs.process import Interrupted, stop_on_signals
 
     with job_logs(verbose) as logs:
-        console.print(f"log: {logs.write_to(log_path_for(settings.output.directory))}", highlight=False)
+        console.print(f"log: {logs.write_to(log_path_for(settings.output.directory))}", highlight=False, soft_wrap=True)
         from ember.pipelines.corpus.build import BuildFailed, build_corpus
         from ember.pipelines.jobs.output_guard import OutputUnusable
         from ember.tokenize.tokenizers import TokenizerLoadError
@@ -261,7 +261,7 @@ def dataflow_render(
     from ember.pipelines.jobs.logs import job_logs
 
     with job_logs(verbose) as logs:
-        console.print(f"log: {logs.write_to(out.with_name(out.name + '.log'))}", highlight=False)
+        console.print(f"log: {logs.write_to(out.with_name(out.name + '.log'))}", highlight=False, soft_wrap=True)
         from ember.pipelines.corpus.dataflow import render
 
         try:

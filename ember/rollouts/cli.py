@@ -35,7 +35,7 @@ def _env_security():
     try:
         return KafkaSecurity()
     except ValidationError as exc:
-        console.print("[red]Kafka security settings from EMBER_KAFKA_* are invalid:\n  " + "\n  ".join(error_lines(exc)) + "[/red]")
+        console.print("[red]Kafka security settings from EMBER_KAFKA_* are invalid:\n  " + "\n  ".join(error_lines(exc)) + "[/red]", soft_wrap=True)
         raise typer.Exit(2) from None
 
 
@@ -51,10 +51,10 @@ def _refusals() -> Iterator[None]:
     try:
         yield
     except (KafkaSecurityError, AdminRefused, TopicUnavailable) as exc:
-        console.print(f"[red]{exc}[/red]")
+        console.print(f"[red]{exc}[/red]", soft_wrap=True)
         raise typer.Exit(2) from None
     except (AuthorizationError, SaslAuthenticationFailedError) as exc:
-        console.print(f"[red]refused by the broker: {exc!r}; check the principal's ACLs (`ember rollouts acls`) and credentials[/red]")
+        console.print(f"[red]refused by the broker: {exc!r}; check the principal's ACLs (`ember rollouts acls`) and credentials[/red]", soft_wrap=True)
         raise typer.Exit(2) from None
 
 
@@ -94,7 +94,7 @@ def topics_delete(
     with _refusals():
         present = [name for name in names if name in set(list_topics(kafka_bootstrap(), security))]
         if not present:
-            console.print(f"[red]no topic of prefix {prefix!r} exists (looked for {', '.join(names)})[/red]")
+            console.print(f"[red]no topic of prefix {prefix!r} exists (looked for {', '.join(names)})[/red]", soft_wrap=True)
             raise typer.Exit(2)
         console.print("will delete, with every record in them:\n  " + "\n  ".join(present))
         if not yes and not typer.confirm(f"delete these {len(present)} topics?", default=False):
@@ -249,7 +249,7 @@ def _etl_config(path: Path):
     try:
         return load_config(path)
     except EtlConfigError as exc:
-        console.print(f"[red]{exc}[/red]")
+        console.print(f"[red]{exc}[/red]", soft_wrap=True)
         raise typer.Exit(2) from None
 
 
@@ -260,7 +260,7 @@ def _overridden(settings, sections: dict[str, dict]):
     try:
         return settings.with_overrides(**sections)
     except EtlConfigError as exc:
-        console.print(f"[red]{exc}[/red]")
+        console.print(f"[red]{exc}[/red]", soft_wrap=True)
         raise typer.Exit(2) from None
 
 
@@ -312,7 +312,7 @@ def etl(
         with _refusals():
             EtlService(settings, instance, metrics).run(stop, until_idle_s=until_idle)
     except (TopologyError, BrokerNotReady) as exc:
-        console.print(f"[red]{exc}[/red]")
+        console.print(f"[red]{exc}[/red]", soft_wrap=True)
         raise typer.Exit(2) from None
 
 
@@ -367,7 +367,7 @@ def replay(
     try:
         begin = parse_start(start)
     except ValueError as exc:
-        console.print(f"[red]{exc}[/red]")
+        console.print(f"[red]{exc}[/red]", soft_wrap=True)
         raise typer.Exit(2) from None
     with _refusals():
         if to.startswith("topic:"):

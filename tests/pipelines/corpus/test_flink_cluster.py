@@ -203,8 +203,14 @@ def _pool_pid() -> int:
     return int((home / "run" / "flink-cluster" / "worker-pool.pid").read_text().split()[0])
 
 
-def _tm_pid(n: int) -> int:
-    """The JVM pid of TaskManager n (its supervisor's child)."""
-    result = subprocess.run(["bash", str(services.INFRA_DIR / "flink-cluster.sh"), "tm-pid", str(n)],
-                            capture_output=True, text=True, check=True)
-    return int(result.stdout.strip())
+def _tm_pid(n: int, timeout_s: float = 60) -> int:
+    """The JVM pid of TaskManager n (its supervisor's child). Waits, bounded, while the supervisor is between two
+    JVMs: on a loaded machine a TaskManager can exit and be restarted while a job runs (seen under xdist)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = subprocess.run(["bash", str(services.INFRA_DIR / "flink-cluster.sh"), "tm-pid", str(n)],
+                                capture_output=True, text=True)
+        if result.returncode == 0:
+            return int(result.stdout.strip())
+        assert time.monotonic() < deadline, f"TaskManager {n} had no live JVM for {timeout_s:.0f} s: {result.stderr}"
+        time.sleep(1)
