@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
+import subprocess
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -42,3 +49,75 @@ def passive_openmp_threads():
         if "OMP_WAIT_POLICY" not in os.environ:  # an explicit setting wins
             patch.setenv("OMP_WAIT_POLICY", "PASSIVE")
         yield
+
+
+SAMPLED_GROUPS = 4
+"""Groups of 4 rollouts in the shared sample; a test takes the first groups it needs."""
+
+
+@dataclass(frozen=True)
+class SampledPolicy:
+    """The tiny RL policy's initial checkpoint and `SAMPLED_GROUPS` groups sampled from it with perturbed routers
+    (`rl_support sample`): one encoded batch per group, and the same rollouts and rewards as encoded records."""
+
+    root: Path
+
+    @property
+    def init_checkpoint(self) -> Path:
+        return self.root / "policy" / "checkpoints" / "step_00000000"
+
+    def batches(self, groups: int) -> list[Path]:
+        return sorted((self.root / "batches").glob("*.batch"))[:groups]
+
+    def copy_batches(self, groups: int, directory: Path) -> Path:
+        """The first `groups` batches, alone in `directory` (what `rl_support memory` trains on)."""
+        directory.mkdir(parents=True, exist_ok=True)
+        for path in self.batches(groups):
+            shutil.copy(path, directory / path.name)
+        return directory
+
+    def copy_records(self, groups: int, directory: Path) -> Path:
+        """The rollouts and rewards of the first `groups` groups, alone in `directory`."""
+        directory.mkdir(parents=True, exist_ok=True)
+        for suffix in ("rollout", "reward"):
+            for path in sorted((self.root / "records").glob(f"*.{suffix}"))[: groups * 4]:
+                shutil.copy(path, directory / path.name)
+        return directory
+
+
+@contextmanager
+def _locked(path: Path):
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@pytest.fixture(scope="session")
+def sampled_policy(tmp_path_factory) -> SampledPolicy:
+    """One sample of the tiny policy for every test that only reads it (initial weights, batches, records).
+
+    A megatron process costs ~10 s of CPU before it does anything, so the sample is taken once per test session:
+    under pytest-xdist in the session's base directory, which all workers share, by the first worker to get its
+    lock (the others wait for it and read the same files); without xdist in this session's own base directory.
+    """
+    from .rl_support import rl_config
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    root = shared / "midtrain-sampled-policy"
+    with _locked(shared / "midtrain-sampled-policy.lock"):
+        if not (root / "complete").exists():
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir()
+            policy = rl_config(root / "policy.yaml", root / "policy", "unused")
+            result = subprocess.run(
+                [sys.executable, "-m", "tests.midtrain.rl_support", "sample", str(policy), str(SAMPLED_GROUPS), str(root)],
+                cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=400,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )
+            assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+            (root / "complete").write_text("")
+    return SampledPolicy(root)

@@ -88,19 +88,16 @@ def _support(ranks: int, *args: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def ranked_runs(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
+def ranked_runs(tmp_path_factory, sampled_policy) -> tuple[Path, dict[str, list[dict]]]:
     """The same sampled batches from the same weights on 1 rank, 2 data-parallel ranks, 2 expert-parallel ranks."""
     root = tmp_path_factory.mktemp("rl-ranks")
-    policy = rl_config(root / "policy.yaml", root / "policy", "unused")
-    batch_dir = root / "batches"
-    batch_dir.mkdir()
-    _support(1, "sample", str(policy), str(GROUPS), str(batch_dir))
+    batch_dir = sampled_policy.copy_batches(GROUPS, root / "batches")
     layouts = {"one": (1, {}), "dp2": (2, {}), "ep2": (2, {"expert": 2})}
     records = {}
     for name, (ranks, parallel) in layouts.items():
         config = rl_config(root / f"{name}.yaml", root / name, "unused", steps=GROUPS, correction="tis")
         data = yaml.safe_load(config.read_text())
-        data.update(init_checkpoint=str(root / "policy" / "checkpoints" / "step_00000000"), parallel=parallel)
+        data.update(init_checkpoint=str(sampled_policy.init_checkpoint), parallel=parallel)
         config.write_text(yaml.safe_dump(data, sort_keys=False))
         _support(ranks, "memory", str(config), str(batch_dir), str(root / f"{name}.json"))
         assert json.loads((root / f"{name}.json").read_text())["published"] == [0, 1, 2, 3], "the start, then every checkpoint"
