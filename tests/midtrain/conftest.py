@@ -51,7 +51,7 @@ def passive_openmp_threads():
         yield
 
 
-SAMPLED_GROUPS = 4
+SAMPLED_GROUPS = 6
 """Groups of 4 rollouts in the shared sample; a test takes the first groups it needs."""
 
 
@@ -75,6 +75,14 @@ class SampledPolicy:
         for path in self.batches(groups):
             shutil.copy(path, directory / path.name)
         return directory
+
+    def records(self, groups: int) -> tuple[list, list]:
+        """The rollouts and the rewards of the first `groups` groups, decoded."""
+        from ember.schemas import decode
+
+        rollouts, rewards = ([decode(p.read_bytes()) for p in sorted((self.root / "records").glob(f"*.{suffix}"))[: groups * 4]]
+                             for suffix in ("rollout", "reward"))
+        return rollouts, rewards
 
     def copy_records(self, groups: int, directory: Path) -> Path:
         """The rollouts and rewards of the first `groups` groups, alone in `directory`."""
