@@ -3,10 +3,11 @@ in a subprocess.
 
 `python -m tests.midtrain.rl_support toy CONFIG ITERATIONS OUT.json` runs the verifiable-task loop:
 sample from the trainer's own policy (ember.demo.sampler), reward, publish, ETL, RL steps.
-`python -m tests.midtrain.rl_support sample CONFIG GROUPS DIR` writes batches sampled by the reference
-sampler (router weights perturbed); `... records CONFIG GROUPS DIR` writes the same samples as encoded rollouts and
-rewards (`NNNN.rollout`, `NNNN.reward`) for a test to publish as the fleet's principals; `... memory CONFIG DIR OUT.json` runs `run_rl` on them, no broker (under
-torchrun: on every rank). `... score CONFIG IN.json OUT.json` scores IN's {"sequences": [...]} with the trainer's
+`python -m tests.midtrain.rl_support sample CONFIG GROUPS DIR` saves the initial policy and samples it with the
+reference sampler (router weights perturbed), writing DIR/batches (one encoded batch per group, as the ETL would
+publish it) and DIR/records (the same samples as encoded rollouts and rewards, `NNNN.rollout`, `NNNN.reward`, for a
+test to publish as the fleet's principals); the tests share one such sample (conftest's `sampled_policy`).
+`... memory CONFIG DIR OUT.json` runs `run_rl` on a directory of batches, no broker (under torchrun: on every rank). `... score CONFIG IN.json OUT.json` scores IN's {"sequences": [...]} with the trainer's
 model at its latest checkpoint (megatron forward, as the trainer computes log-probs).
 """
 
@@ -104,9 +105,10 @@ class BatchFeed:
         self.producer.close()
 
 
-def _sampled(config_path: str, groups: int, tag: str) -> tuple[list[Rollout], list[Reward]]:
-    """Saves the initial policy (step 0 in the config's run_dir) and samples `groups` groups of 4 with
-    perturbed routers."""
+def sample_main(config_path: str, groups: int, out_dir: str) -> None:
+    """Saves the initial policy (step 0 in the config's run_dir), samples `groups` groups of 4 with perturbed
+    routers and writes them as batches (out_dir/batches/NNNN.batch, one per group) and as records
+    (out_dir/records/NNNN.rollout and NNNN.reward)."""
     import torch
 
     from ember.demo.sampler import make_rollouts, perturb_routers, toy_prompts
@@ -118,26 +120,18 @@ def _sampled(config_path: str, groups: int, tag: str) -> tuple[list[Rollout], li
     perturb_routers(trainer.model, 0.01, seed=5)
     generator = torch.Generator().manual_seed(3)
     rollouts, rewards = make_rollouts(
-        trainer.model, toy_prompts(groups, 4, generator), 8, generator, tag=tag, version=0, group_size=4
+        trainer.model, toy_prompts(groups, 4, generator), 8, generator, tag="sampled", version=0, group_size=4
     )
     trainer.close()
-    return rollouts, rewards
-
-
-def sample_main(config_path: str, groups: int, out_dir: str) -> None:
-    """Writes one encoded batch per sampled group to `out_dir`, as the ETL would publish them."""
-    rollouts, rewards = _sampled(config_path, groups, "memory")
+    batches, records = Path(out_dir) / "batches", Path(out_dir) / "records"
+    batches.mkdir(parents=True)
+    records.mkdir(parents=True)
     for g in range(groups):
         batch = train_batch(rollouts[g * 4 : g * 4 + 4], rewards[g * 4 : g * 4 + 4], g)
-        (Path(out_dir) / f"{g:04d}.batch").write_bytes(encode_train_batch(batch))
-
-
-def records_main(config_path: str, groups: int, out_dir: str) -> None:
-    """Writes every sampled rollout and its reward, encoded, to `out_dir` (NNNN.rollout, NNNN.reward)."""
-    rollouts, rewards = _sampled(config_path, groups, "records")
+        (batches / f"{g:04d}.batch").write_bytes(encode_train_batch(batch))
     for i, (rollout, reward) in enumerate(zip(rollouts, rewards)):
-        (Path(out_dir) / f"{i:04d}.rollout").write_bytes(encode(rollout))
-        (Path(out_dir) / f"{i:04d}.reward").write_bytes(encode(reward))
+        (records / f"{i:04d}.rollout").write_bytes(encode(rollout))
+        (records / f"{i:04d}.reward").write_bytes(encode(reward))
 
 
 class Channel:
@@ -239,8 +233,6 @@ if __name__ == "__main__":
         toy_main(args[0], int(args[1]), args[2])
     elif mode == "sample":
         sample_main(args[0], int(args[1]), args[2])
-    elif mode == "records":
-        records_main(args[0], int(args[1]), args[2])
     elif mode == "memory":
         memory_main(args[0], args[1], args[2])
     elif mode == "score":

@@ -214,15 +214,20 @@ def test_a_separate_sampler_process_scores_the_announced_version_as_the_trainer_
     rng = np.random.default_rng(9)
     probe = tmp_path / "probe.json"
     probe.write_text(json.dumps({"sequences": [rng.integers(0, 16, size=n).tolist() for n in (10, 17, 24)]}))
-    sampler = subprocess.run(
+    sampler = subprocess.Popen(  # beside the trainer's scoring below: two separate processes either way
         [sys.executable, "-m", "ember.midtrain.hf_policy", last.weights_uri, last.weights_sha256, str(probe), str(tmp_path / "sampler.json")],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    assert sampler.returncode == 0, sampler.stderr[-3000:]
-    trainer = subprocess.run(
-        [sys.executable, "-m", "tests.midtrain.rl_support", "score", str(config), str(probe), str(tmp_path / "trainer.json")],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )
+    try:
+        trainer = subprocess.run(
+            [sys.executable, "-m", "tests.midtrain.rl_support", "score", str(config), str(probe), str(tmp_path / "trainer.json")],
+            cwd=REPO, capture_output=True, text=True, timeout=300,
+        )
+        _, sampler_err = sampler.communicate(timeout=120)
+    finally:
+        if sampler.poll() is None:
+            sampler.kill()
+    assert sampler.returncode == 0, sampler_err[-3000:]
     assert trainer.returncode == 0, trainer.stdout[-3000:] + trainer.stderr[-3000:]
     trained = json.loads((tmp_path / "trainer.json").read_text())
     assert trained["step"] == last.policy_version == STEPS

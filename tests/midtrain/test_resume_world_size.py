@@ -35,13 +35,17 @@ def _steps(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def _start(config_path: Path, ranks: int, stdout=subprocess.PIPE) -> subprocess.Popen:
+    return subprocess.Popen(
+        [*MIDTRAIN, str(config_path), "--threads", "1", *(["--nproc-per-node", str(ranks)] if ranks > 1 else [])],
+        stdout=stdout, stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
 def _phase(config_path: Path, ranks: int, stop_at: int | None) -> str:
     """One run at `ranks` ranks; with `stop_at`, every trainer gets SIGUSR1 once step `stop_at` is logged."""
     metrics = load_config(config_path).metrics_path
-    proc = subprocess.Popen(
-        [*MIDTRAIN, str(config_path), "--threads", "1", *(["--nproc-per-node", str(ranks)] if ranks > 1 else [])],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = _start(config_path, ranks)
     try:
         if stop_at is not None:
             deadline = time.monotonic() + 400
@@ -63,18 +67,25 @@ def _phase(config_path: Path, ranks: int, stop_at: int | None) -> str:
 
 def test_resume_at_another_world_size_continues_the_sample_order_and_the_loss(tmp_path):
     baseline_config = tiny_run(tmp_path / "baseline", steps=STEPS, save_interval=0)
-    _phase(baseline_config, 1, None)
+    # The uninterrupted run trains beside the phases (one thread each; most phases leave a core idle).
+    baseline_log = tmp_path / "baseline.log"
+    with open(baseline_log, "w") as log:
+        uninterrupted = _start(baseline_config, 1, stdout=log)
+    try:
+        config_path = tiny_run(tmp_path / "resized", steps=STEPS, save_interval=0)
+        config = load_config(config_path)
+        outputs = [_phase(config_path, 1, 2)]
+        first = _steps(config.metrics_path)[-1]["step"]
+        outputs.append(_phase(config_path, 2, first + 2))
+        second = _steps(config.metrics_path)[-1]["step"]
+        assert second < STEPS, "the two-rank phase must stop before the end for the way back to one rank"
+        outputs.append(_phase(config_path, 1, None))
+        records = _steps(config.metrics_path)
+        assert uninterrupted.wait(timeout=400) == 0, baseline_log.read_text()[-4000:]
+    finally:
+        if uninterrupted.poll() is None:
+            uninterrupted.kill()
     baseline = _steps(load_config(baseline_config).metrics_path)
-
-    config_path = tiny_run(tmp_path / "resized", steps=STEPS, save_interval=0)
-    config = load_config(config_path)
-    outputs = [_phase(config_path, 1, 2)]
-    first = _steps(config.metrics_path)[-1]["step"]
-    outputs.append(_phase(config_path, 2, first + 2))
-    second = _steps(config.metrics_path)[-1]["step"]
-    assert second < STEPS, "the two-rank phase must stop before the end for the way back to one rank"
-    outputs.append(_phase(config_path, 1, None))
-    records = _steps(config.metrics_path)
 
     assert [r["dp_size"] for r in records] == [1] * first + [2] * (second - first) + [1] * (STEPS - second)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1)), "each phase resumed at the step after the last"

@@ -49,22 +49,20 @@ def _finish(proc: subprocess.Popen) -> str:
 
 
 @pytest.fixture(scope="module")
-def batches(kafka, tmp_path_factory):
-    """Rollouts sampled by the tiny policy with perturbed router weights, through the ETL into batches."""
+def batches(kafka, tmp_path_factory, sampled_policy):
+    """Rollouts sampled by the tiny policy with perturbed router weights (the session's shared sample), published
+    as a sampler fleet does, through the ETL into batches."""
+    from ember.demo.sampler import publish
+
     root = tmp_path_factory.mktemp("rl")
     prefix = f"test-rl-{uuid.uuid4().hex[:8]}"
     etl = etl_config(prefix, token_budget=64)
     prepare_topics(etl, create=True)
-    policy = rl_config(root / "policy.yaml", root / "policy", prefix)
-    result = subprocess.run(
-        [sys.executable, "-m", "ember.demo.sampler", str(policy), str(GROUPS), "0.01"],
-        cwd=REPO, capture_output=True, text=True, timeout=240,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    publish(prefix, *sampled_policy.records(GROUPS))
     EtlService(etl, "rl-test").run(until_idle_s=2.0)
     ids = [decode_train_batch(r.value).batch_id for r in read_topic(Topics(prefix).train_batches)]
     assert len(ids) == GROUPS  # one group of 4 rollouts per 64-token batch
-    return root, prefix, root / "policy" / "checkpoints" / "step_00000000", ids
+    return root, prefix, sampled_policy.init_checkpoint, ids
 
 
 def test_replay_forces_the_sampler_routing_and_off_reports_the_mismatch(batches):

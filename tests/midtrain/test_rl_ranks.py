@@ -21,7 +21,7 @@ from ember.schemas import DecodeError, TrainBatch, decode_train_batch, encode_tr
 
 from .rl_support import rl_config
 
-# Several megatron processes one after another (4 runs of 1-2 ranks): more than the default timeout on a busy machine.
+# Several megatron processes (3 runs of 1-2 ranks): more than the default timeout on a busy machine.
 pytestmark = pytest.mark.timeout(1500)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -78,31 +78,39 @@ def test_a_share_is_validated_alone_and_errors_name_batch_and_rollouts():
         rl_batch_share(encode_train_batch(short), 0, 2)
 
 
-def _support(ranks: int, *args: str) -> None:
+def _support(ranks: int, log: Path, *args: str) -> subprocess.Popen:
+    """`rl_support` on one rank, or under torchrun on `ranks`, its output to `log`."""
     launcher = [] if ranks == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-    result = subprocess.run(
-        [sys.executable, *launcher, "-m", "tests.midtrain.rl_support", *args],
-        cwd=REPO, capture_output=True, text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            [sys.executable, *launcher, "-m", "tests.midtrain.rl_support", *args],
+            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
 
 
 @pytest.fixture(scope="module")
-def ranked_runs(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
-    """The same sampled batches from the same weights on 1 rank, 2 data-parallel ranks, 2 expert-parallel ranks."""
+def ranked_runs(tmp_path_factory, sampled_policy) -> tuple[Path, dict[str, list[dict]]]:
+    """The same sampled batches from the same weights on 1 rank, 2 data-parallel ranks, 2 expert-parallel ranks
+    (the three runs side by side: each is a separate job with its own run directory)."""
     root = tmp_path_factory.mktemp("rl-ranks")
-    policy = rl_config(root / "policy.yaml", root / "policy", "unused")
-    batch_dir = root / "batches"
-    batch_dir.mkdir()
-    _support(1, "sample", str(policy), str(GROUPS), str(batch_dir))
+    batch_dir = sampled_policy.copy_batches(GROUPS, root / "batches")
     layouts = {"one": (1, {}), "dp2": (2, {}), "ep2": (2, {"expert": 2})}
+    runs = {}
+    try:
+        for name, (ranks, parallel) in layouts.items():
+            config = rl_config(root / f"{name}.yaml", root / name, "unused", steps=GROUPS, correction="tis")
+            data = yaml.safe_load(config.read_text())
+            data.update(init_checkpoint=str(sampled_policy.init_checkpoint), parallel=parallel)
+            config.write_text(yaml.safe_dump(data, sort_keys=False))
+            runs[name] = _support(ranks, root / f"{name}.log", "memory", str(config), str(batch_dir), str(root / f"{name}.json"))
+        for name, run in runs.items():
+            assert run.wait(timeout=400) == 0, (root / f"{name}.log").read_text()[-8000:]
+    finally:
+        for run in runs.values():
+            if run.poll() is None:
+                run.kill()
     records = {}
-    for name, (ranks, parallel) in layouts.items():
-        config = rl_config(root / f"{name}.yaml", root / name, "unused", steps=GROUPS, correction="tis")
-        data = yaml.safe_load(config.read_text())
-        data.update(init_checkpoint=str(root / "policy" / "checkpoints" / "step_00000000"), parallel=parallel)
-        config.write_text(yaml.safe_dump(data, sort_keys=False))
-        _support(ranks, "memory", str(config), str(batch_dir), str(root / f"{name}.json"))
+    for name in layouts:
         assert json.loads((root / f"{name}.json").read_text())["published"] == [0, 1, 2, 3], "the start, then every checkpoint"
         records[name] = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
     return batch_dir, records

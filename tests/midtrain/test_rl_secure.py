@@ -25,27 +25,19 @@ from ember.rollouts.transport import RewardWriter, RolloutWriter
 from ember.schemas import decode, decode_train_batch
 from tests.rollouts.etl_support import REPO, SECURITY_ENV, read_topic
 
-from .rl_support import etl_config, rl_config, trainer_config
+from .rl_support import etl_config, trainer_config
 
 pytestmark = pytest.mark.integration
 
 GROUPS = 3  # one group of 4 rollouts per 64-token batch: 3 steps, 2 rollouts per rank
 
 
-def test_two_ranks_train_on_batches_made_and_read_over_sasl_ssl(secured, topic_prefix, tmp_path):
+def test_two_ranks_train_on_batches_made_and_read_over_sasl_ssl(secured, topic_prefix, tmp_path, sampled_policy):
     deployment, outputs = secured
     etl = etl_config(topic_prefix, token_budget=64).with_overrides(kafka=deployment.kafka_section("etl"))
     topics = deployment.prepare(topic_prefix, etl)
 
-    records = tmp_path / "records"
-    records.mkdir()
-    policy = rl_config(tmp_path / "policy.yaml", tmp_path / "policy", topic_prefix)
-    sampled = subprocess.run(
-        [sys.executable, "-m", "tests.midtrain.rl_support", "records", str(policy), str(GROUPS), str(records)],
-        cwd=REPO, capture_output=True, text=True, timeout=240,
-    )
-    outputs.append(sampled.stdout + sampled.stderr)
-    assert sampled.returncode == 0, sampled.stdout[-3000:] + sampled.stderr[-3000:]
+    records = sampled_policy.copy_records(GROUPS, tmp_path / "records")
     fleet = {"inference": (RolloutWriter, "*.rollout"), "grader": (RewardWriter, "*.reward")}
     for role, (writer_class, pattern) in fleet.items():
         with writer_class(topic_prefix, security=deployment.security(role), bootstrap_servers=deployment.bootstrap) as writer:
@@ -57,8 +49,7 @@ def test_two_ranks_train_on_batches_made_and_read_over_sasl_ssl(secured, topic_p
     assert len(decoded) == GROUPS and all(b.by_reference for b in decoded), "each rank must fetch its share's rollouts"
     ids = [b.batch_id for b in decoded]
 
-    config = trainer_config(tmp_path, "trainer", topic_prefix, tmp_path / "policy" / "checkpoints" / "step_00000000",
-                            steps=len(ids), correction="tis")
+    config = trainer_config(tmp_path, "trainer", topic_prefix, sampled_policy.init_checkpoint, steps=len(ids), correction="tis")
     data = yaml.safe_load(config.read_text())
     security = deployment.security("trainer").model_dump(mode="json", exclude_none=True)
     data["rollouts"].update(bootstrap=deployment.bootstrap, security=security)

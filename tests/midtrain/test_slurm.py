@@ -186,7 +186,7 @@ def _release_requeued(job_id: str) -> None:
         subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True, timeout=30)
 
 
-def test_launch_rl_on_two_ranks_preempt_requeue_resume_trains_every_batch_once(tmp_path, slurm, kafka):
+def test_launch_rl_on_two_ranks_preempt_requeue_resume_trains_every_batch_once(tmp_path, slurm, kafka, sampled_policy):
     """`midtrain launch --mode rl` with 2 ranks: preempted (USR1) after step 2, requeued, resumed at step 3.
     Batches are fed by hand, so the first run cannot train past step 2 before the preemption."""
     import uuid
@@ -198,21 +198,13 @@ def test_launch_rl_on_two_ranks_preempt_requeue_resume_trains_every_batch_once(t
 
     from .rl_support import BatchFeed, rl_config
 
-    policy = rl_config(tmp_path / "policy.yaml", tmp_path / "policy", "unused")
-    batch_dir = tmp_path / "batches"
-    batch_dir.mkdir()
-    sampled = subprocess.run(
-        [sys.executable, "-m", "tests.midtrain.rl_support", "sample", str(policy), "4", str(batch_dir)],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert sampled.returncode == 0, sampled.stdout[-3000:] + sampled.stderr[-3000:]
-    values = [p.read_bytes() for p in sorted(batch_dir.glob("*.batch"))]
+    values = [p.read_bytes() for p in sampled_policy.batches(4)]
     ids = [decode_train_batch(v).batch_id for v in values]
     prefix = f"test-rl-slurm-{uuid.uuid4().hex[:8]}"
     feed = BatchFeed(prefix)
     config_path = rl_config(tmp_path / "rl.yaml", tmp_path / "run", prefix, steps=len(values), save_interval=0, correction="tis")
     data = yaml.safe_load(config_path.read_text())
-    data["init_checkpoint"] = str(tmp_path / "policy" / "checkpoints" / "step_00000000")
+    data["init_checkpoint"] = str(sampled_policy.init_checkpoint)
     data["rollouts"]["idle_timeout_s"] = 600
     config_path.write_text(yaml.safe_dump(data, sort_keys=False))
     config = load_rl_config(config_path)
