@@ -54,6 +54,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(group))
 
 
+class XdistGroupIds:
+    """Makes `--dist loadgroup` see the xdist groups on pytest 9.2 (pytest-dev/pytest-xdist#1386).
+
+    pytest-xdist 3.8 tells its scheduler an item's group by appending `@group` to `item._nodeid` in each worker;
+    pytest 9.2 builds `nodeid` from a structured id instead, so the suffix is lost and every group is spread over
+    the workers as if unmarked. After xdist's own hook, an item whose node id still lacks its group gets it the
+    way pytest 9.2 stores ids. A no-op without loadgroup, and once xdist's suffix takes effect again."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        if not getattr(config.option, "loadgroup", False):  # set in xdist workers of a --dist loadgroup run
+            return
+        from _pytest.nodeid import NodeId
+
+        for item in items:
+            names = {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")}
+            suffix = "@" + "_".join(sorted(names))
+            if names and not item.nodeid.endswith(suffix):
+                item._id = NodeId.parse(item.nodeid + suffix)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(XdistGroupIds(), "ember-xdist-group-ids")
+
+
 def pytest_deselected(items: list[pytest.Item]) -> None:
     """Lists the `serial` tests the parallel phase left out (EMBER_SERIAL_TESTS names the file), so the serial
     phase runs exactly those without collecting the whole suite a second time."""
