@@ -76,6 +76,9 @@ class XdistGroupIds:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Registered by pytest-xdist, which the serial phase turns off (-p no:xdist): there --strict-markers would
+    # refuse the groups pytest_collection_modifyitems adds (an INTERNALERROR before any test runs).
+    config.addinivalue_line("markers", "xdist_group(name): run on one xdist worker with the other tests of the group")
     config.pluginmanager.register(XdistGroupIds(), "ember-xdist-group-ids")
 
 
