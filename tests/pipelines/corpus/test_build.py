@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from ember.configs import CorpusConfigError
 from ember.dev import services
+from tests.conftest import start
 from ember.demo import corpus_stage as demo_stage
 from ember.pipelines.cli import app
 from ember.pipelines.corpus.build import build_corpus
@@ -102,10 +103,7 @@ def test_rerun_writes_byte_identical_outputs(sample: SampleCorpus, built: Path, 
 
 @pytest.fixture(scope="module")
 def flink_args() -> list[str]:
-    try:
-        services.start("flink")
-    except services.ServiceError as exc:
-        pytest.fail(f"the Flink job-server jar could not be staged:\n{exc}")
+    start("flink", "the Flink job server")
     jar = services.run_script("flink.sh", "path").stdout.strip()
     return ["--runner=FlinkRunner", "--flink_master=[local]", "--flink_version=1.19",
             f"--flink_job_server_jar={jar}", "--environment_type=LOOPBACK"]

@@ -28,6 +28,7 @@ import yaml
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from ember.dev import services
+from tests.conftest import start
 from ember.demo.sample_corpus import SampleCorpus, write_sample_corpus
 from ember.pipelines.corpus.config import parse_config
 from ember.pipelines.jobs.runners import FLINK_CLUSTER_FLAG, flink_cluster_args, runs_locally, with_defaults
@@ -49,10 +50,7 @@ def rest(path: str) -> dict:
 @pytest.fixture(scope="module")
 def cluster() -> list[str]:
     """The running session cluster (started when it is not: `ember dev up flink` does the same)."""
-    try:
-        services.start("flink")
-    except services.ServiceError as exc:
-        pytest.fail(f"the Flink session cluster did not start:\n{exc}")
+    start("flink", "the Flink session cluster")
     assert rest("/overview")["taskmanagers"] >= 2
     return flink_cluster_args()
 
