@@ -6,7 +6,6 @@ timeouts so a refusal costs seconds, never a hang.
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import ssl
@@ -197,24 +196,18 @@ def test_refused_without_credentials(secure_kafka: SecureBroker, secure_topic: s
     assert _end_offset(secure_kafka, secure_topic) == before
 
 
-def test_refused_with_a_wrong_password(
-    secure_kafka: SecureBroker, secure_topic: str, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_refused_with_a_wrong_password(secure_kafka: SecureBroker, secure_topic: str) -> None:
     before = _end_offset(secure_kafka, secure_topic)
     log_at = _broker_log_size()
     kwargs = _client_kwargs(secure_kafka, "inference")
     kwargs["sasl_plain_password"] = "not-" + kwargs["sasl_plain_password"]
-    # The client names the cause in its `kafka` logger. The broker closes the connection right after
-    # its SASL error response, so on a loaded machine one attempt may only see "socket disconnected":
-    # allow three attempts to surface the reason; every attempt must be refused.
-    for _attempt in range(3):
-        with caplog.at_level(logging.ERROR, logger="kafka"):
-            err, elapsed = _refused(kwargs)
-        assert elapsed < 30
-        assert "Unable to bootstrap" in str(err)
-        if "SaslAuthenticationFailedError" in caplog.text:
-            break
-    assert "SaslAuthenticationFailedError" in caplog.text
+    err, elapsed = _refused(kwargs)
+    assert elapsed < 30
+    assert "Unable to bootstrap" in str(err)
+    # The broker's log is the witness of the cause, not the client's: kafka-python 3.0.12 drops the SASL error
+    # response whenever it arrives in the same read as the broker's close (`_read_from_sock` aborts on EOF before
+    # handing the bytes received with it to the protocol), so on a loaded machine the client logs only
+    # "socket disconnected" (fresh-clone CI, three attempts out of three).
     broker_log = _wait_for_broker_log(log_at, "invalid credentials")
     assert "invalid credentials with SASL mechanism SCRAM-SHA-512" in broker_log
     assert _end_offset(secure_kafka, secure_topic) == before
