@@ -269,3 +269,69 @@ def logs(
 
 if __name__ == "__main__":
     app()
+
+
+@app.command()
+def init(
+    out: Path = typer.Argument(..., help="The config file to write (YAML)."),
+    from_shards: list[str] = typer.Option(
+        ..., "--from-shards", help="A shard-set directory or URL, optionally DIR=WEIGHT; repeat for a blend "
+        "(weights default to each set's share of tokens)."
+    ),
+    template: Path = typer.Option(
+        None, "--template", help="A config whose other sections (model size, moe, optimizer, train) are kept; "
+        "default: ember/midtrain/examples/tiny_cpu.yaml."
+    ),
+    run_dir: str = typer.Option(None, "--run-dir", help="run_dir in the written config; default: runs/<OUT's name>."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it exists."),
+) -> None:
+    """Write a training config that fits shard sets: tokenizer, vocabulary, seq_len and blend weights come from their
+    manifests; the rest from the template. The written config is loaded and checked against the sets before exit."""
+    import yaml
+
+    from ember.configs import MidtrainConfigError, read_yaml_mapping
+    from ember.midtrain import init_config as fit
+    from ember.midtrain.data import DataError, local_specs, open_manifests
+    from ember.midtrain.launch import check_runnable
+    from ember.midtrain.config import parse_config
+    from ember.midtrain.slurm import LaunchError
+
+    template = template or fit.TEMPLATE
+    if out.exists() and not overwrite:
+        _error(f"{out} exists; pass --overwrite to replace it")
+        raise typer.Exit(2)
+    try:
+        choices = [fit.parse_choice(value) for value in from_shards]
+        manifests = open_manifests(local_specs((c.location, 1.0) for c in choices))
+        base = read_yaml_mapping(template, MidtrainConfigError, sections="model, moe, data, ...")
+        config = fit.fitted_config(base, choices, manifests, out, run_dir)
+    except (fit.InitError, DataError, MidtrainConfigError) as exc:
+        _error(exc)
+        raise typer.Exit(2)
+    header = (
+        f"# Written by `ember midtrain init` from {', '.join(from_shards)}.\n"
+        f"# model.tokenizer, vocab_size, seq_len and data.shard_sets come from the manifests; the rest from {template}.\n"
+    )
+    try:
+        check_runnable(parse_config(yaml.safe_load(yaml.safe_dump(config)), out.resolve().parent, str(out)), 1)
+    except (MidtrainConfigError, DataError, LaunchError) as exc:
+        _error(f"the template {template} does not fit these shard sets: {exc}")
+        raise typer.Exit(2)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(header + yaml.safe_dump(config, sort_keys=False))
+    tmp.replace(out)
+    model = config["model"]
+    console.print(f"wrote {out}", highlight=False, markup=False)
+    console.print(
+        f"  tokenizer {model['tokenizer']}, vocab_size {model['vocab_size']:,}, seq_len {model['seq_len']:,}",
+        highlight=False, markup=False,
+    )
+    for shard_set in config["data"]["shard_sets"]:
+        console.print(f"  shard set {shard_set['path']} weight {shard_set['weight']}", highlight=False, markup=False)
+    train = config["train"]
+    console.print(
+        f"  micro batch {train['micro_batch_size']} x {model['seq_len']:,} tokens, {train['steps']:,} steps (from the template)",
+        highlight=False, markup=False,
+    )
+    console.print(f"next: midtrain train {out}", highlight=False, markup=False)
