@@ -2,7 +2,8 @@
 
 `build` and `tokenize` pass every option they do not know to Beam untouched (`--runner=...`).
 Exit codes: 0 done, 1 the job or the check failed, 2 the input or the config cannot be used,
-3 (`build --strict`) the build finished but a source lost more than `warn_share` of its documents to one reason,
+3 the build finished but a source kept no document (or less than `min_kept_share`), unless `--allow-empty-source`;
+or (`build --strict`) a source lost more than `warn_share` of its documents to one reason,
 130 / 143 stopped by SIGINT / SIGTERM (workers stopped, the previous output left as it was).
 Beam, pyarrow and the tokenizers load inside the commands, after the config is read, so a config error
 comes before seconds of imports.
@@ -24,7 +25,7 @@ from rich.text import Text
 
 BEAM_OPTIONS = {"allow_extra_args": True, "ignore_unknown_options": True}
 VERBOSE_HELP = "Also show Beam's, absl's and grpc's logs on stderr (they always go to <output>.log beside the output)."
-STRICT_EXIT = 3
+SOURCE_EXIT = 3  # the build finished, but a source vanished or (--strict) lost most of its documents to one reason
 MIN_FREE_HELP = "Refuse to start unless the output's filesystem has this many MiB free (default: estimated from the inputs)."
 
 app = typer.Typer(help="Corpus builds and the shard sets they produce.", no_args_is_help=True)
@@ -209,8 +210,11 @@ def build(
     ),
     min_free_mb: int | None = typer.Option(None, "--min-free-mb", min=0, help=MIN_FREE_HELP),
     strict: bool = typer.Option(
-        False, "--strict", help=f"Exit {STRICT_EXIT} (after writing the output) when a source lost more than warn_share "
+        False, "--strict", help=f"Exit {SOURCE_EXIT} (after writing the output) when a source lost more than warn_share "
         "of its documents to one reason."),
+    allow_empty_source: bool = typer.Option(
+        False, "--allow-empty-source", help=f"Exit 0, not {SOURCE_EXIT}, when a source kept no document (or less than "
+        "min_kept_share of them); the vanished lines still name it."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help=VERBOSE_HELP),
 ) -> None:
     """Read, filter, redact and deduplicate code and web corpora into Parquet, with stats.json and a report;
@@ -240,8 +244,12 @@ def build(
             fail(f"{exc} (the log: {logs.path})", 1)
         except Interrupted as exc:
             stopped(exc)
+    if outcome.vanished and not allow_empty_source:
+        names = ", ".join(repr(v.source) for v in outcome.vanished)
+        fail(f"source {names} vanished from the output (above; the output is written): fix the filters or inputs, or "
+             "pass --allow-empty-source to accept it", SOURCE_EXIT)
     if strict and outcome.warnings:
-        fail(f"--strict: {len(outcome.warnings)} source warning(s) above; the output is written", STRICT_EXIT)
+        fail(f"--strict: {len(outcome.warnings)} source warning(s) above; the output is written", SOURCE_EXIT)
 
 
 @app.command("dataflow-render", context_settings=BEAM_OPTIONS)
@@ -290,7 +298,7 @@ def report(
     with quiet_third_party():
         from ember.pipelines.corpus.build import summary_table
         from ember.pipelines.corpus.config import DEFAULT_WARN_SHARE
-        from ember.pipelines.corpus.report import build_warnings, read_stats, write_report
+        from ember.pipelines.corpus.report import build_warnings, read_stats, vanished_sources, write_report
         from ember.pipelines.corpus.report_html import write_html_report
 
         from ember import storage
@@ -312,6 +320,8 @@ def report(
         console.print(summary_table(read_stats(directory)))
         for warning in build_warnings(directory, DEFAULT_WARN_SHARE if warn_share is None else warn_share):
             console.print(f"[yellow]warning:[/yellow] {escape(warning.message())}", highlight=False)
+        for source in vanished_sources(read_stats(directory), 0.0):
+            console.print(f"[red]vanished:[/red] {escape(source.message())}", highlight=False)
         console.print(f"report: {path}", highlight=False)
         console.print(f"report with charts: {html_path}", highlight=False)
 

@@ -300,9 +300,11 @@ def _finish(
     for (source, reason), count in sorted(rejected):
         rejects.setdefault(source, {})[reason] = count
     sources, fill = {}, {}
+    total_tokens = sum(by_source.get(source.name, WindowStats()).tokens for source in config.sources)
     for source in config.sources:
         s = by_source.get(source.name, WindowStats())
-        sources[source.name] = {**asdict(s), "mixture_weight": source.weight}
+        realised = round(s.tokens / total_tokens, 6) if total_tokens else 0.0
+        sources[source.name] = {**asdict(s), "mixture_weight": source.weight, "realised_weight": realised}
         fill[source.name] = s.tokens / (s.sequences * config.seq_len) if s.sequences else None
     manifest = Manifest(
         tokenizer=tokenizer,

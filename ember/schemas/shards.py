@@ -86,7 +86,10 @@ class SourceStats(BaseModel):
     sequences: int = Field(ge=0)
     padding_tokens: int = Field(ge=0)
     split_documents: int = Field(default=0, ge=0)
-    mixture_weight: float | None = Field(default=None, ge=0)
+    mixture_weight: float | None = Field(default=None, ge=0, description="the weight the config gave this source")
+    realised_weight: float | None = Field(
+        default=None, ge=0, le=1, description="this source's share of the set's document tokens: what the weight became"
+    )
 
 
 class ShardEntry(BaseModel):

@@ -36,7 +36,15 @@ from ember.configs import CorpusConfigError
 from ember.pipelines.corpus import phases, pipeline
 from ember.pipelines.corpus.config import CorpusConfig, check_inputs
 from ember.pipelines.corpus.outputs import require_empty_output
-from ember.pipelines.corpus.report import SourceWarning, build_warnings, read_stats, summary_rows, write_report
+from ember.pipelines.corpus.report import (
+    SourceWarning,
+    VanishedSource,
+    build_warnings,
+    read_stats,
+    summary_rows,
+    vanished_sources,
+    write_report,
+)
 from ember.pipelines.corpus.report_html import write_html_report
 from ember.schemas.documents import REPORT_FILE, REPORT_HTML_FILE
 from ember.pipelines.jobs.output_guard import (
@@ -66,6 +74,7 @@ class BuildOutcome:
     shards: Manifest | None = None
     warnings: tuple[SourceWarning, ...] = ()
     phases: dict[str, str] = field(default_factory=dict)  # phase -> "ran" or "skipped" (local builds)
+    vanished: tuple[VanishedSource, ...] = ()
 
 
 def prepare_options(beam_args: list[str]) -> tuple[list[str], PipelineOptions]:
@@ -182,15 +191,15 @@ def _build(config: CorpusConfig, final: CorpusConfig, args: list[str], options, 
     function and its leading arguments (the progress directory is added)."""
     _run_job(job[0], job[1], options, console)
     directory = config.output.directory
-    write_report(directory, shown_as=final.output.directory)
+    write_report(directory, shown_as=final.output.directory, min_kept_share=config.min_kept_share)
     report = f"{final.output.directory.rstrip('/')}/{REPORT_FILE}"
     stats = read_stats(directory)
     warnings = tuple(build_warnings(directory, config.warn_share))
+    vanished = tuple(vanished_sources(stats, config.min_kept_share))
     if console is not None:
         console.print()
         console.print(summary_table(stats))
-        for warning in warnings:
-            console.print(f"[yellow]warning:[/yellow] {escape(warning.message())}", highlight=False)
+        _print_findings(console, warnings, vanished)
         console.print(f"report: {report}", highlight=False)
     shards = None
     if config.tokenize is not None:
@@ -222,7 +231,7 @@ def _build(config: CorpusConfig, final: CorpusConfig, args: list[str], options, 
                       shown_as=(final.output.directory, final.shards_directory if shards else None))
     if console is not None:
         console.print(f"report with charts: {final.output.directory.rstrip('/')}/{REPORT_HTML_FILE}", highlight=False)
-    return BuildOutcome("DONE", args, stats, report, shards, warnings)
+    return BuildOutcome("DONE", args, stats, report, shards, warnings, vanished=vanished)
 
 
 def preflight_urls(config: CorpusConfig, url_shards: str | None) -> None:
@@ -308,7 +317,7 @@ def build_corpus(config: CorpusConfig, beam_args: list[str], console: Console | 
         _say(console, f"cache: removed {len(removed)} superseded entr{'y' if len(removed) == 1 else 'ies'}")
     return BuildOutcome(outcome.state, args, outcome.stats, outcome.report, outcome.shards, outcome.warnings, {
         "documents": "skipped" if marker.get("reused") else "ran", "output": "ran",
-    })
+    }, outcome.vanished)
 
 
 def _say(console: Console | None, message: str) -> None:
@@ -341,21 +350,28 @@ def _documents_phase(config: CorpusConfig, target: Path, args: list[str], option
     return entry, marker
 
 
+def _print_findings(console: Console, warnings: tuple[SourceWarning, ...], vanished: tuple[VanishedSource, ...]) -> None:
+    for warning in warnings:
+        console.print(f"[yellow]warning:[/yellow] {escape(warning.message())}", highlight=False)
+    for source in vanished:
+        console.print(f"[red]vanished:[/red] {escape(source.message())}", highlight=False)
+
+
 def _unchanged(final: CorpusConfig, target: Path, args: list[str], keys: tuple[str, str], console: Console | None) -> BuildOutcome:
     """A rerun of the config that built `target`, over the same inputs: nothing to do."""
     _say(console, f"phase documents: up to date (key {keys[0]}), skipped")
     _say(console, f"phase output: up to date (key {keys[1]}), skipped")
     stats = read_stats(str(target))
     warnings = tuple(build_warnings(str(target), final.warn_share))
+    vanished = tuple(vanished_sources(stats, final.min_kept_share))
     report = f"{target}/{REPORT_FILE}"
     if console is not None:
         console.print(summary_table(stats))
-        for warning in warnings:
-            console.print(f"[yellow]warning:[/yellow] {escape(warning.message())}", highlight=False)
+        _print_findings(console, warnings, vanished)
         console.print(f"report: {report}", highlight=False)
         console.print(f"report with charts: {target}/{REPORT_HTML_FILE}", highlight=False)
     shards = read_manifest(final.shards_directory) if final.shards_directory else None
-    return BuildOutcome("DONE", args, stats, report, shards, warnings, {"documents": "skipped", "output": "skipped"})
+    return BuildOutcome("DONE", args, stats, report, shards, warnings, {"documents": "skipped", "output": "skipped"}, vanished)
 
 
 def _interrupted_state(target: Path, keys: tuple[str, str]) -> str:

@@ -250,6 +250,11 @@ class CorpusConfig(StrictModel):
         default=DEFAULT_WARN_SHARE, gt=0, le=1,
         description="warn when one reason rejects more than this share of a source's documents; --strict fails then",
     )
+    min_kept_share: float = Field(
+        default=0.0, ge=0, le=1,
+        description="a source that keeps no document, or less than this share of them, fails the build (exit 3) "
+        "unless --allow-empty-source: its mixture weight would vanish from the output unnoticed",
+    )
 
     @property
     def shards_directory(self) -> str | None:

@@ -166,6 +166,34 @@ def source_warnings(stats: dict[str, Any], rejects: Callable[[], pl.LazyFrame], 
     return found
 
 
+@dataclass(frozen=True)
+class VanishedSource:
+    """A source that kept no document, or fewer than the config's floor: the output lacks what it was meant to add."""
+
+    source: str
+    kept: int
+    docs_in: int
+    rejected: tuple[tuple[str, int], ...]  # ("stage:reason", n), most first
+
+    def message(self) -> str:
+        if not self.docs_in:
+            return f"source {self.source!r} read no documents: its inputs hold none"
+        reasons = ", ".join(f"{reason} {n:,} ({n / self.docs_in:.0%})" for reason, n in self.rejected)
+        return f"source {self.source!r} kept {self.kept:,} of {self.docs_in:,} documents; rejected by {reasons}"
+
+
+def vanished_sources(stats: dict[str, Any], min_kept_share: float) -> list[VanishedSource]:
+    """Every source that kept nothing, or less than `min_kept_share` of what it read, with each reason's count."""
+    found = []
+    for name, source in stats["sources"].items():
+        docs_in, kept = source["docs_in"], source["kept"]
+        if kept and kept >= min_kept_share * docs_in:
+            continue
+        rejected = tuple(sorted(source["rejected"].items(), key=lambda kv: (-kv[1], kv[0])))
+        found.append(VanishedSource(name, kept, docs_in, rejected))
+    return found
+
+
 def build_warnings(directory: str, warn_share: float) -> list[SourceWarning]:
     """`source_warnings` of the finished build in `directory`."""
     return source_warnings(read_stats(directory), lambda: read_output(directory, "rejects").lazy(), warn_share)
@@ -258,14 +286,17 @@ def _kept_documents(documents: pl.DataFrame) -> list[str]:
     return out
 
 
-def render_report(directory: str, shown_as: str | None = None) -> str:
-    """The report of the build in `directory`; `shown_as` names it where it will live (it may be staged elsewhere)."""
+def render_report(directory: str, shown_as: str | None = None, min_kept_share: float = 0.0) -> str:
+    """The report of the build in `directory`; `shown_as` names it where it will live (it may be staged elsewhere).
+    Sources that vanished (`vanished_sources`) come first, before anything a reader could stop at."""
     stats = read_stats(directory)
     documents = read_output(directory, "documents")
     rejects = read_output(directory, "rejects")
     clusters = read_output(directory, "clusters")
     totals = stats["totals"]
-    out = [f"# Corpus build report\n\nOutput: `{shown_as or directory}`\n"]
+    vanished = vanished_sources(stats, min_kept_share)
+    out = ["".join(f"**Vanished: {v.message()}.**\n\n" for v in vanished) + "# Corpus build report\n",
+           f"Output: `{shown_as or directory}`\n"]
 
     out.append("## Totals\n")
     out.append(_table(["", "documents", "MB"], [
@@ -317,8 +348,8 @@ def render_report(directory: str, shown_as: str | None = None) -> str:
     return "\n".join(out) + "\n"
 
 
-def write_report(directory: str, shown_as: str | None = None) -> str:
+def write_report(directory: str, shown_as: str | None = None, min_kept_share: float = 0.0) -> str:
     path = f"{directory.rstrip('/')}/{REPORT_FILE}"
     with FileSystems.create(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
-        f.write(render_report(directory, shown_as).encode("utf-8"))
+        f.write(render_report(directory, shown_as, min_kept_share).encode("utf-8"))
     return path
