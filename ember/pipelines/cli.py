@@ -29,10 +29,15 @@ SOURCE_EXIT = 3  # the build finished, but a source vanished or (--strict) lost 
 MIN_FREE_HELP = "Refuse to start unless the output's filesystem has this many MiB free (default: estimated from the inputs)."
 
 app = typer.Typer(help="Corpus builds and the shard sets they produce.", no_args_is_help=True)
-console = Console(width=min(100, Console().width))
+_terminal = Console()
+console = Console(width=min(100, _terminal.width) if _terminal.is_terminal else 100)
+"""At most 100 columns; 100 when piped (a CI log or `| tee`), where rich would assume 80 and cut table cells."""
 
 
 def fail(message: object, code: int = 2) -> NoReturn:
+    from ember.pipelines.jobs.logs import log_outcome
+
+    log_outcome(str(message))
     console.print(f"[red]{escape(str(message))}[/red]", soft_wrap=True)  # paths in messages stay whole
     raise typer.Exit(code)
 
@@ -42,6 +47,9 @@ def stopped(exc: BaseException) -> NoReturn:
     whole), and its exit code: 128 + the signal."""
     from rich.text import Text
 
+    from ember.pipelines.jobs.logs import log_outcome
+
+    log_outcome(f"interrupted: {exc}")
     console.print(Text(f"interrupted: {exc}", style="red"), soft_wrap=True)
     raise typer.Exit(exc.exit_code)
 
@@ -116,34 +124,92 @@ def tokenize(
 def verify(directory: str = typer.Argument(..., help="Shard-set directory holding manifest.json (local, gs://, s3://).")) -> None:
     """Check a shard set against its manifest: files present, sizes, sha256, row counts. A set on an object store is
     downloaded afresh and checked byte for byte."""
-    from ember.schemas import SchemaValidationError
+    from ember.schemas import SchemaValidationError, read_manifest
     from ember.storage import StorageError
     from ember.tokenize.remote_sets import RemoteSetError, local_shard_set
     from ember.tokenize.shardset import verify_shard_set
 
     try:
-        problems = verify_shard_set(local_shard_set(directory, refresh=True))
+        local = local_shard_set(directory, refresh=True)
+        problems = verify_shard_set(local)
     except (FileNotFoundError, SchemaValidationError, StorageError, RemoteSetError) as exc:
         fail(exc)
     for problem in problems:
         console.print(f"[red]FAIL[/red] {problem}")
     if problems:
         raise typer.Exit(1)
-    console.print(f"[green]OK[/green] {directory}: every shard matches its manifest")
+    manifest = read_manifest(local)
+    rows, tokens = sum(e.rows for e in manifest.shards), sum(s.tokens for s in manifest.sources.values())
+    console.print(f"[green]OK[/green] {directory}: every shard matches its manifest ({len(manifest.shards):,} shards, "
+                  f"{rows:,} sequences, {tokens:,} document tokens from {len(manifest.sources):,} sources)")
 
 
 @app.command("inspect")
 def inspect(
+    target: str = typer.Argument(
+        None, help="A shard set (manifest.json) or a corpus build's output (stats.json), local, gs:// or s3://: "
+        "print what it holds."),
     locate: tuple[str, int, int] = typer.Option(
-        ..., "--locate", metavar="SHARD ROW TOKEN",
+        None, "--locate", metavar="SHARD ROW TOKEN",
         help="Map token TOKEN of row ROW of shard file SHARD (a path, gs:// or s3:// URL) to its source.",
     ),
     window: int = typer.Option(200, "--window", min=0, help="Characters of the document's text shown either side."),
 ) -> None:
-    """Trace a training token back to its source document: the document's id and source path/URL, the
-    token's index in the document's tokens, and the stored (redacted) text around it.
+    """Summarise a shard set or a build (tokenizer, sizes, each source's documents and tokens), or with --locate
+    trace a training token back to its source document: the document's id and source path/URL, the token's index
+    in the document's tokens, and the stored (redacted) text around it.
 
-    The shard is first checked against its set's manifest (size, sha256, token ids in the vocabulary)."""
+    With --locate the shard is first checked against its set's manifest (size, sha256, token ids in the vocabulary)."""
+    located = locate is not None and locate[0] is not None
+    if located == (target is not None):
+        fail("give a directory to summarise, or --locate SHARD ROW TOKEN (one of the two)")
+    if target is not None:
+        _summarise(target)
+    else:
+        _locate(locate, window)
+
+
+def _table(title: str, rows: list[tuple[str, str]]) -> Table:
+    table = Table(title=title, show_header=False)
+    table.add_column("", no_wrap=True)
+    table.add_column("", justify="right")
+    for label, value in rows:
+        table.add_row(label, value)
+    return table
+
+
+def _summarise(target: str) -> None:
+    """`inspect DIR`: the shard set's manifest summary, or the build's summary and its shard set's, if it has one."""
+    from ember.pipelines.jobs.logs import quiet_third_party
+
+    with quiet_third_party():
+        from ember import storage
+        from ember.pipelines.corpus.build import summary_table
+        from ember.pipelines.corpus.report import read_stats
+        from ember.schemas import SchemaValidationError, read_manifest
+        from ember.schemas.shards import MANIFEST_FILENAME
+        from ember.tokenize.remote_sets import RemoteSetError, local_shard_set
+        from ember.tokenize.shardset import summary_rows
+
+        def shard_set(directory: str) -> None:
+            manifest = read_manifest(local_shard_set(directory))
+            console.print(_table(f"shard set {directory}", summary_rows(manifest)))
+
+        try:
+            storage.preflight(target)
+            if storage.exists(storage.join(target, MANIFEST_FILENAME)):
+                return shard_set(target)
+            if not storage.exists(storage.join(target, "stats.json")):
+                fail(f"{target} holds neither a shard set ({MANIFEST_FILENAME}) nor a corpus build's output (stats.json)")
+            console.print(summary_table(read_stats(target)))
+            shards = storage.join(target, "shards")
+            if storage.exists(storage.join(shards, MANIFEST_FILENAME)):
+                shard_set(shards)
+        except (storage.StorageError, RemoteSetError, SchemaValidationError, FileNotFoundError) as exc:
+            fail(exc)
+
+
+def _locate(locate: tuple[str, int, int], window: int) -> None:
     from ember.pipelines.jobs.logs import quiet_third_party
 
     with quiet_third_party():

@@ -242,6 +242,26 @@ def content_problems(path: Path, entry: ShardEntry, manifest: Manifest) -> list[
     return [] if rows == entry.rows else [f"{rows} rows, the manifest says {entry.rows}"]
 
 
+def summary_rows(manifest: Manifest) -> list[tuple[str, str]]:
+    """(label, value) pairs that say what a shard set holds, for `verify` and `inspect`: what an operator checks
+    before training on it (tokenizer, sizes, fill, and each source's share of the tokens)."""
+    tokens = sum(s.tokens for s in manifest.sources.values())
+    rows = sum(e.rows for e in manifest.shards)
+    slots = rows * manifest.seq_len
+    out = [
+        ("tokenizer", f"{manifest.tokenizer.name} (vocab {manifest.tokenizer.vocab_size:,}, {manifest.dtype})"),
+        ("seq_len", f"{manifest.seq_len:,}"),
+        ("shards", f"{len(manifest.shards):,} ({sum(e.bytes for e in manifest.shards) / 1e6:,.1f} MB)"),
+        ("sequences", f"{rows:,}"),
+        ("document tokens", f"{tokens:,}" + (f" ({tokens / slots:.1%} of the token slots)" if slots else "")),
+    ]
+    for name, s in manifest.sources.items():
+        share = f"{s.tokens / tokens:.1%}" if tokens else "-"
+        weight = "" if s.mixture_weight is None else f", weight {s.mixture_weight:g}"
+        out.append((f"  source {name}", f"{s.documents:,} documents, {s.tokens:,} tokens ({share}{weight})"))
+    return out
+
+
 def verify_shard_set(directory: str | Path) -> list[str]:
     """Returns one line per problem (empty when the set is intact); always rehashes every shard."""
     directory = Path(directory)

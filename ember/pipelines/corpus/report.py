@@ -84,7 +84,9 @@ def summary_rows(stats: dict[str, Any]) -> list[tuple[str, str]]:
     for stage in ("exact_dedup", "near_dedup"):
         d = stats["dedup"][stage]
         rows.append((f"{stage} removed", f"{d['removed']:,} in {d['clusters']:,} clusters"))
-    rows.append(("redactions", ", ".join(f"{k}={v}" for k, v in sorted(totals["redactions"].items())) or "none"))
+    redactions = sorted(totals["redactions"].items())
+    rows.append(("redactions", f"{sum(n for _, n in redactions):,}"))
+    rows += [(f"  redacted {kind}", f"{n:,}") for kind, n in redactions]
     rows.append(("balanced (in = kept + rejected)", "yes" if totals["balanced"] else "NO"))
     files, unreadable = file_counts(stats)
     rows.append(("input files unreadable past a point", f"{unreadable:,} of {files:,}" + (f" ({BREAK_RULE})" if unreadable else "")))

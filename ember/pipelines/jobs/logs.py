@@ -111,6 +111,17 @@ def quiet_third_party() -> Iterator[None]:
             root.handlers = saved
 
 
+_active = False
+"""Whether a `job_logs` block is running: the root logger then writes to its log file."""
+
+
+def log_outcome(message: str) -> None:
+    """Put the line a command ends with (its error, or why it stopped) into the job's log file too, so a job that
+    fails before any worker logs leaves a log that says why rather than an empty one; outside a job, nothing."""
+    if _active:
+        logging.getLogger("ember.cli").error("%s", message)
+
+
 @contextmanager
 def job_logs(verbose: bool = False) -> Iterator[JobLog]:
     """Send every log of the job (driver and worker processes) to the log file the caller names with
@@ -127,9 +138,12 @@ def job_logs(verbose: bool = False) -> Iterator[JobLog]:
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
     root.handlers = [handler]
     root.setLevel(logging.INFO)
+    global _active
+    _active = True
     try:
         yield log
     finally:
+        _active = False
         stream.flush()
         root.handlers, root.level = saved_handlers, saved_level
         os.dup2(saved_stderr, 2)  # the driver's last reference to the pipe's write end: EOF once workers are gone

@@ -59,6 +59,11 @@ def test_a_source_that_keeps_nothing_fails_the_build_naming_it_and_its_reasons(t
     assert accepted.returncode == 0, accepted.stdout + accepted.stderr
     assert "up to date" in accepted.stdout and line in " ".join(accepted.stdout.split())
 
+    inspected = ember("corpus", "inspect", str(tmp_path / "out"))
+    assert inspected.returncode == 0, inspected.stdout + inspected.stderr
+    assert "corpus build summary" in inspected.stdout and "shard set" in inspected.stdout
+    assert "…" not in inspected.stdout, "no table cell is cut"
+
 
 def test_the_floor_counts_a_source_that_keeps_too_little_and_an_empty_source() -> None:
     stats = {"sources": {

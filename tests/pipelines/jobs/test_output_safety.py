@@ -185,6 +185,8 @@ def test_an_output_short_of_free_space_fails_before_the_pipeline(sample: SampleC
     assert "MiB free, the build needs at least" in output and "--min-free-mb" in output
     assert "Traceback" not in output and seconds < 10
     assert not out.exists() and staging_leftovers(out) == []
+    log = (tmp_path / "deep" / "out.log").read_text()
+    assert "ERROR ember.cli:" in log and "--min-free-mb" in log, "the log it named says why the build failed"
 
 
 FULL_DISK = """
