@@ -4,8 +4,8 @@ Per repeat, on the same trainer state: the anchor is `RLTrainer.save()` (megatro
 and optimizer, what every checkpointed step already pays); ember's cost is what `run_rl` adds for an
 announced version: `export_checkpoint` (read the checkpoint, rename to Mixtral's names, write safetensors +
 config.json, fsync, sha256, atomic rename) and the announcement on the real broker (acked). Also the
-sampler's side: `load_policy` (hash check + safetensors load). Two sizes: the tests' toy policy and a
-larger one; CPU only. Timing never decides pass/fail.
+sampler's side: `load_policy` (each file read once and hashed, config.json validated, safetensors parsed from
+those bytes). Two sizes: the tests' toy policy and a larger one; CPU only. Timing never decides pass/fail.
 
     EMBER_HOME=/work/main/.ember .venv/bin/python bench/bench_policy_export.py [--repeats 5]
 """

@@ -118,7 +118,7 @@ def export_hf(
     ),
 ) -> None:
     """Write the checkpoint's policy as a Hugging Face MixtralForCausalLM directory (safetensors + config.json),
-    atomically; prints the directory and the sha256 of its weights."""
+    atomically; prints the directory and its digest (the sha256 of export.json, which pins every file)."""
     import time
 
     from ember.configs import MidtrainConfigError
@@ -142,7 +142,7 @@ def export_hf(
         raise typer.Exit(1)
     console.print(f"exported {done.path} in {time.perf_counter() - started:.2f}s", highlight=False, markup=False)
     console.print(f"  uri:    {done.uri}", highlight=False, markup=False)
-    console.print(f"  sha256: {done.sha256}", highlight=False, markup=False)
+    console.print(f"  sha256: {done.sha256} (export.json, which pins every file)", highlight=False, markup=False)
 
 
 def _load_any(config: Path):

@@ -24,12 +24,13 @@ Names (megatron checkpoint key, layer l and expert e taken from the stacked lead
 `vocab_size` in config.json is the embedding's rows (the tokenizer's vocabulary padded, see
 `model.padded_vocab_size`); the tokenizer's name and real size are under `ember`. The directory appears
 complete or not at all (written under a temporary name, every file fsync'd, renamed, parent fsync'd);
-`export.json` records the sha256 of `model.safetensors`, the content hash a policy announcement carries.
+`export.json` pins every file by sha256 and size, and its own sha256 is the digest a policy announcement
+carries (`export_format`, which also holds the one reader). config.json is validated by that reader's
+`PolicyConfig` before it is written, so an export ember writes is one ember loads.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -41,13 +42,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
-from ember.files import write_atomically
+from ember.configs import error_lines
 from ember.midtrain.config import ModelConfig, MoEConfig
+from ember.midtrain.export_format import CONFIG_FILE, WEIGHTS_FILE, PolicyConfig, seal
 
-WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
-MANIFEST_FILE = "export.json"
 RMS_NORM_EPS = 1e-5
 """megatron's TransformerConfig.layernorm_epsilon default, which ember's model config does not change."""
 
@@ -73,7 +73,7 @@ class ExportError(ValueError):
 @dataclass(frozen=True)
 class Exported:
     path: Path
-    sha256: str  # of WEIGHTS_FILE
+    sha256: str  # of its export.json, which pins every file: what an announcement carries
 
     @property
     def uri(self) -> str:
@@ -221,11 +221,6 @@ def hf_config(model: ModelConfig, moe: MoEConfig, vocab_rows: int, dtype: torch.
     }
 
 
-def sha256_file(path: Path) -> str:
-    with path.open("rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
-
-
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -235,10 +230,11 @@ def _fsync(path: Path) -> None:
 
 
 def export_checkpoint(
-    checkpoint: Path, out: Path, model: ModelConfig, moe: MoEConfig, provenance: dict[str, Any] | None = None
+    checkpoint: Path, out: Path, model: ModelConfig, moe: MoEConfig, provenance: dict[str, int] | None = None
 ) -> Exported:
-    """Writes `out` (which must not exist) from `checkpoint`; returns its path and the weights' sha256."""
-    from safetensors.torch import save_file
+    """Writes `out` (which must not exist) from `checkpoint`; returns its path and digest (`Exported`).
+    `provenance` (policy_version, step) goes into the manifest."""
+    from safetensors.torch import save
 
     problems = unsupported(model, moe)
     if problems:
@@ -247,16 +243,18 @@ def export_checkpoint(
         raise ExportError(f"{out} exists; export into a new directory (an export is never overwritten in place)")
     tensors = hf_tensors(read_checkpoint_tensors(checkpoint), model, moe)
     vocab_rows, dtype = tensors["model.embed_tokens.weight"].shape[0], tensors["model.embed_tokens.weight"].dtype
+    try:
+        config = PolicyConfig.model_validate(hf_config(model, moe, vocab_rows, dtype))
+    except ValidationError as exc:
+        raise ExportError(f"{checkpoint}: its {CONFIG_FILE} would not load: {'; '.join(error_lines(exc))}") from None
+    files = {
+        WEIGHTS_FILE: save(tensors, metadata={"format": "pt"}),
+        CONFIG_FILE: (json.dumps(config.model_dump(mode="json"), indent=2) + "\n").encode(),
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
     try:
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        os.chmod(tmp / WEIGHTS_FILE, 0o644)
-        _fsync(tmp / WEIGHTS_FILE)
-        digest = sha256_file(tmp / WEIGHTS_FILE)
-        write_atomically(tmp / CONFIG_FILE, (json.dumps(hf_config(model, moe, vocab_rows, dtype), indent=2) + "\n").encode())
-        manifest = {"weights": {WEIGHTS_FILE: digest}, "source_checkpoint": str(checkpoint.resolve()), **(provenance or {})}
-        write_atomically(tmp / MANIFEST_FILE, (json.dumps(manifest, indent=2) + "\n").encode())
+        digest = seal(tmp, files, checkpoint, **(provenance or {}))
         os.chmod(tmp, 0o755)
         _fsync(tmp)
         os.rename(tmp, out)
@@ -265,19 +263,3 @@ def export_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return Exported(out, digest)
-
-
-def verify_export(path: Path) -> Exported:
-    """An existing export whose weights still hash to what its manifest recorded."""
-    try:
-        recorded = json.loads((path / MANIFEST_FILE).read_text())["weights"][WEIGHTS_FILE]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ExportError(f"{path} is not a complete export ({MANIFEST_FILE}: {exc!r})") from None
-    actual = sha256_file(path / WEIGHTS_FILE)
-    if actual != recorded:
-        raise ExportError(f"{path / WEIGHTS_FILE} hashes to {actual}, its {MANIFEST_FILE} recorded {recorded}: the file changed")
-    return Exported(path, actual)
-
-
-def read_manifest(path: Path) -> dict[str, Any]:
-    return json.loads((path / MANIFEST_FILE).read_text())

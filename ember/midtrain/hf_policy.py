@@ -1,5 +1,5 @@
-"""The sampler's side of a policy announcement: fetch the exported weights from the announced URI, check
-their sha256, and score token sequences with a plain-torch Mixtral forward pass.
+"""The sampler's side of a policy announcement: read the export at the announced URI through the one checked
+reader (`export_format.read_export`) and score token sequences with a plain-torch Mixtral forward pass.
 
 Why it exists: it is the smallest inference engine that reads only what `midtrain export-hf` writes
 (config.json + model.safetensors under Mixtral's names, no megatron import), so a test can show that an
@@ -23,11 +23,7 @@ from urllib.parse import unquote, urlparse
 import torch
 import torch.nn.functional as F
 
-from ember.midtrain.export_hf import CONFIG_FILE, WEIGHTS_FILE, sha256_file
-
-
-class PolicyFetchError(ValueError):
-    """The announced weights cannot be used: unreachable URI, or not the bytes the announcement hashed."""
+from ember.midtrain.export_format import PolicyConfig, PolicyFetchError, read_export
 
 
 def local_path(uri: str) -> Path:
@@ -39,17 +35,17 @@ def local_path(uri: str) -> Path:
 
 @dataclass
 class HFPolicy:
-    config: dict
+    config: PolicyConfig
     weights: dict[str, torch.Tensor]
 
     def _rms(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        eps = self.config["rms_norm_eps"]
+        eps = self.config.rms_norm_eps
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * self.weights[name]
 
     def _rope(self, x: torch.Tensor) -> torch.Tensor:
         """x [heads, T, head_dim], positions 0..T-1, the rotate-half convention."""
         dim, length = x.shape[-1], x.shape[-2]
-        inv = 1.0 / (self.config["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        inv = 1.0 / (self.config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
         angles = torch.outer(torch.arange(length, dtype=torch.float32), inv)
         cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
         half = dim // 2
@@ -58,7 +54,7 @@ class HFPolicy:
 
     def _attention(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
         c, w = self.config, self.weights
-        heads, groups, head_dim = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+        heads, groups, head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         length = x.shape[0]
         q = (x @ w[prefix + "q_proj.weight"].T).view(length, heads, head_dim).transpose(0, 1)
         k = (x @ w[prefix + "k_proj.weight"].T).view(length, groups, head_dim).transpose(0, 1)
@@ -71,12 +67,12 @@ class HFPolicy:
         return attended.transpose(0, 1).reshape(length, heads * head_dim) @ w[prefix + "o_proj.weight"].T
 
     def _moe(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
-        w, top_k = self.weights, self.config["num_experts_per_tok"]
+        w, top_k = self.weights, self.config.num_experts_per_tok
         logits = x @ w[prefix + "gate.weight"].T
         top, chosen = logits.topk(top_k, dim=-1)
         probs = top.softmax(-1)
         out = torch.zeros_like(x)
-        for expert in range(self.config["num_local_experts"]):
+        for expert in range(self.config.num_local_experts):
             rows, slot = (chosen == expert).nonzero(as_tuple=True)
             if len(rows) == 0:
                 continue
@@ -89,7 +85,7 @@ class HFPolicy:
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         w = self.weights
         x = w["model.embed_tokens.weight"][tokens]
-        for layer in range(self.config["num_hidden_layers"]):
+        for layer in range(self.config.num_hidden_layers):
             prefix = f"model.layers.{layer}."
             x = x + self._attention(self._rms(x, prefix + "input_layernorm.weight"), prefix + "self_attn.")
             x = x + self._moe(self._rms(x, prefix + "post_attention_layernorm.weight"), prefix + "block_sparse_moe.")
@@ -103,20 +99,9 @@ class HFPolicy:
 
 
 def load_policy(uri: str, sha256: str) -> HFPolicy:
-    """The export at `uri`, after checking its weights file hashes to the announced `sha256`."""
-    from safetensors.torch import load_file
-
-    path = local_path(uri)
-    weights = path / WEIGHTS_FILE
-    if not weights.is_file():
-        raise PolicyFetchError(f"{uri}: no {WEIGHTS_FILE} (removed by the trainer's keep_versions, or never written)")
-    actual = sha256_file(weights)
-    if actual != sha256:
-        raise PolicyFetchError(f"{weights} hashes to {actual}, the announcement says {sha256}: not the announced weights")
-    config = json.loads((path / CONFIG_FILE).read_text())
-    if config.get("model_type") != "mixtral":
-        raise PolicyFetchError(f"{path / CONFIG_FILE}: model_type {config.get('model_type')!r}, this loader reads mixtral")
-    return HFPolicy(config, load_file(str(weights)))
+    """The export at `uri` whose export.json hashes to the announced `sha256`: every file checked against it,
+    the config validated, the weights parsed from the very bytes that were hashed."""
+    return HFPolicy(*read_export(local_path(uri), sha256).load())
 
 
 def main(argv: list[str]) -> int:

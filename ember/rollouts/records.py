@@ -10,8 +10,8 @@ what each holds:
   ledger counts exactly what the trainer can see; `ember rollouts stats` and `tail` read it, `replay`
   writes the same objects to `outcomes.jsonl`. Its `detail` object's keys depend on the reason.
 - `PolicyVersion`: the trainer (or `ember rollouts publish-policy`, `simulate`) announces each new policy
-  version (topic `<prefix>.policy-versions`), with where its exported weights are and their sha256 once
-  they are durable; samplers in any language read it with a JSON parser.
+  version (topic `<prefix>.policy-versions`), with where its export is and the sha256 of its manifest once
+  it is durable; samplers in any language read it with a JSON parser.
 - `ShardSnapshot`: the ETL's crash-recovery state for one partition pair (topic `<prefix>.etl-state`),
   nested and of varying length; only the ETL reads it back (and `tail` prints it).
 """
@@ -134,9 +134,10 @@ MAX_URI_CHARS = 4096
 @dataclass(frozen=True)
 class PolicyVersion:
     """One announced policy version. `weights_uri` and `weights_sha256` (schema 2, both or neither) say where
-    its exported weights lie and the sha256 of their safetensors file; the trainer announces a version only
-    once those files are durable. Version-1 records (the integer alone, e.g. from `ember rollouts
-    simulate`) still decode, with both None, and version-1 readers ignore the new keys."""
+    its export directory lies and the sha256 of its `export.json` (format 2), the manifest that pins every
+    file of the export, weights and config, by sha256 and size (`ember.midtrain.export_format`); the trainer
+    announces a version only once those files are durable. Version-1 records (the integer alone, e.g. from
+    `ember rollouts simulate`) still decode, with both None, and version-1 readers ignore the new keys."""
 
     policy_version: int
     published_at_us: int

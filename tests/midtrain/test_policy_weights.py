@@ -22,8 +22,9 @@ import torch
 import yaml
 
 from ember.midtrain.config import ModelConfig, MoEConfig
-from ember.midtrain.export_hf import CONFIG_FILE, WEIGHTS_FILE, ExportError, hf_tensors, sha256_file, unsupported
-from ember.midtrain.hf_policy import PolicyFetchError, load_policy
+from ember.midtrain.export_format import CONFIG_FILE, MANIFEST_FILE, PolicyFetchError, read_export, sha256
+from ember.midtrain.export_hf import ExportError, hf_tensors, unsupported
+from ember.midtrain.hf_policy import load_policy, local_path
 from ember.rollouts.records import PolicyVersion
 from ember.rollouts.simulate import distinct_top_k, synthetic_rollout
 from ember.rollouts.topics import Topics
@@ -201,9 +202,10 @@ def test_a_version_is_announced_only_after_its_export_is_durable_even_across_kil
     for record in seen[-1]:
         path = versions / f"version_{record.policy_version}"
         assert record.weights_uri == path.resolve().as_uri()
-        assert sha256_file(path / WEIGHTS_FILE) == record.weights_sha256
-        manifest = json.loads((path / "export.json").read_text())
-        assert manifest["source_checkpoint"].endswith(f"step_{record.policy_version:08d}"), "a checkpointed version"
+        assert sha256((path / MANIFEST_FILE).read_bytes()) == record.weights_sha256, "the announcement pins the manifest"
+        manifest = read_export(path, record.weights_sha256).manifest
+        assert manifest.source_checkpoint.endswith(f"step_{record.policy_version:08d}"), "a checkpointed version"
+        assert (manifest.policy_version, manifest.step) == (record.policy_version, record.policy_version)
     assert json.loads((versions / "version_6" / CONFIG_FILE).read_text())["num_key_value_heads"] == 2
 
 
@@ -244,7 +246,7 @@ def test_a_separate_sampler_process_scores_the_announced_version_as_the_trainer_
 @pytest.mark.integration
 def test_the_sampler_refuses_weights_that_do_not_match_the_announcement(run):
     last = run[3][-1][-1]  # the announcements after the last run, the newest
-    with pytest.raises(PolicyFetchError, match="not the announced weights"):
+    with pytest.raises(PolicyFetchError, match="not the announced export"):
         load_policy(last.weights_uri, "0" * 64)
     with pytest.raises(PolicyFetchError, match="only file://"):
         load_policy("s3://bucket/v6", last.weights_sha256)
@@ -301,7 +303,11 @@ def test_export_hf_command_writes_the_bytes_the_trainer_announced(run, tmp_path)
     checkpoint = root / "run" / "checkpoints" / f"step_{STEPS:08d}"
     result = CliRunner().invoke(app, ["export-hf", str(checkpoint), "--out", str(tmp_path / "hf")])
     assert result.exit_code == 0, result.output
-    assert f"sha256: {seen[-1][-1].weights_sha256}" in result.output, "the same checkpoint exports to the same bytes"
+    by_hand = read_export(tmp_path / "hf")
+    assert f"sha256: {by_hand.sha256} (export.json" in result.output
+    announced = read_export(local_path(seen[-1][-1].weights_uri), seen[-1][-1].weights_sha256)
+    assert by_hand.manifest.files == announced.manifest.files, "the same checkpoint exports to the same bytes"
+    assert by_hand.manifest.policy_version is None, "only the trainer knows the version it announces"
     config_json = json.loads((tmp_path / "hf" / CONFIG_FILE).read_text())
     assert config_json["architectures"] == ["MixtralForCausalLM"]
     assert {k: config_json[k] for k in ("vocab_size", "num_local_experts", "num_experts_per_tok", "rope_theta", "max_position_embeddings")} == {

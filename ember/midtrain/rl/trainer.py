@@ -415,16 +415,19 @@ class RLTrainer:
     def export_version(self, checkpoint_path: Path) -> PolicyVersion | None:
         """Exports the checkpointed policy (`checkpoint_path`, this step's) as version `policy_version` under
         run_dir/versions and returns its announcement; None on ranks other than 0. An export left by a run
-        that died before announcing it is checked against its hash and announced as is."""
-        from ember.midtrain.export_hf import export_checkpoint, read_manifest, verify_export
+        that died before announcing it is read back through the checked reader (every file against its manifest,
+        config and weights loadable) and announced as is."""
+        from ember.midtrain.export_format import read_export
+        from ember.midtrain.export_hf import export_checkpoint
 
         if dist.get_rank() != 0:
             return None
         version = self.policy_version
         out = self.config.versions_dir / f"version_{version}"
         if out.exists():
-            exported = verify_export(out)
-            made_from = read_manifest(out).get("source_checkpoint")
+            exported = read_export(out)
+            exported.load()
+            made_from = exported.manifest.source_checkpoint
             if made_from != str(checkpoint_path.resolve()):
                 raise ValueError(f"{out} was exported from {made_from}, not {checkpoint_path}: another lineage of this run")
         else:
