@@ -84,6 +84,7 @@ def rl(
     trains its share of every batch); resumes from the latest checkpoint."""
     cfg = _load(config, rl=True)
     _check_runnable(cfg, nproc_per_node)
+    _check_batches_topic(cfg)
     threads = threads or cfg.parallel.threads
     argv = [str(config), *(["--threads", str(threads)] if threads else [])]
     if nproc_per_node > 1:
@@ -91,6 +92,30 @@ def rl(
     from ember.midtrain.rl.run import main
 
     raise typer.Exit(main(argv))
+
+
+def _check_batches_topic(cfg) -> None:
+    """The batches topic readable before any rank builds the model (seconds of imports and a model): a typo'd
+    prefix or a missing ACL is one line and exit 2, not a traceback from every rank."""
+    from kafka import KafkaConsumer
+    from kafka.errors import KafkaError
+
+    from ember.rollouts.config import kafka_bootstrap
+    from ember.rollouts.transport import TopicUnavailable, consumer_config, topic_partitions
+
+    bootstrap = cfg.rollouts.bootstrap or kafka_bootstrap()
+    try:
+        consumer = KafkaConsumer(**consumer_config(cfg.rollouts.security, group_id=None, bootstrap_servers=bootstrap))
+        try:
+            topic_partitions(consumer, cfg.rollouts.batches_topic, cfg.rollouts.security)
+        finally:
+            consumer.close()
+    except TopicUnavailable as exc:
+        _error(f"{exc}; the topics of a prefix are made by `ember rollouts topics create --prefix {cfg.rollouts.topic_prefix}`")
+        raise typer.Exit(2)
+    except KafkaError as exc:
+        _error(f"Kafka at {bootstrap} did not answer ({exc}): is it running (`ember dev status`)?")
+        raise typer.Exit(1)
 
 
 def _exec_torchrun(nproc_per_node: int, threads: int | None, module: str, argv: list[str], max_restarts: int = 0) -> None:

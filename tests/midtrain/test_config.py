@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -148,3 +152,20 @@ def test_rl_sizes_and_policy_versions_are_bounded(tmp_path):
     assert "rl.tis_cap: Input should be a finite number" in _rl_error(tmp_path, "rl", tis_cap=float("inf"))
     big = _rl_error(tmp_path, "moe", num_experts=4096, ffn_hidden_size=65536, router_topk=8)
     assert "one rank needs at least" in big and "weights and optimizer state)" in big
+
+
+def test_rl_on_a_prefix_with_no_topics_is_one_line_before_any_rank_starts(tmp_path, kafka):
+    """A typo'd topic prefix used to build the model and end in a 77-line `[rank0]:` traceback."""
+    data = yaml.safe_load((EXAMPLES / "rl_tiny_cpu.yaml").read_text())
+    prefix = f"typo-{uuid.uuid4().hex[:8]}"
+    data["rollouts"]["topic_prefix"] = prefix
+    data["run_dir"] = str(tmp_path / "run")
+    config = tmp_path / "rl.yaml"
+    config.write_text(yaml.safe_dump(data))
+    done = subprocess.run([str(Path(sys.executable).parent / "midtrain"), "rl", str(config)], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "EMBER_KAFKA_BOOTSTRAP": kafka})
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"topic {prefix}.train-batches does not exist" in done.stderr
+    assert f"`ember rollouts topics create --prefix {prefix}`" in done.stderr
+    assert "[rank" not in done.stderr and "Traceback" not in done.stderr and done.stderr.count("\n") == 1
+    assert not (tmp_path / "run").exists(), "nothing was started"
