@@ -43,13 +43,29 @@ class PolicyVersionPublisher:
         from ember.rollouts.topics import Topics
         from ember.rollouts.transport import producer_config
 
+        from ember.rollouts.simulate import latest_policy_version
+
         spec = Topics(prefix).specs()["policy_versions"]
         ensure_topics(bootstrap, [spec], security)
         self.topic = spec.name
         self.producer = KafkaProducer(**producer_config(security, bootstrap_servers=bootstrap))
+        self.latest = latest_policy_version(self.topic, security, bootstrap)
+        self.warned = False
 
     def publish(self, version: PolicyVersion) -> None:
+        """Announce `version`; one that goes backwards is announced (a restart re-announces, the topic is a log) but
+        said once: the ETL measures staleness against the highest version on the topic, not this run's."""
+        if self.latest is not None and version.policy_version < self.latest and not self.warned:
+            self.warned = True
+            print(
+                f"[rl] warning: announcing policy version {version.policy_version}, but {self.topic} already holds "
+                f"version {self.latest} (from `ember rollouts simulate`, `publish-policy` or another run): the ETL keeps "
+                f"judging staleness against {self.latest}, so this run's rollouts look stale; set "
+                f"rl.initial_policy_version to {self.latest + 1} or more, or use a topic prefix of this run's own",
+                flush=True,
+            )
         self.producer.send(self.topic, key=b"policy", value=version.encode()).get(timeout=30)
+        self.latest = max(version.policy_version, self.latest if self.latest is not None else version.policy_version)
 
     def close(self) -> None:
         self.producer.close()

@@ -466,14 +466,31 @@ def _model_forward(model_chunk: Any, inputs: _Inputs) -> torch.Tensor:
     )
 
 
-def _print_step(record: dict[str, Any], steps: int) -> None:
+FAR_SAMPLER_SHARE = 0.5
+"""A share of tokens with rho outside [alpha, beta] above which the step line says why once: the sampler's
+log-probs did not come from (a recent copy of) this model."""
+
+
+def _print_step(record: dict[str, Any], steps: int, rl: Any, explained: set[str]) -> None:
+    """The step's line; a metric that has no value says why ("n/a (...)"), and a first far-off `outside` is
+    explained once (`explained` holds the notes already printed)."""
     m = record["mismatch"]
+    routing = record.get("routing_disagreement")
     print(
         f"[rl] step {record['step']}/{steps} batch {record['batch_id']} loss {record['loss']:.4f} "
         f"|dlogp| {m['mean_abs_delta_logp']:.4f} kl {m['kl_mu_pi']:.2e} outside {m['frac_outside']:.3f} "
-        f"routing-disagree {record.get('routing_disagreement', float('nan')):.3f} {record['step_seconds']:.2f}s",
+        f"routing-disagree {'n/a (the batch carries no routed experts)' if routing is None else f'{routing:.3f}'} "
+        f"{record['step_seconds']:.2f}s",
         flush=True,
     )
+    if m["frac_outside"] > FAR_SAMPLER_SHARE and "outside" not in explained:
+        explained.add("outside")
+        print(
+            f"[rl] note: outside is the share of tokens whose ratio rho = pi/mu lies outside [{rl.alpha}, {rl.beta}]; "
+            f"above {FAR_SAMPLER_SHARE} the sampler's log-probs are far from this model's (a simulator, or a policy "
+            "other than this run's): the correction then masks or caps most tokens",
+            flush=True,
+        )
 
 
 def _announce(trainer: RLTrainer, channel: PolicyChannel | None, checkpoint: Path) -> None:
@@ -508,7 +525,7 @@ def run_rl(trainer: RLTrainer, batches: Iterable[RLBatch], channel: PolicyChanne
         checkpoint = trainer.resumed_from or trainer.save()
         _announce(trainer, channel, checkpoint)
         saved_step = announced_step = trainer.state.step
-        pending = iter(batches)
+        pending, explained = iter(batches), set()
         while trainer.state.step < rl.steps and not trainer.any_rank(stop.signal is not None):
             batch = next(pending, None)
             if batch is None:
@@ -524,7 +541,7 @@ def run_rl(trainer: RLTrainer, batches: Iterable[RLBatch], channel: PolicyChanne
             if lead:
                 if channel is not None:
                     channel.step_done()
-                _print_step(record, rl.steps)
+                _print_step(record, rl.steps, rl, explained)
         if saved_step != trainer.state.step:
             checkpoint = trainer.save()
         if announced_step != trainer.state.step:
