@@ -101,11 +101,12 @@ def _watch_plain(directory: str | Path, done: threading.Event, console: Console,
                  expected: dict[str, int]) -> None:
     printed: dict[str, int] = {}
 
-    def emit(final: bool) -> None:
+    def emit() -> None:
+        """The stages whose count moved since they were last printed: a phase's end repeats no line."""
         elapsed = time.monotonic() - stages.start
         for stage in stages.ordered():
             n = stages.totals.get(stage, 0)
-            if final or printed.get(stage) != n:
+            if printed.get(stage) != n:
                 console.print(_plain_line(stage, n, expected.get(stage), elapsed, stages.seconds(stage)),
                               highlight=False, soft_wrap=True)
                 printed[stage] = n
@@ -114,10 +115,10 @@ def _watch_plain(directory: str | Path, done: threading.Event, console: Console,
     while not done.wait(FLUSH_SECONDS):
         stages.update(read_progress(directory))
         if time.monotonic() - last >= PLAIN_EVERY_SECONDS:
-            emit(final=False)
+            emit()
             last = time.monotonic()
     stages.update(read_progress(directory))
-    emit(final=True)
+    emit()
 
 
 def _watch_live(directory: str | Path, done: threading.Event, console: Console, stages: _Stages,
