@@ -1,5 +1,6 @@
 """What every config file gets alike (ember.configs): `${VAR}` expansion of parsed values, and a file that is
-not UTF-8 text refused as a config error by every tool, with exit code 2 and one line, never a traceback."""
+not UTF-8 text refused as a config error by every tool, with exit code 2 and one line, never a traceback; and
+no error that shows a value from the environment or a secret field."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from ember.cli import app as ember_app
 from ember.configs import ConfigError, CorpusConfigError, MidtrainConfigError
 from ember.midtrain.cli import app as midtrain_app
 from ember.midtrain.config import MidtrainConfig, load_config as load_midtrain
-from ember.pipelines.corpus.config import load_config as load_corpus
+from ember.pipelines.corpus.config import CorpusConfig, load_config as load_corpus
+from ember.rollouts.config import EtlConfig
 
 REPO = Path(__file__).resolve().parents[1]
 MIDTRAIN = yaml.safe_load((REPO / "ember/midtrain/examples/tiny_cpu.yaml").read_text())
@@ -151,9 +153,9 @@ def _merge(base: dict, **sections: dict) -> dict:
     return {**base, **{k: {**base[k], **v} if isinstance(base.get(k), dict) else v for k, v in sections.items()}}
 
 
-def _problems(app, command: list[str], path: Path) -> list[str]:
+def _problems(app, command: list[str], path: Path, env: dict[str, str] | None = None) -> list[str]:
     """The error lines a command prints for the config at `path` (exit code 2, one error)."""
-    result = CliRunner(env={"COLUMNS": "1000"}).invoke(app, [*command, str(path)])
+    result = CliRunner(env={"COLUMNS": "1000", **(env or {})}).invoke(app, [*command, str(path)])
     assert result.exit_code == 2, result.output
     head, *lines = [line for line in result.output.splitlines() if line.strip()]
     assert head == f"{path} is invalid:", result.output
@@ -310,3 +312,63 @@ def test_a_cross_section_problem_is_named_by_the_section_it_is_about(tmp_path):
         "parallel: the RL step runs each batch share as one micro-batch through the whole model: tensor and pipeline "
         "must be 1 (data- and expert-parallel ranks are supported)"
     ]
+
+
+PASSWORD = "kafkaPW-d0-n0t-echo-7f3e9a"
+FROM_ENV = "${EMBER_KAFKA_SASL_PASSWORD}"
+NOT_AN_INT = "Input should be a valid integer, unable to parse string as an integer"
+NAME_PATTERN = "String should match pattern '^[A-Za-z_][A-Za-z0-9_]*$'"
+# One failing field per tool, given the password through ${VAR}: pydantic's input echo printed it as (got 'kafkaPW-...').
+LEAKS = [
+    pytest.param(ember_app, ["corpus", "build"], _merge(CORPUS, dedup={"bands": FROM_ENV}), f"dedup.bands: {NOT_AN_INT}",
+                 id="corpus build"),
+    pytest.param(ember_app, ["corpus", "tokenize"], {**TOKENIZE, "seq_len": FROM_ENV}, f"seq_len: {NOT_AN_INT}",
+                 id="corpus tokenize"),
+    pytest.param(midtrain_app, ["train"], _merge(MIDTRAIN, optimizer={"lr": FROM_ENV}),
+                 "optimizer.lr: Input should be a valid number, unable to parse string as a number", id="midtrain train"),
+    pytest.param(midtrain_app, ["launch", "--dry-run"], _merge(MIDTRAIN, model={"normalization": FROM_ENV}),
+                 "model.normalization: Input should be 'RMSNorm' or 'LayerNorm'", id="midtrain launch"),
+    pytest.param(midtrain_app, ["rl"], _merge(RL, rollouts={"security": {"sasl_plain_password_env": FROM_ENV}}),
+                 f"rollouts.security.sasl_plain_password_env: {NAME_PATTERN}", id="midtrain rl"),
+    pytest.param(ember_app, ["rollouts", "etl"], _merge(ETL, kafka={"security": {"sasl_plain_password_env": FROM_ENV}}),
+                 f"kafka.security.sasl_plain_password_env: {NAME_PATTERN}", id="rollouts etl"),
+    pytest.param(ember_app, ["rollouts", "stats"], _merge(ETL, kafka={"session_timeout_ms": FROM_ENV}),
+                 f"kafka.session_timeout_ms: {NOT_AN_INT}", id="rollouts stats"),
+    pytest.param(ember_app, ["rollouts", "replay", "--to", "out"], _merge(ETL, batches={"token_budget": FROM_ENV}),
+                 f"batches.token_budget: {NOT_AN_INT}", id="rollouts replay"),
+]
+
+
+@pytest.mark.parametrize(("app", "command", "data", "expected"), LEAKS)
+def test_no_tool_echoes_a_value_from_the_environment_but_names_the_variable(tmp_path, app, command, data, expected):
+    lines = _problems(app, command, _write(tmp_path / "bad.yaml", data), env={"EMBER_KAFKA_SASL_PASSWORD": PASSWORD})
+    assert lines == [f"{expected} (got the value of {FROM_ENV})"]  # every line the command printed but the header
+
+
+def _validate(model, text: str) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        configs.validate(model, configs.parse_yaml_mapping(text, "c.yaml", ConfigError), "c.yaml", ConfigError)
+    return str(info.value).splitlines()[1:]
+
+
+def test_a_message_that_embeds_the_value_shows_it_as_written(monkeypatch):
+    monkeypatch.setenv("EMBER_TEST_HOST", "kafka\\PW 'token'!")  # repr() would double the backslash
+    monkeypatch.setenv("EMBER_TEST_SIZE", "66")
+    lines = _validate(CorpusConfig, (
+        "sources: [{name: w, kind: web, inputs: [a]}]\noutput: {directory: o}\n"
+        "filters: {web: {url_blocklist: {domains: [ok.com, 'x.${EMBER_TEST_HOST}']}}}\n"
+    ))
+    assert lines == ['  filters.web.url_blocklist.domains: "x.${EMBER_TEST_HOST}" is not a domain name (expected e.g. example.com)']
+    text = yaml.safe_dump(_merge(MIDTRAIN, model={"hidden_size": "${EMBER_TEST_SIZE}"}))
+    assert _validate(MidtrainConfig, text) == ["  model: hidden_size ${EMBER_TEST_SIZE} is not divisible by num_attention_heads 4"]
+
+
+@pytest.mark.parametrize(("password", "message"), [(PASSWORD, NAME_PATTERN), (73_019_558, "Input should be a valid string")])
+def test_a_secret_field_never_shows_its_value_even_when_written_literally(password, message):
+    lines = _validate(EtlConfig, yaml.safe_dump(_merge(ETL, kafka={"security": {"sasl_plain_password_env": password}})))
+    assert lines == [f"  kafka.security.sasl_plain_password_env: {message} (got a secret, not shown)"]
+
+
+def test_a_long_value_is_shown_cut_to_one_readable_line():
+    lines = _validate(EtlConfig, yaml.safe_dump(_merge(ETL, kafka={"session_timeout_ms": "9" * 1_000 + "x"})))
+    assert lines == [f"  kafka.session_timeout_ms: {NOT_AN_INT} (got '{'9' * 99}... (1,003 characters))"]
