@@ -25,6 +25,11 @@ Model = TypeVar("Model", bound=BaseModel)
 MAX_CONFIG_BYTES = 4 * 1024 * 1024
 """A config is written by hand; a larger file is a data file (or /dev/zero) passed by mistake."""
 
+MAX_EXPANDED_BYTES = 4 * MAX_CONFIG_BYTES
+"""A config with its YAML aliases and `${VAR}`s written out: sharing a few sections stays far below, while an
+alias bomb (one 1.5 MB anchored string referenced 500,000 times in a 3.5 MB file) is 750 GB, which the phase
+keys' JSON and every copy of the config would materialise."""
+
 SECRET = object()
 """Marks a field whose value no error shows, even when written literally: `Annotated[str, configs.SECRET]`."""
 SECRET_SHOWN = "a secret, not shown"
@@ -269,43 +274,62 @@ def expand_env(data: Any, where: str, error: type[ConfigError], environ: Mapping
     Keys are never expanded. An unset variable without a default, or a `${` that starts no reference, is an
     error naming the dotted key (the value itself is never echoed: it may hold what the variable held). A
     string that took text from `environ` comes back as `Expanded`, so a later error can show the variable
-    instead.
+    instead. The data as used, aliases and variables written out, is at most MAX_EXPANDED_BYTES, measured
+    without writing it out; a recursive alias is an error.
     """
-    return _Expander(where, error, environ).walk(data, "")
+    return _Expander(where, error, environ).walk(data, "")[0]
 
 
 class _Expander:
-    """One walk over a parsed YAML tree; shared nodes (YAML aliases) are expanded once, cycles terminate."""
+    """One walk over a parsed YAML tree; shared nodes (YAML aliases) are expanded once but counted at each use."""
 
     def __init__(self, where: str, error: type[ConfigError], environ: Mapping[str, str]):
         self._where, self._error, self._environ = where, error, environ
-        self._done: dict[int, Any] = {}
+        self._done: dict[int, tuple[Any, int | None]] = {}  # id -> (expanded, size once complete)
 
-    def walk(self, node: Any, key: str) -> Any:
+    def walk(self, node: Any, key: str) -> tuple[Any, int]:
+        """The expanded node and its size written out (about its JSON length)."""
         if isinstance(node, str):
-            return self._string(node, key)
+            value = self._string(node, key)
+            return value, len(value) + 2
         if not isinstance(node, (dict, list)):
-            return node
+            return node, len(node) if isinstance(node, bytes) else len(str(node))
         if id(node) in self._done:
-            return self._done[id(node)]
-        if isinstance(node, dict):
-            out: dict = {}
-            self._done[id(node)] = out
-            for k, v in node.items():
-                out[k] = self.walk(v, f"{key}.{k}" if key else str(k))
-            return out
-        items: list = []
-        self._done[id(node)] = items
-        items.extend(self.walk(v, f"{key}.{i}" if key else str(i)) for i, v in enumerate(node))
-        return items
+            value, size = self._done[id(node)]
+            if size is None:
+                raise self._error(f"{self._where}: {key or '(top level)'}: a YAML alias refers to a node that contains it; "
+                                  "a config cannot be recursive")
+            return value, size
+        out: dict | list = {} if isinstance(node, dict) else []
+        self._done[id(node)] = (out, None)
+        size = 2
+        for k, v in node.items() if isinstance(node, dict) else enumerate(node):
+            child, n = self.walk(v, f"{key}.{k}" if key else str(k))
+            if isinstance(out, dict):
+                out[k] = child
+                n += len(str(k)) + 4
+            else:
+                out.append(child)
+            size = self._bounded(size + n + 1, key)
+        self._done[id(node)] = (out, size)
+        return out, size
+
+    def _bounded(self, size: int, key: str) -> int:
+        if size > MAX_EXPANDED_BYTES:
+            raise self._error(
+                f"{self._where}: {key or '(top level)'}: over {MAX_EXPANDED_BYTES // 2**20} MiB with its YAML aliases and "
+                "${VAR}s written out; a config is written by hand, this is an alias bomb or a data file"
+            )
+        return size
 
     def _string(self, value: str, key: str) -> str:
         if "$" not in value:
             return value
-        pieces, last, from_env = [], 0, False
+        pieces, size, last, from_env = [], len(value), 0, False
         for match in _REFERENCE.finditer(value):
             text, filled = self._replace(match, key or "(top level)")
             pieces += [value[last:match.start()], text]
+            size = self._bounded(size + len(text) - len(match.group(0)), key)
             last, from_env = match.end(), from_env or filled
         out = "".join(pieces) + value[last:]
         return Expanded(out, value) if from_env else out
@@ -344,20 +368,41 @@ def decode_config(data: bytes, where: str, error: type[ConfigError]) -> str:
     return text
 
 
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+"""libyaml where PyYAML was built with it: it parses a 4 MiB file in a second where pure Python takes a minute,
+and it bounds nesting depth itself. Both compose an alias as the anchored node, so aliases cost no memory here."""
+
+
 def parse_yaml_mapping(text: str, where: str, error: type[ConfigError], sections: str = "") -> dict:
     """The top-level mapping of a YAML document, `${VAR}`s expanded; an empty document is an empty mapping."""
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_LOADER)
+        if data is None:
+            return {}
+        if not isinstance(data, dict):
+            expected = f"a mapping of sections ({sections})" if sections else "a mapping at the top level"
+            raise error(f"{where}: expected {expected}, got {type(data).__name__}")
+        return expand_env(data, where, error)
+    except ConfigError:
+        raise
     except yaml.YAMLError as exc:
+        raise error(f"{where}: not valid YAML: {_yaml_problem(exc)}") from None
+    except ValueError as exc:  # a scalar YAML resolves but Python refuses: a 5,000-digit int, month 13
         raise error(f"{where}: not valid YAML: {exc}") from None
     except RecursionError:
         raise error(f"{where}: not valid YAML: nested too deeply") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        expected = f"a mapping of sections ({sections})" if sections else "a mapping at the top level"
-        raise error(f"{where}: expected {expected}, got {type(data).__name__}")
-    return expand_env(data, where, error)
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's error as one line, without its excerpt of the file (which may hold a secret)."""
+    if not isinstance(exc, yaml.MarkedYAMLError) or not exc.problem:
+        return " ".join(str(exc).split())
+
+    def at(mark: Any) -> str:
+        return f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+
+    context = f" ({exc.context}{at(exc.context_mark)})" if exc.context else ""
+    return f"{exc.problem}{at(exc.problem_mark)}{context}"
 
 
 def parse_yaml_bytes(data: bytes, where: str, error: type[ConfigError], sections: str = "") -> dict:

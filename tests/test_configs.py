@@ -1,9 +1,13 @@
 """What every config file gets alike (ember.configs): `${VAR}` expansion of parsed values, and a file that is
-not UTF-8 text refused as a config error by every tool, with exit code 2 and one line, never a traceback; and
-no error that shows a value from the environment or a secret field."""
+not UTF-8 text, or an alias bomb, refused as a config error by every tool, with exit code 2 and one line, never
+a traceback; and no error that shows a value from the environment or a secret field."""
 
 from __future__ import annotations
 
+import os
+import resource
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -75,15 +79,30 @@ def test_unset_variable_deep_in_a_list_is_named_by_its_dotted_key(monkeypatch):
         configs.parse_yaml_mapping(text, "c.yaml", CorpusConfigError)
 
 
-def test_aliases_are_expanded_once_so_an_alias_bomb_stays_cheap(monkeypatch):
-    monkeypatch.setenv("EMBER_TEST_LEAF", "leaf")
+def _doubling(levels: int) -> str:
+    """YAML whose last list holds 2**levels leaves through aliases of aliases, in `levels` lines."""
     lines = ["l0: &l0 ['${EMBER_TEST_LEAF}', '${EMBER_TEST_LEAF}']"]
-    lines += [f"l{i}: &l{i} [*l{i - 1}, *l{i - 1}]" for i in range(1, 40)]  # 2^40 leaves if walked naively
-    data = configs.parse_yaml_mapping("\n".join(lines), "bomb.yaml", ConfigError)
-    node = data["l39"]
-    for _ in range(39):
+    return "\n".join(lines + [f"l{i}: &l{i} [*l{i - 1}, *l{i - 1}]" for i in range(1, levels)])
+
+
+def test_aliases_below_the_bound_are_expanded_once_and_stay_shared(monkeypatch):
+    monkeypatch.setenv("EMBER_TEST_LEAF", "leaf")
+    data = configs.parse_yaml_mapping(_doubling(16), "shared.yaml", ConfigError)  # 65,536 leaves written out
+    node = data["l15"]
+    for _ in range(15):
+        assert node[0] is node[1]
         node = node[1]
     assert node == ["leaf", "leaf"]
+
+
+def test_an_alias_bomb_is_refused_by_its_size_written_out_without_writing_it(monkeypatch):
+    monkeypatch.setenv("EMBER_TEST_LEAF", "leaf")
+    with pytest.raises(ConfigError) as info:
+        configs.parse_yaml_mapping(_doubling(40), "bomb.yaml", ConfigError)  # 2^40 leaves if written out
+    assert str(info.value) == (
+        "bomb.yaml: (top level): over 16 MiB with its YAML aliases and ${VAR}s written out; "
+        "a config is written by hand, this is an alias bomb or a data file"
+    )
 
 
 @pytest.mark.parametrize(
@@ -372,3 +391,64 @@ def test_a_secret_field_never_shows_its_value_even_when_written_literally(passwo
 def test_a_long_value_is_shown_cut_to_one_readable_line():
     lines = _validate(EtlConfig, yaml.safe_dump(_merge(ETL, kafka={"session_timeout_ms": "9" * 1_000 + "x"})))
     assert lines == [f"  kafka.session_timeout_ms: {NOT_AN_INT} (got '{'9' * 99}... (1,003 characters))"]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("a: [1, 2\nb: 3", "not valid YAML: did not find expected ',' or ']' at line 2, column 2 "
+                          "(while parsing a flow sequence at line 1, column 4)"),
+        (f'a: 1\npassword: "{PASSWORD}\n', "not valid YAML: found unexpected end of stream at line 3, column 1 "
+                                          "(while scanning a quoted scalar at line 2, column 11)"),
+        ("a: 2026-13-45", "not valid YAML: month must be in 1..12"),
+        ("a: " + "1" * 5000, "not valid YAML: Exceeds the limit (4300 digits) for integer string conversion"),
+        ("a: &a [b, *a]", "a.1: a YAML alias refers to a node that contains it; a config cannot be recursive"),
+    ],
+    ids=["syntax", "no excerpt of the file", "bad date", "huge int", "recursive alias"],
+)
+def test_a_yaml_problem_is_one_line_without_an_excerpt_of_the_file(text, message):
+    with pytest.raises(ConfigError) as info:
+        configs.parse_yaml_mapping(text, "c.yaml", ConfigError)
+    assert str(info.value).startswith(f"c.yaml: {message}")
+    assert "\n" not in str(info.value) and PASSWORD not in str(info.value)
+
+
+BOMB_LINE = "over 16 MiB with its YAML aliases and ${VAR}s written out; a config is written by hand, this is an alias bomb or a data file"
+
+
+def _alias_bomb(path: Path, head: str, string_chars: int, references: int) -> Path:
+    """`head` (YAML) plus a key `bomb:` whose list references one anchored string `references` times."""
+    path.write_text(f"{head}bomb: [&s '{'x' * string_chars}', {', '.join(['*s'] * references)}]\n")
+    return path
+
+
+@pytest.mark.parametrize(("app", "command"), COMMANDS)
+def test_every_tool_refuses_an_alias_bomb_with_exit_2_and_one_line(tmp_path, app, command):
+    path = _alias_bomb(tmp_path / "bomb.yaml", "", 64 * 1024, 300)  # 19 MiB written out; before: "bomb: unknown key"
+    result = CliRunner(env={"COLUMNS": "1000"}).invoke(app, [*command, str(path)])
+    assert result.exit_code == 2, result.output
+    assert result.output.splitlines() == [f"{path}: bomb: {BOMB_LINE}"]
+
+
+def test_the_issue_alias_bomb_fails_at_once_in_bounded_memory(tmp_path):
+    """Issue 26: one 1.5 MB string referenced 500,000 times in a 3.5 MB file passed validation, then the phase
+    key's JSON took 4.2 GB and ended in a MemoryError traceback. The child runs under a CPU-time limit (the
+    pure-Python parser alone took 100 s) and an address-space cap, so a regression fails instead of swapping."""
+    config = _alias_bomb(tmp_path / "bomb.yaml", "sources: [{name: web, kind: web, inputs: [in/*.jsonl]}]\noutput: {directory: out}\n",
+                         1_500_000, 500_000)
+    assert 3_400_000 < config.stat().st_size < configs.MAX_CONFIG_BYTES
+
+    def limits() -> None:
+        resource.setrlimit(resource.RLIMIT_CPU, (60, 60))
+        resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, 3 * 2**30))
+
+    with open(tmp_path / "out.txt", "w+") as out:
+        child = subprocess.Popen([sys.executable, "-m", "ember.cli", "corpus", "build", str(config)], cwd=tmp_path,
+                                 stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "1000"}, preexec_fn=limits)
+        _, status, usage = os.wait4(child.pid, 0)  # this child's own peak RSS, not the suite's earlier children
+        child.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        output = out.read()
+    assert child.returncode == 2, output
+    assert output.splitlines() == [f"{config}: bomb: {BOMB_LINE}"]
+    assert usage.ru_maxrss * 1024 < 1 * 2**30, usage.ru_maxrss  # Linux reports KiB; it needed over 4 GiB before
