@@ -225,6 +225,10 @@ class Expanded(str):
         return f"the expansion of {_short_repr(self.written)}"
 
 
+for _representer in (yaml.representer.SafeRepresenter, yaml.representer.Representer):  # a config read, then dumped
+    _representer.add_representer(Expanded, _representer.represent_str)
+
+
 def expansions(data: Any) -> list[Expanded]:
     """Every `Expanded` string in `data` (shared and cyclic containers visited once)."""
     found, seen, stack = [], set(), [data]

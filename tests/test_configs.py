@@ -4,7 +4,9 @@ a traceback; and no error that shows a value from the environment or a secret fi
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
 import resource
 import subprocess
 import sys
@@ -49,6 +51,15 @@ def test_defaults_escapes_and_lists(tmp_path, monkeypatch):
     config = load_corpus(str(tmp_path / "c.yaml"))
     assert config.sources[0].inputs == [str(tmp_path / "data/a/*.jsonl"), str(tmp_path / "b/*.jsonl")]
     assert config.output.directory == str(tmp_path / "out" / "${literal}")
+
+
+def test_an_expanded_value_is_an_ordinary_string_to_yaml_json_and_pickle(monkeypatch):
+    monkeypatch.setenv("EMBER_TEST_DATA", "/data")
+    data = configs.parse_yaml_mapping("a: ['${EMBER_TEST_DATA}/x']\n", "c.yaml", ConfigError)
+    assert isinstance(data["a"][0], configs.Expanded)  # what lets an error name the variable instead
+    assert yaml.safe_load(yaml.safe_dump(data)) == yaml.safe_load(yaml.dump(data)) == {"a": ["/data/x"]}
+    assert json.dumps(data) == '{"a": ["/data/x"]}'
+    assert pickle.loads(pickle.dumps(data))["a"][0].written == "${EMBER_TEST_DATA}/x"
 
 
 def test_expansion_happens_after_parsing_so_a_value_cannot_change_the_structure(monkeypatch):
