@@ -239,6 +239,9 @@ class TokenizeStage(PackSettings):
 
 
 class CorpusConfig(StrictModel):
+    _expanded: dict[str, str] = PrivateAttr(default_factory=dict)
+    """Values that came from `${VAR}` -> as written: the input checks run after validation, on plain strings."""
+
     sources: list[CorpusSource] = Field(min_length=1)
     filters: Filters = Field(default_factory=Filters)
     redaction: Redaction = Field(default_factory=Redaction)
@@ -250,8 +253,6 @@ class CorpusConfig(StrictModel):
         default=DEFAULT_WARN_SHARE, gt=0, le=1,
         description="warn when one reason rejects more than this share of a source's documents; --strict fails then",
     )
-    _expanded: dict[str, str] = PrivateAttr(default_factory=dict)
-    """Values that came from `${VAR}` -> as written: the input checks run after validation, on plain strings."""
 
     @property
     def shards_directory(self) -> str | None:
