@@ -4,6 +4,8 @@ The whole `ConfigError` hierarchy lives here: one subclass per config family, so
 its own; each command's config module keeps only its pydantic models. File reading and error wording
 live here too, and so does what every config file gets alike: strict UTF-8 decoding, `${VAR}`
 expansion in its string values, and upper bounds on sizes whose errors say why the bound exists.
+No error shows a value that came from the environment or sits in a `SECRET` field: the key, the reason
+and the variable's name are enough to fix it, and an error ends up in terminals, CI logs and tickets.
 """
 
 from __future__ import annotations
@@ -22,6 +24,18 @@ Model = TypeVar("Model", bound=BaseModel)
 
 MAX_CONFIG_BYTES = 4 * 1024 * 1024
 """A config is written by hand; a larger file is a data file (or /dev/zero) passed by mistake."""
+
+MAX_EXPANDED_BYTES = 4 * MAX_CONFIG_BYTES
+"""A config with its YAML aliases and `${VAR}`s written out: sharing a few sections stays far below, while an
+alias bomb (one 1.5 MB anchored string referenced 500,000 times in a 3.5 MB file) is 750 GB, which the phase
+keys' JSON and every copy of the config would materialise."""
+
+SECRET = object()
+"""Marks a field whose value no error shows, even when written literally: `Annotated[str, configs.SECRET]`."""
+SECRET_SHOWN = "a secret, not shown"
+
+_REPR_CHARS = 100
+"""How much of a bad value an error line shows: a 1 MB string stays one readable line."""
 
 
 class ConfigError(ValueError):
@@ -148,22 +162,94 @@ def closest(word: str, choices: Iterable[str]) -> str | None:
 
 def error_items(exc: ValidationError, hint_unknown: str = "", model: type[BaseModel] | None = None) -> list[tuple[str, str]]:
     """`(dotted.key, what is wrong)` per problem ("" for the top level); an unknown key is matched against the
-    keys `model` allows there ("did you mean"), and gets `hint_unknown` (e.g. where the example is)."""
+    keys `model` allows there ("did you mean"), and gets `hint_unknown` (e.g. where the example is).
+
+    A value from `${VAR}` is shown as the variable (`got the value of ${VAR}`), a `SECRET` field's not at all;
+    a message that embeds either (our validators' words) shows the text as written, `${VAR}` and all."""
     items = []
     for item in exc.errors():
         key = ".".join(str(p) for p in item["loc"])
         error = item.get("ctx", {}).get("error")
+        value = item.get("input")
+        scalar = "input" in item and not isinstance(value, (dict, list))
+        secret = scalar and model is not None and _is_secret(model, item["loc"])
+        hidden = {v: v.written for v in expansions(value)} | ({str(value): SECRET_SHOWN} if secret else {})
         if isinstance(error, Problems):
-            items += [(".".join(k for k in (key, sub) if k), message) for sub, message in error.problems]
+            items += [(".".join(k for k in (key, sub) if k), conceal(message, hidden)) for sub, message in error.problems]
         elif item["type"] == "extra_forbidden":  # never echo the value: a misplaced key may hold a secret
             closest = close_key(model, item["loc"]) if model is not None else None
             message = "unknown key" + (f"; did you mean {closest}?" if closest else "")
             items.append((key, f"{message} ({hint_unknown})" if hint_unknown else message))
         else:  # our own validators' words without pydantic's "Value error, " prefix; scalars are shown
-            message = str(error) if item["type"] == "value_error" else item["msg"]
-            shown = "input" in item and not isinstance(item["input"], (dict, list))
-            items.append((key, f"{message} (got {item['input']!r})" if shown else message))
+            message = conceal(str(error) if item["type"] == "value_error" else item["msg"], hidden)
+            if scalar:
+                shown = value.shown() if isinstance(value, Expanded) else SECRET_SHOWN if secret else _short_repr(value)
+                message += f" (got {shown})"
+            items.append((key, message))
     return items
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _REPR_CHARS else f"{text[:_REPR_CHARS]}... ({len(text):,} characters)"
+
+
+def _is_secret(model: type[BaseModel], loc: tuple) -> bool:
+    """Whether `loc` is at or inside a field marked `SECRET`."""
+    for i, part in enumerate(loc):
+        for m in models_at(model, loc[:i]) if isinstance(part, str) else ():
+            field = m.model_fields.get(part) or next((f for f in m.model_fields.values() if f.alias == part), None)
+            if field is not None and any(meta is SECRET for meta in field.metadata):
+                return True
+    return False
+
+
+class Expanded(str):
+    """A string value with text from the environment; `written` is how the config spelled it, which an error
+    shows instead of the value (`shown`)."""
+
+    written: str
+
+    def __new__(cls, value: str, written: str) -> "Expanded":
+        self = super().__new__(cls, value)
+        self.written = written
+        return self
+
+    def __reduce__(self):  # pickled with `written` (Beam ships a few config values to workers)
+        return Expanded, (str(self), self.written)
+
+    def shown(self) -> str:
+        single = _REFERENCE.fullmatch(self.written)
+        if single and single.group(1):
+            return f"the value of ${{{single.group(1)}}}"
+        return f"the expansion of {_short_repr(self.written)}"
+
+
+for _representer in (yaml.representer.SafeRepresenter, yaml.representer.Representer):  # a config read, then dumped
+    _representer.add_representer(Expanded, _representer.represent_str)
+
+
+def expansions(data: Any) -> list[Expanded]:
+    """Every `Expanded` string in `data` (shared and cyclic containers visited once)."""
+    found, seen, stack = [], set(), [data]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, Expanded):
+            found.append(node)
+        elif isinstance(node, (dict, list)) and id(node) not in seen:
+            seen.add(id(node))
+            stack.extend(node.values() if isinstance(node, dict) else node)
+    return found
+
+
+def conceal(text: str, hidden: Mapping[str, str]) -> str:
+    """`text` with each key of `hidden` (and its repr'd form) replaced by its value, e.g. an expanded value by
+    how the config wrote it. A short key is replaced only as a whole word: a variable holding `1` leaves `1,024`."""
+    for value in sorted((v for v in hidden if v), key=len, reverse=True):
+        for form in dict.fromkeys((str(value), repr(str(value))[1:-1])):
+            pattern = re.escape(form) if len(form) >= 8 else rf"(?<!\w){re.escape(form)}(?!\w)"
+            text = re.sub(pattern, lambda _, shown=hidden[value]: shown, text)
+    return text
 
 
 def error_lines(exc: ValidationError, hint_unknown: str = "", model: type[BaseModel] | None = None) -> list[str]:
@@ -190,44 +276,72 @@ def expand_env(data: Any, where: str, error: type[ConfigError], environ: Mapping
     Applied to parsed YAML values, never to the raw text, so an expanded value cannot change the document's
     structure and YAML quoting stays what it was. The default applies when VAR is unset or empty, as in sh.
     Keys are never expanded. An unset variable without a default, or a `${` that starts no reference, is an
-    error naming the dotted key (the value itself is never echoed: it may hold what the variable held).
+    error naming the dotted key (the value itself is never echoed: it may hold what the variable held). A
+    string that took text from `environ` comes back as `Expanded`, so a later error can show the variable
+    instead. The data as used, aliases and variables written out, is at most MAX_EXPANDED_BYTES, measured
+    without writing it out; a recursive alias is an error.
     """
-    return _Expander(where, error, environ).walk(data, "")
+    return _Expander(where, error, environ).walk(data, "")[0]
 
 
 class _Expander:
-    """One walk over a parsed YAML tree; shared nodes (YAML aliases) are expanded once, cycles terminate."""
+    """One walk over a parsed YAML tree; shared nodes (YAML aliases) are expanded once but counted at each use."""
 
     def __init__(self, where: str, error: type[ConfigError], environ: Mapping[str, str]):
         self._where, self._error, self._environ = where, error, environ
-        self._done: dict[int, Any] = {}
+        self._done: dict[int, tuple[Any, int | None]] = {}  # id -> (expanded, size once complete)
 
-    def walk(self, node: Any, key: str) -> Any:
+    def walk(self, node: Any, key: str) -> tuple[Any, int]:
+        """The expanded node and its size written out (about its JSON length)."""
         if isinstance(node, str):
-            return self._string(node, key)
+            value = self._string(node, key)
+            return value, len(value) + 2
         if not isinstance(node, (dict, list)):
-            return node
+            return node, len(node) if isinstance(node, bytes) else len(str(node))
         if id(node) in self._done:
-            return self._done[id(node)]
-        if isinstance(node, dict):
-            out: dict = {}
-            self._done[id(node)] = out
-            for k, v in node.items():
-                out[k] = self.walk(v, f"{key}.{k}" if key else str(k))
-            return out
-        items: list = []
-        self._done[id(node)] = items
-        items.extend(self.walk(v, f"{key}.{i}" if key else str(i)) for i, v in enumerate(node))
-        return items
+            value, size = self._done[id(node)]
+            if size is None:
+                raise self._error(f"{self._where}: {key or '(top level)'}: a YAML alias refers to a node that contains it; "
+                                  "a config cannot be recursive")
+            return value, size
+        out: dict | list = {} if isinstance(node, dict) else []
+        self._done[id(node)] = (out, None)
+        size = 2
+        for k, v in node.items() if isinstance(node, dict) else enumerate(node):
+            child, n = self.walk(v, f"{key}.{k}" if key else str(k))
+            if isinstance(out, dict):
+                out[k] = child
+                n += len(str(k)) + 4
+            else:
+                out.append(child)
+            size = self._bounded(size + n + 1, key)
+        self._done[id(node)] = (out, size)
+        return out, size
+
+    def _bounded(self, size: int, key: str) -> int:
+        if size > MAX_EXPANDED_BYTES:
+            raise self._error(
+                f"{self._where}: {key or '(top level)'}: over {MAX_EXPANDED_BYTES // 2**20} MiB with its YAML aliases and "
+                "${VAR}s written out; a config is written by hand, this is an alias bomb or a data file"
+            )
+        return size
 
     def _string(self, value: str, key: str) -> str:
         if "$" not in value:
             return value
-        return _REFERENCE.sub(lambda m: self._replace(m, key or "(top level)"), value)
+        pieces, size, last, from_env = [], len(value), 0, False
+        for match in _REFERENCE.finditer(value):
+            text, filled = self._replace(match, key or "(top level)")
+            pieces += [value[last:match.start()], text]
+            size = self._bounded(size + len(text) - len(match.group(0)), key)
+            last, from_env = match.end(), from_env or filled
+        out = "".join(pieces) + value[last:]
+        return Expanded(out, value) if from_env else out
 
-    def _replace(self, match: re.Match, key: str) -> str:
+    def _replace(self, match: re.Match, key: str) -> tuple[str, bool]:
+        """The text for one reference, and whether it came from the environment (not a default or an escape)."""
         if match.group(0) == "$${":
-            return "${"
+            return "${", False
         name, default = match.group(1), match.group(2)
         if name is None:
             raise self._error(
@@ -235,13 +349,13 @@ class _Expander:
             )
         found = self._environ.get(name)
         if default is not None and not found:
-            return default
+            return default, False
         if found is None:
             raise self._error(
                 f"{self._where}: {key}: environment variable {name} is not set "
                 f"(export it, or write ${{{name}:-default}})"
             )
-        return found
+        return found, True
 
 
 def decode_config(data: bytes, where: str, error: type[ConfigError]) -> str:
@@ -258,20 +372,41 @@ def decode_config(data: bytes, where: str, error: type[ConfigError]) -> str:
     return text
 
 
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+"""libyaml where PyYAML was built with it: it parses a 4 MiB file in a second where pure Python takes a minute,
+and it bounds nesting depth itself. Both compose an alias as the anchored node, so aliases cost no memory here."""
+
+
 def parse_yaml_mapping(text: str, where: str, error: type[ConfigError], sections: str = "") -> dict:
     """The top-level mapping of a YAML document, `${VAR}`s expanded; an empty document is an empty mapping."""
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_LOADER)
+        if data is None:
+            return {}
+        if not isinstance(data, dict):
+            expected = f"a mapping of sections ({sections})" if sections else "a mapping at the top level"
+            raise error(f"{where}: expected {expected}, got {type(data).__name__}")
+        return expand_env(data, where, error)
+    except ConfigError:
+        raise
     except yaml.YAMLError as exc:
+        raise error(f"{where}: not valid YAML: {_yaml_problem(exc)}") from None
+    except ValueError as exc:  # a scalar YAML resolves but Python refuses: a 5,000-digit int, month 13
         raise error(f"{where}: not valid YAML: {exc}") from None
     except RecursionError:
         raise error(f"{where}: not valid YAML: nested too deeply") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        expected = f"a mapping of sections ({sections})" if sections else "a mapping at the top level"
-        raise error(f"{where}: expected {expected}, got {type(data).__name__}")
-    return expand_env(data, where, error)
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's error as one line, without its excerpt of the file (which may hold a secret)."""
+    if not isinstance(exc, yaml.MarkedYAMLError) or not exc.problem:
+        return " ".join(str(exc).split())
+
+    def at(mark: Any) -> str:
+        return f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+
+    context = f" ({exc.context}{at(exc.context_mark)})" if exc.context else ""
+    return f"{exc.problem}{at(exc.problem_mark)}{context}"
 
 
 def parse_yaml_bytes(data: bytes, where: str, error: type[ConfigError], sections: str = "") -> dict:

@@ -1,8 +1,15 @@
 """What every config file gets alike (ember.configs): `${VAR}` expansion of parsed values, and a file that is
-not UTF-8 text refused as a config error by every tool, with exit code 2 and one line, never a traceback."""
+not UTF-8 text, or an alias bomb, refused as a config error by every tool, with exit code 2 and one line, never
+a traceback; and no error that shows a value from the environment or a secret field."""
 
 from __future__ import annotations
 
+import json
+import os
+import pickle
+import resource
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +21,8 @@ from ember.cli import app as ember_app
 from ember.configs import ConfigError, CorpusConfigError, MidtrainConfigError
 from ember.midtrain.cli import app as midtrain_app
 from ember.midtrain.config import MidtrainConfig, load_config as load_midtrain
-from ember.pipelines.corpus.config import load_config as load_corpus
+from ember.pipelines.corpus.config import CorpusConfig, load_config as load_corpus
+from ember.rollouts.config import EtlConfig
 
 REPO = Path(__file__).resolve().parents[1]
 MIDTRAIN = yaml.safe_load((REPO / "ember/midtrain/examples/tiny_cpu.yaml").read_text())
@@ -45,6 +53,15 @@ def test_defaults_escapes_and_lists(tmp_path, monkeypatch):
     assert config.output.directory == str(tmp_path / "out" / "${literal}")
 
 
+def test_an_expanded_value_is_an_ordinary_string_to_yaml_json_and_pickle(monkeypatch):
+    monkeypatch.setenv("EMBER_TEST_DATA", "/data")
+    data = configs.parse_yaml_mapping("a: ['${EMBER_TEST_DATA}/x']\n", "c.yaml", ConfigError)
+    assert isinstance(data["a"][0], configs.Expanded)  # what lets an error name the variable instead
+    assert yaml.safe_load(yaml.safe_dump(data)) == yaml.safe_load(yaml.dump(data)) == {"a": ["/data/x"]}
+    assert json.dumps(data) == '{"a": ["/data/x"]}'
+    assert pickle.loads(pickle.dumps(data))["a"][0].written == "${EMBER_TEST_DATA}/x"
+
+
 def test_expansion_happens_after_parsing_so_a_value_cannot_change_the_structure(monkeypatch):
     monkeypatch.setenv("EMBER_TEST_YAML", "x\n  injected: [1, 2]")
     data = configs.parse_yaml_mapping("a: ${EMBER_TEST_YAML}\n'${EMBER_TEST_YAML}': 3\n", "f.yaml", ConfigError)
@@ -73,15 +90,30 @@ def test_unset_variable_deep_in_a_list_is_named_by_its_dotted_key(monkeypatch):
         configs.parse_yaml_mapping(text, "c.yaml", CorpusConfigError)
 
 
-def test_aliases_are_expanded_once_so_an_alias_bomb_stays_cheap(monkeypatch):
-    monkeypatch.setenv("EMBER_TEST_LEAF", "leaf")
+def _doubling(levels: int) -> str:
+    """YAML whose last list holds 2**levels leaves through aliases of aliases, in `levels` lines."""
     lines = ["l0: &l0 ['${EMBER_TEST_LEAF}', '${EMBER_TEST_LEAF}']"]
-    lines += [f"l{i}: &l{i} [*l{i - 1}, *l{i - 1}]" for i in range(1, 40)]  # 2^40 leaves if walked naively
-    data = configs.parse_yaml_mapping("\n".join(lines), "bomb.yaml", ConfigError)
-    node = data["l39"]
-    for _ in range(39):
+    return "\n".join(lines + [f"l{i}: &l{i} [*l{i - 1}, *l{i - 1}]" for i in range(1, levels)])
+
+
+def test_aliases_below_the_bound_are_expanded_once_and_stay_shared(monkeypatch):
+    monkeypatch.setenv("EMBER_TEST_LEAF", "leaf")
+    data = configs.parse_yaml_mapping(_doubling(16), "shared.yaml", ConfigError)  # 65,536 leaves written out
+    node = data["l15"]
+    for _ in range(15):
+        assert node[0] is node[1]
         node = node[1]
     assert node == ["leaf", "leaf"]
+
+
+def test_an_alias_bomb_is_refused_by_its_size_written_out_without_writing_it(monkeypatch):
+    monkeypatch.setenv("EMBER_TEST_LEAF", "leaf")
+    with pytest.raises(ConfigError) as info:
+        configs.parse_yaml_mapping(_doubling(40), "bomb.yaml", ConfigError)  # 2^40 leaves if written out
+    assert str(info.value) == (
+        "bomb.yaml: (top level): over 16 MiB with its YAML aliases and ${VAR}s written out; "
+        "a config is written by hand, this is an alias bomb or a data file"
+    )
 
 
 @pytest.mark.parametrize(
@@ -151,9 +183,9 @@ def _merge(base: dict, **sections: dict) -> dict:
     return {**base, **{k: {**base[k], **v} if isinstance(base.get(k), dict) else v for k, v in sections.items()}}
 
 
-def _problems(app, command: list[str], path: Path) -> list[str]:
+def _problems(app, command: list[str], path: Path, env: dict[str, str] | None = None) -> list[str]:
     """The error lines a command prints for the config at `path` (exit code 2, one error)."""
-    result = CliRunner(env={"COLUMNS": "1000"}).invoke(app, [*command, str(path)])
+    result = CliRunner(env={"COLUMNS": "1000", **(env or {})}).invoke(app, [*command, str(path)])
     assert result.exit_code == 2, result.output
     head, *lines = [line for line in result.output.splitlines() if line.strip()]
     assert head == f"{path} is invalid:", result.output
@@ -310,3 +342,124 @@ def test_a_cross_section_problem_is_named_by_the_section_it_is_about(tmp_path):
         "parallel: the RL step runs each batch share as one micro-batch through the whole model: tensor and pipeline "
         "must be 1 (data- and expert-parallel ranks are supported)"
     ]
+
+
+PASSWORD = "kafkaPW-d0-n0t-echo-7f3e9a"
+FROM_ENV = "${EMBER_KAFKA_SASL_PASSWORD}"
+NOT_AN_INT = "Input should be a valid integer, unable to parse string as an integer"
+NAME_PATTERN = "String should match pattern '^[A-Za-z_][A-Za-z0-9_]*$'"
+# One failing field per tool, given the password through ${VAR}: pydantic's input echo printed it as (got 'kafkaPW-...').
+LEAKS = [
+    pytest.param(ember_app, ["corpus", "build"], _merge(CORPUS, dedup={"bands": FROM_ENV}), f"dedup.bands: {NOT_AN_INT}",
+                 id="corpus build"),
+    pytest.param(ember_app, ["corpus", "tokenize"], {**TOKENIZE, "seq_len": FROM_ENV}, f"seq_len: {NOT_AN_INT}",
+                 id="corpus tokenize"),
+    pytest.param(midtrain_app, ["train"], _merge(MIDTRAIN, optimizer={"lr": FROM_ENV}),
+                 "optimizer.lr: Input should be a valid number, unable to parse string as a number", id="midtrain train"),
+    pytest.param(midtrain_app, ["launch", "--dry-run"], _merge(MIDTRAIN, model={"normalization": FROM_ENV}),
+                 "model.normalization: Input should be 'RMSNorm' or 'LayerNorm'", id="midtrain launch"),
+    pytest.param(midtrain_app, ["rl"], _merge(RL, rollouts={"security": {"sasl_plain_password_env": FROM_ENV}}),
+                 f"rollouts.security.sasl_plain_password_env: {NAME_PATTERN}", id="midtrain rl"),
+    pytest.param(ember_app, ["rollouts", "etl"], _merge(ETL, kafka={"security": {"sasl_plain_password_env": FROM_ENV}}),
+                 f"kafka.security.sasl_plain_password_env: {NAME_PATTERN}", id="rollouts etl"),
+    pytest.param(ember_app, ["rollouts", "stats"], _merge(ETL, kafka={"session_timeout_ms": FROM_ENV}),
+                 f"kafka.session_timeout_ms: {NOT_AN_INT}", id="rollouts stats"),
+    pytest.param(ember_app, ["rollouts", "replay", "--to", "out"], _merge(ETL, batches={"token_budget": FROM_ENV}),
+                 f"batches.token_budget: {NOT_AN_INT}", id="rollouts replay"),
+]
+
+
+@pytest.mark.parametrize(("app", "command", "data", "expected"), LEAKS)
+def test_no_tool_echoes_a_value_from_the_environment_but_names_the_variable(tmp_path, app, command, data, expected):
+    lines = _problems(app, command, _write(tmp_path / "bad.yaml", data), env={"EMBER_KAFKA_SASL_PASSWORD": PASSWORD})
+    assert lines == [f"{expected} (got the value of {FROM_ENV})"]  # every line the command printed but the header
+
+
+def _validate(model, text: str) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        configs.validate(model, configs.parse_yaml_mapping(text, "c.yaml", ConfigError), "c.yaml", ConfigError)
+    return str(info.value).splitlines()[1:]
+
+
+def test_a_message_that_embeds_the_value_shows_it_as_written(monkeypatch):
+    monkeypatch.setenv("EMBER_TEST_HOST", "kafka\\PW 'token'!")  # repr() would double the backslash
+    monkeypatch.setenv("EMBER_TEST_SIZE", "66")
+    lines = _validate(CorpusConfig, (
+        "sources: [{name: w, kind: web, inputs: [a]}]\noutput: {directory: o}\n"
+        "filters: {web: {url_blocklist: {domains: [ok.com, 'x.${EMBER_TEST_HOST}']}}}\n"
+    ))
+    assert lines == ['  filters.web.url_blocklist.domains: "x.${EMBER_TEST_HOST}" is not a domain name (expected e.g. example.com)']
+    text = yaml.safe_dump(_merge(MIDTRAIN, model={"hidden_size": "${EMBER_TEST_SIZE}"}))
+    assert _validate(MidtrainConfig, text) == ["  model: hidden_size ${EMBER_TEST_SIZE} is not divisible by num_attention_heads 4"]
+
+
+@pytest.mark.parametrize(("password", "message"), [(PASSWORD, NAME_PATTERN), (73_019_558, "Input should be a valid string")])
+def test_a_secret_field_never_shows_its_value_even_when_written_literally(password, message):
+    lines = _validate(EtlConfig, yaml.safe_dump(_merge(ETL, kafka={"security": {"sasl_plain_password_env": password}})))
+    assert lines == [f"  kafka.security.sasl_plain_password_env: {message} (got a secret, not shown)"]
+
+
+def test_a_long_value_is_shown_cut_to_one_readable_line():
+    lines = _validate(EtlConfig, yaml.safe_dump(_merge(ETL, kafka={"session_timeout_ms": "9" * 1_000 + "x"})))
+    assert lines == [f"  kafka.session_timeout_ms: {NOT_AN_INT} (got '{'9' * 99}... (1,003 characters))"]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("a: [1, 2\nb: 3", "not valid YAML: did not find expected ',' or ']' at line 2, column 2 "
+                          "(while parsing a flow sequence at line 1, column 4)"),
+        (f'a: 1\npassword: "{PASSWORD}\n', "not valid YAML: found unexpected end of stream at line 3, column 1 "
+                                          "(while scanning a quoted scalar at line 2, column 11)"),
+        ("a: 2026-13-45", "not valid YAML: month must be in 1..12"),
+        ("a: " + "1" * 5000, "not valid YAML: Exceeds the limit (4300 digits) for integer string conversion"),
+        ("a: &a [b, *a]", "a.1: a YAML alias refers to a node that contains it; a config cannot be recursive"),
+    ],
+    ids=["syntax", "no excerpt of the file", "bad date", "huge int", "recursive alias"],
+)
+def test_a_yaml_problem_is_one_line_without_an_excerpt_of_the_file(text, message):
+    with pytest.raises(ConfigError) as info:
+        configs.parse_yaml_mapping(text, "c.yaml", ConfigError)
+    assert str(info.value).startswith(f"c.yaml: {message}")
+    assert "\n" not in str(info.value) and PASSWORD not in str(info.value)
+
+
+BOMB_LINE = "over 16 MiB with its YAML aliases and ${VAR}s written out; a config is written by hand, this is an alias bomb or a data file"
+
+
+def _alias_bomb(path: Path, head: str, string_chars: int, references: int) -> Path:
+    """`head` (YAML) plus a key `bomb:` whose list references one anchored string `references` times."""
+    path.write_text(f"{head}bomb: [&s '{'x' * string_chars}', {', '.join(['*s'] * references)}]\n")
+    return path
+
+
+@pytest.mark.parametrize(("app", "command"), COMMANDS)
+def test_every_tool_refuses_an_alias_bomb_with_exit_2_and_one_line(tmp_path, app, command):
+    path = _alias_bomb(tmp_path / "bomb.yaml", "", 64 * 1024, 300)  # 19 MiB written out; before: "bomb: unknown key"
+    result = CliRunner(env={"COLUMNS": "1000"}).invoke(app, [*command, str(path)])
+    assert result.exit_code == 2, result.output
+    assert result.output.splitlines() == [f"{path}: bomb: {BOMB_LINE}"]
+
+
+def test_the_issue_alias_bomb_fails_at_once_in_bounded_memory(tmp_path):
+    """Issue 26: one 1.5 MB string referenced 500,000 times in a 3.5 MB file passed validation, then the phase
+    key's JSON took 4.2 GB and ended in a MemoryError traceback. The child runs under a CPU-time limit (the
+    pure-Python parser alone took 100 s) and an address-space cap, so a regression fails instead of swapping."""
+    config = _alias_bomb(tmp_path / "bomb.yaml", "sources: [{name: web, kind: web, inputs: [in/*.jsonl]}]\noutput: {directory: out}\n",
+                         1_500_000, 500_000)
+    assert 3_400_000 < config.stat().st_size < configs.MAX_CONFIG_BYTES
+
+    def limits() -> None:
+        resource.setrlimit(resource.RLIMIT_CPU, (60, 60))
+        resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, 3 * 2**30))
+
+    with open(tmp_path / "out.txt", "w+") as out:
+        child = subprocess.Popen([sys.executable, "-m", "ember.cli", "corpus", "build", str(config)], cwd=tmp_path,
+                                 stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "1000"}, preexec_fn=limits)
+        _, status, usage = os.wait4(child.pid, 0)  # this child's own peak RSS, not the suite's earlier children
+        child.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        output = out.read()
+    assert child.returncode == 2, output
+    assert output.splitlines() == [f"{config}: bomb: {BOMB_LINE}"]
+    assert usage.ru_maxrss * 1024 < 1 * 2**30, usage.ru_maxrss  # Linux reports KiB; it needed over 4 GiB before

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from ember.configs import StrictModel
+from ember.configs import SECRET, StrictModel
 from ember.dev.services import ROLES, SecureBroker
 
 PASSWORD_ENV = "EMBER_KAFKA_SASL_PASSWORD"
@@ -54,8 +54,9 @@ class KafkaSecurity(StrictModel):
     sasl_plain_password_file: Path | None = Field(
         None, description="file holding the SASL password (env EMBER_KAFKA_SASL_PASSWORD_FILE)"
     )
-    sasl_plain_password_env: str | None = Field(
-        None, min_length=1, description="name of an environment variable holding the SASL password (EMBER_KAFKA_SASL_PASSWORD if set)"
+    sasl_plain_password_env: Annotated[str | None, SECRET] = Field(  # SECRET: where a pasted password would land
+        None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="name of an environment variable holding the SASL password (EMBER_KAFKA_SASL_PASSWORD if set)",
     )
     ssl_cafile: Path | None = Field(None, description="CA bundle (PEM) for the brokers' certificates (env EMBER_KAFKA_SSL_CAFILE)")
     ssl_check_hostname: bool = Field(True, description="verify the broker certificate's host name (env EMBER_KAFKA_SSL_CHECK_HOSTNAME)")

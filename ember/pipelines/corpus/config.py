@@ -15,7 +15,7 @@ import posixpath
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from ember import configs
 from ember.configs import CorpusConfigError, StrictModel, at_most
@@ -239,6 +239,9 @@ class TokenizeStage(PackSettings):
 
 
 class CorpusConfig(StrictModel):
+    _expanded: dict[str, str] = PrivateAttr(default_factory=dict)
+    """Values that came from `${VAR}` -> as written: the input checks run after validation, on plain strings."""
+
     sources: list[CorpusSource] = Field(min_length=1)
     filters: Filters = Field(default_factory=Filters)
     redaction: Redaction = Field(default_factory=Redaction)
@@ -269,7 +272,9 @@ class CorpusConfig(StrictModel):
 
 
 def parse_config(data: object, where: str = "config") -> CorpusConfig:
-    return configs.validate(CorpusConfig, data, where, CorpusConfigError)
+    config = configs.validate(CorpusConfig, data, where, CorpusConfigError)
+    config._expanded = {str(value): value.written for value in configs.expansions(data)}
+    return config
 
 
 def _resolve(base: str, path: str) -> str:
@@ -358,4 +363,4 @@ def check_inputs(config: CorpusConfig) -> None:
     if blocklist is not None and not FileSystems.exists(blocklist):
         problems.append(f"filters.web.url_blocklist.file: '{blocklist}' does not exist")
     if problems:
-        raise CorpusConfigError("inputs are unusable:\n  " + "\n  ".join(problems))
+        raise CorpusConfigError(configs.conceal("inputs are unusable:\n  " + "\n  ".join(problems), config._expanded))

@@ -84,6 +84,19 @@ def test_glob_matching_nothing_is_a_config_error_naming_it(tmp_path: Path) -> No
     assert "inputs.0" not in str(info.value)
 
 
+def test_an_input_from_a_variable_is_named_as_written_never_by_its_value(tmp_path: Path, monkeypatch) -> None:
+    """The input checks run after validation, on plain strings: the config remembers what `${VAR}` gave."""
+    monkeypatch.setenv("EMBER_TEST_BUCKET_TOKEN", "tok-d0-n0t-echo-51c2")
+    (tmp_path / "c.yaml").write_text(
+        "sources: [{name: w, kind: web, inputs: ['${EMBER_TEST_BUCKET_TOKEN}/*.jsonl']}]\noutput: {directory: out}\n"
+    )
+    with pytest.raises(CorpusConfigError) as info:
+        check_inputs(load_config(str(tmp_path / "c.yaml")))
+    assert str(info.value).splitlines() == [
+        "inputs are unusable:", f"  sources.0.inputs.0: '{tmp_path}/${{EMBER_TEST_BUCKET_TOKEN}}/*.jsonl' matches no file"
+    ]
+
+
 def test_example_config_is_valid() -> None:
     example = Path(__file__).resolve().parents[3] / "ember/pipelines/examples/corpus.yaml"
     config = load_config(str(example))
