@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import typer
-from rich.console import Console
-from rich.table import Table
+from ember import terminal
+from rich.table import Column, Table
 
 from ember.dev import services
 from ember.pipelines.cli import app as corpus_app
@@ -17,11 +17,11 @@ app.add_typer(dev_app, name="dev")
 app.add_typer(rollouts_app, name="rollouts")
 app.add_typer(corpus_app, name="corpus")
 app.add_typer(export_app, name="export")
-console = Console()
+console = terminal.console()
 
 
 def _print_status() -> None:
-    table = Table("service", "state", "address", "log / detail")
+    table = Table("service", "state", Column("address", overflow="fold"), Column("log / detail", overflow="fold"))
     for s in services.status():
         style = {"running": "green", "available": "green"}.get(s.state, "yellow")
         table.add_row(s.name, f"[{style}]{s.state}[/{style}]", s.address, s.log)

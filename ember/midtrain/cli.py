@@ -11,12 +11,12 @@ import sys
 from pathlib import Path
 
 import typer
-from rich.console import Console
+from ember import terminal
 from rich.markup import escape
 
 app = typer.Typer(help="Megatron-core MoE mid-training on ember shard sets, locally or on Slurm.", no_args_is_help=True)
-console = Console(soft_wrap=True)
-err = Console(stderr=True, soft_wrap=True)  # paths in messages stay whole (no wrap at 80 columns)
+console = terminal.console(soft_wrap=True)
+err = terminal.console(stderr=True, soft_wrap=True)  # paths in messages stay whole (no wrap at 80 columns)
 
 
 def _error(message: object) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import typer
-from rich.console import Console
+from ember import terminal
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
@@ -29,9 +29,7 @@ SOURCE_EXIT = 3  # the build finished, but a source vanished or (--strict) lost 
 MIN_FREE_HELP = "Refuse to start unless the output's filesystem has this many MiB free (default: estimated from the inputs)."
 
 app = typer.Typer(help="Corpus builds and the shard sets they produce.", no_args_is_help=True)
-_terminal = Console()
-console = Console(width=min(100, _terminal.width) if _terminal.is_terminal else 100)
-"""At most 100 columns; 100 when piped (a CI log or `| tee`), where rich would assume 80 and cut table cells."""
+console = terminal.console(narrow=True)
 
 
 def fail(message: object, code: int = 2) -> NoReturn:

@@ -7,10 +7,10 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import typer
-from rich.console import Console
+from ember import terminal
 
 app = typer.Typer(help="Export shard sets to other trainers' formats.", no_args_is_help=True)
-console = Console()
+console = terminal.console()
 
 
 SHOWN = 10

@@ -13,14 +13,14 @@ from pathlib import Path
 from typing import Iterator
 
 import typer
-from rich.console import Console
+from ember import terminal
 from rich.table import Table
 
 rollouts_app = typer.Typer(help="Kafka rollout stream: topics, simulation, ETL, stats, replay, inspection.", no_args_is_help=True)
 topics_app = typer.Typer(help="Create, describe or delete the topics of a prefix.", no_args_is_help=True)
 rollouts_app.add_typer(topics_app, name="topics")
 app = rollouts_app
-console = Console()
+console = terminal.console()
 
 PrefixOption = typer.Option("ember", help="Topic name prefix.")
 
