@@ -372,9 +372,22 @@ def decode_config(data: bytes, where: str, error: type[ConfigError]) -> str:
     return text
 
 
-_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-"""libyaml where PyYAML was built with it: it parses a 4 MiB file in a second where pure Python takes a minute,
-and it bounds nesting depth itself. Both compose an alias as the anchored node, so aliases cost no memory here."""
+class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
+    """libyaml where PyYAML was built with it: it parses a 4 MiB file in a second where pure Python takes a minute,
+    and it bounds nesting depth itself. Both compose an alias as the anchored node, so aliases cost no memory here.
+
+    Booleans are YAML 1.2's: only true / false. YAML 1.1 also read on, off, yes, no, y and n as booleans, so
+    `replay: off` reached a field whose choices are "off" and "replay" as False and was refused; a boolean field
+    still takes those words (pydantic reads "off" as False)."""
+
+
+_BOOL = "tag:yaml.org,2002:bool"
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+_LOADER = _Loader
 
 
 def parse_yaml_mapping(text: str, where: str, error: type[ConfigError], sections: str = "") -> dict:

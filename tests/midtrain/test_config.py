@@ -169,3 +169,15 @@ def test_rl_on_a_prefix_with_no_topics_is_one_line_before_any_rank_starts(tmp_pa
     assert f"`ember rollouts topics create --prefix {prefix}`" in done.stderr
     assert "[rank" not in done.stderr and "Traceback" not in done.stderr and done.stderr.count("\n") == 1
     assert not (tmp_path / "run").exists(), "nothing was started"
+
+
+def test_yaml_off_is_the_word_off_and_boolean_fields_still_take_yes_and_no(tmp_path):
+    """YAML 1.1 read an unquoted `off` as false, so `replay: off` (choices "off" | "replay") was refused."""
+    from ember.midtrain.config import load_rl_config
+
+    text = (EXAMPLES / "rl_tiny_cpu.yaml").read_text().replace("replay: replay ", "replay: off    ")
+    text = text.replace("moe:\n", "moe:\n  routing_replay: yes\n", 1)
+    path = tmp_path / "rl.yaml"
+    path.write_text(text.replace("run_dir: ../../../runs/rl-tiny-cpu", f"run_dir: {tmp_path / 'run'}"))
+    config = load_rl_config(path)
+    assert config.rl.replay == "off" and config.moe.routing_replay is True
