@@ -124,6 +124,23 @@ def arrow_message(metadata: dict[bytes, bytes], columns: dict[str, pa.Array]) ->
     return sink.getvalue().to_pybytes()
 
 
+def arrow_message_with(message: bytes, compression: str | None = None, **columns: pa.Array) -> bytes:
+    """`message` with columns added or replaced, written as any Arrow writer may, its body compressed with
+    `compression` ("zstd", "lz4") or not."""
+    meta, original = arrow_parts(message)
+    batch = pa.RecordBatch.from_arrays([*original.values(), *columns.values()], names=[*original, *columns])
+    sink = pa.BufferOutputStream()
+    options = pa.ipc.IpcWriteOptions(compression=compression)
+    with pa.ipc.new_stream(sink, batch.schema.with_metadata(meta), options=options) as writer:
+        writer.write_batch(batch)
+    return sink.getvalue().to_pybytes()
+
+
+def zeros_column(count: int) -> pa.Array:
+    """One row of `count` zero bytes, `large_list<uint8>`: calloc'd, so it costs no memory until read."""
+    return pa.LargeListArray.from_arrays(pa.array([0, count], pa.int64()), pa.array(np.zeros(count, np.uint8)))
+
+
 def rewritten(message: bytes, *, drop: tuple[str, ...] = (), metadata: dict[bytes, bytes] | None = None, **columns: pa.Array) -> bytes:
     """`message` with columns replaced or added, some dropped, its metadata updated."""
     meta, original = arrow_parts(message)
