@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import decimal
+from contextlib import contextmanager
+from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -139,6 +141,22 @@ def arrow_message_with(message: bytes, compression: str | None = None, **columns
 def zeros_column(count: int) -> pa.Array:
     """One row of `count` zero bytes, `large_list<uint8>`: calloc'd, so it costs no memory until read."""
     return pa.LargeListArray.from_arrays(pa.array([0, count], pa.int64()), pa.array(np.zeros(count, np.uint8)))
+
+
+_POOLS: list[pa.MemoryPool] = []  # never freed: a buffer that outlived its block must not outlive its pool
+
+
+@contextmanager
+def arrow_pool() -> Iterator[pa.MemoryPool]:
+    """Arrow's allocations inside the block, counted on a pool of their own (a proxy of the default)."""
+    previous = pa.default_memory_pool()
+    pool = pa.proxy_memory_pool(previous)
+    _POOLS.append(pool)
+    pa.set_memory_pool(pool)
+    try:
+        yield pool
+    finally:
+        pa.set_memory_pool(previous)
 
 
 def rewritten(message: bytes, *, drop: tuple[str, ...] = (), metadata: dict[bytes, bytes] | None = None, **columns: pa.Array) -> bytes:

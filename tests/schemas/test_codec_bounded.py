@@ -9,8 +9,6 @@ ignored (additive evolution). Arrow's allocations are counted on a proxy of its 
 from __future__ import annotations
 
 import tracemalloc
-from contextlib import contextmanager
-from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -21,7 +19,7 @@ from hypothesis import strategies as st
 from ember.rollouts.simulate import synthetic_reward, synthetic_rollout
 from ember.schemas import DecodeError, decode, encode
 from ember.schemas.rollouts import Turn
-from tests.schemas.strategies import arrow_message_with, assert_same, rewritten, zeros_column
+from tests.schemas.strategies import arrow_message_with, arrow_pool, assert_same, rewritten, zeros_column
 
 ROLLOUT = synthetic_rollout(np.random.default_rng(3), group_id="g", prompt_id="p", num_tokens=64, layers=2)
 MESSAGE = encode(ROLLOUT)
@@ -29,20 +27,6 @@ REWARD = synthetic_reward(np.random.default_rng(4), ROLLOUT)
 BOMB_ZEROS = 2 * 10**9  # the issue's bomb: 64.6 KB on the wire, 2.0 GB of Arrow memory in decode() before the fix
 ARROW_SLACK = 64 * 1024
 PYTHON_PER_BYTE, PYTHON_SLACK = 32, 2 << 20  # a decoded turn or component name is a few Python objects
-_POOLS: list[pa.MemoryPool] = []  # never freed: a buffer that outlived its block must not outlive its pool
-
-
-@contextmanager
-def arrow_pool() -> Iterator[pa.MemoryPool]:
-    """Arrow's allocations inside the block, counted on a pool of their own (a proxy of the default)."""
-    previous = pa.default_memory_pool()
-    pool = pa.proxy_memory_pool(previous)
-    _POOLS.append(pool)
-    pa.set_memory_pool(pool)
-    try:
-        yield pool
-    finally:
-        pa.set_memory_pool(previous)
 
 
 def test_the_issue_bomb_is_refused_before_its_body_is_expanded():
