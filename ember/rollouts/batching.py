@@ -198,7 +198,10 @@ def referenced_rollout(ref: RolloutRef, value: bytes | None) -> Rollout:
             f"rollout {ref}: the message there is not the one the batch was built from (sha256 differs; "
             "was the rollouts topic deleted and recreated?)"
         )
-    record = decode(value, validate=False)
+    try:
+        record = decode(value, validate=False)
+    except DecodeError as exc:  # bytes the ETL never admitted: an older ETL's batch, or a forged one
+        raise DecodeError(f"rollout {ref}: {exc}") from None
     if not isinstance(record, Rollout):
         raise MissingRollout(f"rollout {ref}: the message is a {type(record).__name__}, not a Rollout")
     return record

@@ -19,14 +19,22 @@ and readers refuse versions newer than theirs.
 
 Decoding is total: any bytes give a record or a DecodeError. The reader slices the message without
 copying, so a lying length fails Arrow's bounds checks instead of allocating; a record is exactly one
-row; only the declared columns are touched, each type-checked, fully validated (offsets in bounds,
-UTF-8 that Python can decode, no nulls where a value is required) before its values are read.
-Integers are int64 columns, so out-of-range values cannot be written at all.
+row; only the declared columns are read (an unknown column's buffers are never touched), each
+type-checked, fully validated (offsets in bounds, UTF-8 that Python can decode, no nulls where a
+value is required) before its values are read. Integers are int64 columns, so out-of-range values
+cannot be written at all.
+
+Decoding is bounded: every buffer is a slice of the message, so what decode allocates is a fixed
+multiple of the message's size. Arrow IPC may compress a batch's body (zstd, lz4), and a compressed
+body expands to whatever size its header claims (64 KB of zstd held 2 GB of zeros): `encode` never
+compresses (Kafka compresses the topic), and a message whose body is compressed is refused from its
+headers, before any body is read.
 """
 
 from __future__ import annotations
 
 import functools
+import struct
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any, Callable
@@ -67,10 +75,8 @@ def _one_row_list(values: pa.Array) -> pa.LargeListArray:
 
 def _row_values(array: pa.Array) -> pa.Array:
     """The values of a validated one-row list array, sliced without copying (`flatten()` goes through
-    pyarrow.compute, several times slower for one row)."""
-    offsets = array.offsets
-    start = offsets[0].as_py()
-    return array.values.slice(start, offsets[1].as_py() - start)
+    pyarrow.compute, several times slower for one row; the row's scalar holds exactly its slice)."""
+    return array[0].values
 
 
 def _fixed_values(array: pa.FixedSizeListArray) -> pa.Array:
@@ -113,12 +119,16 @@ class _Numbers:
 
     dtype: np.dtype
 
+    @functools.cached_property
+    def value_type(self) -> pa.DataType:
+        return pa.from_numpy_dtype(self.dtype)
+
     @property
     def expected(self) -> str:
-        return f"large_list<{pa.from_numpy_dtype(self.dtype)}>"
+        return f"large_list<{self.value_type}>"
 
     def accepts(self, arrow_type: pa.DataType) -> bool:
-        return pa.types.is_large_list(arrow_type) and arrow_type.value_type == pa.from_numpy_dtype(self.dtype)
+        return pa.types.is_large_list(arrow_type) and arrow_type.value_type == self.value_type
 
     def to_arrow(self, value: Any) -> pa.Array:
         return _one_row_list(pa.array(_checked(value, self.dtype, 1)))
@@ -415,8 +425,89 @@ def _layout_of(schema: pa.Schema) -> tuple[_Layout, dict[str, int]]:
     return layout, where
 
 
+# Arrow's Message.fbs: where a batch header says its body is compressed (RecordBatch.compression, also
+# inside DictionaryBatch.data), and the codecs BodyCompression.codec names.
+_DICTIONARY_DATA, _BATCH_COMPRESSION, _COMPRESSION_CODEC = 1, 3, 0
+_HEADER = 2  # Message.header
+_CODECS = ("lz4", "zstd")
+
+
+def _field(metadata: pa.Buffer, table: int, slot: int) -> int | None:
+    """Where field `slot` of the flatbuffer table at `table` is, or None if absent. pyarrow offers no
+    accessor for a batch's compression; Arrow has verified the flatbuffer when it read the message."""
+    vtable = table - struct.unpack_from("<i", metadata, table)[0]
+    entry = 4 + 2 * slot
+    if entry >= struct.unpack_from("<H", metadata, vtable)[0]:
+        return None
+    offset = struct.unpack_from("<H", metadata, vtable + entry)[0]
+    return table + offset if offset else None
+
+
+def _table(metadata: pa.Buffer, table: int, slot: int) -> int | None:
+    """The table field `slot` of the table at `table` points to, or None if absent."""
+    at = _field(metadata, table, slot)
+    return None if at is None else at + struct.unpack_from("<I", metadata, at)[0]
+
+
+def _body_codec(message: pa.ipc.Message) -> str | None:
+    """The codec a record or dictionary batch's body is compressed with (None: not compressed), read
+    from its header alone."""
+    if message.type not in ("record batch", "dictionary"):
+        return None
+    metadata = message.metadata
+    batch = _table(metadata, struct.unpack_from("<I", metadata, 0)[0], _HEADER)
+    if batch is not None and message.type == "dictionary":
+        batch = _table(metadata, batch, _DICTIONARY_DATA)
+    compression = None if batch is None else _table(metadata, batch, _BATCH_COMPRESSION)
+    if compression is None:
+        return None
+    codec = _field(metadata, compression, _COMPRESSION_CODEC)
+    number = 0 if codec is None else metadata[codec]  # the flatbuffer default is LZ4_FRAME
+    return _CODECS[number] if number < len(_CODECS) else f"codec {number}"
+
+
+_CACHED_SCHEMA_BYTES = 16 * 1024  # ember's schemas are ~1 KB; a larger one is read without the cache
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(schema_message: bytes) -> tuple[_Layout, dict[str, int], pa.ipc.IpcReadOptions]:
+    """How to read the batch of a stream whose schema message is `schema_message`: the record it declares,
+    where its declared columns are in a batch read with the options returned, which read only those
+    (messages of one shape share a plan, as they share a schema on the encoding side)."""
+    layout, where = _layout_of(pa.ipc.read_schema(pa.py_buffer(schema_message)))
+    if not where:  # Arrow reads every column when none is named
+        raise DecodeError(f"{layout.name} has none of its columns")
+    ranks = {name: rank for rank, name in enumerate(sorted(where, key=where.get))}
+    return layout, ranks, pa.ipc.IpcReadOptions(included_fields=sorted(where.values()))
+
+
+def _scan(buffer: pa.Buffer) -> tuple[tuple[_Layout, dict[str, int], pa.ipc.IpcReadOptions], int]:
+    """The stream's `_plan` and where its last message ends, from the headers alone: Arrow's own message
+    reader frames the messages as slices of `buffer`, and no body is read."""
+    source = pa.BufferReader(buffer)
+    messages = pa.ipc.MessageReader.open_stream(source)
+    if next(messages, None) is None:
+        raise DecodeError("the stream holds no schema")
+    schema = buffer.slice(0, source.tell()).to_pybytes()
+    plan = _plan(schema) if len(schema) <= _CACHED_SCHEMA_BYTES else _plan.__wrapped__(schema)
+    batches = 0
+    for message in messages:
+        codec = _body_codec(message)
+        if codec is not None:
+            raise DecodeError(
+                f"the {message.type} message's body is {codec}-compressed: ember refuses compressed bodies, which "
+                "can expand far beyond the message's size (ember's encoder never compresses them: Kafka compresses "
+                "the topic)"
+            )
+        batches += message.type == "record batch"
+    if batches != 1:
+        raise DecodeError(f"the stream holds {'no' if not batches else 'more than one'} record batch")
+    return plan, source.tell()
+
+
 def _read(message: bytes | bytearray | memoryview) -> tuple[_Layout, dict[str, int], pa.RecordBatch]:
-    """The one record batch of a message, read without copying its buffers."""
+    """The one record batch of a message, read without copying its buffers; `where` indexes its
+    columns, which are only the declared ones."""
     buffer = pa.py_buffer(message)
     view = memoryview(buffer).cast("B")
     if len(view) < len(END_OF_STREAM) or view[:4] != CONTINUATION:
@@ -424,26 +515,15 @@ def _read(message: bytes | bytearray | memoryview) -> tuple[_Layout, dict[str, i
         if head.startswith(_OLD_MAGIC):
             raise DecodeError("bad magic b'EMBR': a message in ember's old hand-written layout; this ember reads Arrow IPC")
         raise DecodeError(f"bad magic {head!r}: not an Arrow IPC stream (expected {CONTINUATION!r})")
-    source = pa.BufferReader(buffer)
     try:
-        reader = pa.ipc.open_stream(source)
-        layout, where = _layout_of(reader.schema)
-        batch = reader.read_next_batch()
-        try:
-            reader.read_next_batch()
-            raise DecodeError("the stream holds more than one record batch")
-        except StopIteration:
-            pass
-    except StopIteration:
-        raise DecodeError("the stream holds no record batch") from None
+        (layout, where, options), end = _scan(buffer)
+        batch = pa.ipc.open_stream(pa.BufferReader(buffer), options=options).read_next_batch()
     except (pa.ArrowException, OSError) as exc:  # Arrow reports a short read as OSError
         raise DecodeError(f"not a well-formed Arrow IPC stream: {exc}") from None
     except UnicodeDecodeError:  # Arrow does not check that column names are UTF-8; pyarrow decodes them
         raise DecodeError("a column name is not valid UTF-8") from None
-    if source.tell() != len(view) or view[-len(END_OF_STREAM) :] != END_OF_STREAM:
-        raise DecodeError(
-            f"truncated: the stream ends at byte {source.tell()} of {len(view)} without its end-of-stream marker"
-        )
+    if end != len(view) or view[-len(END_OF_STREAM) :] != END_OF_STREAM:
+        raise DecodeError(f"truncated: the stream ends at byte {end} of {len(view)} without its end-of-stream marker")
     if batch.num_rows != 1:
         raise DecodeError(f"a {layout.name} message holds one row, this one {batch.num_rows}")
     return layout, where, batch

@@ -125,14 +125,17 @@ class Rollout:
             elif re.dtype not in (np.uint8, np.uint16):
                 found.append(FieldIssue("routed_experts", f"dtype {re.dtype} must be uint8 or uint16"))
         previous_end = 0
-        for i, turn in enumerate(self.turns):
+        for i, turn in enumerate(self.turns):  # only the first bad turn: a hostile rollout holds millions
             if turn.role not in TURN_ROLES:
                 found.append(FieldIssue(f"turns[{i}].role", f"'{turn.role}' not in {TURN_ROLES}"))
+                break
             if turn.start != previous_end or turn.end <= turn.start:
                 found.append(FieldIssue(f"turns[{i}]", f"[{turn.start}, {turn.end}) must follow {previous_end}"))
+                break
             previous_end = turn.end
-        if self.turns and previous_end != n:
-            found.append(FieldIssue("turns", f"cover {previous_end} tokens of {n}"))
+        else:
+            if self.turns and previous_end != n:
+                found.append(FieldIssue("turns", f"cover {previous_end} tokens of {n}"))
         return found
 
     def validate(self) -> "Rollout":
@@ -157,9 +160,10 @@ class Reward:
             found.append(FieldIssue("components", f"{len(long_names)} names longer than {MAX_ID_CHARS} characters"))
         if not np.isfinite(self.score):
             found.append(FieldIssue("score", f"must be finite, got {self.score}"))
-        for name, value in self.components.items():
+        for name, value in self.components.items():  # only the first: a hostile reward holds millions
             if not np.isfinite(value):
                 found.append(FieldIssue(f"components.{name}", f"must be finite, got {value}"))
+                break
         return found
 
     def validate(self) -> "Reward":

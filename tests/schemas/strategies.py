@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import decimal
+from contextlib import contextmanager
+from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -122,6 +124,39 @@ def arrow_message(metadata: dict[bytes, bytes], columns: dict[str, pa.Array]) ->
     with pa.ipc.new_stream(sink, batch.schema.with_metadata(metadata)) as writer:
         writer.write_batch(batch)
     return sink.getvalue().to_pybytes()
+
+
+def arrow_message_with(message: bytes, compression: str | None = None, **columns: pa.Array) -> bytes:
+    """`message` with columns added or replaced, written as any Arrow writer may, its body compressed with
+    `compression` ("zstd", "lz4") or not."""
+    meta, original = arrow_parts(message)
+    batch = pa.RecordBatch.from_arrays([*original.values(), *columns.values()], names=[*original, *columns])
+    sink = pa.BufferOutputStream()
+    options = pa.ipc.IpcWriteOptions(compression=compression)
+    with pa.ipc.new_stream(sink, batch.schema.with_metadata(meta), options=options) as writer:
+        writer.write_batch(batch)
+    return sink.getvalue().to_pybytes()
+
+
+def zeros_column(count: int) -> pa.Array:
+    """One row of `count` zero bytes, `large_list<uint8>`: calloc'd, so it costs no memory until read."""
+    return pa.LargeListArray.from_arrays(pa.array([0, count], pa.int64()), pa.array(np.zeros(count, np.uint8)))
+
+
+_POOLS: list[pa.MemoryPool] = []  # never freed: a buffer that outlived its block must not outlive its pool
+
+
+@contextmanager
+def arrow_pool() -> Iterator[pa.MemoryPool]:
+    """Arrow's allocations inside the block, counted on a pool of their own (a proxy of the default)."""
+    previous = pa.default_memory_pool()
+    pool = pa.proxy_memory_pool(previous)
+    _POOLS.append(pool)
+    pa.set_memory_pool(pool)
+    try:
+        yield pool
+    finally:
+        pa.set_memory_pool(previous)
 
 
 def rewritten(message: bytes, *, drop: tuple[str, ...] = (), metadata: dict[bytes, bytes] | None = None, **columns: pa.Array) -> bytes:
