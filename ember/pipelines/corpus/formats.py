@@ -42,6 +42,7 @@ import zstandard
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 
+from ember.files import bounded_lines
 from ember.pipelines.quality.code_filters import language_from_path
 from ember.pipelines.corpus.config import CorpusSource
 from ember.pipelines.web.html_text import ExtractOptions, HtmlExtractor, Submitted, thread_extractor
@@ -57,7 +58,6 @@ ZSTD_READ_BYTES = 1 << 16
 # input yields at most 8 MiB however the file was built (held twice while zstandard joins its pieces). The
 # price: about half zstandard's throughput on ordinary JSONL, still above json.loads' on what it yields.
 ZSTD_FEED_BYTES = 256
-SKIP_READ_BYTES = 1 << 20  # a too-long line is read past in pieces of this size
 # C0 controls except \t \n \f \r (form feeds are page breaks in real source code).
 CONTROL_CHARACTERS = re.compile(r"[\x00-\x08\x0b\x0e-\x1f]")
 
@@ -249,19 +249,6 @@ def _parse_line(line: bytes) -> tuple[Any, str, str]:
         return None, "invalid_json", str(exc).split(":")[0]
 
 
-def _bounded_lines(stream: Any, cap: int) -> Iterator[tuple[bytes | None, int]]:
-    """(line with its newline, its length) for each line of a binary stream, or (None, length) for a line of more
-    than `cap` bytes before its newline: that one is read past in `SKIP_READ_BYTES` pieces, never held whole."""
-    while line := stream.readline(cap + 1):
-        if len(line) <= cap or line.endswith(b"\n"):
-            yield line, len(line)
-            continue
-        length = len(line)
-        while not line.endswith(b"\n") and (line := stream.readline(SKIP_READ_BYTES)):
-            length += len(line)
-        yield None, length
-
-
 def _jsonl_rows(path: str, source: CorpusSource) -> Iterator[tuple[Row | None, Row | None]]:
     line_no = 0
     name = source.name
@@ -269,7 +256,7 @@ def _jsonl_rows(path: str, source: CorpusSource) -> Iterator[tuple[Row | None, R
     try:
         with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as raw:
             stream = _decompressed(raw, source.format)
-            for line_no, (line, length) in enumerate(_bounded_lines(stream, cap), 1):
+            for line_no, (line, length) in enumerate(bounded_lines(stream, cap), 1):
                 location = f"{path}:line={line_no}"
                 if line is None:
                     yield None, reject_row(
