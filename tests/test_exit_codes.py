@@ -3,6 +3,8 @@
 
 Codes whose provocation takes a whole Beam build or a cluster are asserted elsewhere, through the CLI too:
 - `corpus build` 0: tests/pipelines/corpus/test_line_bomb.py (subprocess, FnApiRunner).
+- `corpus build` 3 for a source that kept nothing, 0 with --allow-empty-source:
+  tests/pipelines/corpus/test_vanished_sources.py::test_a_source_that_keeps_nothing_fails_the_build_naming_it_and_its_reasons.
 - `corpus build --strict` 3, and `corpus report` 0 on its output:
   tests/pipelines/corpus/test_outputs.py::test_a_build_that_drops_a_source_warns_strict_fails_and_beam_logs_go_to_the_log_file.
 - `corpus build` 1 (the job failed): tests/pipelines/corpus/test_flink_cluster.py::test_a_stage_that_cannot_recover_fails_the_build_with_one_line_and_no_manifest.
