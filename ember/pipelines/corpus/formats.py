@@ -367,7 +367,7 @@ def _warc_rows(path: str, source: CorpusSource) -> Iterator[tuple[Row | None, Ro
 
     try:
         with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as raw:
-            for item in read_warc(raw):
+            for item in read_warc(raw, source.html.max_bytes):
                 units += 1
                 if pending is not None:
                     yield finished(*pending)
