@@ -187,24 +187,28 @@ class ZstdFrames(io.RawIOBase):
         self._decompressor = zstandard.ZstdDecompressor()
         self._frame: Any = None
         self._input = memoryview(b"")
+        self._carry = b""  # what a piece held past its frame's end: the next frame's first piece
         self._pending = memoryview(b"")
 
     def readable(self) -> bool:
         return True
 
     def _feed(self) -> bytes:
-        """The output of the next `ZSTD_FEED_BYTES` of input; a frame's end hands its unused input to the next frame."""
+        """The output of the next piece of input, at most `ZSTD_FEED_BYTES`."""
         if self._frame is None or self._frame.eof:
             self._frame = self._decompressor.decompressobj()
-        piece, self._input = self._input[:ZSTD_FEED_BYTES], self._input[ZSTD_FEED_BYTES:]
+        if self._carry:
+            piece, self._carry = self._carry, b""
+        else:
+            piece, self._input = self._input[:ZSTD_FEED_BYTES], self._input[ZSTD_FEED_BYTES:]
         out = self._frame.decompress(piece)
-        if self._frame.eof and self._frame.unused_data:
-            self._input = memoryview(self._frame.unused_data + bytes(self._input))
+        if self._frame.eof:
+            self._carry = self._frame.unused_data
         return out
 
     def readinto(self, buffer: Any) -> int:
         while not self._pending:
-            if not self._input:
+            if not self._input and not self._carry:
                 self._input = memoryview(self._raw.read(ZSTD_READ_BYTES))
                 if not self._input:
                     if self._frame is not None and not self._frame.eof:
