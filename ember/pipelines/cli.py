@@ -422,8 +422,11 @@ def decontaminate(
     field: list[str] = typer.Option(["prompt"], "--field", help="Record field checked; repeatable."),
 ) -> None:
     """Split a prompt set into clean and contaminated rows with the corpus build's benchmark check.
-    Exit codes: 0 no prompt holds a benchmark item, 1 some do (both files written), 2 unusable input."""
-    from ember.configs import CorpusConfigError
+    Exit codes: 0 no prompt holds a benchmark item, 1 some do (both files written), 2 unusable input (a file
+    missing, not UTF-8 JSON objects, nested too deeply, without the field; a benchmark likewise; --out unwritable)."""
+    from pydantic import ValidationError
+
+    from ember.configs import CorpusConfigError, error_lines
     from ember.pipelines.corpus.config import Benchmark, Decontamination, load_decontamination
     from ember.pipelines.quality.decontamination import BenchmarkIndex, DecontaminationError, decontaminate_prompts, item_counts
 
@@ -434,6 +437,8 @@ def decontaminate(
             benchmarks=[Benchmark(name=p.name.split(".")[0], paths=[str(p.resolve())]) for p in benchmark])
         index = BenchmarkIndex(section.read_items(), section.settings(), section.match_fields())
         result = decontaminate_prompts(prompts, index, field, out)
+    except ValidationError as exc:  # a --benchmark file whose stem is no benchmark name
+        fail(f"--benchmark: {'; '.join(error_lines(exc))}")
     except (CorpusConfigError, DecontaminationError, ValueError) as exc:
         fail(exc)
     table = Table("benchmark", "prompts matched", "items", "top items")

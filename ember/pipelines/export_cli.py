@@ -7,6 +7,8 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import typer
+from rich.markup import escape
+
 from ember import terminal
 
 app = typer.Typer(help="Export shard sets to other trainers' formats.", no_args_is_help=True)
@@ -54,7 +56,7 @@ def export_megatron(
                         storage.upload(result.bin_path, f"{out_prefix}.bin"), storage.upload(result.idx_path, f"{out_prefix}.idx")
                     ]
         except (FileNotFoundError, SchemaValidationError, ExportError, storage.StorageError, RemoteSetError) as exc:
-            console.print(f"[red]{exc}[/red]")
+            console.print(f"[red]{escape(str(exc))}[/red]", soft_wrap=True)  # one line, paths whole
             raise typer.Exit(2)
     what = "documents" if documents else "sequences"
     console.print(f"[green]OK[/green] {result.sequences} {what}, {result.tokens} tokens -> {written[0]}, {written[1]}")

@@ -60,6 +60,12 @@ class HtmlExtraction(StrictModel):
 
 
 MARKUP_FORMATS = ("warc", "html")
+JSON_BYTES_PER_CHAR = 12
+"""The most bytes one character of a document's text can take in a JSONL line: a character outside the BMP
+written with JSON escapes is a surrogate pair, `\\ud83d\\ude00` (UTF-8 needs at most 4; a BMP escape `\\u00e9` 6)."""
+DEFAULT_MAX_LINE_BYTES = 32 * 2**20
+"""Room for a document at the code filters' default max_chars (1,000,000) written with every character escaped
+(12 MB), plus its metadata; a worker holds a few times this per thread while it parses a line."""
 
 
 class CorpusSource(StrictModel):
@@ -76,6 +82,11 @@ class CorpusSource(StrictModel):
     fields: FieldMapping = Field(default_factory=FieldMapping)
     html: HtmlExtraction = Field(default_factory=HtmlExtraction)
     weight: float = Field(default=1.0, ge=0)
+    max_line_bytes: int = Field(
+        default=DEFAULT_MAX_LINE_BYTES, ge=1024, le=2**31,
+        description="JSONL lines longer than this (bytes before the newline) are line_too_long rejects, read past "
+        "without being held in memory",
+    )
     control_characters: Literal["reject", "strip"] = Field(
         default="reject",
         description="text with C0 control characters other than tab, newline, CR, form feed (NUL, ESC, ...): "
@@ -269,6 +280,19 @@ class CorpusConfig(StrictModel):
     @classmethod
     def _unique_sources(cls, sources: list[CorpusSource]) -> list[CorpusSource]:
         return configs.unique_names(sources)
+
+    @model_validator(mode="after")
+    def _lines_hold_the_longest_kept_document(self) -> "CorpusConfig":
+        """A code document the filters keep must fit in a line: otherwise it would be lost as line_too_long."""
+        max_chars = self.filters.code.max_chars
+        need = JSON_BYTES_PER_CHAR * max_chars if max_chars is not None else 0
+        configs.check([
+            (f"sources.{i}.max_line_bytes", f"{s.max_line_bytes:,} is less than {JSON_BYTES_PER_CHAR} x filters.code.max_chars "
+             f"= {need:,}, the longest line a kept document can take (JSON escapes); raise it or lower max_chars")
+            for i, s in enumerate(self.sources)
+            if s.kind == "code" and s.format.startswith("jsonl") and s.max_line_bytes < need
+        ])
+        return self
 
 
 def parse_config(data: object, where: str = "config") -> CorpusConfig:

@@ -128,6 +128,7 @@ FIXES = {
     "read:missing_text_field": "fields.text names no field of these records; point it at the text field",
     "read:missing_id_field": "fields.id names no field of these records; fix it or set it to null",
     "read:control_characters": "set the source's control_characters: strip",
+    "read:line_too_long": "raise the source's max_line_bytes (each worker thread holds a few times it per line)",
     "read:html_timeout": "raise the source's html.time_limit_s",
     "read:html_too_large": "raise the source's html.max_bytes",
     "read:html_empty": "set the source's html.main_content: false (keeps all visible text)",

@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
+from ember.files import bounded_lines
 from ember.pipelines.quality.minhash import splitmix64, windows
 
 TOKEN = re.compile(r"\w+|[^\w\s]")
@@ -68,6 +69,8 @@ KEPT_WORDS = frozenset(w.lower() for w in (*keyword.kwlist, *keyword.softkwlist,
 _NEW_NAME = splitmix64(np.array([0x6E65775F6E616D65], dtype=np.uint64))[0]  # "a name not seen in this window"
 _BACK_SALT = np.uint64(0x6261636B5F726566)  # "the name seen k tokens back" hashes splitmix64(k ^ salt)
 _FAR = np.int64(2**31)
+MAX_LINE_BYTES = 16 * 2**20
+"""A benchmark item or an RL prompt is kilobytes: a longer JSONL line is unusable input, refused without being held."""
 
 
 class DecontaminationError(ValueError):
@@ -125,38 +128,58 @@ def _text(value: object, where: str, name: str) -> str:
     """A field's text: strings as they are, a list of strings (MBPP's test_list) joined by newlines."""
     if value is None:
         return ""
-    if isinstance(value, str):
-        return value
     if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
-        return "\n".join(value)
-    raise DecontaminationError(f"{where}: field {name!r} holds {type(value).__name__}, expected text or a list of texts")
+        value = "\n".join(value)
+    if not isinstance(value, str):
+        raise DecontaminationError(f"{where}: field {name!r} holds {type(value).__name__}, expected text or a list of texts")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate from a `\\ud800` escape: no text to match
+        raise DecontaminationError(f"{where}: field {name!r} is not valid Unicode (a lone surrogate at {exc.start})") from None
+    return value
 
 
 def _records(path: Path, fmt: str) -> Iterator[tuple[str, Mapping[str, object]]]:
+    """(where, record) for each record of a benchmark or prompt file; anything unusable is a `DecontaminationError`
+    naming the file and the line or row."""
     if fmt == "parquet":
         try:
-            table = pq.read_table(path)
-        except Exception as exc:  # pyarrow raises several types for a file that is not Parquet
-            raise DecontaminationError(f"{path}: not a readable Parquet file: {exc}") from None
-        for i, record in enumerate(table.to_pylist()):
+            records = pq.read_table(path).to_pylist()
+        except Exception as exc:  # pyarrow raises several types for a file that is not Parquet; invalid UTF-8 too
+            raise DecontaminationError(f"{path}: not a readable Parquet file: {type(exc).__name__}: {exc}") from None
+        for i, record in enumerate(records):
             yield f"{path} row {i}", record
         return
     opener = gzip.open if path.name.endswith(".gz") else open
+    number = 0
     try:
-        with opener(path, "rt", encoding="utf-8") as lines:
-            for number, line in enumerate(lines, 1):
-                if not line.strip():
-                    continue
+        with opener(path, "rb") as stream:
+            for number, (line, length) in enumerate(bounded_lines(stream, MAX_LINE_BYTES), 1):
                 where = f"{path}:{number}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DecontaminationError(f"{where}: not a JSON object: {exc}") from None
-                if not isinstance(record, dict):
-                    raise DecontaminationError(f"{where}: expected a JSON object, got {type(record).__name__}")
-                yield where, record
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DecontaminationError(f"{path}: cannot read the benchmark file: {exc}") from None
+                if line is None:
+                    raise DecontaminationError(f"{where}: a line of {length:,} bytes, more than {MAX_LINE_BYTES:,}")
+                if line.strip():
+                    yield where, _json_object(line, where)
+    except (OSError, EOFError) as exc:  # unreadable, not gzip, a cut or corrupt gzip stream
+        raise DecontaminationError(f"{path}: unreadable after {number} line(s): {type(exc).__name__}: {exc}") from None
+
+
+def _json_object(line: bytes, where: str) -> Mapping[str, object]:
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DecontaminationError(f"{where}: not UTF-8 (byte {exc.start}: {exc.reason})") from None
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DecontaminationError(f"{where}: not a JSON object: {exc}") from None
+    except RecursionError:
+        raise DecontaminationError(f"{where}: not a JSON object: nested too deeply") from None
+    except ValueError as exc:  # an integer longer than Python's conversion limit
+        raise DecontaminationError(f"{where}: not a JSON object: {exc}") from None
+    if not isinstance(record, dict):
+        raise DecontaminationError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    return record
 
 
 def file_format(path: str | Path) -> str:
@@ -506,27 +529,33 @@ def decontaminate_prompts(path: str | Path, index: BenchmarkIndex, fields: Seque
     if present:
         raise DecontaminationError(f"{', '.join(present)} already exist; choose an empty --out directory")
     matches = list(_check_rows(_records(path, fmt), index, fields))
-    directory.mkdir(parents=True, exist_ok=True)
-    if fmt == "parquet":
-        import pyarrow as pa
-        import pyarrow.compute as pc
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if fmt == "parquet":
+            import pyarrow as pa
+            import pyarrow.compute as pc
 
-        table = pq.read_table(path)
-        hit = pa.array([m is not None for m in matches])
-        pq.write_table(table.filter(pc.invert(hit)), clean)
-        why = pa.array([json.dumps(m.to_dict()) for m in matches if m is not None], type=pa.string())
-        pq.write_table(table.filter(hit).append_column("decontamination", why), contaminated)
-    else:
-        opener = gzip.open if path.name.endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8") as lines, clean.open("w", encoding="utf-8") as ok, \
-                contaminated.open("w", encoding="utf-8") as bad:
-            found = iter(matches)
-            for line in lines:
-                if not line.strip():
-                    continue
-                m = next(found)
-                if m is None:
-                    ok.write(line if line.endswith("\n") else line + "\n")
-                else:
-                    bad.write(json.dumps({**json.loads(line), "decontamination": m.to_dict()}, ensure_ascii=False) + "\n")
+            table = pq.read_table(path)
+            hit = pa.array([m is not None for m in matches])
+            pq.write_table(table.filter(pc.invert(hit)), clean)
+            why = pa.array([json.dumps(m.to_dict()) for m in matches if m is not None], type=pa.string())
+            pq.write_table(table.filter(hit).append_column("decontamination", why), contaminated)
+        else:
+            opener = gzip.open if path.name.endswith(".gz") else open
+            with opener(path, "rb") as stream, clean.open("wb") as ok, contaminated.open("wb") as bad:
+                found = iter(matches)
+                for line, _ in bounded_lines(stream, MAX_LINE_BYTES):  # the lines the check read, split the same way
+                    if line is None:
+                        raise DecontaminationError(f"{path} changed while it was split")
+                    if not line.strip():
+                        continue
+                    m = next(found)
+                    if m is None:
+                        ok.write(line if line.endswith(b"\n") else line + b"\n")
+                    else:
+                        record = json.dumps({**json.loads(line), "decontamination": m.to_dict()}, ensure_ascii=False)
+                        # a lone surrogate (from a `\\ud800` escape) goes back out as that escape
+                        bad.write(record.encode("utf-8", "backslashreplace") + b"\n")
+    except OSError as exc:  # the directory cannot be created (a file by that name) or written (a full disk)
+        raise DecontaminationError(f"{directory}: cannot write the split: {type(exc).__name__}: {exc}") from None
     return PromptSetResult(clean, contaminated, len(matches), [m for m in matches if m is not None])

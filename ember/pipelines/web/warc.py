@@ -9,6 +9,10 @@ warcio ends its iteration quietly where a file is cut (it treats a short read as
 archive), so breaks are found here: gzip is decompressed by Python's `gzip` (which raises on a cut
 member) under a reader that remembers the error, and a record whose payload is shorter than its
 Content-Length is cut. Either ends the file with one `WarcBreak` at the record reached.
+
+A payload is read at most `max_payload` bytes (html.max_bytes) into memory: a larger page is an
+`html_too_large` reject whose rest is read past in pieces, and skipped records are read past the same way,
+so a small .warc.gz whose record holds gigabytes of one byte costs no more than a page at the limit.
 """
 
 from __future__ import annotations
@@ -22,7 +26,10 @@ from typing import Any
 from warcio.archiveiterator import ArchiveIterator
 from warcio.exceptions import ArchiveLoadFailed
 
+from ember.pipelines.web.html_text import TOO_LARGE
+
 GZIP_MAGIC = b"\x1f\x8b"
+SKIP_READ_BYTES = 1 << 20
 HTML_TYPES = frozenset({"text/html", "application/xhtml+xml"})
 
 
@@ -101,8 +108,9 @@ def _record_id(record: Any) -> str:
     return (record.rec_headers.get_header("WARC-Record-ID") or "").strip("<>")
 
 
-def read_warc(raw: Any) -> Iterator[WarcPage | WarcReject | WarcBreak]:
-    """Every response record of one WARC stream in file order; a `WarcBreak` is always the last item."""
+def read_warc(raw: Any, max_payload: int) -> Iterator[WarcPage | WarcReject | WarcBreak]:
+    """Every response record of one WARC stream in file order, payloads of at most `max_payload` bytes;
+    a `WarcBreak` is always the last item."""
     head = raw.read(2)
     body = io.BufferedReader(_Concat(head, raw))
     stream = _Remembering(gzip.GzipFile(fileobj=body) if head == GZIP_MAGIC else body)
@@ -115,7 +123,7 @@ def read_warc(raw: Any) -> Iterator[WarcPage | WarcReject | WarcBreak]:
                 raise ArchiveLoadFailed(f"record {whole + 1} is no WARC record (warcio reads it as {record.format})")
             if not (record.rec_headers.get_header("Content-Length") or "").strip().isdigit():  # mandatory: cut headers
                 raise EOFError(f"record {whole + 1} has no Content-Length (its WARC headers end early)")
-            item = _item(record, whole + 1, offset)
+            item = _item(record, whole + 1, offset, max_payload)
             short = getattr(record.raw_stream, "limit", 0)  # bytes of the Content-Length never read
             if short:  # the stream ended (or broke: read errors end it) inside this record
                 raise stream.error or EOFError(f"record {whole + 1} ends {short:,} bytes before its Content-Length")
@@ -132,15 +140,25 @@ def read_warc(raw: Any) -> Iterator[WarcPage | WarcReject | WarcBreak]:
         yield WarcBreak(whole, offset, EOFError(f"{stream.position - offset:,} bytes after the last whole record are no WARC record"))
 
 
-def _item(record: Any, number: int, offset: int) -> WarcPage | WarcReject | None:
-    """The page or reject of one record (its payload read in full), or None for a non-response record."""
+def _read_past(record: Any) -> None:
+    """Consume the rest of a record's bytes as stored (compressed, if its HTTP body is) without holding them."""
+    while record.raw_stream.read(SKIP_READ_BYTES):
+        pass
+
+
+def _item(record: Any, number: int, offset: int, max_payload: int) -> WarcPage | WarcReject | None:
+    """The page or reject of one record (its payload read up to `max_payload` bytes), or None for a non-response record."""
     if record.rec_type != "response":
-        record.content_stream().read()
+        _read_past(record)
         return None
     record_id = _record_id(record)
     url = record.rec_headers.get_header("WARC-Target-URI")
     http = record.http_headers
-    payload = record.content_stream().read()
+    payload = record.content_stream().read(max_payload + 1)
+    size = f"{len(payload):,} bytes"
+    if len(payload) > max_payload:
+        _read_past(record)
+        size = f"more than {max_payload:,} bytes"
     if http is None:
         return WarcReject(number, offset, record_id, url, "not_http", "the response record holds no HTTP response")
     status = http.get_statuscode() or ""
@@ -148,7 +166,9 @@ def _item(record: Any, number: int, offset: int) -> WarcPage | WarcReject | None
         return WarcReject(number, offset, record_id, url, f"http_status:{status or 'none'}", http.protocol + " " + (http.statusline or ""))
     media, charset = _media_type(http.get_header("Content-Type"))
     if media not in HTML_TYPES:
-        return WarcReject(number, offset, record_id, url, f"not_html:{media or 'none'}", f"{len(payload):,} bytes of payload")
+        return WarcReject(number, offset, record_id, url, f"not_html:{media or 'none'}", f"{size} of payload")
+    if len(payload) > max_payload:
+        return WarcReject(number, offset, record_id, url, TOO_LARGE, f"{size} of HTML > html.max_bytes {max_payload:,}; the rest read past")
     return WarcPage(number, offset, record_id, url, record.rec_headers.get_header("WARC-Date"), media, charset, payload)
 
 

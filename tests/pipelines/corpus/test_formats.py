@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import gzip
 import json
+import tracemalloc
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 import zstandard
 
-from ember.pipelines.corpus.config import CorpusSource
+from ember.configs import CorpusConfigError
+from ember.pipelines.corpus.config import CorpusSource, parse_config
 from ember.pipelines.corpus.formats import read_file
 from ember.schemas.documents import content_hash, make_document_id
 
@@ -211,3 +214,56 @@ def test_control_characters_strip_policy_removes_them_before_ids_and_hashes(tmp_
     row = results[0][0]
     assert row["text"] == "abc\td" and row["content_hash"] == content_hash("abc\td") and row["id"] == make_document_id("s", "abc\td")
     assert results[1][1]["reason"] == "empty_text"
+
+
+BOMB_BYTES = 96 * 2**20
+
+
+def _write_with_bomb(path: Path, fmt: str) -> None:
+    """Two good lines around one of BOMB_BYTES, written in pieces (the test never holds the bomb either)."""
+    opened = {"jsonl": lambda: path.open("wb"), "jsonl.gz": lambda: gzip.open(path, "wb", compresslevel=1),
+              "jsonl.zst": lambda: zstandard.ZstdCompressor().stream_writer(path.open("wb"))}[fmt]
+    with opened() as out:
+        out.write(_lines(1))
+        out.write(b'{"text": "')
+        for _ in range(BOMB_BYTES // 2**20):
+            out.write(b"x" * 2**20)
+        out.write(b'"}\n')
+        out.write(_lines(1, start=1))
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "jsonl.gz", "jsonl.zst"])
+def test_a_line_over_max_line_bytes_is_skipped_unread_and_the_file_reads_on(tmp_path: Path, fmt: str) -> None:
+    path = tmp_path / f"a.{fmt}"
+    _write_with_bomb(path, fmt)
+    source = _source(fmt).model_copy(update={"max_line_bytes": 64 * 2**10})
+    tracemalloc.start()
+    try:
+        units = list(read_file(str(path), source))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [(r or j)["location"] for r, j in units] == [f"{path}:line={n}" for n in (1, 2, 3)]
+    assert [j["reason"] if j else "doc" for _, j in units] == ["doc", "line_too_long", "doc"]
+    assert units[1][1]["detail"] == (
+        f"line 2 of {path} has {BOMB_BYTES + 13:,} bytes, more than max_line_bytes ({64 * 2**10:,}): skipped unread")
+    assert peak < BOMB_BYTES / 2, f"reading held {peak:,} bytes at once"
+
+
+def test_max_line_bytes_counts_the_bytes_before_the_newline(tmp_path: Path) -> None:
+    cap = 1024
+    at_cap = b'{"text": "' + b"y" * (cap - 12) + b'"}'
+    path = tmp_path / "a.jsonl"
+    path.write_bytes(at_cap + b"\n" + at_cap[:-2] + b'y"}\n' + at_cap)
+    source = _source().model_copy(update={"max_line_bytes": cap})
+    assert len(at_cap) == cap
+    assert [o for _, o in _outcomes(path, source)] == ["doc", "line_too_long", "doc"]
+
+
+def test_a_code_source_whose_lines_cannot_hold_a_document_the_filters_keep_is_a_config_error() -> None:
+    base = {"output": {"directory": "out"}, "filters": {"code": {"max_chars": 10_000}}}
+    code = {"name": "c", "kind": "code", "inputs": ["x"], "max_line_bytes": 100_000}
+    with pytest.raises(CorpusConfigError, match=r"sources\.0\.max_line_bytes: 100,000 is less than 12 x filters.code.max_chars = 120,000"):
+        parse_config({**base, "sources": [code]})
+    parse_config({**base, "sources": [{**code, "max_line_bytes": 120_000}]})
+    parse_config({**base, "sources": [{**code, "kind": "web"}]})  # no max_chars applies to web documents

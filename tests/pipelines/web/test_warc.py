@@ -4,6 +4,7 @@ which become rejects with their reason, and that a cut archive ends in one unrea
 from __future__ import annotations
 
 import io
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from ember.pipelines.web.warc import WarcBreak, WarcPage, WarcReject, read_warc
 
 from tests.pipelines.web_support import PROSE, Record, page, warc_bytes
 
+MAX_PAYLOAD = 10 * 2**20
 RECORDS = [
     Record("http://example.com/", b"GET / HTTP/1.1\r\nHost: example.com\r\n\r\n", rec_type="request"),
     Record("http://example.com/en", page("River", [PROSE["en"]])),
@@ -31,7 +33,7 @@ def _source(fmt: str = "warc", **html: object) -> CorpusSource:
 
 @pytest.mark.parametrize("gzip", [True, False], ids=["warc.gz", "warc"])
 def test_response_records_become_pages_and_other_payloads_rejects(gzip: bool) -> None:
-    items = list(read_warc(io.BytesIO(warc_bytes(RECORDS, gzip))))
+    items = list(read_warc(io.BytesIO(warc_bytes(RECORDS, gzip)), MAX_PAYLOAD))
     assert [type(i) for i in items] == [WarcPage, WarcReject, WarcReject, WarcPage], "the request record is skipped"
     en, pdf, missing, de = items
     assert (en.number, en.url, en.content_type, en.charset) == (2, "http://example.com/en", "text/html", "utf-8")
@@ -47,12 +49,12 @@ def test_every_cut_either_breaks_or_falls_between_whole_records(gzip: bool) -> N
     """Cut at every byte: the pages read before the cut are intact, and the cut is reported unless it falls
     where a shorter archive could end (between records, or inside the blank lines that close one)."""
     data = warc_bytes(RECORDS, gzip)
-    whole = list(read_warc(io.BytesIO(data)))
+    whole = list(read_warc(io.BytesIO(data), MAX_PAYLOAD))
     # where a shorter, valid archive ends: the next record (or gzip member) starts right after
     ends = {len(data)} | {cut for cut in range(len(data)) if data[cut:cut + 4] in (b"WARC", b"\x1f\x8b\x08\x00")}
     silent = []
     for cut in range(1, len(data)):
-        items = list(read_warc(io.BytesIO(data[:cut])))
+        items = list(read_warc(io.BytesIO(data[:cut]), MAX_PAYLOAD))
         broke = bool(items) and isinstance(items[-1], WarcBreak)
         kept = items[:-1] if broke else items
         assert kept == whole[: len(kept)], f"cut at {cut}: a page changed"
@@ -123,3 +125,27 @@ def test_warc_and_html_sources_are_web_without_field_mappings() -> None:
         parse_config({"sources": [{**base, "kind": "web", "fields": {"text": "body"}}], "output": {"directory": "o"}})
     with pytest.raises(CorpusConfigError, match="time_limit_s"):
         parse_config({"sources": [{**base, "kind": "web", "html": {"time_limit_s": 0}}], "output": {"directory": "o"}})
+
+
+def test_a_payload_over_max_payload_is_an_html_too_large_reject_read_past_without_being_held() -> None:
+    huge = 32 * 2**20
+    data = warc_bytes([
+        RECORDS[1],
+        Record("http://example.com/huge", b"<html><body><p>" + b"a" * huge + b"</p></body></html>"),
+        Record("http://example.com/huge.bin", b"\0" * huge, content_type="application/octet-stream"),
+        Record("http://example.com/ask", b"POST /ask HTTP/1.1\r\nHost: example.com\r\n\r\n" + b"\0" * huge, rec_type="request"),
+        RECORDS[4],
+    ], gzip=True)
+    assert len(data) < huge // 100
+    tracemalloc.start()
+    try:
+        items = list(read_warc(io.BytesIO(data), 2**20))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [type(i) for i in items] == [WarcPage, WarcReject, WarcReject, WarcPage], "the request record is skipped"
+    assert (items[1].reason, items[1].detail) == (
+        "html_too_large", f"more than {2**20:,} bytes of HTML > html.max_bytes {2**20:,}; the rest read past")
+    assert (items[2].reason, items[2].detail) == ("not_html:application/octet-stream", f"more than {2**20:,} bytes of payload")
+    assert items[3].payload == RECORDS[4].payload
+    assert peak < huge // 4, f"reading held {peak:,} bytes at once"
