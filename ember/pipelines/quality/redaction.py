@@ -11,10 +11,10 @@ labelled set by bench/bench_redaction.py (BENCHMARKS.md).
 
 Time is linear in the text, whatever the text: `re` backtracks, and a pattern goes quadratic where a
 failed try scans far and the next start rescans it (`sk-` x n, `%...%@`, `a.a.a.`..., PEM headers with no
-END). So every detector's repeats are possessive where nothing after them could give back a character,
-a match may start only where a run of its characters starts (an `sk-` inside a run is no key's start),
-a PEM body stops at the next `-----`, and the per-match decisions look a bounded distance around the
-match, never to the line's start or end. tests/pipelines/redaction_adversarial.py holds hostile inputs
+END). So repeats are possessive where nothing after them could give a character back, an assignment or
+an email starts only where a run of its characters starts, an OpenAI key's middle is bounded, a PEM body
+stops at the next run of dashes, and the per-match decisions look a bounded distance around the match,
+never to the line's start or end. tests/pipelines/redaction_adversarial.py holds hostile inputs
 for every pattern; test_redaction.py holds their time at 1 MB to about 16x that at 64 KB.
 
 Linear is not small: a document of megabytes still takes seconds. `redaction.time_limit_s` bounds one
@@ -57,8 +57,8 @@ PLACEHOLDERS = {
 
 _PRIVATE_KEY = re.compile(
     r"-----BEGIN (?P<kind>[A-Z0-9 ]*)PRIVATE KEY(?P<block>(?: BLOCK)?)-----"
-    # the whole block: its body holds no `-----`, so a header without its END looks no further than the next line of dashes
-    r"(?:(?:[^-]++|-(?!----))*+-----END (?P=kind)PRIVATE KEY(?P=block)-----"
+    # the whole block: its body holds no `-----`, so a header without its END looks no further than the next run of dashes
+    r"(?:(?:[^-]++|-(?!----))*+-*?-----END (?P=kind)PRIVATE KEY(?P=block)-----"
     r"|(?:(?:\s|\\n)++[A-Za-z0-9+/=]{16,}+)*+)",  # a block cut before its END line: the base64 lines that remain
 )
 _B64URL = r"[A-Za-z0-9_-]"
@@ -70,13 +70,13 @@ _TOKENS = {
         r"\bxox[abposre]-[A-Za-z0-9-]{10,250}\b|https://hooks\.slack\.com/services/T[A-Z0-9]++/B[A-Z0-9]++/[A-Za-z0-9]{16,}"
     ),
     # Vendor formats with a fixed prefix (detect-secrets / gitleaks): Stripe, Google, OpenAI, GitLab, npm,
-    # PyPI, SendGrid, Twilio, Hugging Face. An OpenAI key's `T3BlbkFJ` sits inside a run of its own
-    # characters, so it is looked for only from the run's start: from every `sk-` of `sk-sk-sk-...` it
-    # would rescan the rest of the run each time.
+    # PyPI, SendGrid, Twilio, Hugging Face. An OpenAI key's `T3BlbkFJ` comes within 100 characters of its
+    # `sk-` (20 in legacy keys, 58-82 in project, service-account and admin keys): unbounded, every `sk-`
+    # of `sk-sk-sk-...` would rescan the rest of the run for it.
     "api_token": re.compile(
         r"\b(?:[rs]k_(?:live|test)_[0-9A-Za-z]{24,99}|glpat-[0-9A-Za-z_-]{20,}+|npm_[A-Za-z0-9]{36}|hf_[A-Za-z0-9]{34,40}"
         r"|SK[0-9a-f]{32}|pypi-AgEIcHlwaS5vcmc[A-Za-z0-9_-]{50,}+|SG\.[A-Za-z0-9_-]{22}\.[A-Za-z0-9_-]{43})(?![A-Za-z0-9_-])"
-        r"|(?<![A-Za-z0-9_-])sk-(?:(?:proj-)?[A-Za-z0-9_-]{20,}T3BlbkFJ[A-Za-z0-9_-]{20,}+|proj-[A-Za-z0-9_-]{40,}+)"
+        r"|\bsk-(?:(?:proj-)?[A-Za-z0-9_-]{20,100}T3BlbkFJ[A-Za-z0-9_-]{20,}+|proj-[A-Za-z0-9_-]{40,}+)"
         r"|\bAIza[0-9A-Za-z_-]{35}(?![A-Za-z0-9_-])"
     ),
 }

@@ -123,6 +123,9 @@ def test_the_value_is_replaced_and_the_name_kept(text: str, expected: str, kind:
         ("-----BEGIN PGP PRIVATE KEY BLOCK-----\nlQOYBF0\n-----END PGP PRIVATE KEY BLOCK-----", "<PRIVATE_KEY>", "private_key"),
         ("key = '-----BEGIN RSA PRIVATE KEY-----\\nMIIEowIBAAKCAQEAu1SU1LfVLPHCozMxH2Mo4lgOEePzNm0tRgeLezV6ffAt0gunVTLw7onLRnrq0\\n",
          "key = '<PRIVATE_KEY>\\n", "private_key"),  # a block cut before its END line
+        ("-----BEGIN EC PRIVATE KEY-----\nMHcCAQEEIIrYSSNQFaA2Hwf1duRSxKtLYX5CB04fSeQ6tF1aY/PuoAoGCCqG\n------END EC PRIVATE KEY-----",
+         "<PRIVATE_KEY>", "private_key"),  # an END line with a dash too many
+        ("OPENAI_KEY=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", "OPENAI_KEY=<KEY>", "api_token"),  # legacy shape
         ("sk_live_4eC39HqLyjWDarjtT1zdp7dc", "<KEY>", "api_token"),
         ("AIzaSyD-9tSrke72PouQMnMX-a7eZSW0jkFMBWY", "<KEY>", "api_token"),
         ("glpat-xxYz12AbCdEfGhIjKlMn", "<KEY>", "api_token"),
