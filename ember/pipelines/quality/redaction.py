@@ -22,7 +22,8 @@ document's CPU time, and the corpus build rejects an overrun as `redaction_timeo
 cannot be stopped from Python outside the main thread (Beam runs DoFns on worker threads, and only the
 main thread sees signals), so the limit is checked before each of the ~14 detector passes: a document
 stops at most one pass past its limit, and a pass costs at most its text's length times the slowest
-per-character cost (~6 us/byte, lines packed with public IPv4 addresses; ~0.2 us/byte otherwise).
+per-character cost (~3.5 us/byte on a line packed with public addresses; under 1 us/byte on every other
+hostile input measured, BENCHMARKS.md).
 CPU time of the thread, not wall time, keeps a loaded machine from rejecting documents, but a document
 near the limit may land either side of it on a rerun: null turns the limit off for a build that must be
 reproducible byte for byte.
@@ -93,8 +94,9 @@ _QUERY_PARAM = re.compile(r"(?<=[?&])(?P<name>[A-Za-z][A-Za-z0-9_.-]*+)=(?P<valu
 # A name starts at a letter or `_` after a `.` or `-` or at the start of a run of name characters, and runs to
 # the run's end; the match starts at the run's start and skips (possessively) what cannot start a name
 # (`--`, `1a.`, `$a.`), so `a.a.a.`... is tried once, not once per `.` (each try would rescan the run).
+# The leading lookahead turns away a position that starts no run in one test.
 _ASSIGNMENT = re.compile(
-    r"(?<![A-Za-z0-9_.-])(?:[.-]|[0-9][A-Za-z0-9_]*+|(?<=\$)[A-Za-z_][A-Za-z0-9_]*+)*+"
+    r"(?=[A-Za-z0-9_.-])(?<![A-Za-z0-9_.-])(?:[.-]|[0-9][A-Za-z0-9_]*+|(?<=\$)[A-Za-z_][A-Za-z0-9_]*+)*+"
     r"(?P<name>[A-Za-z_][A-Za-z0-9_.-]*+)(?:[\"'`]?\])?[\"'`]?"
     r"(?P<sep>[ \t]*+(?::=|=>|(?<![=!<>])=(?!=)|:(?!:))[ \t]*+)"
     r"(?:[bBrRuU]?@?(?:\"(?P<dq>[^\"\n]*)\"|'(?P<sq>[^'\n]*)'|`(?P<bq>[^`\n]*)`)|(?P<value>[^\s\"'`,;()\[\]{}<>]+))"
