@@ -11,13 +11,19 @@ PIIFormatter only knows emails and IPv4 addresses: its recall is bounded by that
 those two types and for speed. Throughput: MB of input text (planted + clean) per CPU-second, median
 of --repeats.
 
+--adversarial: CPU seconds of one `redact` on each input of tests/pipelines/redaction_adversarial.py at
+64 KB, 256 KB and 1 MB (median of --repeats; one over --cap wall seconds is stopped and shown as `>cap`),
+and the 1 MB / 64 KB ratio: ~16 is linear, ~256 quadratic.
+
     .venv/bin/python bench/bench_redaction.py [--stdlib-files 150] [--repeats 5] [--also old_redaction.py]
+    .venv/bin/python bench/bench_redaction.py --adversarial [--repeats 3] [--cap 20] [--also old_redaction.py]
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import multiprocessing
 import statistics
 import sys
 import time
@@ -31,7 +37,10 @@ from datatrove.pipeline.formatters import PIIFormatter  # noqa: E402
 
 from ember.pipelines.quality.settings import Redaction  # noqa: E402
 from ember.pipelines.quality.redaction import redact  # noqa: E402
+from tests.pipelines.redaction_adversarial import INPUTS  # noqa: E402
 from tests.pipelines.redaction_labelled import Labelled, Score, clean, planted, score  # noqa: E402
+
+SIZES = {"64 KB": 2**16, "256 KB": 2**18, "1 MB": 2**20}
 
 
 def ember_tool(redact_fn: Callable = redact) -> tuple[Callable[[str], str], Callable[[str], Counter[str]]]:
@@ -90,12 +99,57 @@ def report(name: str, result: Score, mb_s: float) -> None:
         print("missed:", ", ".join(f"{f}:{t}" for f, t, _ in result.missed))
 
 
+def _median_seconds(redact_fn: Callable, text: str, repeats: int) -> float:
+    config, runs = Redaction(time_limit_s=None), []
+    for _ in range(repeats):
+        start = time.process_time()
+        redact_fn(text, config)
+        runs.append(time.process_time() - start)
+    return statistics.median(runs)
+
+
+def capped_seconds(redact_fn: Callable, text: str, repeats: int, cap: float) -> float | None:
+    """Median CPU seconds of `redact_fn(text)` in a forked child, or None when the child is still at it
+    after `cap` wall seconds (then it is killed: a regex cannot be stopped from outside its thread)."""
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=lambda: send.send(_median_seconds(redact_fn, text, repeats)))
+    child.start()
+    try:
+        return receive.recv() if receive.poll(cap) else None
+    finally:
+        child.kill()
+        child.join()
+
+
+def adversarial(name: str, redact_fn: Callable, repeats: int, cap: float) -> None:
+    """One row per adversarial input; after a size passes `cap`, the larger sizes are not tried."""
+    print(f"\n## {name}: CPU seconds per document (median of {repeats}), cap {cap:g} s\n")
+    print(f"| input | {' | '.join(SIZES)} | 1 MB / 64 KB |\n|---|{'---|' * len(SIZES)}---|")
+    for label, build in INPUTS.items():
+        cells, seconds = [], {}
+        for size_name, size in SIZES.items():
+            took = capped_seconds(redact_fn, build(size), repeats, cap) if len(seconds) == len(cells) else None
+            cells.append(f"{took:.3f}" if took is not None else f">{cap:g}")
+            if took is not None:
+                seconds[size_name] = took
+        ratio = seconds["1 MB"] / max(seconds["64 KB"], 1e-6) if len(seconds) == len(SIZES) else None
+        print(f"| {label} | {' | '.join(cells)} | {f'{ratio:.0f}x' if ratio is not None else '-'} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stdlib-files", type=int, default=150)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--also", metavar="REDACTION_PY", help="also score this version of redaction.py (e.g. main's)")
+    parser.add_argument("--adversarial", action="store_true", help="time each adversarial input instead")
+    parser.add_argument("--cap", type=float, default=20.0, help="--adversarial: wall seconds after which a run is stopped")
     args = parser.parse_args()
+    if args.adversarial:
+        adversarial("ember redaction", redact, args.repeats, args.cap)
+        if args.also:
+            adversarial(f"ember redaction from {args.also}", module_redact(args.also), args.repeats, args.cap)
+        return
     planted_docs, clean_docs = planted(), clean(args.stdlib_files)
     size = sum(len(d.text.encode("utf-8")) for d in planted_docs + clean_docs)
     print(f"labelled set: {len(planted_docs)} planted files ({sum(len(d.secrets) for d in planted_docs)} secrets), "

@@ -132,6 +132,7 @@ FIXES = {
     "read:html_timeout": "raise the source's html.time_limit_s",
     "read:html_too_large": "raise the source's html.max_bytes",
     "read:html_empty": "set the source's html.main_content: false (keeps all visible text)",
+    "redact:redaction_timeout": "raise redaction.time_limit_s (null: no limit)",
     "unique_ids:duplicate_id": "fields.id is not unique in this source; set it to null for content-addressed ids",
     "exact_dedup:exact_duplicate": "the inputs repeat themselves; check the source's globs for overlaps",
     "near_dedup:near_duplicate": "more dedup.bands x rows_per_band raise the threshold; dedup.near: false turns it off",

@@ -25,7 +25,7 @@ from ember.pipelines.quality.settings import Filters, Redaction, UrlBlocklistSet
 from ember.pipelines.corpus.formats import READ_STAGE, UNREADABLE, Row, read_file
 from ember.pipelines.quality.language_id import identifier, language_verdict
 from ember.pipelines.jobs.progress import ProgressWriter
-from ember.pipelines.quality.redaction import redact_fields
+from ember.pipelines.quality.redaction import RedactionTimeout, redact_fields
 from ember.pipelines.web.blocklist import UrlBlocklist, parse_domain_lines
 from ember.pipelines.quality.web_filters import WebFilterStack
 from ember.schemas.documents import cluster_row, content_hash, reject_row
@@ -258,10 +258,16 @@ class FilterDocuments(CorpusFn):
         yield self.reject(row, reason, detail) if reason else row
 
 
+REDACTION_TIMEOUT = "redaction_timeout"
+TIMED_OUT_FIELD = "<REDACTION_TIMEOUT>"
+
+
 class RedactDocuments(CorpusFn):
     """Typed placeholders for secrets/PII in the text and in every string metadata value (a `url` with
     `?api_key=`, a `path` holding a token), counts per type on the stats output; the content hash is
-    recomputed here because filters (C4's line removal) and redaction both change the text."""
+    recomputed here because filters (C4's line removal) and redaction both change the text. A document
+    whose redaction runs past `redaction.time_limit_s` is a `redaction_timeout` reject, so one hostile
+    document costs its worker a bounded time instead of stalling it."""
 
     STAGE = "redact"
 
@@ -272,7 +278,11 @@ class RedactDocuments(CorpusFn):
     def process(self, row: Row) -> Iterator[Any]:
         self.advance()
         if self._redaction.enabled:
-            row, counts = redact_fields(row, ("text", "metadata"), self._redaction)
+            try:
+                row, counts = redact_fields(row, ("text", "metadata"), self._redaction)
+            except RedactionTimeout as timeout:
+                yield self.reject(row, REDACTION_TIMEOUT, str(timeout))
+                return
             for kind, n in counts.items():
                 yield self.stat(row["source"], f"redactions.{kind}", n)
             if counts:
@@ -284,6 +294,19 @@ class RedactDocuments(CorpusFn):
 # path, a reader's error can quote the record, a location is an input path.
 REJECT_TEXT_FIELDS = ("location", "detail")
 CLUSTER_TEXT_FIELDS = ("location",)
+
+
+def redact_text_fields(row: dict[str, Any], fields: tuple[str, ...], redaction: Redaction) -> dict[str, Any]:
+    """`row` with each of `fields` redacted under its own `redaction.time_limit_s`; one that overruns it
+    becomes `<REDACTION_TIMEOUT>` whole: the row still accounts for its document (and keeps its other
+    fields, a short location beside a long detail), and never carries text that was not redacted."""
+    out = dict(row)
+    for field in fields:
+        try:
+            out = redact_fields(out, (field,), redaction)[0]
+        except RedactionTimeout:
+            out[field] = TIMED_OUT_FIELD
+    return out
 
 
 class RedactRows(beam.PTransform):
@@ -299,7 +322,7 @@ class RedactRows(beam.PTransform):
         if not self._redaction.enabled:
             return rows
         redaction, fields = self._redaction, self._fields
-        return rows | "Redact" >> beam.Map(lambda r: redact_fields(r, fields, redaction)[0])
+        return rows | "Redact" >> beam.Map(redact_text_fields, fields, redaction)
 
 
 class PerDocument(beam.PTransform):

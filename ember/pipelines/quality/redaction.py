@@ -8,6 +8,25 @@ URLs, `Authorization: Bearer ...`) are matched by shape; keyword assignments (`*
 `*password*`, after detect-secrets' keyword detector) need a literal value of the right shape, and a
 generic key or token also needs length, a digit and entropy, so ordinary code survives. Measured on a
 labelled set by bench/bench_redaction.py (BENCHMARKS.md).
+
+Time is linear in the text, whatever the text: `re` backtracks, and a pattern goes quadratic where a
+failed try scans far and the next start rescans it (`sk-` x n, `%...%@`, `a.a.a.`..., PEM headers with no
+END). So repeats are possessive where nothing after them could give a character back, an assignment or
+an email starts only where a run of its characters starts, an OpenAI key's middle is bounded, a PEM body
+stops at the next run of dashes, and the per-match decisions look a bounded distance around the match,
+never to the line's start or end. tests/pipelines/redaction_adversarial.py holds hostile inputs
+for every pattern; test_redaction.py holds their time at 1 MB to about 16x that at 64 KB.
+
+Linear is not small: a document of megabytes still takes seconds. `redaction.time_limit_s` bounds one
+document's CPU time, and the corpus build rejects an overrun as `redaction_timeout`. A regex match
+cannot be stopped from Python outside the main thread (Beam runs DoFns on worker threads, and only the
+main thread sees signals), so the limit is checked before each of the ~14 detector passes: a document
+stops at most one pass past its limit, and a pass costs at most its text's length times the slowest
+per-character cost (~3.5 us/byte on a line packed with public addresses; under 1 us/byte on every other
+hostile input measured, BENCHMARKS.md).
+CPU time of the thread, not wall time, keeps a loaded machine from rejecting documents, but a document
+near the limit may land either side of it on a rerun: null turns the limit off for a build that must be
+reproducible byte for byte.
 """
 
 from __future__ import annotations
@@ -15,6 +34,7 @@ from __future__ import annotations
 import ipaddress
 import math
 import re
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -38,49 +58,57 @@ PLACEHOLDERS = {
 
 _PRIVATE_KEY = re.compile(
     r"-----BEGIN (?P<kind>[A-Z0-9 ]*)PRIVATE KEY(?P<block>(?: BLOCK)?)-----"
-    r"(?:.*?-----END (?P=kind)PRIVATE KEY(?P=block)-----"  # the whole block
-    r"|(?:(?:\s|\\n)+[A-Za-z0-9+/=]{16,})*)",  # a block cut before its END line: the base64 lines that remain
-    re.DOTALL,
+    # the whole block: its body holds no `-----`, so a header without its END looks no further than the next run of dashes
+    r"(?:(?:[^-]++|-(?!----))*+-*?-----END (?P=kind)PRIVATE KEY(?P=block)-----"
+    r"|(?:(?:\s|\\n)++[A-Za-z0-9+/=]{16,}+)*+)",  # a block cut before its END line: the base64 lines that remain
 )
 _B64URL = r"[A-Za-z0-9_-]"
-_JWT = re.compile(rf"(?<![A-Za-z0-9_-])eyJ{_B64URL}{{10,}}\.{_B64URL}{{10,}}\.{_B64URL}{{10,}}(?![A-Za-z0-9_-])")
+_JWT = re.compile(rf"(?<![A-Za-z0-9_-])eyJ{_B64URL}{{10,}}+\.{_B64URL}{{10,}}+\.{_B64URL}{{10,}}+")
 _TOKENS = {
     "aws_access_key": re.compile(r"(?:AKIA|ASIA|AGPA|AIDA|AROA|ANPA|ANVA)(?<![A-Z0-9].{4})[A-Z0-9]{16}(?![A-Z0-9])"),
     "github_token": re.compile(r"\b(?:gh[pousr]_[A-Za-z0-9]{36,255}|github_pat_[A-Za-z0-9_]{22,255})\b"),
     "slack_token": re.compile(
-        r"\bxox[abposre]-[A-Za-z0-9-]{10,250}\b|https://hooks\.slack\.com/services/T[A-Z0-9]+/B[A-Z0-9]+/[A-Za-z0-9]{16,}"
+        r"\bxox[abposre]-[A-Za-z0-9-]{10,250}\b|https://hooks\.slack\.com/services/T[A-Z0-9]++/B[A-Z0-9]++/[A-Za-z0-9]{16,}"
     ),
     # Vendor formats with a fixed prefix (detect-secrets / gitleaks): Stripe, Google, OpenAI, GitLab, npm,
-    # PyPI, SendGrid, Twilio, Hugging Face.
+    # PyPI, SendGrid, Twilio, Hugging Face. An OpenAI key's `T3BlbkFJ` comes within 100 characters of its
+    # `sk-` (20 in legacy keys, 58-82 in project, service-account and admin keys): unbounded, every `sk-`
+    # of `sk-sk-sk-...` would rescan the rest of the run for it.
     "api_token": re.compile(
-        r"\b(?:[rs]k_(?:live|test)_[0-9A-Za-z]{24,99}|glpat-[0-9A-Za-z_-]{20,}|npm_[A-Za-z0-9]{36}|hf_[A-Za-z0-9]{34,40}"
-        r"|SK[0-9a-f]{32}|sk-(?:proj-)?[A-Za-z0-9_-]{20,}T3BlbkFJ[A-Za-z0-9_-]{20,}|sk-proj-[A-Za-z0-9_-]{40,}"
-        r"|pypi-AgEIcHlwaS5vcmc[A-Za-z0-9_-]{50,}|SG\.[A-Za-z0-9_-]{22}\.[A-Za-z0-9_-]{43})(?![A-Za-z0-9_-])"
+        r"\b(?:[rs]k_(?:live|test)_[0-9A-Za-z]{24,99}|glpat-[0-9A-Za-z_-]{20,}+|npm_[A-Za-z0-9]{36}|hf_[A-Za-z0-9]{34,40}"
+        r"|SK[0-9a-f]{32}|pypi-AgEIcHlwaS5vcmc[A-Za-z0-9_-]{50,}+|SG\.[A-Za-z0-9_-]{22}\.[A-Za-z0-9_-]{43})(?![A-Za-z0-9_-])"
+        r"|\bsk-(?:(?:proj-)?[A-Za-z0-9_-]{20,100}T3BlbkFJ[A-Za-z0-9_-]{20,}+|proj-[A-Za-z0-9_-]{40,}+)"
         r"|\bAIza[0-9A-Za-z_-]{35}(?![A-Za-z0-9_-])"
     ),
 }
 # `Authorization: Bearer <token>`, `Authorization: Basic <base64>`, `Authorization: token <token>`, `bearer <token>`.
 _BEARER = re.compile(
-    r"(?i)(?:\bbearer|\bauthorization[\"']?[ \t]*[:=][ \t]*[\"']?(?:basic|token|digest))[ \t]+"
-    r"(?P<value>[A-Za-z0-9._~+/-]{12,}=*)"
+    r"(?i)(?:\bbearer|\bauthorization[\"']?[ \t]*+[:=][ \t]*+[\"']?(?:basic|token|digest))[ \t]++"
+    r"(?P<value>[A-Za-z0-9._~+/-]{12,}+=*+)"
 )
 # scheme://user:password@host: only the password is replaced.
-_URL_PASSWORD = re.compile(r"(?i)\b[a-z][a-z0-9+.-]{1,20}://[^\s:/?#@\"'`<>]*:(?P<value>[^\s/@\"'`<>]+)@(?=[\w\[])")
+_URL_PASSWORD = re.compile(r"(?i)\b[a-z][a-z0-9+.-]{1,20}+://[^\s:/?#@\"'`<>]*+:(?P<value>[^\s/@\"'`<>]++)@(?=[\w\[])")
 # ?api_key=...&token=...: the parameter's value, classified like an assignment of that name.
-_QUERY_PARAM = re.compile(r"(?<=[?&])(?P<name>[A-Za-z][A-Za-z0-9_.-]*)=(?P<value>[^&#\s\"'`<>]+)")
+_QUERY_PARAM = re.compile(r"(?<=[?&])(?P<name>[A-Za-z][A-Za-z0-9_.-]*+)=(?P<value>[^&#\s\"'`<>]++)")
 # NAME = "value", NAME: value, "name": "value", d['name'] = 'value', --name=value; one line, no `==`.
+# A name starts at a letter or `_` after a `.` or `-` or at the start of a run of name characters, and runs to
+# the run's end; the match starts at the run's start and skips (possessively) what cannot start a name
+# (`--`, `1a.`, `$a.`), so `a.a.a.`... is tried once, not once per `.` (each try would rescan the run).
+# The leading lookahead turns away a position that starts no run in one test.
 _ASSIGNMENT = re.compile(
-    r"(?<![A-Za-z0-9_$])(?P<name>[A-Za-z_][A-Za-z0-9_.-]*+)(?:[\"'`]?\])?[\"'`]?"
-    r"(?P<sep>[ \t]*(?::=|=>|(?<![=!<>])=(?!=)|:(?!:))[ \t]*)"
+    r"(?=[A-Za-z0-9_.-])(?<![A-Za-z0-9_.-])(?:[.-]|[0-9][A-Za-z0-9_]*+|(?<=\$)[A-Za-z_][A-Za-z0-9_]*+)*+"
+    r"(?P<name>[A-Za-z_][A-Za-z0-9_.-]*+)(?:[\"'`]?\])?[\"'`]?"
+    r"(?P<sep>[ \t]*+(?::=|=>|(?<![=!<>])=(?!=)|:(?!:))[ \t]*+)"
     r"(?:[bBrRuU]?@?(?:\"(?P<dq>[^\"\n]*)\"|'(?P<sq>[^'\n]*)'|`(?P<bq>[^`\n]*)`)|(?P<value>[^\s\"'`,;()\[\]{}<>]+))"
 )
 # Passwords by position, not by name: SQL `PASSWORD 'x'` / `IDENTIFIED BY 'x'`, HTTP basic auth tuples
 # (`auth=("user", "x")`), libpq's `password=x` inside a connection string.
 _PASSWORD_SHAPES = re.compile(
-    r"(?i)\b(?:password|identified\s+by)\s+'(?P<value>[^'\n]+)'"
-    r"|\bauth\b\s*=\s*\(\s*[\"'][^\"'\n]+[\"']\s*,\s*[\"'](?P<tuple>[^\"'\n]+)[\"']\s*\)"
+    r"(?i)\b(?:password|identified\s++by)\s++'(?P<value>[^'\n]++)'"
+    r"|\bauth\b\s*+=\s*+\(\s*+[\"'][^\"'\n]++[\"']\s*+,\s*+[\"'](?P<tuple>[^\"'\n]++)[\"']\s*+\)"
 )
-_EMAIL = re.compile(r"(?<![\w.+-])[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}(?![\w-])")
+# The local part starts where a run of its characters starts (`%%%...@` is tried once, not from every `%`).
+_EMAIL = re.compile(r"(?<![\w.%+-])[A-Za-z0-9._%+-]++@[A-Za-z0-9-]++(?:\.[A-Za-z0-9-]++)*\.[A-Za-z]{2,}(?![\w-])")
 # Not part of a longer dotted number (1.2.3.4.5, 7.1.1.1.2) nor of a word; a sentence's full stop may follow.
 _IPV4 = re.compile(r"\d(?<![\w.-]\d)\d{0,2}\.(?:\d{1,3}\.){2}\d{1,3}(?![\w-])(?!\.\d)")
 _IPV6 = re.compile(
@@ -128,19 +156,22 @@ _TEMPLATED = re.compile(r"\$\{|\{\{|%\(|%[sd]|\{\w*\}|^\$\(?\w|^<.*>$|^[!|>&*]|^
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
 _TYPE_NAME = re.compile(r"(?:[A-Z][a-z]+)+")
 _PATH_VALUE = re.compile(r"^(?:~?/|\.\.?/|[A-Za-z]:\\)|://")
-_LINE_REST_IS_EMPTY = re.compile(r"[ \t\r]*(?:(?:#|//|--).*)?$")
+# Nothing but blanks or a comment after a value, to the end of its line: looked at from the value's end,
+# never scanning the comment (a line of `pwd=x #pwd=x #...` would rescan it for every assignment).
+_LINE_REST_IS_EMPTY = re.compile(r"[ \t\r]*+(?:#|//|--|\n|\Z)")
 
 # Dotted numbers named by the words before them are versions and section numbers, not addresses.
+# Each branch starts at a letter, `§`, `.` or a comparison sign: the lookahead skips every other start at once.
 _NUMBERED_BEFORE = re.compile(
-    r"(?i)\b(?:v|ver|version|versions|release|rel|build|revision|rev|section|sections|sec|sect|chapter|clause|para|"
+    r"(?i)(?=[a-z§.~>=<!^])(?:\b(?:v|ver|version|versions|release|rel|build|revision|rev|section|sections|sec|sect|chapter|clause|para|"
     r"paragraph|item|step|table|figure|fig|appendix|spec|specs|specification|numbered|rfc(?:\s*\d+)?|§)\.?[\s\"'(\[:=#,-]*$"
     # a requirement pin (`numpy==1.26.4.1`, `pkg[extra]>=2.0.0.1`): a version whatever the package is called;
     # a bare constraint (`>=1.2.3.4`, `~> 1.2.3.4`, `^1.2.3.4`) compares versions, never addresses
-    r"|[A-Za-z][\w.-]*(?:\[[\w,.-]+\])?\s*==\s*$|(?:~=|>=|<=|!=|===|~>|\^)\s*$"
+    r"|[A-Za-z][\w.-]*+(?:\[[\w,.-]+\])?\s*==\s*$|(?:~=|>=|<=|!=|===|~>|\^)\s*$"
     # a language, runtime, library or OS named just before (`IronPython 2.7.4.0`, `zlib 1.3.0.1`)
     r"|(?<![\w.-])(?:python|ironpython|jython|pypy|cpython|micropython|java|jdk|jre|openjdk|dotnet|\.net|mono|perl|"
     r"ruby|php|golang|rustc|gcc|clang|llvm|msvc|openssl|libressl|boringssl|zlib|sqlite3?|numpy|torch|cuda|cudnn|"
-    r"windows|macos|ubuntu|debian|centos|rhel|fedora|android|kernel|chrome|chromium|firefox|safari|electron)[ \t]+$"
+    r"windows|macos|ubuntu|debian|centos|rhel|fedora|android|kernel|chrome|chromium|firefox|safari|electron)[ \t]+$)"
 )
 # The identifier a value is assigned or passed to (`__version__ = '`, `AssemblyVersion("`, `"app_ver": "`,
 # `version: str = "`): its name parts say whether the value is a version (and not, as in `VERSION_SERVER_IP`,
@@ -152,7 +183,7 @@ _ADDRESS_WORDS = frozenset(
 )
 # A dotted number just before, joined by a bracket, an arrow or a list or range word: `2.7.4 (2.7.4.0)`, `v1.2.3.4 -> 1.2.3.5`.
 _DOTTED_BEFORE = re.compile(
-    r"(?<![\w.])(?P<v>[vV]?)(?P<number>\d+(?:\.\d+)+)"
+    r"(?<![\w.])(?P<v>[vV]?)(?P<number>\d++(?:\.\d++)++)"
     r"(?=[ \t]*(?:[(\[,/\u2013\u2192-]|->|(?:to|through|thru|and|or)\b)?[ \t\"'(\[]*$)"
 )
 # A section heading: `7.1.1.1.  Access Token Request` alone at a line start (RFC text), or after `#`s (Markdown).
@@ -163,14 +194,19 @@ _MARKDOWN_HEADING = re.compile(r"[ \t]*#{1,6}[ \t]+")
 _NUMBERED_AFTER = re.compile(r"(?i)^[\s\"')\],]*(?:of\s+(?:rfc|the\s+spec|section|chapter)|in\s+rfc)")
 # A `/24` makes an address a network, `.in-addr.arpa` a DNS name.
 _NETWORK_AFTER = re.compile(r"/\d{1,3}\b|\.in-addr\.arpa")
-# Addresses that identify no one: private, loopback, link-local, CGNAT, multicast and reserved (RFC 6890).
-_NOT_PERSONAL = tuple(
-    ipaddress.ip_network(n)
-    for n in (
-        "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
-        "192.168.0.0/16", "224.0.0.0/3", "::/127", "fe80::/10", "fc00::/7", "ff00::/8",
+# Addresses that identify no one: private, loopback, link-local, CGNAT, multicast and reserved (RFC 6890),
+# as (first, last) integers per IP version: a few comparisons per candidate, not a network object's.
+_NOT_PERSONAL: dict[int, tuple[tuple[int, int], ...]] = {
+    version: tuple(
+        (int(n.network_address), int(n.broadcast_address))
+        for n in map(ipaddress.ip_network, (
+            "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
+            "192.168.0.0/16", "224.0.0.0/3", "::/127", "fe80::/10", "fc00::/7", "ff00::/8",
+        ))
+        if n.version == version
     )
-)
+    for version in (4, 6)
+}
 _GLOBAL_UNICAST_V6 = ipaddress.ip_network("2000::/3")
 
 
@@ -236,23 +272,46 @@ def value_kind(kind: str, value: str, config: Redaction) -> str | None:
     return "secret" if _is_generic_secret(value, config) else None
 
 
-def _unquoted_is_literal(value: str, sep: str, rest: str) -> bool:
-    """An unquoted value is a literal only where config files put one: alone to the end of its line
-    (`KEY=value`, `key: value`, `password = s3cr3t!`) or as a `--flag=value`. An identifier after a spaced
-    `=` is code (`password = passwd`), a CamelCase word after `:` a type annotation (`token: Token`)."""
+def _unquoted_is_literal(value: str, sep: str, text: str, end: int) -> bool:
+    """An unquoted value (ending at `end` of `text`) is a literal only where config files put one: alone to
+    the end of its line (`KEY=value`, `key: value`, `password = s3cr3t!`) or as a `--flag=value`. An
+    identifier after a spaced `=` is code (`password = passwd`), a CamelCase word after `:` a type
+    annotation (`token: Token`)."""
     bare_equals = sep == "="  # KEY=value, --flag=value, `password=x'` inside a quoted connection string
-    if not (_LINE_REST_IS_EMPTY.match(rest) or (bare_equals and rest[:1] in (" ", "\t", "'", '"', ";", "&"))):
+    if not (_LINE_REST_IS_EMPTY.match(text, end) or (bare_equals and text[end : end + 1] in (" ", "\t", "'", '"', ";", "&"))):
         return False
     if _IDENTIFIER.fullmatch(value) and not bare_equals and "=" in sep:
         return False
     return not (_TYPE_NAME.fullmatch(value) and ":" in sep and "=" not in sep)
 
 
+class RedactionTimeout(Exception):
+    """A document whose redaction ran past `redaction.time_limit_s`: the corpus build rejects it."""
+
+
+class Deadline:
+    """One document's CPU-time budget, shared by its text and metadata: checked before each detector's
+    pass (see the module docstring for why there, and what it bounds). CPU time of the calling thread,
+    not wall time, so a loaded machine or other threads holding the GIL do not push a document over."""
+
+    def __init__(self, limit_s: float | None):
+        self.limit_s = limit_s
+        self._end = math.inf if limit_s is None else time.thread_time() + limit_s
+
+    def check(self, detector: str, size: int) -> None:
+        if self.limit_s is not None and time.thread_time() > self._end:
+            raise RedactionTimeout(
+                f"redaction ran past redaction.time_limit_s ({self.limit_s:g} s of CPU) before the {detector} "
+                f"detector of a {size:,}-character text"
+            )
+
+
 class _Redactor:
     """One text's pass: each detector substitutes its placeholder and counts the hit."""
 
-    def __init__(self, config: Redaction, text: str):
+    def __init__(self, config: Redaction, text: str, deadline: Deadline):
         self.config = config
+        self.deadline = deadline
         self.enabled = set(config.types)
         self.counts: Counter[str] = Counter()
         self._original, self._lower = text, text.lower()
@@ -274,12 +333,19 @@ class _Redactor:
         whole = match.group(0)
         return whole[: start - match.start()] + PLACEHOLDERS[kind] + whole[end - match.start() :]
 
+    def apply(self, detector: str, pattern: re.Pattern[str], replace: Callable[[re.Match[str]], str], text: str) -> str:
+        """One detector's pass over `text`, if the document's budget is not spent yet."""
+        self.deadline.check(detector, len(text))
+        return pattern.sub(replace, text)
+
     def sub(self, kind: str, pattern: re.Pattern[str], text: str) -> str:
         if kind not in self.enabled or not self.may_match(pattern):
             return text
-        return pattern.sub(lambda m: self._hit(kind, m), text)
+        return self.apply(kind, pattern, lambda m: self._hit(kind, m), text)
 
-    def sub_checked(self, pattern: re.Pattern[str], text: str, decide: Callable[[re.Match[str]], str | None]) -> str:
+    def sub_checked(
+        self, detector: str, pattern: re.Pattern[str], text: str, decide: Callable[[re.Match[str]], str | None]
+    ) -> str:
         """Replace the `value` group where `decide` names an enabled kind for the match."""
         if not self.may_match(pattern):
             return text
@@ -288,7 +354,7 @@ class _Redactor:
             kind = decide(match)
             return self._hit(kind, match, "value") if kind in self.enabled else match.group(0)
 
-        return pattern.sub(replace, text)
+        return self.apply(detector, pattern, replace, text)
 
     def bearer(self, match: re.Match[str]) -> str | None:
         value = match.group("value")
@@ -318,9 +384,7 @@ class _Redactor:
                 found = value_kind(kind, match.group(group), self.config)
                 return self._hit(found, match, group) if found in self.enabled else match.group(0)
         value, sep = match.group("value"), match.group("sep")
-        line_end = match.string.find("\n", match.end())
-        rest = match.string[match.end() : line_end if line_end >= 0 else len(match.string)]
-        if not _unquoted_is_literal(value, sep, rest):
+        if not _unquoted_is_literal(value, sep, match.string, match.end()):
             return match.group(0)
         found = value_kind(kind, value, self.config)
         return self._hit(found, match, "value") if found in self.enabled else match.group(0)
@@ -336,14 +400,20 @@ class _Redactor:
         return self._hit("ip_address", match)
 
     def _numbered(self, match: re.Match[str]) -> bool:
-        """Whether the words around an address-shaped match make it a version or section number."""
+        """Whether the words around an address-shaped match make it a version or section number. Only the
+        40 characters before it count, the line start included only if it is among them (so a heading's
+        number sits within 40 characters of its line start): every look back is bounded, and a line of
+        many addresses costs its length once, not once per address."""
         text, start, end = match.string, match.start(), match.end()
-        line_start = text.rfind("\n", 0, start) + 1
-        window = max(line_start, start - 40)
+        window = max(0, start - 40)
+        window = text.rfind("\n", window, start) + 1 or window
         before, after = text[window:start], text[end : end + 24]
-        if _MARKDOWN_HEADING.fullmatch(text, line_start, start) or _NUMBERED_BEFORE.search(before) or _NUMBERED_AFTER.search(after):
+        at_line_start = window == 0 or text[window - 1] == "\n"
+        if _NUMBERED_BEFORE.search(before) or _NUMBERED_AFTER.search(after):
             return True
-        if _HEADING_BEFORE.fullmatch(text, line_start, start) and _HEADING_AFTER.match(after):
+        if at_line_start and (
+            _MARKDOWN_HEADING.fullmatch(before) or (_HEADING_BEFORE.fullmatch(before) and _HEADING_AFTER.match(after))
+        ):
             return True
         name = _NAME_BEFORE.search(before)
         if name:
@@ -371,16 +441,17 @@ class _Redactor:
         text = self.sub("jwt", _JWT, text)
         for kind, pattern in _TOKENS.items():
             text = self.sub(kind, pattern, text)
-        text = self.sub_checked(_BEARER, text, self.bearer)
-        text = self.sub_checked(_URL_PASSWORD, text, self.url_password)  # before emails: `pw@host.com` is no address
+        text = self.sub_checked("bearer_token", _BEARER, text, self.bearer)
+        text = self.sub_checked("url_password", _URL_PASSWORD, text, self.url_password)  # before emails: `pw@host.com` is no address
         if self.enabled & {"secret", "password"}:
             if self.may_match(_PASSWORD_SHAPES):
-                text = _PASSWORD_SHAPES.sub(self.password_shape, text)
-            text = self.sub_checked(_QUERY_PARAM, text, self.query_param)
-            text = _ASSIGNMENT.sub(self.assignment, text)
+                text = self.apply("password_shapes", _PASSWORD_SHAPES, self.password_shape, text)
+            text = self.sub_checked("query_param", _QUERY_PARAM, text, self.query_param)
+            text = self.apply("assignment", _ASSIGNMENT, self.assignment, text)
         text = self.sub("email", _EMAIL, text)
         if "ip_address" in self.enabled:
-            text = _IPV6.sub(self.ip, _IPV4.sub(self.ip, text))
+            text = self.apply("ipv4", _IPV4, self.ip, text)
+            text = self.apply("ipv6", _IPV6, self.ip, text)
         return text
 
 
@@ -392,6 +463,8 @@ def _first_two(dotted: str) -> tuple[str, str]:
 def _personal_ip(candidate: str) -> bool:
     """A routable unicast address (documentation ranges included: they stand in for real hosts). An IPv4
     address ending in .0 is its /24's network address, no host's; `1.0.0.0`-style versions end so too."""
+    if "::" not in candidate and candidate.count(":") not in (0, 7):  # no address: cheaper than ValueError
+        return False
     try:
         address = ipaddress.ip_address(candidate)
     except ValueError:
@@ -400,29 +473,32 @@ def _personal_ip(candidate: str) -> bool:
         return False
     if address.version == 6 and address not in _GLOBAL_UNICAST_V6:
         return False
-    return not any(address.version == n.version and address in n for n in _NOT_PERSONAL)
+    number = int(address)
+    return not any(first <= number <= last for first, last in _NOT_PERSONAL[address.version])
 
 
-def redact(text: str, config: Redaction) -> tuple[str, dict[str, int]]:
-    """`text` with every enabled detector's hits replaced, and hits per type (types with no hit omitted)."""
-    redactor = _Redactor(config, text)
+def redact(text: str, config: Redaction, deadline: Deadline | None = None) -> tuple[str, dict[str, int]]:
+    """`text` with every enabled detector's hits replaced, and hits per type (types with no hit omitted).
+    Raises `RedactionTimeout` past `deadline` (by default `config.time_limit_s` from now)."""
+    redactor = _Redactor(config, text, deadline or Deadline(config.time_limit_s))
     return redactor.run(text), dict(redactor.counts)
 
 
 def redact_fields(row: Mapping[str, Any], fields: Iterable[str], config: Redaction) -> tuple[dict[str, Any], dict[str, int]]:
     """`row` with each named string field (and each string inside a named mapping, like `metadata`)
-    redacted, and the hits per type over all of them. Non-string values pass through."""
-    out, counts = dict(row), Counter[str]()
+    redacted, and the hits per type over all of them. Non-string values pass through. One
+    `config.time_limit_s` covers the whole row: `RedactionTimeout` past it."""
+    out, counts, deadline = dict(row), Counter[str](), Deadline(config.time_limit_s)
     for field in fields:
         value = out.get(field)
         if isinstance(value, str):
-            out[field], found = redact(value, config)
+            out[field], found = redact(value, config, deadline)
             counts.update(found)
         elif isinstance(value, Mapping):
             inner = {}
             for key, item in value.items():
                 if isinstance(item, str):
-                    item, found = redact(item, config)
+                    item, found = redact(item, config, deadline)
                     counts.update(found)
                 inner[key] = item
             out[field] = inner

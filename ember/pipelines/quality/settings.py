@@ -205,3 +205,7 @@ class Redaction(StrictModel):
     min_secret_entropy: float = Field(default=3.0, ge=0, description="bits/char a *_KEY/*_TOKEN/*_SECRET value needs")
     min_secret_length: int = Field(default=16, ge=1)
     min_password_length: int = Field(default=6, ge=1)
+    time_limit_s: float | None = Field(
+        default=10.0, gt=0, le=3600,
+        description="CPU seconds one document's redaction may take; an overrun is a redaction_timeout reject (null: no limit)",
+    )

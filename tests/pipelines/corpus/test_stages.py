@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from ember.cli import app
 from ember.pipelines.corpus.config import CorpusSource, Dedup, parse_config
+from ember.pipelines.corpus.report import read_stats
 
 from ember.pipelines.quality.settings import Redaction
 from ember.pipelines.corpus.formats import record_to_row
@@ -23,7 +24,8 @@ from ember.pipelines.corpus.outputs import WriteParquetParts
 from ember.pipelines.corpus.phases import cache_root
 from ember.pipelines.corpus.pipeline import corpus_stages
 from ember.pipelines.corpus.stages import (
-    CLUSTER_TEXT_FIELDS, REJECT_TEXT_FIELDS, ExactDedup, NearDedup, PerDocument, RedactDocuments, RedactRows, StageOutput, UniqueIds,
+    CLUSTER_TEXT_FIELDS, REJECT_TEXT_FIELDS, TIMED_OUT_FIELD, ExactDedup, NearDedup, PerDocument, RedactDocuments, RedactRows,
+    StageOutput, UniqueIds,
     node_key, rank_key, size_bin, text_bytes,
 )
 from ember.pipelines.jobs.output_guard import OWNERSHIP_FILE
@@ -31,6 +33,7 @@ from ember.demo.sample_corpus import near_duplicate, prose
 from ember.schemas.documents import DOCUMENT_SCHEMA, content_hash, reject_row
 
 from tests.pipelines.corpus_support import rows
+from tests.pipelines.redaction_adversarial import INPUTS
 
 CODE = CorpusSource.model_validate({"name": "code", "kind": "code", "inputs": ["x"], "fields": {
     "id": "id", "metadata": {"license": "license", "stars": "stars", "path": "path"}}})
@@ -166,6 +169,52 @@ def test_reject_details_and_locations_never_repeat_a_secret() -> None:
         assert_that(kept | beam.Map(lambda c: c["location"]), equal_to(["/data/<KEY>/in.jsonl:line=5"]), label="clusters")
         off = p | "Off" >> beam.Create(rejects) | "RedactOff" >> RedactRows(Redaction(enabled=False), REJECT_TEXT_FIELDS)
         assert_that(off, equal_to(rejects), label="disabled")
+
+
+# ~0.4 s of CPU to redact (a line of 5,957 public addresses, each looked at in its context), against limits of
+# 0.01-0.05 s that a short document stays far below.
+SLOW_TO_REDACT = INPUTS["ip_address: public addresses on one line"](2**16)
+
+
+def test_a_reject_field_past_the_time_limit_is_replaced_whole_and_the_others_redacted() -> None:
+    rejects = [reject_row("code", f"/data/{AWS_KEY}/in.jsonl:line=4", "filter", "language_not_allowed", SLOW_TO_REDACT, "code:x")]
+    with beam.Pipeline(runner="FnApiRunner") as p:
+        redacted = p | beam.Create(rejects) | RedactRows(Redaction(time_limit_s=0.01), REJECT_TEXT_FIELDS)
+        assert_that(redacted | beam.Map(lambda r: (r["location"], r["detail"], r["reason"])), equal_to([
+            ("/data/<KEY>/in.jsonl:line=4", TIMED_OUT_FIELD, "language_not_allowed")]))
+
+
+def test_a_document_past_the_redaction_time_limit_is_a_counted_reject_and_the_build_finishes(tmp_path: Path) -> None:
+    """One hostile document among ordinary ones: it is rejected with its reason, the others are redacted and
+    kept, the stats balance, and the report and the build's warning say which setting to raise."""
+    records = [
+        {"text": f"DSN = 'postgres://admin:{DB_PASSWORD}@db/app'\nprint('connected')\n", "path": "a.py"},
+        {"text": "def add(a, b):\n    return a + b\n", "path": "b.py"},
+        {"text": SLOW_TO_REDACT.replace(" ", "\n"), "path": "hosts.py"},
+    ]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    config = {
+        "sources": [{"name": "code", "kind": "code", "inputs": [str(tmp_path / "in.jsonl")], "fields": {"metadata": {"path": "path"}}}],
+        "filters": {"code": {"max_line_length": None, "max_mean_line_length": None, "min_alphanum_fraction": None,
+                             "max_encoded_fraction": None}},
+        "redaction": {"time_limit_s": 0.05},
+        "dedup": {"near": False},
+        "output": {"directory": str(tmp_path / "out")},
+        "warn_share": 0.2,
+    }
+    (tmp_path / "corpus.yaml").write_text(yaml.safe_dump(config))
+    result = CliRunner().invoke(app, ["corpus", "build", str(tmp_path / "corpus.yaml"), "--runner=FnApiRunner"])
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "out"
+    [reject] = rows(out, "rejects")
+    assert (reject["stage"], reject["reason"], reject["location"]) == ("redact", "redaction_timeout", f"{tmp_path}/in.jsonl:line=3")
+    assert "ran past redaction.time_limit_s (0.05 s of CPU)" in reject["detail"]
+    assert sorted(d["metadata"]["path"] for d in rows(out, "documents")) == ["a.py", "b.py"]
+    assert any("admin:<PASSWORD>@db" in d["text"] for d in rows(out, "documents"))
+    totals = read_stats(str(out))["totals"]
+    assert totals["balanced"] and totals["rejected_by_reason"] == {"redact:redaction_timeout": 1}
+    assert "| redact | redaction_timeout | 1 |" in (out / "report.md").read_text()
+    assert "redact:redaction_timeout rejected 1 of 3 documents (33%). Fix: raise redaction.time_limit_s" in " ".join(result.output.split())
 
 
 def _as_text(path: Path) -> bytes:

@@ -1,9 +1,12 @@
 """Redaction: typed placeholders and per-type counts; values go, identifiers and ordinary code and
-prose stay; recall and false-positive rate on the labelled set."""
+prose stay; recall and false-positive rate on the labelled set; linear time on hostile inputs and the
+per-document time limit."""
 
 from __future__ import annotations
 
 import ipaddress
+import re
+import statistics
 import time
 from collections import Counter
 
@@ -11,9 +14,11 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from ember.pipelines.quality import redaction
 from ember.pipelines.quality.settings import Redaction
-from ember.pipelines.quality.redaction import redact, redact_fields, shannon_entropy
+from ember.pipelines.quality.redaction import RedactionTimeout, redact, redact_fields, shannon_entropy
 
+from tests.pipelines.redaction_adversarial import INPUTS, TARGETS
 from tests.pipelines.redaction_labelled import clean, planted, score
 
 ALL = Redaction()
@@ -118,6 +123,9 @@ def test_the_value_is_replaced_and_the_name_kept(text: str, expected: str, kind:
         ("-----BEGIN PGP PRIVATE KEY BLOCK-----\nlQOYBF0\n-----END PGP PRIVATE KEY BLOCK-----", "<PRIVATE_KEY>", "private_key"),
         ("key = '-----BEGIN RSA PRIVATE KEY-----\\nMIIEowIBAAKCAQEAu1SU1LfVLPHCozMxH2Mo4lgOEePzNm0tRgeLezV6ffAt0gunVTLw7onLRnrq0\\n",
          "key = '<PRIVATE_KEY>\\n", "private_key"),  # a block cut before its END line
+        ("-----BEGIN EC PRIVATE KEY-----\nMHcCAQEEIIrYSSNQFaA2Hwf1duRSxKtLYX5CB04fSeQ6tF1aY/PuoAoGCCqG\n------END EC PRIVATE KEY-----",
+         "<PRIVATE_KEY>", "private_key"),  # an END line with a dash too many
+        ("OPENAI_KEY=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", "OPENAI_KEY=<KEY>", "api_token"),  # legacy shape
         ("sk_live_4eC39HqLyjWDarjtT1zdp7dc", "<KEY>", "api_token"),
         ("AIzaSyD-9tSrke72PouQMnMX-a7eZSW0jkFMBWY", "<KEY>", "api_token"),
         ("glpat-xxYz12AbCdEfGhIjKlMn", "<KEY>", "api_token"),
@@ -311,3 +319,53 @@ def test_labelled_set_recall_and_false_positive_rate() -> None:
 def test_windows_line_endings_end_an_unquoted_value() -> None:
     text = "password: hunter2x\r\nDB_PASSWORD=abcdef1\r\n"
     assert redact(text, ALL) == ("password: <PASSWORD>\r\nDB_PASSWORD=<PASSWORD>\r\n", {"password": 2})
+
+
+def test_every_pattern_has_adversarial_inputs() -> None:
+    """Each regex of the module, detectors and per-match helpers alike, has hostile inputs aimed at it."""
+    patterns = {name for name, value in vars(redaction).items() if isinstance(value, re.Pattern)}
+    patterns |= {f"_TOKENS[{kind}]" for kind in redaction._TOKENS}
+    assert patterns == set(TARGETS)
+    assert all(inputs and set(inputs) <= set(INPUTS) for inputs in TARGETS.values()), TARGETS
+
+
+SMALL, LARGE = 2**16, 2**20
+UNLIMITED = Redaction(time_limit_s=None)
+
+
+def _cpu_seconds(text: str) -> float:
+    start = time.process_time()
+    redact(text, UNLIMITED)
+    return time.process_time() - start
+
+
+@pytest.mark.parametrize("shape", list(INPUTS))
+def test_redaction_time_is_linear_on_hostile_input(shape: str) -> None:
+    """16x the text: ~16x the time when linear, ~256x when quadratic (main took 136 s on 1 MB of PEM
+    headers). CPU time; the median of 3 runs at 64 KB, and at 1 MB a second run only when the first is
+    over the bound (a load spike inflates one run, a quadratic pattern inflates both)."""
+    small = statistics.median(_cpu_seconds(INPUTS[shape](SMALL)) for _ in range(3))
+    large = _cpu_seconds(INPUTS[shape](LARGE))
+    if large >= 40 * small:
+        large = min(large, _cpu_seconds(INPUTS[shape](LARGE)))
+    assert large < 40 * small, f"{shape}: {small:.4f}s at 64 KB, {large:.3f}s at 1 MB ({large / small:.0f}x)"
+
+
+def test_a_document_past_its_time_limit_raises_naming_the_limit() -> None:
+    """~0.4 s of CPU (a line of public addresses) against a 0.01 s limit: stopped between detector passes."""
+    text = INPUTS["ip_address: public addresses on one line"](2**16)
+    pattern = r"ran past redaction.time_limit_s \(0.01 s of CPU\) before the \w+ detector of a [\d,]+-character text"
+    with pytest.raises(RedactionTimeout, match=pattern):
+        redact(text, Redaction(time_limit_s=0.01))
+    assert redact("ssh 84.22.11.3", Redaction(time_limit_s=0.01)) == ("ssh <IP_ADDRESS>", {"ip_address": 1})
+    assert redact(text, UNLIMITED)[1] == {"ip_address": 5957}
+
+
+def test_one_time_limit_covers_a_row_text_and_metadata_together() -> None:
+    """Each field alone fits in the limit, all 50 of them together do not."""
+    part = INPUTS["ip_address: public addresses on one line"](2**14)
+    config = Redaction(time_limit_s=5 * statistics.median(_cpu_seconds(part) for _ in range(3)))
+    row = {"text": part, "metadata": {f"m{k}": part for k in range(49)}}
+    assert redact(part, config)[1] == {"ip_address": 1489}
+    with pytest.raises(RedactionTimeout):
+        redact_fields(row, ("text", "metadata"), config)
