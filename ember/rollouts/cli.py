@@ -15,6 +15,7 @@ from typing import Iterator
 import typer
 from ember import terminal
 from rich.table import Table
+from rich.markup import escape
 
 rollouts_app = typer.Typer(help="Kafka rollout stream: topics, simulation, ETL, stats, replay, inspection.", no_args_is_help=True)
 topics_app = typer.Typer(help="Create, describe or delete the topics of a prefix.", no_args_is_help=True)
@@ -179,7 +180,14 @@ def simulate(
     group_size: int = typer.Option(8, min=1, help="Samples per group."),
     tokens: int = typer.Option(2048, min=16, help="Median tokens per rollout (lengths are long-tailed)."),
     length_sigma: float = typer.Option(0.5, min=0, help="Log-normal sigma of rollout lengths (0: all equal)."),
-    layers: int = typer.Option(61, min=0, help="MoE layers with routed experts (0: none)."),
+    config: Path = typer.Option(
+        None, "--config", help="Size the rollouts for a consumer: an RL config (model.vocab_size, num_layers, seq_len; "
+        "moe.num_experts, router_topk) or an ETL config (filters.vocab_size, max_tokens); a value it cannot take is refused."),
+    vocab_size: int = typer.Option(None, "--vocab-size", min=1, help="Token ids lie below this (default: --config's, else 151,000)."),
+    layers: int = typer.Option(None, "--layers", min=0, help="MoE layers with routed experts, 0: none (default: --config's, else 61)."),
+    top_k: int = typer.Option(None, "--top-k", min=1, help="Experts per token and layer (default: --config's, else 8)."),
+    num_experts: int = typer.Option(None, "--num-experts", min=1, help="Experts per layer, a power of two (default: --config's, else 256)."),
+    max_tokens: int = typer.Option(None, "--max-tokens", min=16, help="Longest rollout (default: --config's, else 4 x --tokens)."),
     partitions: int = typer.Option(6, min=1, help="Partitions of the rollouts/rewards topics if they are created."),
     regions: str = typer.Option("us-east=0,eu-west=0.4,ap-south=1.5", help="Regions and their publish delays in seconds."),
     group_interval: float = typer.Option(0.05, min=0, help="Seconds between group starts."),
@@ -200,9 +208,15 @@ def simulate(
     """Publish a simulated fleet: rollouts from several regions, rewards, policy versions and faults."""
     from ember.rollouts.admin import ensure_topics
     from ember.rollouts.config import kafka_bootstrap
-    from ember.rollouts.simulate import WorkloadSpec, latest_policy_version, plan_workload, publish_workload
+    from ember.rollouts.simulate import WorkloadSpec, fitted_shape, latest_policy_version, plan_workload, publish_workload
     from ember.rollouts.topics import Topics
 
+    given = {"vocab_size": vocab_size, "layers": layers, "top_k": top_k, "num_experts": num_experts, "max_tokens": max_tokens}
+    try:
+        shape = fitted_shape(given, *(_consumer_shape(config) if config is not None else (None,)))
+    except ValueError as exc:
+        console.print(f"[red]{escape(str(exc))}[/red]", soft_wrap=True)
+        raise typer.Exit(2) from None
     topics = Topics(prefix)
     security = _env_security()
     spec = WorkloadSpec(
@@ -210,7 +224,11 @@ def simulate(
         group_size=group_size,
         tokens=tokens,
         length_sigma=length_sigma,
-        layers=layers or None,
+        vocab_size=shape.vocab_size,
+        layers=shape.layers,
+        top_k=shape.top_k,
+        num_experts=shape.num_experts,
+        max_tokens=shape.max_tokens,
         regions=_regions(regions),
         group_interval_s=group_interval,
         reward_delay_s=reward_delay,
@@ -240,6 +258,27 @@ def simulate(
         f"published {stats.counts} in {stats.seconds:.1f}s; rollouts {rollout_bytes / 1e6:.1f} MB on the wire, "
         f"{rollout_bytes / max(1, stats.tokens):.1f} B/token"
     )
+
+
+def _consumer_shape(path: Path):
+    """(PolicyShape, its name in messages) of the RL or ETL config at `path`; exit 2 naming a bad key."""
+    from ember import configs
+    from ember.configs import EtlConfigError
+    from ember.rollouts.config import RLPolicyShape
+    from ember.rollouts.simulate import PolicyShape
+
+    try:
+        data = configs.read_yaml_mapping(path, EtlConfigError)
+        if "rl" in data:
+            rl = configs.validate(RLPolicyShape, data, str(path), EtlConfigError)
+            shape = PolicyShape(rl.model.vocab_size, rl.model.num_layers, rl.moe.router_topk, rl.moe.num_experts, rl.model.seq_len)
+            return shape, str(path), {"vocab_size": "model.vocab_size", "max_tokens": "model.seq_len"}
+    except EtlConfigError as exc:
+        console.print(f"[red]{escape(str(exc))}[/red]", soft_wrap=True)
+        raise typer.Exit(2) from None
+    filters = _etl_config(path).filters
+    shape = PolicyShape(filters.vocab_size, None, max_tokens=filters.max_tokens)
+    return shape, str(path), {"vocab_size": "filters.vocab_size", "max_tokens": "filters.max_tokens"}
 
 
 def _etl_config(path: Path):

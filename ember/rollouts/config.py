@@ -12,7 +12,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, IPvAnyAddress, model_validator
+from pydantic import BaseModel, ConfigDict, Field, IPvAnyAddress, model_validator
 
 from ember import configs
 from ember.configs import StrictModel
@@ -205,3 +205,26 @@ def parse_config(data: Any, source: str = "config") -> EtlConfig:
 
 def load_config(path: str | Path) -> EtlConfig:
     return parse_config(configs.read_yaml_mapping(path, configs.EtlConfigError), str(path))
+
+
+class _RLModelShape(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    vocab_size: int = Field(gt=0)
+    num_layers: int = Field(gt=0)
+    seq_len: int = Field(gt=1)
+
+
+class _RLMoEShape(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    num_experts: int = Field(gt=0)
+    router_topk: int = Field(gt=0)
+
+
+class RLPolicyShape(BaseModel):
+    """The keys of a `midtrain rl` config that say what its policy takes: vocabulary, MoE layers and routing, sequence
+    length. Only these are read here (the rest is the trainer's to check: rollouts sits below midtrain), so a
+    simulator can be sized for the policy it feeds."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: _RLModelShape
+    moe: _RLMoEShape

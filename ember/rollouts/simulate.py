@@ -104,6 +104,60 @@ def synthetic_reward(rng: np.random.Generator, rollout: Rollout, grader: str = "
 
 
 @dataclass(frozen=True)
+class PolicyShape:
+    """What a policy accepts, and so what a simulator feeding it may emit: token ids below `vocab_size`, routed
+    experts [layers, top_k] of `num_experts`, rollouts of at most `max_tokens` (None: no limit)."""
+
+    vocab_size: int = SIMULATED_VOCAB
+    layers: int | None = 61
+    top_k: int = 8
+    num_experts: int = 256
+    max_tokens: int | None = None
+
+
+VOCAB_KEY, MAX_TOKENS_KEY = "vocab_size", "max_tokens"
+
+
+def fitted_shape(given: dict[str, int | None], config: PolicyShape | None, where: str = "",
+                 keys: dict[str, str] | None = None) -> PolicyShape:
+    """The shape to simulate: each value given (not None), else the config's (`where` names it) where it sets one,
+    else the default (an ETL config sets no routing: `layers` None there leaves the routing to the defaults).
+
+    A given value the config cannot take is a ValueError naming both sides, before anything is published: a
+    rollout with a token id at or past the config's vocabulary is dead-lettered by the ETL (`token_out_of_vocab`)
+    and refused by the trainer; routed experts of another shape cannot be replayed."""
+    default = PolicyShape()
+
+    def pick(key: str) -> int | None:
+        for source in (given.get(key), None if config is None else getattr(config, key)):
+            if source is not None:
+                return source
+        return getattr(default, key)
+
+    shape = PolicyShape(**{key: pick(key) for key in PolicyShape.__dataclass_fields__})
+    if shape.layers == 0:
+        shape = PolicyShape(shape.vocab_size, None, shape.top_k, shape.num_experts, shape.max_tokens)
+    problems = []
+    keys = keys or {}
+    if config is not None:
+        if shape.vocab_size > config.vocab_size:
+            problems.append(f"the simulator would emit token ids up to {shape.vocab_size - 1:,}; "
+                            f"{keys.get(VOCAB_KEY, VOCAB_KEY)} is {config.vocab_size:,} in {where}")
+        if config.layers is not None and shape.layers is not None and (shape.layers, shape.top_k, shape.num_experts) != (
+                config.layers, config.top_k, config.num_experts):
+            problems.append(f"the simulator would route {shape.layers} layers x top-{shape.top_k} of {shape.num_experts} "
+                            f"experts; {where} has {config.layers} x top-{config.top_k} of {config.num_experts}")
+        if config.max_tokens is not None and (shape.max_tokens is None or shape.max_tokens > config.max_tokens):
+            problems.append(f"the simulator's rollouts may be {'any length' if shape.max_tokens is None else f'{shape.max_tokens:,} tokens'}; "
+                            f"{keys.get(MAX_TOKENS_KEY, MAX_TOKENS_KEY)} is {config.max_tokens:,} in {where}")
+    if shape.layers and (shape.num_experts & (shape.num_experts - 1) or shape.top_k > shape.num_experts):
+        problems.append(f"--num-experts must be a power of two >= --top-k, got {shape.num_experts} experts, top-{shape.top_k}")
+    if problems:
+        raise ValueError("; ".join(problems))
+    return shape
+
+
+@dataclass(frozen=True)
 class WorkloadSpec:
     """What the simulated fleet does. Times are in simulated seconds; `publish` can compress them."""
 
@@ -112,8 +166,10 @@ class WorkloadSpec:
     tokens: int = 2048
     length_sigma: float = 0.5
     max_tokens: int | None = None
+    vocab_size: int = SIMULATED_VOCAB
     layers: int | None = 61
     top_k: int = 8
+    num_experts: int = 256
     regions: dict[str, float] = field(default_factory=lambda: {"us-east": 0.0, "eu-west": 0.4, "ap-south": 1.5})
     group_interval_s: float = 0.05
     episode_s: float = 0.5
@@ -198,8 +254,10 @@ def plan_workload(spec: WorkloadSpec) -> list[Event]:
                 prompt_id=f"prompt-{g}",
                 num_tokens=int(length),
                 prompt_tokens=max(1, int(length) // 4),
+                vocab_size=spec.vocab_size,
                 layers=spec.layers,
                 top_k=spec.top_k,
+                num_experts=spec.num_experts,
                 policy_version=max(0, version - lag),
                 rollout_id=f"{group_id}-{i}",
                 finish_reason="length" if truncated else "stop",

@@ -1,6 +1,7 @@
 """The load generator's records look like a fleet's: routers never pick an expert twice for a token."""
 
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +12,8 @@ from ember.rollouts.cli import rollouts_app
 from ember.rollouts.config import parse_config
 from ember.rollouts.etl import EtlService
 from ember.rollouts.records import PolicyVersion
-from ember.rollouts.simulate import distinct_top_k, latest_policy_version, synthetic_rollout
+from ember.rollouts.simulate import PolicyShape, distinct_top_k, fitted_shape, latest_policy_version, synthetic_rollout
+from ember.schemas.codec import decode_rollout
 from ember.rollouts.topics import Topics
 from tests.rollouts.etl_support import books, etl_settings, read_topic
 
@@ -63,5 +65,53 @@ def test_a_run_on_an_existing_prefix_continues_policy_versions(kafka):
         second_run = [o for o in found.dropped if o.group_id.startswith("sim-v3-")]
         assert not [o for o in second_run if o.reason in ("stale", "duplicate")], second_run
         assert len([rid for rid in found.batched if rid.startswith("sim-v3-")]) == 3 * 4
+    finally:
+        delete_topics(kafka, [s.name for s in topics.specs().values()])
+
+
+RL_TINY = Path(__file__).resolve().parents[2] / "ember" / "midtrain" / "examples" / "rl_tiny_cpu.yaml"
+ETL_EXAMPLE = Path(__file__).resolve().parents[2] / "ember" / "rollouts" / "etl.example.yaml"
+
+
+def test_the_shape_comes_from_the_options_then_the_config_then_the_defaults():
+    rl = PolicyShape(512, 2, 2, 4, 64)
+    assert fitted_shape({}, None) == PolicyShape()
+    assert fitted_shape({}, rl, "rl.yaml") == rl
+    assert fitted_shape({"layers": 0}, rl, "rl.yaml").layers is None, "no routed experts fit any config"
+    etl = PolicyShape(151_936, None, max_tokens=65_536)
+    assert fitted_shape({"layers": 2, "top_k": 2, "num_experts": 4}, etl, "etl.yaml") == PolicyShape(151_936, 2, 2, 4, 65_536)
+
+
+@pytest.mark.parametrize("given, message", [
+    ({"vocab_size": 151_936}, "token ids up to 151,935; model.vocab_size is 512 in rl.yaml"),
+    ({"top_k": 4}, "route 2 layers x top-4 of 4 experts; rl.yaml has 2 x top-2 of 4"),
+    ({"max_tokens": 128}, "rollouts may be 128 tokens; model.seq_len is 64 in rl.yaml"),
+    ({"num_experts": 6, "layers": 0, "vocab_size": 8}, None),
+])
+def test_a_shape_the_config_cannot_take_names_both_sides(given, message):
+    rl = PolicyShape(512, 2, 2, 4, 64)
+    keys = {"vocab_size": "model.vocab_size", "max_tokens": "model.seq_len"}
+    if message is None:
+        assert fitted_shape(given, rl, "rl.yaml", keys).layers is None
+        return
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        fitted_shape(given, rl, "rl.yaml", keys)
+
+
+@pytest.mark.integration
+def test_simulate_sized_by_the_rl_example_emits_what_its_policy_takes(kafka):
+    prefix = f"test-sim-shape-{uuid.uuid4().hex[:8]}"
+    topics = Topics(prefix)
+    runner = CliRunner()
+    try:
+        refused = runner.invoke(rollouts_app, ["simulate", "--prefix", prefix, "--config", str(ETL_EXAMPLE), "--vocab-size", "200000"])
+        assert refused.exit_code == 2 and "filters.vocab_size is 151,936 in" in " ".join(refused.output.split())
+        done = runner.invoke(rollouts_app, ["simulate", "--prefix", prefix, "--config", str(RL_TINY), "--groups", "2",
+                                            "--group-size", "4", "--time-scale", "inf"])
+        assert done.exit_code == 0, done.output
+        rollouts = [decode_rollout(r.value) for r in read_topic(topics.rollouts)]
+        assert len(rollouts) == 8
+        assert max(int(r.tokens.max()) for r in rollouts) < 512 and max(len(r.tokens) for r in rollouts) <= 64
+        assert {r.routed_experts.shape[1:] for r in rollouts} == {(2, 2)} and max(int(r.routed_experts.max()) for r in rollouts) < 4
     finally:
         delete_topics(kafka, [s.name for s in topics.specs().values()])
