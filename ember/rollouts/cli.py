@@ -14,7 +14,7 @@ from typing import Iterator
 
 import typer
 from ember import terminal
-from rich.table import Table
+from rich.table import Column, Table
 from rich.markup import escape
 
 rollouts_app = typer.Typer(help="Kafka rollout stream: topics, simulation, ETL, stats, replay, inspection.", no_args_is_help=True)
@@ -23,7 +23,8 @@ rollouts_app.add_typer(topics_app, name="topics")
 app = rollouts_app
 console = terminal.console()
 
-PrefixOption = typer.Option("ember", help="Topic name prefix.")
+PREFIX_HELP = "Topic name prefix: the topics are PREFIX.rollouts, PREFIX.rewards, ... (`topics create` makes them)."
+PrefixOption = typer.Option(..., "--prefix", help=PREFIX_HELP + " Required: no default names another deployment's topics.")
 
 
 def _env_security():
@@ -83,7 +84,7 @@ def topics_create(
 
 @topics_app.command("delete", help=f"Delete every topic of a prefix ({_topic_list()}), after confirmation.")
 def topics_delete(
-    prefix: str = typer.Argument(..., help="Topic name prefix whose topics to delete."),
+    prefix: str = PrefixOption,
     yes: bool = typer.Option(False, "--yes", "-y", help="Delete without asking."),
 ) -> None:
     from ember.rollouts.admin import delete_topics, list_topics
@@ -108,17 +109,22 @@ def topics_delete(
 
 @topics_app.command("describe")
 def topics_describe(prefix: str = PrefixOption) -> None:
-    """Show partitions of each topic of a prefix."""
+    """Show partitions of each topic of a prefix; exit 2 when the prefix has none of them."""
+    from kafka.errors import for_code
+
     from ember.rollouts.admin import describe_topics
     from ember.rollouts.config import kafka_bootstrap
     from ember.rollouts.topics import Topics
 
     security = _env_security()
-    table = Table("topic", "partitions", "error")
+    names = [s.name for s in Topics(prefix).specs().values()]
     with _refusals():
-        rows = describe_topics(kafka_bootstrap(), [s.name for s in Topics(prefix).specs().values()], security)
+        rows = describe_topics(kafka_bootstrap(), names, security)
+    if all(row["error_code"] for row in rows):
+        _require_topics(prefix, names, security)
+    table = Table("topic", "partitions", "error")
     for row in rows:
-        table.add_row(str(row["name"]), str(row["partitions"]), str(row["error_code"]))
+        table.add_row(str(row["name"]), str(row["partitions"]), for_code(row["error_code"]).__name__ if row["error_code"] else "")
     console.print(table)
 
 
@@ -175,7 +181,8 @@ def _regions(text: str) -> dict[str, float]:
 
 @rollouts_app.command("simulate")
 def simulate(
-    prefix: str = PrefixOption,
+    prefix: str = typer.Option(None, "--prefix", help=PREFIX_HELP + " Default: --config's topic prefix; one of them is required."),
+    create_topics: bool = typer.Option(False, "--create-topics", help="Create the prefix's topics if missing (else refused)."),
     groups: int = typer.Option(8, min=1, help="Prompt groups to publish."),
     group_size: int = typer.Option(8, min=1, help="Samples per group."),
     tokens: int = typer.Option(2048, min=16, help="Median tokens per rollout (lengths are long-tailed)."),
@@ -212,11 +219,16 @@ def simulate(
     from ember.rollouts.topics import Topics
 
     given = {"vocab_size": vocab_size, "layers": layers, "top_k": top_k, "num_experts": num_experts, "max_tokens": max_tokens}
+    consumer, config_prefix = _consumer_shape(config) if config is not None else ((None,), None)
     try:
-        shape = fitted_shape(given, *(_consumer_shape(config) if config is not None else (None,)))
+        shape = fitted_shape(given, *consumer)
     except ValueError as exc:
         console.print(f"[red]{escape(str(exc))}[/red]", soft_wrap=True)
         raise typer.Exit(2) from None
+    prefix = prefix or config_prefix
+    if prefix is None:
+        console.print("[red]name the topics: --prefix PREFIX, or --config with the consumer's topic prefix[/red]", soft_wrap=True)
+        raise typer.Exit(2)
     topics = Topics(prefix)
     security = _env_security()
     spec = WorkloadSpec(
@@ -245,7 +257,10 @@ def simulate(
         seed=seed,
     )
     with _refusals():
-        ensure_topics(kafka_bootstrap(), list(topics.specs(partitions).values()), security)
+        if create_topics:
+            ensure_topics(kafka_bootstrap(), list(topics.specs(partitions).values()), security)
+        else:
+            _require_topics(prefix, [topics.rollouts, topics.rewards, topics.policy_versions], security)
         latest = latest_policy_version(topics.policy_versions, security)
         if latest is not None:
             console.print(f"{topics.policy_versions} is at version {latest}: this run announces {latest + 1} onwards")
@@ -260,8 +275,31 @@ def simulate(
     )
 
 
+def _require_topics(prefix: str, names: list[str], security, bootstrap: str | None = None) -> None:
+    """Exit 2 naming the missing topics and how to make them: only `topics create` makes topics (a typo'd prefix
+    would otherwise fork a deployment silently)."""
+    from ember.rollouts.admin import list_topics
+    from ember.rollouts.config import kafka_bootstrap
+
+    present = set(list_topics(bootstrap or kafka_bootstrap(), security))
+    missing = [name for name in names if name not in present]
+    if missing:
+        console.print(
+            f"[red]{', '.join(missing)} {'does' if len(missing) == 1 else 'do'} not exist (is the prefix right?); create "
+            f"the prefix's topics with `ember rollouts topics create --prefix {escape(prefix)}`[/red]", soft_wrap=True,
+        )
+        raise typer.Exit(2)
+
+
+def _require_input_topics(settings) -> None:
+    """The topics `stats` and `replay` read, each named when missing (a typo'd prefix), before any read waits on one."""
+    kafka = settings.kafka
+    names = [kafka.topics.rollouts, kafka.topics.rewards, kafka.topics.policy_versions, kafka.topics.outcomes]
+    _require_topics(kafka.topic_prefix, names, kafka.security, kafka.bootstrap)
+
+
 def _consumer_shape(path: Path):
-    """(PolicyShape, its name in messages) of the RL or ETL config at `path`; exit 2 naming a bad key."""
+    """((PolicyShape, where, keys), topic prefix) of the RL or ETL config at `path`; exit 2 naming a bad key."""
     from ember import configs
     from ember.configs import EtlConfigError
     from ember.rollouts.config import RLPolicyShape
@@ -272,13 +310,15 @@ def _consumer_shape(path: Path):
         if "rl" in data:
             rl = configs.validate(RLPolicyShape, data, str(path), EtlConfigError)
             shape = PolicyShape(rl.model.vocab_size, rl.model.num_layers, rl.moe.router_topk, rl.moe.num_experts, rl.model.seq_len)
-            return shape, str(path), {"vocab_size": "model.vocab_size", "max_tokens": "model.seq_len"}
+            keys = {"vocab_size": "model.vocab_size", "max_tokens": "model.seq_len"}
+            return (shape, str(path), keys), rl.rollouts.topic_prefix
     except EtlConfigError as exc:
         console.print(f"[red]{escape(str(exc))}[/red]", soft_wrap=True)
         raise typer.Exit(2) from None
-    filters = _etl_config(path).filters
-    shape = PolicyShape(filters.vocab_size, None, max_tokens=filters.max_tokens)
-    return shape, str(path), {"vocab_size": "filters.vocab_size", "max_tokens": "filters.max_tokens"}
+    settings = _etl_config(path)
+    shape = PolicyShape(settings.filters.vocab_size, None, max_tokens=settings.filters.max_tokens)
+    keys = {"vocab_size": "filters.vocab_size", "max_tokens": "filters.max_tokens"}
+    return (shape, str(path), keys), settings.kafka.topic_prefix
 
 
 def _etl_config(path: Path):
@@ -368,6 +408,7 @@ def stats(
 
     settings = _etl_config(config)
     with _refusals():
+        _require_input_topics(settings)
         if watch:
             try:
                 watch_stats(settings, console, window_s=window, interval_s=interval, count=count)
@@ -384,8 +425,9 @@ def replay(
     to: str = typer.Option(..., "--to", help="topic:NAME, or a directory for batches.arrow + outcomes.jsonl"),
     advantage: str = typer.Option(None, help="Override advantages.estimator (grpo, dr_grpo, rloo)."),
     overrides: list[str] = typer.Option(None, "--set", help="Override any setting, e.g. --set filters.max_policy_lag=2"),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object (for scripts), not a table."),
 ) -> None:
-    """Rebuild batches from the retained log with different settings (ablations, debugging)."""
+    """Rebuild batches from the retained log with different settings (ablations, debugging); prints what it made."""
     import json
 
     import yaml
@@ -409,11 +451,22 @@ def replay(
         console.print(f"[red]{exc}[/red]", soft_wrap=True)
         raise typer.Exit(2) from None
     with _refusals():
+        _require_input_topics(settings)
         if to.startswith("topic:"):
             summary = run_replay(settings, begin, to_topic=to.removeprefix("topic:"))
         else:
             summary = run_replay(settings, begin, to_dir=Path(to))
-    console.print_json(json.dumps(summary.as_dict()))
+    found = summary.as_dict()
+    if as_json:
+        console.print_json(json.dumps(found))
+        return
+    table = Table("replayed", Column("", justify="right"), title=f"replay of {settings.kafka.topic_prefix} -> {to}")
+    for key in ("messages", "rollouts", "batches", "tokens"):
+        table.add_row(key, f"{found[key]:,}")
+    for key, n in found["outcomes"].items():
+        table.add_row(f"  {key}", f"{n:,}")
+    table.add_row("seconds", f"{found['seconds']:.1f}")
+    console.print(table)
 
 
 @rollouts_app.command("publish-policy")
@@ -424,8 +477,6 @@ def publish_policy(
     """Announce a new policy version (what the trainer does after each weight sync)."""
     from kafka import KafkaProducer
 
-    from ember.rollouts.admin import list_topics
-    from ember.rollouts.config import kafka_bootstrap
     from ember.rollouts.records import PolicyVersion
     from ember.rollouts.topics import Topics
     from ember.rollouts.transport import producer_config
@@ -433,12 +484,7 @@ def publish_policy(
     spec = Topics(prefix).specs()["policy_versions"]
     security = _env_security()
     with _refusals():
-        if spec.name not in list_topics(kafka_bootstrap(), security):
-            console.print(
-                f"[red]{spec.name} does not exist (is the prefix right?); create the prefix's topics with "
-                f"`ember rollouts topics create --prefix {prefix}`[/red]"
-            )
-            raise typer.Exit(2)
+        _require_topics(prefix, [spec.name], security)
         producer = KafkaProducer(**producer_config(security))
         try:
             producer.send(spec.name, key=b"policy", value=PolicyVersion.now(version).encode()).get(timeout=30)
@@ -450,8 +496,10 @@ def publish_policy(
 @rollouts_app.command("tail")
 def tail(
     topic: str = typer.Argument(
-        ..., help="Topic to read from the beginning: any PREFIX.<name> of `topics create`, or a wire-format topic."
+        ..., help="Topic to read from the beginning: with --prefix one of the names `topics create` makes (rollouts, "
+        "rewards, ...), else a whole topic name (PREFIX.<name>, or any wire-format topic)."
     ),
+    prefix: str = typer.Option(None, "--prefix", help=PREFIX_HELP + " With it, TOPIC is the short name."),
     limit: int = typer.Option(20, min=1, help="Messages to show."),
     idle_timeout: float = typer.Option(3.0, min=0.1, help="Stop once nothing arrived for this many seconds."),
 ) -> None:
@@ -460,8 +508,15 @@ def tail(
     from kafka import KafkaConsumer
 
     from ember.rollouts.tail import describe, read_records
+    from ember.rollouts.topics import Topics
     from ember.rollouts.transport import consumer_config, topic_partitions
 
+    if prefix is not None:
+        names = {spec.name.removeprefix(f"{prefix}."): spec.name for spec in Topics(prefix).specs().values()}
+        if topic not in names:
+            console.print(f"[red]with --prefix, TOPIC is one of {', '.join(names)}; got {escape(topic)!r}[/red]", soft_wrap=True)
+            raise typer.Exit(2)
+        topic = names[topic]
     security = _env_security()
     with _refusals():
         consumer = KafkaConsumer(**consumer_config(security, group_id=None))

@@ -220,6 +220,11 @@ class _RLMoEShape(BaseModel):
     router_topk: int = Field(gt=0)
 
 
+class _RLRolloutsShape(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    topic_prefix: str = Field(min_length=1)
+
+
 class RLPolicyShape(BaseModel):
     """The keys of a `midtrain rl` config that say what its policy takes: vocabulary, MoE layers and routing, sequence
     length. Only these are read here (the rest is the trainer's to check: rollouts sits below midtrain), so a
@@ -228,3 +233,4 @@ class RLPolicyShape(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: _RLModelShape
     moe: _RLMoEShape
+    rollouts: _RLRolloutsShape

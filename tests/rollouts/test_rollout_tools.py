@@ -232,14 +232,14 @@ def test_topics_delete_lists_asks_and_deletes(kafka):
     names = {s.name for s in Topics(prefix).specs().values()}
     assert runner.invoke(rollouts_app, ["topics", "create", "--prefix", prefix, "--partitions", "1"]).exit_code == 0
     try:
-        declined = runner.invoke(rollouts_app, ["topics", "delete", prefix], input="n\n")
+        declined = runner.invoke(rollouts_app, ["topics", "delete", "--prefix", prefix], input="n\n")
         assert declined.exit_code == 1 and "nothing deleted" in declined.output, declined.output
         assert all(name in declined.output for name in names), declined.output
         assert _prefix_topics(kafka, prefix) == names
-        deleted = runner.invoke(rollouts_app, ["topics", "delete", prefix, "--yes"])
+        deleted = runner.invoke(rollouts_app, ["topics", "delete", "--prefix", prefix, "--yes"])
         assert deleted.exit_code == 0 and deleted.output.count(": deleted") == len(names), deleted.output
         assert not _wait_gone(kafka, prefix)
-        again = runner.invoke(rollouts_app, ["topics", "delete", prefix, "--yes"])
+        again = runner.invoke(rollouts_app, ["topics", "delete", "--prefix", prefix, "--yes"])
         assert again.exit_code == 2 and "no topic of prefix" in again.output, again.output
     finally:
         delete_topics(kafka, sorted(_prefix_topics(kafka, prefix)))
@@ -262,3 +262,45 @@ def test_publish_policy_announces_on_existing_topics_only(kafka):
     refused = runner.invoke(rollouts_app, ["publish-policy", "3", "--prefix", prefix])
     assert refused.exit_code == 2 and f"ember rollouts topics create --prefix {prefix}" in " ".join(refused.output.split())
     assert not _prefix_topics(kafka, prefix), "a typo'd prefix must not get a topic"
+
+
+def _every_prefix_command(prefix: str, etl_config: Path) -> dict[str, list[str]]:
+    """Each rollouts command that names a prefix's topics, the one way: --prefix, or the config's topic_prefix."""
+    return {
+        "topics describe": ["topics", "describe", "--prefix", prefix],
+        "simulate": ["simulate", "--prefix", prefix, "--groups", "1", "--group-size", "2", "--tokens", "32",
+                     "--layers", "0", "--time-scale", "inf"],
+        "publish-policy": ["publish-policy", "5", "--prefix", prefix],
+        "tail": ["tail", "rollouts", "--prefix", prefix, "--idle-timeout", "1"],
+        "stats": ["stats", str(etl_config), "--window", "0"],
+        "replay": ["replay", str(etl_config), "--to", str(etl_config.parent / "replayed")],
+        "topics delete": ["topics", "delete", "--prefix", prefix, "--yes"],
+    }
+
+
+def test_every_rollouts_command_names_its_prefix_one_way_and_only_topics_create_makes_topics(kafka, tmp_path):
+    import yaml
+
+    prefix = f"test-prefix-{uuid.uuid4().hex[:8]}"
+    etl_config = tmp_path / "etl.yaml"
+    etl_config.write_text(yaml.safe_dump(etl_settings(prefix, partitions=1)))
+    commands = _every_prefix_command(prefix, etl_config)
+    try:
+        for name, args in commands.items():
+            result = runner.invoke(rollouts_app, args)
+            assert result.exit_code == 2, (name, result.output)
+            assert name in ("stats", "replay") or prefix in result.output, (name, result.output)
+            assert not _prefix_topics(kafka, prefix), f"{name} made a topic of a prefix that had none"
+        for name in ("topics create", "topics describe", "topics delete", "publish-policy"):
+            words = name.split()
+            missing = runner.invoke(rollouts_app, [*words, *(["5"] if name == "publish-policy" else [])])
+            assert missing.exit_code == 2 and "--prefix" in missing.output, (name, missing.output)
+        assert runner.invoke(rollouts_app, ["topics", "create", "--prefix", prefix, "--partitions", "1"]).exit_code == 0
+        for name, args in commands.items():
+            result = runner.invoke(rollouts_app, args)
+            assert result.exit_code == 0, (name, result.output)
+            if name == "replay":
+                assert "rollouts" in result.output and "{" not in result.output, "a table, as the other commands print"
+        assert not _wait_gone(kafka, prefix), "topics delete removed them"
+    finally:
+        delete_topics(kafka, sorted(_prefix_topics(kafka, prefix)))

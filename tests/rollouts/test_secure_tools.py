@@ -142,7 +142,7 @@ def test_replay_as_the_etl_to_a_directory_and_to_a_topic_it_may_write(secured, t
     assert not read_topic(target, deployment=deployment), "a refused replay wrote batches"
 
     apply_acls(deployment.bootstrap, [Binding("etl", "User:ember-etl", "WRITE", "TOPIC", target)], deployment.security("admin"))
-    to_topic = _cli(deployment, outputs, "etl", "replay", str(config), "--to", f"topic:{target}")
+    to_topic = _cli(deployment, outputs, "etl", "replay", str(config), "--to", f"topic:{target}", "--json")
     assert to_topic.exit_code == 0, to_topic.output
     written = json.loads(to_topic.output)
     assert written["batches"] == len(read_topic(target, deployment=deployment)) > 0

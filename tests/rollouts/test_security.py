@@ -226,7 +226,7 @@ def test_each_role_is_refused_outside_its_acls_and_nothing_is_written(secured, t
 
     env = {**os.environ, **deployment.environment("trainer")}
     cli = subprocess.run(
-        [sys.executable, "-m", "ember.cli", "rollouts", "simulate", "--prefix", prefix, "--groups", "1", "--layers", "0", "--time-scale", "1000"],
+        [sys.executable, "-m", "ember.cli", "rollouts", "simulate", "--prefix", prefix, "--create-topics", "--groups", "1", "--layers", "0", "--time-scale", "1000"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )
     outputs.append(cli.stdout + cli.stderr)

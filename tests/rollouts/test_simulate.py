@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from ember.rollouts.admin import delete_topics
+from ember.rollouts.admin import delete_topics, list_topics
 from ember.rollouts.cli import rollouts_app
 from ember.rollouts.config import parse_config
 from ember.rollouts.etl import EtlService
@@ -48,7 +48,7 @@ def test_a_run_on_an_existing_prefix_continues_policy_versions(kafka):
     batches its rollouts instead of dropping them as stale (versions restarted at 0) or duplicates."""
     prefix = f"test-sim-{uuid.uuid4().hex[:8]}"
     topics = Topics(prefix)
-    common = ["--prefix", prefix, "--partitions", "2", "--group-size", "4", "--tokens", "48", "--length-sigma", "0",
+    common = ["--prefix", prefix, "--create-topics", "--partitions", "2", "--group-size", "4", "--tokens", "48", "--length-sigma", "0",
               "--layers", "0", "--time-scale", "inf"]
     try:
         first = CliRunner().invoke(rollouts_app, ["simulate", *common, "--groups", "2", "--policy-versions", "3"])
@@ -67,6 +67,10 @@ def test_a_run_on_an_existing_prefix_continues_policy_versions(kafka):
         assert len([rid for rid in found.batched if rid.startswith("sim-v3-")]) == 3 * 4
     finally:
         delete_topics(kafka, [s.name for s in topics.specs().values()])
+
+
+def _prefix_topics(kafka: str, prefix: str) -> set[str]:
+    return {name for name in list_topics(kafka) if name.startswith(f"{prefix}.")}
 
 
 RL_TINY = Path(__file__).resolve().parents[2] / "ember" / "midtrain" / "examples" / "rl_tiny_cpu.yaml"
@@ -106,8 +110,11 @@ def test_simulate_sized_by_the_rl_example_emits_what_its_policy_takes(kafka):
     try:
         refused = runner.invoke(rollouts_app, ["simulate", "--prefix", prefix, "--config", str(ETL_EXAMPLE), "--vocab-size", "200000"])
         assert refused.exit_code == 2 and "filters.vocab_size is 151,936 in" in " ".join(refused.output.split())
-        done = runner.invoke(rollouts_app, ["simulate", "--prefix", prefix, "--config", str(RL_TINY), "--groups", "2",
-                                            "--group-size", "4", "--time-scale", "inf"])
+        missing = runner.invoke(rollouts_app, ["simulate", "--config", str(RL_TINY), "--prefix", prefix])
+        assert missing.exit_code == 2 and f"topics create --prefix {prefix}`" in " ".join(missing.output.split())
+        assert not _prefix_topics(kafka, prefix), "only `topics create` (or --create-topics) makes topics"
+        done = runner.invoke(rollouts_app, ["simulate", "--prefix", prefix, "--create-topics", "--config", str(RL_TINY),
+                                            "--groups", "2", "--group-size", "4", "--time-scale", "inf"])
         assert done.exit_code == 0, done.output
         rollouts = [decode_rollout(r.value) for r in read_topic(topics.rollouts)]
         assert len(rollouts) == 8
