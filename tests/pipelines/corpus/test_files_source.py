@@ -215,6 +215,11 @@ def test_config_refuses_what_a_files_source_cannot_do(tmp_path: Path) -> None:
 def test_build_reads_two_repositories_with_metadata_rejects_and_balanced_counts(tmp_path: Path) -> None:
     make_trees(tmp_path)
     (tmp_path / "repos" / "beta" / "huge.py").write_text("x = 1\n" * 150)  # 900 bytes: over 4 x max_chars
+    clone = tmp_path / "repos" / "alpha_copy"  # a second checkout of acme/alpha: its ids repeat alpha's
+    (clone / ".git").mkdir(parents=True)
+    (clone / ".git" / "config").write_text('[remote "origin"]\n\turl = git@github.com:acme/alpha\n')
+    (clone / "src" / "geo").mkdir(parents=True)
+    (clone / "src" / "geo" / "area.go").write_text(GO)
     config = {
         "sources": [{"name": "trees", "kind": "code", "inputs": ["repos/*"], "format": "files"}],
         "filters": {"code": {"max_chars": 200}},
@@ -247,14 +252,15 @@ def test_build_reads_two_repositories_with_metadata_rejects_and_balanced_counts(
         (str(beta / "COPYING"), "read", "file_too_large"),
         (str(beta / "area.go"), "filter", "license_not_allowed"),  # GPL-3.0: the default allow-list decides
         (str(beta / "huge.py"), "read", "file_too_large"),
+        (str(clone / "src" / "geo" / "area.go"), "unique_ids", "duplicate_id"),  # same text: the first location keeps it
     ])
     assert all("ghp_secret" not in str(r) for r in rows(out, "rejects") + rows(out, "documents"))
 
     stats = read_stats(str(out))
-    assert stats["totals"]["balanced"] and stats["totals"]["docs_in"] == 14
+    assert stats["totals"]["balanced"] and stats["totals"]["docs_in"] == 15
     read = stats["sources"]["trees"]["stages"]["read"]
     # files: those read (the three over the size cap were rejected unread)
-    assert (read["repositories"], read["files"], read["files_ignored"], read["dirs_ignored"]) == (2, 9, 2, 1)
+    assert (read["repositories"], read["files"], read["files_ignored"], read["dirs_ignored"]) == (3, 10, 2, 1)
     assert "| read | symlink_outside_root | 1 |" in render_report(str(out))
 
     (tmp_path / "again.yaml").write_text(yaml.safe_dump({**config, "output": {"directory": "again"}}))
