@@ -17,7 +17,7 @@ from ember.pipelines.corpus import trees
 from ember.pipelines.corpus.config import CorpusSource, check_inputs, load_config, parse_config
 from ember.pipelines.corpus.formats import read_file
 from ember.pipelines.corpus.report import read_stats, render_report
-from ember.pipelines.corpus.trees import Ignored, TreeFile, TreeReject
+from ember.pipelines.corpus.trees import TreeFile, TreeReject
 
 from tests.pipelines.corpus_support import build, rows
 
