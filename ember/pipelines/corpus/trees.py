@@ -141,7 +141,8 @@ def _license_files(root: str) -> list[str]:
     except OSError:
         return []
     ranked = sorted(r for r in map(rank, names) if r is not None)
-    return [os.path.join(root, name) for _, name in ranked if os.path.isfile(os.path.join(root, name))]
+    paths = [os.path.join(root, name) for _, name in ranked]
+    return [p for p in paths if os.path.isfile(p) and not os.path.islink(p)]  # a link may lead out of the tree
 
 
 def _identify(path: str) -> str | None:
@@ -204,7 +205,7 @@ class _Walk:
         except OSError as exc:
             yield TreeReject(path, "unreadable_directory", f"{relpath or '.'}: {exc.strerror or exc}")
             return
-        if any(e.name == ".gitignore" and e.is_file() for e in entries):
+        if any(e.name == ".gitignore" and e.is_file(follow_symlinks=False) for e in entries):
             try:
                 with open(os.path.join(path, ".gitignore"), encoding="utf-8", errors="replace") as handle:
                     specs = (*specs, (relpath, GitIgnoreSpec.from_lines(handle.read().splitlines())))
@@ -216,7 +217,11 @@ class _Walk:
 
     def entry(self, entry: os.DirEntry, relpath: str, specs: Specs, ancestors: tuple[str, ...]) -> Iterator[TreeFile | TreeReject | Ignored]:
         link = entry.is_symlink()
-        real = os.path.realpath(entry.path)
+        real = os.path.realpath(entry.path) if link else ""
+        is_dir = os.path.isdir(real) if link else entry.is_dir(follow_symlinks=False)
+        if _ignored(relpath, is_dir, specs):  # before the link checks: an ignored link is the user's to leave out
+            yield Ignored(relpath, is_dir)
+            return
         if link:
             written = os.readlink(entry.path)
             if not _within(real, self.real_root) or _within(real, os.path.join(self.real_root, ".git")):
@@ -225,10 +230,6 @@ class _Walk:
             if not os.path.exists(real):
                 yield TreeReject(entry.path, "broken_symlink", f"link {relpath} -> {written}: no such file")
                 return
-        is_dir = os.path.isdir(real) if link else entry.is_dir(follow_symlinks=False)
-        if _ignored(relpath, is_dir, specs):
-            yield Ignored(relpath, is_dir)
-            return
         if is_dir:
             if link and real in ancestors:
                 yield TreeReject(entry.path, "symlink_loop", f"link {relpath} -> {written} points to a directory containing it: not followed")
@@ -238,7 +239,7 @@ class _Walk:
                 return
             if link:
                 self.followed.add(real)
-            yield from self.directory(entry.path, relpath, specs, (*ancestors, real))
+            yield from self.directory(entry.path, relpath, specs, (*ancestors, real or os.path.realpath(entry.path)))
             return
         try:
             regular = entry.is_file(follow_symlinks=True)

@@ -114,9 +114,14 @@ def test_a_directory_link_inside_is_walked_once_and_a_second_link_to_it_is_refus
     os.symlink(".git/config", root / "gitconfig")
     (root / ".git").mkdir()
     (root / ".git" / "config").write_text("[core]\n")
-    files, rejects, _ = _walked(root)
-    assert files == ["lib/a.py", "m1/a.py"]
+    (root / ".gitignore").write_text("vendor\n")
+    os.symlink(str(tmp_path), root / "vendor")  # out of the tree, but ignored: the user's to leave out
+    files, rejects, ignored = _walked(root)
+    assert files == [".gitignore", "lib/a.py", "m1/a.py"] and ignored == ["vendor/"]
     assert rejects == [("dangling.py", "broken_symlink"), ("gitconfig", "symlink_outside_root"), ("m2", "symlink_repeat")]
+    (root / "lib" / ".gitignore").write_text("*.py\n!\n")  # a lone '!' is no pattern: the file is reported, not applied
+    files, rejects, _ = _walked(root)
+    assert "lib/a.py" in files and ("lib/.gitignore", "invalid_gitignore") in rejects
 
 
 def test_repository_name_comes_from_the_remote_without_credentials(tmp_path: Path) -> None:
