@@ -33,8 +33,8 @@ from rich.table import Table
 
 from ember import storage
 from ember.configs import CorpusConfigError
-from ember.pipelines.corpus import phases, pipeline
-from ember.pipelines.corpus.config import CorpusConfig, check_inputs
+from ember.pipelines.corpus import phases, pipeline, trees
+from ember.pipelines.corpus.config import CorpusConfig, CorpusSource, check_inputs
 from ember.pipelines.corpus.outputs import require_empty_output
 from ember.pipelines.corpus.report import (
     SourceWarning,
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 
 # Output bytes per input byte, a generous ceiling: outputs are zstd Parquet, so plain JSONL shrinks;
 # compressed inputs (Parquet, gzip, zstd) expand to their text first. A shard set inside the output doubles it.
-OUTPUT_PER_INPUT_BYTE = {"jsonl": 1, "parquet": 3, "jsonl.gz": 4, "jsonl.zst": 4, "warc": 4, "html": 1}
+OUTPUT_PER_INPUT_BYTE = {"jsonl": 1, "parquet": 3, "jsonl.gz": 4, "jsonl.zst": 4, "warc": 4, "html": 1, "files": 1}
 
 
 @dataclass(frozen=True)
@@ -122,14 +122,17 @@ def _tokenize_to_url(config: CorpusConfig, final: CorpusConfig, args: list[str],
     return write_to_url(settings, args, tokenizer, _recorded(settings, final), console)
 
 
+def _input_bytes(source: CorpusSource) -> int:
+    """What a source's inputs hold; for a `files` source, the files its walk would read (no .git/, nothing ignored)."""
+    if source.format == "files":
+        return sum(f.size for pattern in source.inputs for root in trees.directories(pattern)
+                   for f in trees.walk(root) if isinstance(f, trees.TreeFile))
+    return sum(m.size_in_bytes for pattern in source.inputs for m in FileSystems.match([pattern])[0].metadata_list)
+
+
 def free_space_needed(config: CorpusConfig) -> int:
     """A floor for the new output, estimated from the input sizes (see `OUTPUT_PER_INPUT_BYTE`)."""
-    total = sum(
-        m.size_in_bytes * OUTPUT_PER_INPUT_BYTE[source.format]
-        for source in config.sources
-        for pattern in source.inputs
-        for m in FileSystems.match([pattern])[0].metadata_list
-    )
+    total = sum(_input_bytes(source) * OUTPUT_PER_INPUT_BYTE[source.format] for source in config.sources)
     return MIN_FREE_BYTES + total * (2 if config.tokenize is not None else 1)
 
 

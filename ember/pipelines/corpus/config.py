@@ -20,6 +20,7 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 from ember import configs
 from ember.configs import CorpusConfigError, StrictModel, at_most
 from ember.files import is_url
+from ember.pipelines.corpus.trees import directories
 from ember.pipelines.quality import minhash
 from ember.pipelines.quality.settings import PERMISSIVE_LICENSES, Filters, Redaction
 from ember.schemas.documents import DERIVED_METADATA_KEYS, METADATA_KEYS
@@ -73,12 +74,16 @@ class CorpusSource(StrictModel):
 
     `warc` reads WARC files (.warc.gz or .warc; each HTML response record is one document, its
     WARC-Record-ID the id); `html` reads one HTML page per file (the path is the id). Both extract the
-    text with `html` settings; their documents are `kind: web` and take no `fields` mapping."""
+    text with `html` settings; their documents are `kind: web` and take no `fields` mapping.
+
+    `files` reads source trees: each input is a local directory glob, each directory it matches a
+    repository, each file one `kind: code` document (ember/pipelines/corpus/trees.py). Local paths only:
+    the walk needs the tree's symlinks and .gitignore files, which gs:// and s3:// do not have."""
 
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     kind: Literal["code", "web"]
     inputs: list[str] = Field(min_length=1, description="file globs: local, gs://, s3://")
-    format: Literal["jsonl", "jsonl.gz", "jsonl.zst", "parquet", "warc", "html"] = "jsonl"
+    format: Literal["jsonl", "jsonl.gz", "jsonl.zst", "parquet", "warc", "html", "files"] = "jsonl"
     fields: FieldMapping = Field(default_factory=FieldMapping)
     html: HtmlExtraction = Field(default_factory=HtmlExtraction)
     weight: float = Field(default=1.0, ge=0)
@@ -100,6 +105,15 @@ class CorpusSource(StrictModel):
                 raise ValueError(f"format {self.format} reads web pages: set kind: web")
             if self.fields != FieldMapping():
                 raise ValueError(f"format {self.format} takes no fields mapping (id, url and text come from the pages)")
+        if self.format == "files":
+            if self.kind != "code":
+                raise ValueError("format files reads source trees: set kind: code")
+            if self.fields != FieldMapping():
+                raise ValueError("format files takes no fields mapping (id, repo, path, licence and text come from the tree)")
+            urls = [g for g in self.inputs if is_url(g)]
+            if urls:
+                raise ValueError(f"format files reads local directories (symlinks, .gitignore files), not {urls[0]!r}: "
+                                 "copy the tree to a local disk, or pack it into JSONL or Parquet")
         return self
 
 
@@ -271,6 +285,13 @@ class CorpusConfig(StrictModel):
     )
 
     @property
+    def max_tree_file_bytes(self) -> int:
+        """The largest file a `files` source reads: 4 bytes (UTF-8's most) per character of filters.code.max_chars,
+        as a larger file can never be kept; 32 MiB, the default JSONL line cap, when max_chars is off."""
+        max_chars = self.filters.code.max_chars
+        return 4 * max_chars if max_chars is not None else DEFAULT_MAX_LINE_BYTES
+
+    @property
     def shards_directory(self) -> str | None:
         if self.tokenize is None:
             return None
@@ -371,6 +392,10 @@ def check_inputs(config: CorpusConfig) -> None:
     problems = []
     for i, source in enumerate(config.sources):
         for j, pattern in enumerate(source.inputs):
+            if source.format == "files":
+                if not directories(pattern):
+                    problems.append(f"sources.{i}.inputs.{j}: '{pattern}' matches no directory")
+                continue
             try:
                 matched = FileSystems.match([pattern], limits=[1])[0].metadata_list
             except Exception as exc:  # BeamIOError for unreachable buckets, bad schemes, permissions

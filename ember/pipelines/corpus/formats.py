@@ -21,6 +21,11 @@ at `path:record=N`, and HTML files (`format: html`) one per file; their pages be
 ember/pipelines/web/html_text.py, and a page that does not (too large, undecodable, empty, over the time
 limit) is a reject with that reason. A cut WARC follows the rule above at the record reached.
 
+Source trees (`format: files`, ember/pipelines/corpus/trees.py) give one unit per file, at its path: a
+document with id `<source>:<repo>/<relpath>` and the repository's metadata, or a `binary_file` reject (a
+NUL byte in the first 8 KiB, or not UTF-8), or `file_too_large` for a file that grew past the size the
+walk admitted (read no further).
+
 Text with C0 control characters other than tab, newline, carriage return and form feed (a NUL from an
 escaped `\u0000`, ESC, ...) is never kept as is: a source's `control_characters` policy rejects the
 document (`control_characters`, with the first one's code point and offset, never the text) or
@@ -45,6 +50,7 @@ from apache_beam.io.filesystems import FileSystems
 from ember.files import bounded_lines
 from ember.pipelines.quality.code_filters import language_from_path
 from ember.pipelines.corpus.config import CorpusSource
+from ember.pipelines.corpus.trees import TreeFile
 from ember.pipelines.web.html_text import ExtractOptions, HtmlExtractor, Submitted, thread_extractor
 from ember.pipelines.web.warc import WarcBreak, WarcPage, WarcReject, read_warc
 from ember.schemas.documents import METADATA_KEYS, content_hash, make_document_id, reject_row
@@ -403,8 +409,47 @@ def _html_file_rows(path: str, source: CorpusSource) -> Iterator[tuple[Row | Non
     yield _page_row(_extractor(source).extract(html), source, path, f"{source.name}:{path}", {"path": path, "content_type": "text/html"})
 
 
-def read_file(path: str, source: CorpusSource) -> Iterator[tuple[Row | None, Row | None]]:
-    """Every input unit of one file, in file order, as (row, None) or (None, reject)."""
+BINARY_SNIFF_BYTES = 8192  # where git itself looks for a NUL to call a file binary
+
+
+def _tree_file_rows(unit: TreeFile, source: CorpusSource) -> Iterator[tuple[Row | None, Row | None]]:
+    """One file of a source tree; at most the size the walk saw (plus one byte, to notice growth) is read."""
+    name, path = source.name, unit.path
+
+    def bad(reason: str, detail: str) -> Iterator[tuple[None, Row]]:
+        yield None, reject_row(name, path, READ_STAGE, reason, detail)
+
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(unit.size + 1)
+    except OSError as exc:
+        yield None, _broken(name, path, "file", 0, exc)
+        return
+    if len(data) > unit.size:
+        yield from bad("file_too_large", f"{unit.relpath} grew past the {unit.size:,} bytes it had when listed: read no further")
+        return
+    nul = data.find(b"\0", 0, BINARY_SNIFF_BYTES)
+    if nul >= 0:
+        yield from bad("binary_file", f"{unit.relpath}: NUL byte at offset {nul}")
+        return
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        yield from bad("binary_file", f"{unit.relpath}: not UTF-8 (byte {exc.start}: {exc.reason})")
+        return
+    text, reason, detail = _checked_text(text, source)
+    if reason:
+        yield from bad(reason, f"{unit.relpath}: {detail}" if detail else unit.relpath)
+        return
+    metadata = {"repo": unit.repo, "path": unit.relpath, "license": unit.license, "language": language_from_path(unit.relpath)}
+    yield _document_row(text, source, path, f"{name}:{unit.repo}/{unit.relpath}", metadata), None
+
+
+def read_file(path: str | TreeFile, source: CorpusSource) -> Iterator[tuple[Row | None, Row | None]]:
+    """Every input unit of one file, in file order, as (row, None) or (None, reject); a `files` source's
+    unit is one `TreeFile` its walk listed."""
+    if isinstance(path, TreeFile):
+        return _tree_file_rows(path, source)
     if source.format == "parquet":
         return _parquet_rows(path, source)
     if source.format == "warc":

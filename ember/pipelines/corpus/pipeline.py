@@ -23,8 +23,9 @@ from ember.pipelines.jobs.runners import finish
 
 def corpus_stages(config: CorpusConfig, progress_dir: str | None = None) -> list[beam.PTransform]:
     """The stages `config` asks for, in the order they run."""
-    stages: list[beam.PTransform] = [ReadSources(config.sources, progress_dir)]
-    id_sources = frozenset(s.name for s in config.sources if s.fields.id is not None)
+    stages: list[beam.PTransform] = [ReadSources(config.sources, progress_dir, config.max_tree_file_bytes)]
+    # a files source's ids are repo/path: two checkouts of one remote share them
+    id_sources = frozenset(s.name for s in config.sources if s.fields.id is not None or s.format == "files")
     if id_sources:
         stages.append(UniqueIds(id_sources))
     stages += [

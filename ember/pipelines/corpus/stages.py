@@ -20,6 +20,7 @@ from apache_beam.pvalue import PCollection, TaggedOutput
 from ember.pipelines.quality import minhash
 from ember.pipelines.quality.code_filters import check_code
 from ember.pipelines.quality.components import ConnectedComponents, Unconverged
+from ember.pipelines.corpus import trees
 from ember.pipelines.corpus.config import CorpusSource, Dedup
 from ember.pipelines.quality.settings import Filters, Redaction, UrlBlocklistSettings
 from ember.pipelines.corpus.formats import READ_STAGE, UNREADABLE, Row, read_file
@@ -113,13 +114,48 @@ class CorpusFn(beam.DoFn):
 # ---------------------------------------------------------------- read
 
 
-class ExpandInputs(beam.DoFn):
-    """(source, glob) -> (source, path) for every matched file, in sorted order."""
+class ExpandInputs(CorpusFn):
+    """(source, glob) -> (source, path) for every matched file, in sorted order. A `files` source's glob
+    matches repositories, each walked into (source, TreeFile) units (ember/pipelines/corpus/trees.py): the
+    links it refuses and files over `max_tree_file_bytes` (rejected unread) go to the rejects; its counts
+    of repositories and of ignored files and directories go to the stats."""
 
-    def process(self, element: tuple[str, str]) -> Iterator[tuple[str, str]]:
+    STAGE = READ_STAGE
+
+    def __init__(self, sources: dict[str, CorpusSource], max_tree_file_bytes: int, progress_dir: str | None):
+        super().__init__(progress_dir)
+        self._sources = sources
+        self._max_bytes = max_tree_file_bytes
+
+    def process(self, element: tuple[str, str]) -> Iterator[Any]:
         source, pattern = element
-        for path in sorted(m.path for m in FileSystems.match([pattern])[0].metadata_list):
-            yield source, path
+        if self._sources[source].format != "files":
+            for path in sorted(m.path for m in FileSystems.match([pattern])[0].metadata_list):
+                yield source, path
+            return
+        for root in trees.directories(pattern):
+            yield from self._walk(source, root)
+
+    def _walk(self, source: str, root: str) -> Iterator[Any]:
+        ignored = {"files_ignored": 0, "dirs_ignored": 0}
+        for item in trees.walk(root):
+            if isinstance(item, trees.Ignored):
+                ignored["dirs_ignored" if item.directory else "files_ignored"] += 1
+            elif isinstance(item, trees.TreeReject):
+                self.advance()
+                yield TaggedOutput(REJECTS, reject_row(source, item.path, READ_STAGE, item.reason, item.detail))
+            elif item.size > self._max_bytes:
+                self.advance()
+                yield TaggedOutput(REJECTS, reject_row(
+                    source, item.path, READ_STAGE, "file_too_large",
+                    f"{item.relpath} has {item.size:,} bytes, more than {self._max_bytes:,} (4 x filters.code.max_chars): skipped unread",
+                ))
+            else:
+                yield source, item
+        yield self.stat(source, "repositories")
+        for metric, n in ignored.items():
+            if n:
+                yield self.stat(source, metric, n)
 
 
 class ReadFiles(CorpusFn):
@@ -136,7 +172,7 @@ class ReadFiles(CorpusFn):
         super().__init__(progress_dir)
         self._sources = sources
 
-    def process(self, element: tuple[str, str]) -> Iterator[Any]:
+    def process(self, element: tuple[str, str | trees.TreeFile]) -> Iterator[Any]:
         source, path = element
         unreadable = False
         for row, rejected in read_file(path, self._sources[source]):
@@ -154,22 +190,28 @@ class ReadFiles(CorpusFn):
 class ReadSources(beam.PTransform):
     """The pipeline's root: every file of every source's globs, spread over the workers and read."""
 
-    def __init__(self, sources: list[CorpusSource], progress_dir: str | None):
+    def __init__(self, sources: list[CorpusSource], progress_dir: str | None, max_tree_file_bytes: int):
         super().__init__()
         self._sources = sources
         self._progress_dir = progress_dir
+        self._max_tree_file_bytes = max_tree_file_bytes
 
     def expand(self, root) -> StageOutput:
-        read = (
+        sources = {s.name: s for s in self._sources}
+        listed = (
             root
             | "Globs" >> beam.Create([(s.name, g) for s in self._sources for g in s.inputs])
-            | "ExpandGlobs" >> beam.ParDo(ExpandInputs())
-            | "SpreadFiles" >> beam.Reshuffle()
-            | "Read" >> beam.ParDo(ReadFiles({s.name: s for s in self._sources}, self._progress_dir)).with_outputs(
-                REJECTS, STATS, main="docs"
+            | "ExpandGlobs" >> beam.ParDo(ExpandInputs(sources, self._max_tree_file_bytes, self._progress_dir)).with_outputs(
+                REJECTS, STATS, main="files"
             )
         )
-        return stage_output(read.docs, rejects=[read[REJECTS]], stats=[read[STATS], count_documents(read.docs, READ_STAGE)])
+        read = (
+            listed.files
+            | "SpreadFiles" >> beam.Reshuffle()
+            | "Read" >> beam.ParDo(ReadFiles(sources, self._progress_dir)).with_outputs(REJECTS, STATS, main="docs")
+        )
+        return stage_output(read.docs, rejects=[listed[REJECTS], read[REJECTS]],
+                            stats=[listed[STATS], read[STATS], count_documents(read.docs, READ_STAGE)])
 
 
 class KeepFirstId(CorpusFn):
