@@ -144,14 +144,18 @@ def test_a_quickstart_on_local_services_runs_as_written(name, site, request, slu
     assert not (problems := site.run(name, request)), "\n".join(problems)
 
 
-def test_every_quickstart_has_a_run_block_and_is_in_the_site_nav():
+def test_every_quickstart_has_a_run_block_and_is_in_the_site_nav_or_held_back():
+    """A page not ready for readers yet stays out of the nav by name, in mkdocs.yml's `not_in_nav`; it is still run."""
     from mkdocs.config import load_config
 
-    nav = load_config(str(REPO / "mkdocs.yml"))["nav"]
-    listed = set(re.findall(r"quickstart/[\w-]+\.md", str(nav)))
+    config = load_config(str(REPO / "mkdocs.yml"))
+    listed = set(re.findall(r"quickstart/[\w-]+\.md", str(config["nav"])))
+    held_back = set(re.findall(r"quickstart/[\w-]+\.md", str(config["not_in_nav"] or "")))
+    pages_here = {f"quickstart/{path.name}" for path in QUICKSTARTS.glob("*.md")}
+    assert listed and listed | held_back == pages_here, (
+        f"mkdocs.yml lists {sorted(listed | held_back)} (nav, not_in_nav); docs/ holds {sorted(pages_here)}")
     for path in sorted(QUICKSTARTS.glob("*.md")):
         assert parse_page(path).blocks, f"{path.name} has no ```bash block: nothing of it is tested"
-        assert f"quickstart/{path.name}" in listed, f"{path.name} is missing from mkdocs.yml's nav"
 
 
 PAGE = """# demo
