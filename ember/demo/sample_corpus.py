@@ -5,14 +5,17 @@ the benchmarks see the same bytes on every run.
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
+import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import yaml
 import zstandard
 
 _NOUNS = (
@@ -193,3 +196,33 @@ def write_sample_corpus(directory: Path, web_docs: int = 24, code_docs: int = 16
         near_duplicate_pairs=2,
         secrets_planted=secrets,
     )
+
+
+QUICKSTART_TOKENIZE = {"tokenizer": {"name": "cl100k_base"}, "seq_len": 512, "sequences_per_shard": 16}
+"""Small enough that the docs' corpus quickstart (and its test) packs the sample in seconds."""
+
+
+def write_quickstart(directory: Path) -> Path:
+    """The sample under DIR/input and DIR/corpus.yaml, a build config for it whose paths are relative to DIR
+    (output DIR/corpus, shards DIR/corpus/shards), so the directory can be moved or copied as a whole."""
+    sample = write_sample_corpus(directory / "input")
+    config = sample.config("corpus")
+    for source in config["sources"]:
+        source["inputs"] = [os.path.relpath(path, directory) for path in source["inputs"]]
+    config["tokenize"] = QUICKSTART_TOKENIZE
+    path = directory / "corpus.yaml"
+    path.write_text(f"# Written by `python -m ember.demo.sample_corpus {directory}`: the sample under input/.\n"
+                    + yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m ember.demo.sample_corpus DIR`: the inputs of the docs' quickstarts, without `ember demo`."""
+    parser = argparse.ArgumentParser(prog="python -m ember.demo.sample_corpus", description=main.__doc__)
+    parser.add_argument("directory", type=Path, help="where to write input/ and corpus.yaml (created)")
+    config = write_quickstart(parser.parse_args(argv).directory)
+    print(f"wrote the sample corpus under {config.parent / 'input'} and its build config {config}")
+
+
+if __name__ == "__main__":
+    main()

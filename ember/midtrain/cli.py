@@ -292,10 +292,6 @@ def logs(
         typer.echo(path.read_text(errors="replace") if path.exists() else "(not written yet)")
 
 
-if __name__ == "__main__":
-    app()
-
-
 @app.command()
 def init(
     out: Path = typer.Argument(..., help="The config file to write (YAML)."),
@@ -334,7 +330,7 @@ def init(
         _error(exc)
         raise typer.Exit(2)
     header = (
-        f"# Written by `ember midtrain init` from {', '.join(from_shards)}.\n"
+        f"# Written by `midtrain init` from {', '.join(from_shards)}.\n"
         f"# model.tokenizer, vocab_size, seq_len and data.shard_sets come from the manifests; the rest from {template}.\n"
     )
     try:
@@ -360,3 +356,7 @@ def init(
         highlight=False, markup=False,
     )
     console.print(f"next: midtrain train {out}", highlight=False, markup=False)
+
+
+if __name__ == "__main__":
+    app()

@@ -139,7 +139,7 @@ def verify(directory: str = typer.Argument(..., help="Shard-set directory holdin
     manifest = read_manifest(local)
     rows, tokens = sum(e.rows for e in manifest.shards), sum(s.tokens for s in manifest.sources.values())
     console.print(f"[green]OK[/green] {directory}: every shard matches its manifest ({len(manifest.shards):,} shards, "
-                  f"{rows:,} sequences, {tokens:,} document tokens from {len(manifest.sources):,} sources)")
+                  f"{rows:,} sequences, {tokens:,} document tokens from {len(manifest.sources):,} sources)", soft_wrap=True)
 
 
 @app.command("inspect")
@@ -233,7 +233,7 @@ def _locate(locate: tuple[str, int, int], window: int) -> None:
         except (IndexError, ValueError) as exc:
             fail(f"{shard}: {exc}")
         console.print(f"shard {shard} row {row} token {token}: id {record['tokens'][token]}, source {record['source']}",
-                      highlight=False)
+                      highlight=False, soft_wrap=True)
         if found is None:
             console.print(f"padding (the row's documents end at token {record['cu_seqlens'][-1]})")
             return
@@ -246,8 +246,8 @@ def _locate(locate: tuple[str, int, int], window: int) -> None:
             where = locate_text(local, record["source"], segment["document_id"], index, window)
         except (LocateError, TokenizerLoadError, OSError) as exc:
             fail(f"the document's text cannot be shown: {exc}", 1)
-        console.print(f"from {where.origin}", highlight=False)
-        console.print(f"stored in {where.documents_file}", highlight=False)
+        console.print(f"from {where.origin}", highlight=False, soft_wrap=True)  # paths stay whole, as in fail()
+        console.print(f"stored in {where.documents_file}", highlight=False, soft_wrap=True)
         at = f"characters [{where.span[0]}, {where.span[1]})" if where.span else f"the document's {where.framing} token"
         console.print(f"text around {at}, redacted as stored:", highlight=False)
         console.print(Text.assemble(where.before, (where.token_text or f"<{where.framing}>", "reverse bold"), where.after))

@@ -59,7 +59,7 @@ def export_megatron(
             console.print(f"[red]{escape(str(exc))}[/red]", soft_wrap=True)  # one line, paths whole
             raise typer.Exit(2)
     what = "documents" if documents else "sequences"
-    console.print(f"[green]OK[/green] {result.sequences} {what}, {result.tokens} tokens -> {written[0]}, {written[1]}")
+    console.print(f"[green]OK[/green] {result.sequences} {what}, {result.tokens} tokens -> {written[0]}, {written[1]}", soft_wrap=True)
     if result.incomplete:
         shown = "; ".join(f"{key} ({why})" for key, why in list(result.incomplete.items())[:SHOWN])
         more = f"; and {len(result.incomplete) - SHOWN} more" if len(result.incomplete) > SHOWN else ""

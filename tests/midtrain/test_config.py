@@ -37,7 +37,7 @@ def _merge(section: str, **values) -> dict:
     return {**BASE, section: {**BASE[section], **values}}
 
 
-@pytest.mark.parametrize("name", ["tiny_cpu.yaml", "moe_gpu.yaml"])
+@pytest.mark.parametrize("name", ["tiny_cpu.yaml", "moe_gpu.yaml", "quickstart_cpu.yaml"])
 def test_examples_are_valid(name):
     config = load_config(EXAMPLES / name)
     assert config.moe.num_experts % config.parallel.expert == 0
