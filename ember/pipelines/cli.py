@@ -363,6 +363,7 @@ def report(
         from ember.pipelines.corpus.build import summary_table
         from ember.pipelines.corpus.config import DEFAULT_WARN_SHARE
         from ember.pipelines.corpus.report import build_warnings, read_stats, vanished_sources, write_report
+        from ember.pipelines.jobs.output_guard import record_rewrites
         from ember.pipelines.corpus.report_html import write_html_report
 
         from ember import storage
@@ -377,6 +378,8 @@ def report(
                 local = shards if Path(shards).is_dir() else None
             path = write_report(directory)
             html_path = write_html_report(directory, shards_directory=local, shown_as=(directory, shards if local else None))
+            if not storage.is_url(directory):
+                record_rewrites(Path(directory))
         except (storage.StorageError, RemoteSetError) as exc:
             fail(exc)
         except FileNotFoundError as exc:

@@ -58,6 +58,21 @@ def write_ownership(directory: Path, build_key: str | None = None) -> None:
     write_atomically(directory / OWNERSHIP_FILE, (json.dumps(payload, indent=1) + "\n").encode("utf-8"))
 
 
+def record_rewrites(directory: Path) -> None:
+    """After ember rewrote files of a finished output in place (`corpus report`), record the new sizes of the files
+    the ownership file already lists, under the same build key: a rerun of the build still finds it up to date. Only
+    listed files are re-measured, so a file someone else added never becomes ember's to delete."""
+    try:
+        payload = json.loads((directory / OWNERSHIP_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    if not isinstance(payload, dict) or payload.get("schema") != OWNERSHIP_SCHEMA or not isinstance(payload.get("sizes"), dict):
+        return
+    payload["sizes"] = {f: (directory / f).lstat().st_size if (directory / f).exists() else size
+                        for f, size in payload["sizes"].items()}
+    write_atomically(directory / OWNERSHIP_FILE, (json.dumps(payload, indent=1) + "\n").encode("utf-8"))
+
+
 def up_to_date(directory: Path, build_key: str) -> bool:
     """`directory` is a complete output built under `build_key`: its ownership file records that key and
     every file it lists is present with the recorded size."""

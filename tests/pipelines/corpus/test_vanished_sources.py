@@ -55,6 +55,8 @@ def test_a_source_that_keeps_nothing_fails_the_build_naming_it_and_its_reasons(t
     assert list(manifest.sources) == ["stdlib"], "a source with no document has no shard rows"
     assert (manifest.sources["stdlib"].mixture_weight, manifest.sources["stdlib"].realised_weight) == (0.7, 1.0)
 
+    reported = ember("corpus", "report", str(tmp_path / "out"))  # rewrites report.md and report.html in place
+    assert reported.returncode == 0 and "vanished: source 'gpl'" in " ".join(reported.stdout.split())
     accepted = ember("corpus", "build", str(path), "--allow-empty-source", "--runner=FnApiRunner")
     assert accepted.returncode == 0, accepted.stdout + accepted.stderr
     assert "up to date" in accepted.stdout and line in " ".join(accepted.stdout.split())
