@@ -1,0 +1,129 @@
+"""Live = replay: the ETL's ledger equals `ember rollouts replay` of the same log, decision for decision.
+
+Graders that stamp a reward when they send it and get it appended seconds later (one grader's producer
+lingers 2.5 s before it sends a batch), rewards near their 3 s deadline, and the ETL sharing its CPU
+with a busy loop and reading at most 3 records per poll. A reward's timestamp is the broker's append
+time (LogAppendTime): whether it is in time is a fact of the log, and the ETL decides a deadline only
+once nothing stamped before it can be unread, so the live decisions and the replay's are the same
+record for record, including the log time each decision was made at.
+
+About 35-45 s: the ETL starts and joins, ~10 s of traffic, the last deadlines, the replay.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from kafka import KafkaProducer
+from typer.testing import CliRunner
+
+from ember.rollouts.cli import rollouts_app
+from ember.rollouts.records import Outcome
+from ember.rollouts.simulate import synthetic_rollout
+from ember.rollouts.transport import producer_config
+from ember.schemas import Reward, encode
+from tests.rollouts.etl_support import Deployment, EtlProcess, finish, ledger_counts, read_topic, setup_etl
+
+pytestmark = pytest.mark.integration
+
+GROUPS, SIZE = 36, 4
+REWARD_TIMEOUT_S = 3.0
+LINGER_MS = 2500
+
+
+def wait_for_line(proc: EtlProcess, needle: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while needle not in proc.output():
+        assert proc.proc.poll() is None, proc.output()[-3000:]
+        assert time.monotonic() < deadline, f"{needle!r} not logged within {timeout_s}s:\n{proc.output()[-3000:]}"
+        time.sleep(0.2)
+
+
+def publish(topics, bootstrap: str, seed: int = 5) -> dict[tuple[int, int], float]:
+    """Groups of rollouts every 0.25 s; each reward sent 0.5-2.7 s after its rollout, a third of them through
+    a producer that holds them 2.5 s before sending, some never. Returns each reward's send time (wall, s) by
+    (partition, offset)."""
+    rng = random.Random(seed)
+    fast = KafkaProducer(**producer_config(None, bootstrap_servers=bootstrap, linger_ms=0))
+    lagging = KafkaProducer(**producer_config(None, bootstrap_servers=bootstrap, linger_ms=LINGER_MS))
+    plan = []
+    for g in range(GROUPS):
+        group = f"{topics.prefix}-g{g}"
+        for i in range(SIZE):
+            rollout = synthetic_rollout(
+                np.random.default_rng(g * SIZE + i), group_id=group, prompt_id=group,
+                num_tokens=48, prompt_tokens=4, layers=None, rollout_id=f"{group}-{i}", finish_reason="stop",
+            )
+            at = g * 0.25
+            plan.append((at, fast, topics.rollouts, group, encode(rollout)))
+            if rng.random() < 0.9:
+                reward = Reward(rollout.rollout_id, group, "unit-tests", rng.random(), 0, {})
+                producer = lagging if rng.random() < 0.35 else fast
+                plan.append((at + rng.uniform(0.5, 2.7), producer, topics.rewards, group, encode(reward)))
+    plan.sort(key=lambda p: p[0])
+    started, futures = time.monotonic(), []
+    try:
+        for at, producer, topic, key, value in plan:
+            time.sleep(max(0.0, started + at - time.monotonic()))
+            future = producer.send(topic, key=key.encode(), value=value)
+            if topic == topics.rewards:
+                futures.append((time.time(), future))
+        fast.flush()
+        lagging.flush()
+        where = [(sent, future.get(timeout=30)) for sent, future in futures]
+        return {(meta.partition, meta.offset): sent for sent, meta in where}
+    finally:
+        fast.close()
+        lagging.close()
+
+
+def decisions(outcomes: list[Outcome]) -> list[str]:
+    """Every ledger record (batches, drops and their reasons, the log time of each decision), in one order."""
+    return sorted(o.encode().decode() for o in outcomes)
+
+
+def test_the_live_ledger_equals_a_replay_of_the_same_log(kafka, tmp_path, processes):
+    prefix, _config, topics = setup_etl(
+        tmp_path, Deployment.plaintext(), partitions=2,
+        kafka={"max_poll_records": 3},
+        rewards={"timeout_s": REWARD_TIMEOUT_S, "orphan_timeout_s": REWARD_TIMEOUT_S + 2},
+        groups={"timeout_s": REWARD_TIMEOUT_S + 2},
+    )
+    etl = EtlProcess(tmp_path / "etl.yaml", "0", tmp_path)
+    processes.append(etl)
+    wait_for_line(etl, "owns shards [", 120)
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        sent = publish(topics, Deployment.plaintext().bootstrap)
+        deadline = time.monotonic() + 90
+        while ledger_counts(topics.outcomes)[0] < GROUPS * SIZE:
+            assert etl.proc.poll() is None, etl.output()[-3000:]
+            assert time.monotonic() < deadline, f"the ledger accounts for {ledger_counts(topics.outcomes)} after 90 s"
+            time.sleep(1.0)
+    finally:
+        burner.kill()
+        burner.wait()
+    finish([etl])
+
+    appended = {(r.partition, r.offset): r.timestamp for r in read_topic(topics.rewards)}
+    held = [appended[k] / 1000 - sent[k] for k in sent if appended[k] / 1000 - sent[k] > 1.0]
+    assert len(held) >= len(sent) // 6, f"only {len(held)} of {len(sent)} rewards were appended over 1 s after they were sent"
+
+    out = tmp_path / "replayed"
+    result = CliRunner().invoke(rollouts_app, ["replay", str(tmp_path / "etl.yaml"), "--to", str(out)])
+    assert result.exit_code == 0, result.output
+    replayed = [Outcome.decode(line.encode()) for line in (out / "outcomes.jsonl").read_text().splitlines()]
+    live = [Outcome.decode(r.value) for r in read_topic(topics.outcomes)]
+
+    reasons = {o.reason for o in live}
+    assert {"batched", "late_reward"} <= reasons, f"the run never came near a deadline: {sorted(reasons)}"
+    batched = sum(len(o.detail["rollout_ids"]) for o in live if o.kind == "batch")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rollouts"] == batched, (summary, batched)
+    assert decisions(live) == decisions(replayed)
