@@ -119,13 +119,13 @@ def _check_topic_configs(config: EtlConfig) -> None:
             ", ".join(names), kafka.security.describe(), exc, topics.rollouts, topics.rewards,
         )
         return
+    problem = reference_retention_problem(configs[topics.rollouts], configs[topics.train_batches])
+    if problem:
+        raise TopologyError(f"{topics.rollouts}: {problem}")
     for name in (topics.rollouts, topics.rewards):
         problem = timestamp_problem(name, configs[name], kafka.bootstrap)
         if problem:
             raise TopologyError(problem)
-    problem = reference_retention_problem(configs[topics.rollouts], configs[topics.train_batches])
-    if problem:
-        raise TopologyError(f"{topics.rollouts}: {problem}")
 
 
 class PolicyWatcher:

@@ -17,20 +17,21 @@ import random
 import subprocess
 import sys
 import time
+import uuid
 
 import numpy as np
 import pytest
 from kafka import KafkaProducer
 from typer.testing import CliRunner
 
+from ember.rollouts.admin import ensure_topics
 from ember.rollouts.cli import rollouts_app
 from ember.rollouts.records import Outcome
 from ember.rollouts.simulate import synthetic_rollout
+from ember.rollouts.topics import TopicSpec, Topics, timestamp_problem
 from ember.rollouts.transport import producer_config
 from ember.schemas import Reward, encode
-from tests.rollouts.etl_support import Deployment, EtlProcess, finish, ledger_counts, read_topic, setup_etl
-
-pytestmark = pytest.mark.integration
+from tests.rollouts.etl_support import Deployment, EtlProcess, etl_settings, finish, ledger_counts, read_topic, setup_etl, write_config
 
 GROUPS, SIZE = 36, 4
 REWARD_TIMEOUT_S = 3.0
@@ -88,6 +89,7 @@ def decisions(outcomes: list[Outcome]) -> list[str]:
     return sorted(o.encode().decode() for o in outcomes)
 
 
+@pytest.mark.integration
 def test_the_live_ledger_equals_a_replay_of_the_same_log(kafka, tmp_path, processes):
     prefix, _config, topics = setup_etl(
         tmp_path, Deployment.plaintext(), partitions=2,
@@ -127,3 +129,26 @@ def test_the_live_ledger_equals_a_replay_of_the_same_log(kafka, tmp_path, proces
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rollouts"] == batched, (summary, batched)
     assert decisions(live) == decisions(replayed)
+
+
+def test_input_topics_are_stamped_by_the_broker_and_a_producer_stamped_one_is_named_with_its_fix():
+    specs = Topics("p").specs()
+    assert specs["rollouts"].configs()["message.timestamp.type"] == "LogAppendTime"
+    assert specs["rewards"].configs()["message.timestamp.type"] == "LogAppendTime"
+    assert timestamp_problem("p.rewards", specs["rewards"].configs()) is None
+    problem = timestamp_problem("p.rewards", {"message.timestamp.type": "CreateTime"}, "broker:9092")
+    assert "\n" not in problem
+    assert "p.rewards uses message.timestamp.type=CreateTime" in problem
+    assert "kafka-configs.sh --bootstrap-server broker:9092 --alter --entity-type topics --entity-name p.rewards" in problem
+    assert "--add-config message.timestamp.type=LogAppendTime" in problem and "ember rollouts topics create" in problem
+
+
+@pytest.mark.integration
+def test_the_etl_refuses_to_start_on_a_producer_stamped_input_topic(kafka, tmp_path):
+    prefix = f"test-stamp-{uuid.uuid4().hex[:8]}"
+    ensure_topics(kafka, [TopicSpec(Topics(prefix).rewards, 1)])  # made by hand, with the broker's default CreateTime
+    write_config(tmp_path / "etl.yaml", etl_settings(prefix, partitions=1, kafka={"create_topics": True}))
+    result = CliRunner().invoke(rollouts_app, ["etl", str(tmp_path / "etl.yaml")])
+    assert result.exit_code == 2, result.output
+    (line,) = [text for text in result.output.splitlines() if "CreateTime" in text]
+    assert f"{prefix}.rewards uses message.timestamp.type=CreateTime" in line and "--add-config message.timestamp.type=LogAppendTime" in line
