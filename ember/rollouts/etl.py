@@ -51,7 +51,7 @@ log = logging.getLogger("ember.etl")
 
 ENDS_REFRESH_S = 0.25  # how often the broker is asked for the input partitions' end offsets (the clock's wall-time proofs)
 ENDS_TIMEOUT_MS = 1000  # a broker that does not answer within this proves nothing this time, and the loop goes on
-BROKER_CLOCK_LAG_MS = 250  # how far the brokers' clocks (LogAppendTime) may lag this host's: see `LogClock`
+BROKER_CLOCK_LAG_MS = 100  # how far a broker's clock (LogAppendTime) may lag this host's (NTP keeps both within ms): see `LogClock`
 LOG_APPEND_TIME = 1  # a record's timestamp_type when the broker stamped it
 
 
@@ -310,6 +310,7 @@ class EtlService:
         self._last_commit = 0.0
         self._ends: dict[TopicPartition, int] = {}
         self._ends_at = float("-inf")
+        self._asked_at_ms = 0  # wall time the last end offsets that came back were asked for
         self._start_ends: dict[TopicPartition, int] | None = None  # input end offsets when the service first connected
         self._caught_up: set[int] = set()  # shards read to end offsets asked for after the last records arrived
         self._quiet_since: float | None = None  # when the service last became assigned, caught up and without pending work
@@ -476,7 +477,11 @@ class EtlService:
     def _step(self) -> None:
         clients = self._clients
         assert clients is not None
-        records = clients.consumer.poll(timeout_ms=self.config.kafka.poll_timeout_ms)
+        timeout_ms = self.config.kafka.poll_timeout_ms
+        wanted = self._proof_wanted_ms()
+        if wanted is not None:  # a message waits for a proof from the broker: wait in poll() no longer than that
+            timeout_ms = max(0, min(timeout_ms, wanted - int(time.time() * 1000)))
+        records = clients.consumer.poll(timeout_ms=timeout_ms)
         loaded = self._apply_rebalance(clients)
         clients.policy.poll()
         roles = {topic: role for role, topic in self.inputs.items()}
@@ -699,10 +704,18 @@ class EtlService:
         for name, value in output.observations:
             m.observe(name, value)
 
+    def _proof_wanted_ms(self) -> int | None:
+        """The earliest wall time, later than the last ask, at which end offsets could release a held message."""
+        wanted = [w for clock in self._clocks.values() if (w := clock.proof_wanted_ms()) is not None and w > self._asked_at_ms]
+        return min(wanted, default=None)
+
     def _refresh_ends(self, clients: _Clients) -> None:
-        """Ask the broker for the owned input partitions' end offsets (every `ENDS_REFRESH_S`): the only way wall
-        time enters the shards' clocks, each up to the moment of asking, if the shard has read up to them."""
-        if time.monotonic() - self._ends_at < ENDS_REFRESH_S or not self.engines:
+        """Ask the broker for the owned input partitions' end offsets (every `ENDS_REFRESH_S`, and as soon as that can
+        release a held message): the only way wall time enters the shards' clocks, each up to the moment of asking,
+        if the shard has read up to them."""
+        wanted = self._proof_wanted_ms()
+        due = time.monotonic() - self._ends_at >= ENDS_REFRESH_S or (wanted is not None and time.time() * 1000 >= wanted)
+        if not due or not self.engines:
             return
         assignment = clients.consumer.assignment()
         tps = {
@@ -711,10 +724,13 @@ class EtlService:
         }
         asked_at_ms = int(time.time() * 1000)
         try:
-            self._ends = clients.consumer.end_offsets(list(tps), timeout_ms=ENDS_TIMEOUT_MS)
+            # asked on the state reader's own connection: on the consumer's, the request would queue behind its
+            # long-polling fetch (up to fetch.max.wait.ms), and every message waiting for this proof with it
+            self._ends = clients.state_reader.end_offsets(list(tps), timeout_ms=ENDS_TIMEOUT_MS)
         except KafkaTimeoutError:
             return
         self._ends_at = time.monotonic()
+        self._asked_at_ms = asked_at_ms
         behind: set[int] = set()
         for tp, end in self._ends.items():
             shard, role = tps[tp]

@@ -80,6 +80,12 @@ class LogClock(Generic[Item]):
                     return  # `other` may still hold, unread, a record that comes first
             yield name, self._partitions[name].queue.popleft()[1]
 
+    def proof_wanted_ms(self) -> int | None:
+        """The wall time from which end offsets asked for could release the first message held back, or None when
+        none is held: the service asks then rather than on its next round."""
+        heads = [p.queue[0][0] for p in self._partitions.values() if p.queue]
+        return min(heads) + self._skew_ms + 1 if heads else None
+
     def held(self) -> int:
         """Messages read but not released yet."""
         return sum(len(p.queue) for p in self._partitions.values())

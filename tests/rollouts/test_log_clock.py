@@ -50,10 +50,11 @@ def test_end_offsets_prove_time_only_up_to_when_they_were_asked_for_less_the_ske
     assert clock.end_offset("rollouts", position=7, end=7, asked_at_ms=T0 + 600)
     assert released(clock) == []  # a rollout appended right after may be stamped T0 + 400 by a broker 200 ms behind
     assert clock.now_ms == T0 + 400
+    assert clock.proof_wanted_ms() == T0 + 701  # the earliest ask that can release it: the service asks then
     clock.end_offset("rollouts", position=7, end=7, asked_at_ms=T0 + 600)  # the same answer again proves nothing new
     assert clock.now_ms == T0 + 400
     assert clock.end_offset("rollouts", position=7, end=7, asked_at_ms=T0 + 701)
-    assert released(clock) == ["w"]
+    assert released(clock) == ["w"] and clock.proof_wanted_ms() is None
 
 
 def test_a_partition_never_read_or_proven_holds_the_clock_at_zero_and_the_clock_never_goes_back():
