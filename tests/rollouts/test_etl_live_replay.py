@@ -7,7 +7,7 @@ time (LogAppendTime): whether it is in time is a fact of the log, and the ETL de
 once nothing stamped before it can be unread, so the live decisions and the replay's are the same
 record for record, including the log time each decision was made at.
 
-About 35-45 s: the ETL starts and joins, ~10 s of traffic, the last deadlines, the replay.
+About 20-40 s: the ETL starts and joins, ~10 s of traffic, the last deadlines, the replay.
 """
 
 from __future__ import annotations
