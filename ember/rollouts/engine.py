@@ -1,8 +1,10 @@
 """The ETL's processing core for one shard (rollouts partition p + rewards partition p), free of Kafka.
 
-It is a deterministic function of the messages fed in (with their offsets and timestamps), the clock
-values passed to it and the latest policy version: the live service feeds it from Kafka with the wall
-clock, `replay` feeds it the retained log with the log's own clock, and unit tests feed it directly.
+It is a deterministic function of the messages fed in, in log order (`LogClock`), and the policy
+versions passed with them: every decision happens at a log time (a message's timestamp, a deadline, a
+batch's flush time) and sees exactly the messages stamped before it, however the messages are grouped
+into calls and however often `advance` is called. The live service feeds it from Kafka as `LogClock`
+releases messages, `replay` feeds it the retained log through the same merge, unit tests feed it directly.
 
 Every input message ends in exactly one place: a batch, an `Outcome` (dropped, late, duplicate, dead
 letter), or still pending in memory. Pending offsets are reported so the service commits input
@@ -179,6 +181,7 @@ class ShardEngine:
         self._owners: dict[str, str] = {}  # rollout_id -> group of every open or finishing group's members
         self._deadlines: list[tuple[int, str]] = []
         self._dirty: set[str] = set()
+        self.now_ms = 0  # log time: the latest message timestamp or deadline decided
         self._out = ShardOutput()
         self._restore(snapshot, committed or {}, closed, now_ms)
 
@@ -205,7 +208,15 @@ class ShardEngine:
 
     # ---- ingest ------------------------------------------------------------------------------
 
-    def ingest(self, message: InputMessage, now_ms: int) -> None:
+    def ingest(self, message: InputMessage, *, latest_policy: int | None = None) -> None:
+        """Feed the next message in log order: what falls due before its timestamp is decided first, and a group
+        it completes is decided at its timestamp, before the next message."""
+        self.advance(message.timestamp_ms, latest_policy)
+        self._accept(message, self.now_ms)
+        due, self._dirty = self._dirty, set()
+        self._decide(due, latest_policy)
+
+    def _accept(self, message: InputMessage, now_ms: int) -> None:
         role = self._roles[message.topic]
         if message.offset < self.positions.get(role, -1):
             return
@@ -384,10 +395,10 @@ class ShardEngine:
         self._dirty.add(group.group_id)
 
     def _schedule(self, at_ms: float, group_id: str) -> None:
-        heapq.heappush(self._deadlines, (int(at_ms), group_id))
+        heapq.heappush(self._deadlines, (math.ceil(at_ms), group_id))  # never before the deadline it stands for
 
     def _reward_deadline(self, member: _Member) -> int:
-        return member.timestamp_ms + int(self.config.rewards.timeout_s * 1000)
+        return member.timestamp_ms + math.ceil(self.config.rewards.timeout_s * 1000)
 
     def _rewarded(self, member: _Member) -> bool:
         graders = self.config.rewards.graders
@@ -398,28 +409,44 @@ class ShardEngine:
     # ---- decisions ---------------------------------------------------------------------------
 
     def advance(self, now_ms: int, latest_policy: int | None) -> None:
-        """Decide every group that is complete or past a deadline at `now_ms`, then pack batches."""
-        due = self._dirty
-        self._dirty = set()
-        while self._deadlines and self._deadlines[0][0] <= now_ms:
-            due.add(heapq.heappop(self._deadlines)[1])
-        for group_id in sorted(due):
+        """Move log time on to `now_ms`, the caller's proof that every message stamped before it has been fed:
+        each deadline and batch flush up to it is decided at its own time, in time order."""
+        while (at := self._next_event_ms()) is not None and at <= now_ms:
+            self.now_ms = max(self.now_ms, at)
+            due = set()
+            while self._deadlines and self._deadlines[0][0] <= self.now_ms:
+                due.add(heapq.heappop(self._deadlines)[1])
+            self._decide(due, latest_policy)
+        self.now_ms = max(self.now_ms, now_ms)
+        self._expire_closed(self.now_ms)
+
+    def _next_event_ms(self) -> int | None:
+        times = [self._deadlines[0][0]] if self._deadlines else []
+        if self.ready:
+            times.append(self._flush_at_ms())
+        return min(times, default=None)
+
+    def _flush_at_ms(self) -> int:
+        """When the oldest packed-but-waiting group's `batches.max_wait_s` is up."""
+        return self.ready[0].finished_at_ms + math.ceil(self.config.batches.max_wait_s * 1000)
+
+    def _decide(self, group_ids: set[str], latest_policy: int | None) -> None:
+        for group_id in sorted(group_ids):
             group = self.groups.get(group_id)
             if group is not None:
-                self._evaluate(group, now_ms, latest_policy)
-        self._pack(now_ms, latest_policy)
-        self._expire_closed(now_ms)
+                self._evaluate(group, self.now_ms, latest_policy)
+        self._pack(self.now_ms, latest_policy)
 
-    def _evaluate(self, group: _Group, now_ms: int, latest_policy: int | None, force: bool = False) -> None:
+    def _evaluate(self, group: _Group, now_ms: int, latest_policy: int | None) -> None:
         if not group.members:
-            if force or now_ms >= (group.first_reward_ms or 0) + self.config.rewards.orphan_timeout_s * 1000:
+            if now_ms >= (group.first_reward_ms or 0) + self.config.rewards.orphan_timeout_s * 1000:
                 self._finalize(group, now_ms, latest_policy)
             return
         complete = len(group.members) == self.config.groups.size and all(
             self._rewarded(m) or now_ms >= self._reward_deadline(m) for m in group.members.values()
         )
         deadline = group.first_rollout_ms + self.config.groups.timeout_s * 1000
-        if force or complete or now_ms >= deadline:
+        if complete or now_ms >= deadline:
             self._finalize(group, now_ms, latest_policy)
 
     def _filter(self, member: _Member, now_ms: int, latest_policy: int | None) -> tuple[Reason | None, dict]:
@@ -592,11 +619,11 @@ class ShardEngine:
 
     # ---- packing -----------------------------------------------------------------------------
 
-    def _pack(self, now_ms: int, latest_policy: int | None, force: bool = False) -> None:
+    def _pack(self, now_ms: int, latest_policy: int | None) -> None:
         if not self.ready:
             return
         settings = self.config.batches
-        flush = force or now_ms - self.ready[0].finished_at_ms >= settings.max_wait_s * 1000
+        flush = now_ms >= self._flush_at_ms()
         emit, waiting = plan_batches(
             [f.tokens for f in self.ready],
             settings.token_budget,
@@ -699,10 +726,8 @@ class ShardEngine:
         self._closed_delta = []
         return output, snapshot, self.watermarks()
 
-    def flush_all(self, now_ms: int, latest_policy: int | None) -> None:
-        """Decide and pack everything as if every deadline had passed (the end of a replay)."""
-        for group_id in sorted(self.groups):
-            self._evaluate(self.groups[group_id], now_ms, latest_policy, force=True)
-        self._deadlines.clear()
-        self._dirty.clear()
-        self._pack(now_ms, latest_policy, force=True)
+    def finish(self, latest_policy: int | None) -> None:
+        """The end of the log (a replay's range): time runs on past every deadline and batch flush, as it does
+        live when nothing more is appended, so every group is decided and packed."""
+        while (at := self._next_event_ms()) is not None:
+            self.advance(at, latest_policy)

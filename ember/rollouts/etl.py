@@ -12,9 +12,12 @@ with rewards partition p, kept together by `CopartitionedCooperativeAssignor`). 
 - any Kafka error tears the clients down and rebuilds them and the state the same way, which is also
   how a broker restart or a rebalance is survived.
 
-Deadlines run on `LogClock`, time in the log: data that sits in a partition unread (a rebalance, a broker
-outage, a slow fetch) never makes a reward late. On a freshly formatted broker the service first waits,
-bounded, for its topics' leaders and its group and transaction coordinators (`wait_until_ready`).
+Decisions run on `LogClock`, time in the log as the broker stamped it (the input topics must use
+LogAppendTime; the service refuses to start otherwise): messages reach the engine in log order, and a
+deadline is decided only once nothing stamped before it can still be unread, so a rebalance, a broker
+outage, a slow fetch or a loaded host never changes a decision, and `ember rollouts replay` of the same
+log decides the same. On a freshly formatted broker the service first waits, bounded, for its topics'
+leaders and its group and transaction coordinators (`wait_until_ready`).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from ember.rollouts.log_clock import LogClock
 from ember.rollouts.metrics import EtlMetrics
 from ember.rollouts.records import ClosedGroup, PolicyVersion, Reason, ShardSnapshot
 from ember.rollouts.security import KafkaSecurity
-from ember.rollouts.topics import Topics, reference_retention_problem
+from ember.rollouts.topics import Topics, reference_retention_problem, timestamp_problem
 from ember.rollouts.admin import READY_TIMEOUT_S, BrokerNotReady, describe_topics, ensure_topics, list_topics, topic_configs, wait_until_ready
 from ember.rollouts.transport import consumer_config, producer_config
 from ember.schemas import encode
@@ -48,6 +51,8 @@ log = logging.getLogger("ember.etl")
 
 ENDS_REFRESH_S = 0.25  # how often the broker is asked for the input partitions' end offsets (the clock's wall-time proofs)
 ENDS_TIMEOUT_MS = 1000  # a broker that does not answer within this proves nothing this time, and the loop goes on
+BROKER_CLOCK_LAG_MS = 100  # how far a broker's clock (LogAppendTime) may lag this host's (NTP keeps both within ms): see `LogClock`
+LOG_APPEND_TIME = 1  # a record's timestamp_type when the broker stamped it
 
 
 class TopologyError(RuntimeError):
@@ -86,7 +91,7 @@ def prepare_topics(config: EtlConfig, *, create: bool | None = None) -> Topics:
             f"{topics.rollouts} has {rollouts} partitions but {topics.rewards} has {rewards}: a group's rollouts "
             "and rewards must share a partition index; give both topics the same partition count"
         )
-    _check_reference_retention(config)
+    _check_topic_configs(config)
     ensure_topics(kafka.bootstrap, [replace(state, partitions=rollouts)], kafka.security)
     (row,) = describe_topics(kafka.bootstrap, [topics.etl_state], kafka.security)
     if int(row["partitions"]) < rollouts:
@@ -97,23 +102,31 @@ def prepare_topics(config: EtlConfig, *, create: bool | None = None) -> Topics:
     return topics
 
 
-def _check_reference_retention(config: EtlConfig) -> None:
-    """Refuse topics where batches could outlive the rollouts they reference; warn when this principal
-    may not read the topics' configs (DESCRIBE_CONFIGS), so the check is the operator's."""
+def _check_topic_configs(config: EtlConfig) -> None:
+    """Refuse input topics stamped by producers (CreateTime) and topics where batches could outlive the rollouts
+    they reference; warn when this principal may not read the topics' configs (DESCRIBE_CONFIGS), so the checks
+    are the operator's."""
     kafka, topics = config.kafka, config.kafka.topics
+    names = [topics.rollouts, topics.rewards, topics.train_batches]
     try:
-        configs = topic_configs(kafka.bootstrap, [topics.rollouts, topics.train_batches], kafka.security)
-        if not {topics.rollouts, topics.train_batches} <= set(configs):
-            raise AuthorizationError(f"configs returned for {sorted(configs)} only")
+        configs = topic_configs(kafka.bootstrap, names, kafka.security)
+        unread = [name for name in names if not configs.get(name)]  # without DESCRIBE_CONFIGS a topic's come back empty
+        if unread:
+            raise AuthorizationError(f"no configs returned for {', '.join(unread)}")
     except (AuthorizationError, KafkaError) as exc:
         log.warning(
-            "cannot read the retention of %s and %s as %s (%r): make sure the rollouts topic is retained at least as "
-            "long as train-batches, whose batches reference it", topics.rollouts, topics.train_batches, kafka.security.describe(), exc,
+            "cannot read the configs of %s as %s (%r): make sure %s and %s use message.timestamp.type=LogAppendTime and "
+            "the rollouts topic is retained at least as long as train-batches, whose batches reference it",
+            ", ".join(names), kafka.security.describe(), exc, topics.rollouts, topics.rewards,
         )
         return
     problem = reference_retention_problem(configs[topics.rollouts], configs[topics.train_batches])
     if problem:
         raise TopologyError(f"{topics.rollouts}: {problem}")
+    for name in (topics.rollouts, topics.rewards):
+        problem = timestamp_problem(name, configs[name], kafka.bootstrap)
+        if problem:
+            raise TopologyError(problem)
 
 
 class PolicyWatcher:
@@ -297,10 +310,12 @@ class EtlService:
         self._last_commit = 0.0
         self._ends: dict[TopicPartition, int] = {}
         self._ends_at = float("-inf")
+        self._asked_at_ms = 0  # wall time the last end offsets that came back were asked for
         self._start_ends: dict[TopicPartition, int] | None = None  # input end offsets when the service first connected
         self._caught_up: set[int] = set()  # shards read to end offsets asked for after the last records arrived
         self._quiet_since: float | None = None  # when the service last became assigned, caught up and without pending work
-        self._clocks: dict[int, LogClock] = {}
+        self._clocks: dict[int, LogClock[InputMessage]] = {}
+        self._create_time_seen: set[str] = set()  # input topics a producer-stamped record came from (warned once each)
         self.transactions = 0
         self.totals = RunTotals()
         self._status_from = RunTotals()
@@ -449,6 +464,8 @@ class EtlService:
         assignment = clients.consumer.assignment()
         if {tp.partition for tp in assignment} != set(self.engines) or not self._caught_up >= set(self.engines):
             return False
+        if any(clock.held() for clock in self._clocks.values()):
+            return False
         for shard, engine in self.engines.items():
             for role, topic in self.inputs.items():
                 if (engine.positions.get(role) or 0) < self._start_ends.get(TopicPartition(topic, shard), 0):
@@ -460,10 +477,13 @@ class EtlService:
     def _step(self) -> None:
         clients = self._clients
         assert clients is not None
-        records = clients.consumer.poll(timeout_ms=self.config.kafka.poll_timeout_ms)
+        timeout_ms = self.config.kafka.poll_timeout_ms
+        wanted = self._proof_wanted_ms()
+        if wanted is not None:  # a message waits for a proof from the broker: wait in poll() no longer than that
+            timeout_ms = max(0, min(timeout_ms, wanted - int(time.time() * 1000)))
+        records = clients.consumer.poll(timeout_ms=timeout_ms)
         loaded = self._apply_rebalance(clients)
         clients.policy.poll()
-        now_ms = int(time.time() * 1000)
         roles = {topic: role for role, topic in self.inputs.items()}
         for tp, messages in records.items():
             engine = self.engines.get(tp.partition)
@@ -471,11 +491,10 @@ class EtlService:
                 continue
             clock = self._clocks[tp.partition]
             for message in messages:
-                stamped = message.timestamp is not None and message.timestamp >= 0
-                timestamp = message.timestamp if stamped else now_ms
-                engine.ingest(InputMessage(tp.topic, tp.partition, message.offset, timestamp, message.key, message.value), now_ms)
-                if stamped:  # an unstamped message proves nothing about time in the log
-                    clock.read(roles[tp.topic], timestamp, now_ms)
+                self._check_stamp(tp.topic, message.timestamp_type)
+                timestamp = max(message.timestamp or 0, 0)  # the replay reads an unstamped record the same way
+                item = InputMessage(tp.topic, tp.partition, message.offset, timestamp, message.key, message.value)
+                clock.read(roles[tp.topic], timestamp, item)
             self.metrics.messages.labels(tp.topic).inc(len(messages))
             self.totals.messages += len(messages)
             self._touched.add(tp.partition)
@@ -486,11 +505,25 @@ class EtlService:
             self.metrics.policy_version.set(latest)
         self._refresh_ends(clients)
         for shard, engine in self.engines.items():
-            engine.advance(self._clocks[shard].now_ms, latest)
+            clock = self._clocks[shard]
+            for _role, message in clock.release():
+                engine.ingest(message, latest_policy=latest)
+                self._touched.add(shard)
+            engine.advance(clock.now_ms, latest)
             self.metrics.pending.labels(str(shard)).set(engine.pending_count())
             self.metrics.open_groups.labels(str(shard)).set(len(engine.groups))
         self._commit()
         self._report_status()
+
+    def _check_stamp(self, topic: str, timestamp_type: int) -> None:
+        """A producer-stamped record (the topic's config changed after the start-up check, or was unreadable) voids
+        the promise that a replay decides the same: say so once per topic, and go on as before."""
+        if timestamp_type != LOG_APPEND_TIME and topic not in self._create_time_seen:
+            self._create_time_seen.add(topic)
+            log.warning(
+                "%s holds producer-stamped (CreateTime) records: deadlines then depend on producers' clocks and delays, and "
+                "a replay may decide differently; set message.timestamp.type=LogAppendTime on it", topic,
+            )
 
     def _report_status(self) -> None:
         interval = self.config.metrics.status_interval_s
@@ -563,7 +596,7 @@ class EtlService:
         )
         self.engines[shard] = engine
         self._committed_marks[shard] = dict(offsets)
-        self._clocks[shard] = LogClock(self.inputs)
+        self._clocks[shard] = LogClock(self.inputs, skew_ms=BROKER_CLOCK_LAG_MS)
         self._caught_up.discard(shard)
         log.info("ETL %s loaded shard %d from offsets %s (%d pending to rebuild)", self.member_id, shard, offsets, engine.pending_count())
 
@@ -671,10 +704,18 @@ class EtlService:
         for name, value in output.observations:
             m.observe(name, value)
 
+    def _proof_wanted_ms(self) -> int | None:
+        """The earliest wall time, later than the last ask, at which end offsets could release a held message."""
+        wanted = [w for clock in self._clocks.values() if (w := clock.proof_wanted_ms()) is not None and w > self._asked_at_ms]
+        return min(wanted, default=None)
+
     def _refresh_ends(self, clients: _Clients) -> None:
-        """Ask the broker for the owned input partitions' end offsets (every `ENDS_REFRESH_S`): the only way wall
-        time enters the shards' clocks, each up to the moment of asking, if the shard has read up to them."""
-        if time.monotonic() - self._ends_at < ENDS_REFRESH_S or not self.engines:
+        """Ask the broker for the owned input partitions' end offsets (every `ENDS_REFRESH_S`, and as soon as that can
+        release a held message): the only way wall time enters the shards' clocks, each up to the moment of asking,
+        if the shard has read up to them."""
+        wanted = self._proof_wanted_ms()
+        due = time.monotonic() - self._ends_at >= ENDS_REFRESH_S or (wanted is not None and time.time() * 1000 >= wanted)
+        if not due or not self.engines:
             return
         assignment = clients.consumer.assignment()
         tps = {
@@ -683,14 +724,17 @@ class EtlService:
         }
         asked_at_ms = int(time.time() * 1000)
         try:
-            self._ends = clients.consumer.end_offsets(list(tps), timeout_ms=ENDS_TIMEOUT_MS)
+            # asked on the state reader's own connection: on the consumer's, the request would queue behind its
+            # long-polling fetch (up to fetch.max.wait.ms), and every message waiting for this proof with it
+            self._ends = clients.state_reader.end_offsets(list(tps), timeout_ms=ENDS_TIMEOUT_MS)
         except KafkaTimeoutError:
             return
         self._ends_at = time.monotonic()
+        self._asked_at_ms = asked_at_ms
         behind: set[int] = set()
         for tp, end in self._ends.items():
             shard, role = tps[tp]
-            position = self.engines[shard].positions.get(role) or 0
+            position = clients.consumer.position(tp)  # past control records too, which no message shows
             if not self._clocks[shard].end_offset(role, position=position, end=end, asked_at_ms=asked_at_ms):
                 behind.add(shard)
         proven = Counter(tps[tp][0] for tp in self._ends)

@@ -1,57 +1,105 @@
-"""The clock the ETL's reward and group deadlines run on: time in the log, not the wall clock while not reading.
+"""The order and the clock the ETL's decisions run on: time in the log, as the broker stamped it.
 
-A deadline decides that something did not arrive in time. That is only true when everything stamped
-before the deadline has been read; while a rebalance, an unreachable broker or a slow fetch leaves
-data in the partition unread, the wall clock keeps running but the decision must wait. So each input
-partition of a shard has a *frontier*, a time before which nothing unread can be stamped, and it moves
-on only by evidence from the log:
+The input topics stamp records with `message.timestamp.type=LogAppendTime`: a timestamp is the broker's
+clock when the record was appended, so within a partition timestamps follow offsets and never decrease.
+A shard reads two partitions (rollouts p, rewards p); `LogClock` merges what it read into one *log order*,
+by (timestamp, partition role, offset), rollouts first on a tie, and releases a message only once nothing
+that comes before it in that order can still be unread. `now_ms`, the lowest timestamp anything not yet
+released can carry, is the log time every record before it has been released up to: a deadline at or
+before it may be decided. The replay puts the whole retained log through the same merge, so the engine is
+fed the same messages in the same order on both sides and decides the same (see `ShardEngine.advance`).
 
-- reading a message moves it to the message's timestamp (no later than the wall clock at the read, so a
-  producer whose clock runs ahead cannot fire deadlines early);
-- end offsets asked for at wall time t, with the read position at or past them, move it to t: all that
-  was appended before t has been read. An answer proves nothing about later times, so a stale end
-  offset (from before a poll, or cached across a rebalance) can never carry the frontier to "now".
+What a partition may still hold unread is bounded below only by evidence:
 
-The shard's clock is its lowest frontier and never goes back. Pure logic: no Kafka client code.
+- a message read from it: later records are stamped no earlier;
+- end offsets asked for at wall time t, with the read position at or past them: what comes later is
+  appended after t, so stamped no earlier than t - `skew_ms`, how far the broker's clock may lag this
+  host's. This is the one assumption, and the only way wall time enters: a partition with data left
+  unread (a rebalance, a broker outage, a slow or loaded consumer) holds the clock however long that lasts.
+
+A partition without evidence yet holds the merge and the clock. Pure logic: no Kafka client code.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+Item = TypeVar("Item")
+
+END_OF_TIME_MS = 2**62  # end offsets "asked at the end of time": a retained log that is all there will be (the replay)
 
 
-class LogClock:
-    """One shard's decision clock over its input partitions (named by role, e.g. rollouts and rewards)."""
+@dataclass
+class _Partition(Generic[Item]):
+    rank: int  # its place on a timestamp tie
+    bound: int | None = None  # no record not yet read is stamped earlier; None: no evidence yet
+    queue: deque[tuple[int, Item]] = field(default_factory=deque)  # read, not yet released: (timestamp, item)
 
-    def __init__(self, partitions: Iterable[str]):
-        self._frontiers: dict[str, int | None] = {p: None for p in partitions}
-        if not self._frontiers:
+    def raise_bound(self, at_ms: int) -> None:
+        self.bound = at_ms if self.bound is None else max(self.bound, at_ms)
+
+
+class LogClock(Generic[Item]):
+    """One shard's input partitions (named by role, in tie order: rollouts, rewards) merged into log order."""
+
+    def __init__(self, partitions: Iterable[str], *, skew_ms: int = 0):
+        self._partitions = {name: _Partition[Item](rank) for rank, name in enumerate(partitions)}
+        if not self._partitions:
             raise ValueError("a LogClock needs at least one input partition")
+        self._skew_ms = skew_ms
         self._now = 0
 
-    def read(self, partition: str, timestamp_ms: int, wall_ms: int) -> None:
-        """A message stamped `timestamp_ms` was read from `partition` at wall time `wall_ms`."""
-        self._advance(partition, min(timestamp_ms, wall_ms))
+    def read(self, partition: str, timestamp_ms: int, item: Item) -> None:
+        """A record of `partition`, stamped `timestamp_ms`, was read (in offset order); `item` waits for its turn."""
+        p = self._partition(partition)
+        p.queue.append((timestamp_ms, item))
+        p.raise_bound(timestamp_ms)
 
     def end_offset(self, partition: str, *, position: int, end: int, asked_at_ms: int) -> bool:
         """The broker said `partition` ends at `end`, asked at wall time `asked_at_ms`, and the reader is at
-        `position`: if it has read up to that end, nothing unread was appended before `asked_at_ms`.
-        Returns whether the partition was caught up."""
+        `position`: if that is at or past the end, nothing still unread can be stamped before
+        `asked_at_ms - skew_ms`. Returns whether the partition was read to its end."""
+        p = self._partition(partition)
         if position < end:
             return False
-        self._advance(partition, asked_at_ms)
+        p.raise_bound(asked_at_ms - self._skew_ms)
         return True
 
-    def _advance(self, partition: str, at_ms: int) -> None:
-        if partition not in self._frontiers:
-            raise KeyError(f"{partition!r} is not an input partition of this clock ({', '.join(self._frontiers)})")
-        current = self._frontiers[partition]
-        self._frontiers[partition] = at_ms if current is None else max(current, at_ms)
+    def release(self) -> Iterator[tuple[str, Item]]:
+        """The read messages, in log order, that nothing unread can come before."""
+        while True:
+            heads = [(p.queue[0][0], p.rank, name) for name, p in self._partitions.items() if p.queue]
+            if not heads:
+                return
+            timestamp, rank, name = min(heads)
+            for other in self._partitions.values():
+                if not other.queue and (other.bound is None or (other.bound, other.rank) < (timestamp, rank)):
+                    return  # `other` may still hold, unread, a record that comes first
+            yield name, self._partitions[name].queue.popleft()[1]
+
+    def proof_wanted_ms(self) -> int | None:
+        """The wall time from which end offsets asked for could release the first message held back, or None when
+        none is held: the service asks then rather than on its next round."""
+        heads = [p.queue[0][0] for p in self._partitions.values() if p.queue]
+        return min(heads) + self._skew_ms + 1 if heads else None
+
+    def held(self) -> int:
+        """Messages read but not released yet."""
+        return sum(len(p.queue) for p in self._partitions.values())
 
     @property
     def now_ms(self) -> int:
-        """The lowest frontier (0 until every partition has one); never decreases."""
-        frontiers = self._frontiers.values()
-        if all(f is not None for f in frontiers):
-            self._now = max(self._now, min(f for f in frontiers if f is not None))
+        """The lowest timestamp a message not yet released can carry (0 until every partition has evidence); never
+        decreases."""
+        floors = [p.queue[0][0] if p.queue else p.bound for p in self._partitions.values()]
+        if all(f is not None for f in floors):
+            self._now = max(self._now, min(f for f in floors if f is not None))
         return self._now
+
+    def _partition(self, name: str) -> _Partition[Item]:
+        if name not in self._partitions:
+            raise KeyError(f"{name!r} is not an input partition of this clock ({', '.join(self._partitions)})")
+        return self._partitions[name]

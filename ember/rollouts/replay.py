@@ -1,9 +1,10 @@
 """`ember rollouts replay`: rebuild batches from the retained input log with different settings.
 
-The same `ShardEngine` as the live ETL runs over a range of the rollouts and rewards topics, driven by
-the log's own clock (message timestamps), with the policy version that was current at each
-timestamp, so timeouts and staleness behave as they did live. Groups still open at the end of the
-range are decided as if their deadlines had passed. Output goes to a topic or a directory
+The same `ShardEngine` as the live ETL runs over a range of the rollouts and rewards topics, fed
+through the same `LogClock` merge (log order: broker append time, then rollouts before rewards), with
+the policy version that was current at each timestamp: with the live ETL's settings, every deadline
+decision is the one the live ETL made. At the end of the range time runs on past every deadline, as
+it does live when nothing more is appended. Output goes to a topic or a directory
 (`batches.arrow` with TRAIN_BATCH_SCHEMA rows, `outcomes.jsonl`, `summary.json`); the live ETL's
 state, offsets and outputs are never touched. Batches to a topic are by reference, like the live
 ETL's (the references are the input's own offsets and sha256, so they are the same bytes); batches to
@@ -27,6 +28,7 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from ember.rollouts.batching import resolve_from_log
 from ember.rollouts.config import EtlConfig
 from ember.rollouts.engine import REWARDS, ROLLOUTS, InputMessage, ShardEngine, ShardOutput, input_topics
+from ember.rollouts.log_clock import END_OF_TIME_MS, LogClock
 from ember.rollouts.records import PolicyVersion
 from ember.rollouts.transport import consumer_config, producer_config
 from ember.schemas import TRAIN_BATCH_SCHEMA, TrainBatch, encode
@@ -184,15 +186,18 @@ def replay(config: EtlConfig, start: ReplayStart, *, to_topic: str | None = None
             ends = consumer.end_offsets(list(tps.values()))
             starts = _start_offsets(consumer, start, tps)
             messages = _read_range(consumer, starts, ends)
-            role_of = {topics.rollouts: 0, topics.rewards: 1}
-            messages.sort(key=lambda m: (m.timestamp, role_of[m.topic], m.offset))
-            engine = ShardEngine(config, shard, topics)
-            now = 0
+            clock: LogClock[InputMessage] = LogClock(tps)
+            role_of = {tp.topic: role for role, tp in tps.items()}
             for message in messages:
-                now = max(now, message.timestamp)
-                engine.ingest(InputMessage(message.topic, shard, message.offset, message.timestamp, message.key, message.value), now)
-                engine.advance(now, policy.at(now))
-            engine.flush_all(now, policy.at(now))
+                timestamp = max(message.timestamp or 0, 0)  # as the live ETL reads an unstamped record
+                item = InputMessage(message.topic, shard, message.offset, timestamp, message.key, message.value)
+                clock.read(role_of[message.topic], timestamp, item)
+            for role, tp in tps.items():  # read to its end, which is all there will be
+                clock.end_offset(role, position=ends[tp], end=ends[tp], asked_at_ms=END_OF_TIME_MS)
+            engine = ShardEngine(config, shard, topics)
+            for _role, item in clock.release():
+                engine.ingest(item, latest_policy=policy.at(item.timestamp_ms))
+            engine.finish(policy.at(engine.now_ms))
             output, _snapshot, _marks = engine.checkpoint("replay")
             summary.messages += len(messages)
             values = {(m.topic, m.partition, m.offset): m.value for m in messages} if to_dir is not None else {}

@@ -20,6 +20,7 @@ class TopicSpec:
     compression: str = "zstd"
     min_insync_replicas: int = 1
     replication_factor: int = 1
+    timestamp_type: str = "CreateTime"
 
     def configs(self) -> dict[str, str]:
         return {
@@ -27,7 +28,23 @@ class TopicSpec:
             "compression.type": self.compression,
             "min.insync.replicas": str(self.min_insync_replicas),
             "max.message.bytes": str(MAX_MESSAGE_BYTES),
+            "message.timestamp.type": self.timestamp_type,
         }
+
+
+def timestamp_problem(topic: str, configs: dict[str, str], bootstrap: str = "BROKER") -> str | None:
+    """Why the input topic `topic` cannot carry the ETL's deadlines, or None: with CreateTime a record carries its
+    producer's clock, and a record stamped before a deadline can be appended after the ETL decided it, so a replay
+    of the log would decide otherwise. One line, with the fix."""
+    found = configs.get("message.timestamp.type", "CreateTime")
+    if found == "LogAppendTime":
+        return None
+    return (
+        f"{topic} uses message.timestamp.type={found}: the ETL's deadlines need the broker's append time, so that a "
+        f"replay of the log decides what the live ETL did; fix: kafka-configs.sh --bootstrap-server {bootstrap} --alter "
+        f"--entity-type topics --entity-name {topic} --add-config message.timestamp.type=LogAppendTime "
+        "(topics made by `ember rollouts topics create` have it)"
+    )
 
 
 def reference_retention_problem(rollouts: dict[str, str], train_batches: dict[str, str]) -> str | None:
@@ -95,12 +112,13 @@ class Topics:
         `etl-state` has one partition per rollouts partition (the ETL's crash-recovery snapshots) and
         `outcomes` is the ETL's ledger: one record per batch, per dropped rollout or reward, per dead letter.
         Batches reference their rollouts, so the rollouts topic is kept at least as long as train-batches
-        (`reference_retention_problem`).
+        (`reference_retention_problem`). Rollouts and rewards are stamped by the broker (LogAppendTime), the clock
+        the ETL's deadlines run on (`timestamp_problem`).
         """
         month = 30 * 24 * 3600 * 1000
         return {
-            "rollouts": TopicSpec(self.rollouts, partitions),
-            "rewards": TopicSpec(self.rewards, partitions),
+            "rollouts": TopicSpec(self.rollouts, partitions, timestamp_type="LogAppendTime"),
+            "rewards": TopicSpec(self.rewards, partitions, timestamp_type="LogAppendTime"),
             "policy_versions": TopicSpec(self.policy_versions, 1, retention_ms=-1),
             "train_batches": TopicSpec(self.train_batches, 1),
             "dead_letter": TopicSpec(self.dead_letter, 1, retention_ms=month),

@@ -25,6 +25,7 @@ from ember.rollouts.config import EtlConfig, kafka_bootstrap, parse_config
 from ember.rollouts.etl import prepare_topics
 from ember.rollouts.reader import RolloutBatchReader
 from ember.rollouts.records import Outcome
+from ember.rollouts.replay import parse_start, replay
 from ember.rollouts.security import ENVIRONMENT, PASSWORD_ENV, PASSWORD_FILE_ENV, KafkaSecurity, role_securities
 from ember.rollouts.simulate import SIMULATED_VOCAB, Event, PublishStats, WorkloadSpec, plan_workload, publish_workload
 from ember.rollouts.topics import Topics
@@ -323,6 +324,18 @@ def check_books(topics: Topics, work: Workload, reward_timeout_s: float, deploym
     return found
 
 
+def check_replay(config: EtlConfig, topics: Topics, out: Path, deployment: Deployment | None = None) -> None:
+    """`ember rollouts replay` of the same log with the live settings writes the live ledger, record for record
+    (batches, drops, reasons and the log time of each decision), whatever crashes and rebalances the live run had."""
+    replay(config, parse_start("earliest"), to_dir=out)
+    replayed = sorted((out / "outcomes.jsonl").read_text().splitlines())
+    live = sorted(Outcome.decode(r.value).encode().decode() for r in read_topic(topics.outcomes, deployment=deployment))
+    only_live, only_replayed = sorted(set(live) - set(replayed)), sorted(set(replayed) - set(live))
+    assert live == replayed, (
+        f"{len(live)} live ledger records, {len(replayed)} replayed; only live: {only_live[:3]}; only replayed: {only_replayed[:3]}"
+    )
+
+
 def trainer_batch_ids(topics: Topics, deployment: Deployment, prefix: str) -> list[str]:
     """Every batch id the trainer principal reads from train-batches with its own group, as `midtrain rl` does."""
     with RolloutBatchReader(
@@ -356,7 +369,7 @@ def finish(procs: list[EtlProcess]) -> None:
 def kill_9_scenario(deployment: Deployment, tmp_path: Path, processes: list[EtlProcess]) -> Books:
     """ETL processes killed at crash points inside the transaction (before its offsets, before its
     commit), right after it, and at random moments while the stream flows; a survivor finishes."""
-    prefix, _config, topics = setup_etl(tmp_path, deployment)
+    prefix, config, topics = setup_etl(tmp_path, deployment)
     work = workload(prefix, groups=48, group_interval_s=0.25)
     thread, _ = publish_in_background(work, topics, deployment=deployment)
     rng = random.Random(7)
@@ -386,12 +399,13 @@ def kill_9_scenario(deployment: Deployment, tmp_path: Path, processes: list[EtlP
     found = check_books(topics, work, REWARD_TIMEOUT_S, deployment)
     assert found.batch_ids
     assert sorted(trainer_batch_ids(topics, deployment, prefix)) == sorted(found.batch_ids)
+    check_replay(config, topics, tmp_path / "replayed", deployment)
     return found
 
 
 def takeover_scenario(deployment: Deployment, tmp_path: Path, processes: list[EtlProcess]) -> Books:
     """Two ETL processes share the shards; one is killed with -9 and the other takes over all of them."""
-    prefix, _config, topics = setup_etl(tmp_path, deployment)
+    prefix, config, topics = setup_etl(tmp_path, deployment)
     work = workload(prefix, groups=30, group_interval_s=0.25)
     first = EtlProcess(tmp_path / "etl.yaml", "a", tmp_path)
     second = EtlProcess(tmp_path / "etl.yaml", "b", tmp_path)
@@ -405,4 +419,5 @@ def takeover_scenario(deployment: Deployment, tmp_path: Path, processes: list[Et
     finish([second])
     found = check_books(topics, work, REWARD_TIMEOUT_S, deployment)
     assert "owns shards [0, 1, 2, 3]" in second.output(), "the survivor never took over every partition"
+    check_replay(config, topics, tmp_path / "replayed", deployment)
     return found

@@ -94,12 +94,11 @@ class Committed:
 
 
 def run(cfg: EtlConfig, messages: list[InputMessage], *, end_ms: int | None = None, policy: int | None = None) -> Committed:
-    """Feed messages with event time, advance after each, then advance to `end_ms` and commit."""
+    """Feed messages in log order, then advance to `end_ms` and commit."""
     engine = ShardEngine(cfg, 0, TOPICS)
     done = Committed()
     for message in messages:
-        engine.ingest(message, message.timestamp_ms)
-        engine.advance(message.timestamp_ms, policy)
+        engine.ingest(message, latest_policy=policy)
     if end_ms is not None:
         engine.advance(end_ms, policy)
     done.commit(engine, messages)

@@ -7,7 +7,7 @@ fill up unread and the others' poll() returns nothing while they wait to rejoin;
 the hung member's shards over, rebuilds them from committed state and reads a backlog of 10-15 s.
 A clock that let wall time run while not reading drops those rollouts as unrewarded and
 their rewards as orphans (checked: with `engine.advance(wall time)` this test fails). None of this may
-change a decision: the data was in Kafka all along.
+change a decision: the data was in Kafka all along, and a replay of the log writes the same ledger.
 
 About 60-80 s (over the ~20 s budget: three processes start and join, and the group must wait out a 15 s
 session timeout inside the reward window, then the survivors finish).
@@ -29,6 +29,7 @@ from tests.rollouts.etl_support import (
     EtlProcess,
     Workload,
     check_books,
+    check_replay,
     finish,
     publish_in_background,
     setup_etl,
@@ -63,7 +64,7 @@ def wait_for_line(proc: EtlProcess, needle: str, timeout_s: float) -> None:
 
 
 def test_a_rebalance_inside_the_reward_window_declares_no_in_time_reward_late(kafka, tmp_path, processes):
-    prefix, _config, topics = setup_etl(
+    prefix, config, topics = setup_etl(
         tmp_path, Deployment.plaintext(), partitions=4,
         kafka={"session_timeout_ms": 15_000},
         rewards={"timeout_s": REWARD_TIMEOUT_S, "orphan_timeout_s": REWARD_TIMEOUT_S + 4},
@@ -99,3 +100,4 @@ def test_a_rebalance_inside_the_reward_window_declares_no_in_time_reward_late(ka
     unrewarded = [o for o in found.dropped if o.reason == Reason.UNREWARDED.value]
     assert not late, f"{len(late)} in-time rewards declared late across the rebalance, e.g. {late[:3]}"
     assert not unrewarded, f"{len(unrewarded)} rewarded rollouts dropped as unrewarded, e.g. {unrewarded[:3]}"
+    check_replay(config, topics, tmp_path / "replayed")

@@ -153,8 +153,7 @@ def test_extreme_finite_rewards_give_finite_advantages(estimator):
         log.add(reward(r, s), 0)
     engine = ShardEngine(config(advantages={"estimator": estimator}, rewards={"clip": 10.0}), 0, TOPICS)
     for m in log.messages:
-        engine.ingest(m, 0)
-    engine.advance(0, None)
+        engine.ingest(m)
     output, _snapshot, _marks = engine.checkpoint()
     (emitted,) = output.batches
     advantages = emitted.batch.sequence_advantages  # the ETL writes batches by reference: one advantage per rollout
@@ -235,8 +234,7 @@ def hostile_log() -> Log:
 def test_metric_labels_are_reasons_never_message_content():
     done_engine = ShardEngine(config(dead_letter={"max_message_bytes": 8192}), 0, TOPICS)
     for m in hostile_log().messages:
-        done_engine.ingest(m, 0)
-        done_engine.advance(0, None)
+        done_engine.ingest(m)
     output, _snapshot, _marks = done_engine.checkpoint()
     assert len(output.dead_letters) == 7
     service = EtlService(config(), metrics=EtlMetrics())
@@ -347,8 +345,7 @@ def _account(messages: list[InputMessage], done: Durable) -> None:
 
 
 def _feed(engine: ShardEngine, m: InputMessage, latest_policy: int | None) -> None:
-    engine.ingest(m, m.timestamp_ms)
-    engine.advance(m.timestamp_ms, latest_policy)
+    engine.ingest(m, latest_policy=latest_policy)
 
 
 FUZZ_CONFIG = config(groups={"quorum": 2}, advantages={"drop_zero_variance": False}, rewards={"clip": 100.0})
@@ -366,11 +363,10 @@ def test_no_exception_escapes_and_every_message_ends_in_exactly_one_place(steps,
     the next one takes over from the last commit and re-reads; the durable result is the same as
     one instance's uninterrupted run, and every message is accounted for once."""
     log = messages([p for p, _ in steps], [d for _, d in steps], write=write_raw)
-    end = (log[-1].timestamp_ms if log else 0) + 10**7
     alone, expected = ShardEngine(FUZZ_CONFIG, 0, TOPICS), Durable()
     for m in log:
         _feed(alone, m, latest_policy)
-    alone.flush_all(end, latest_policy)
+    alone.finish(latest_policy)
     assert alone.pending_count() == 0
     expected.commit(alone)
     _account(log, expected)
@@ -385,7 +381,7 @@ def test_no_exception_escapes_and_every_message_ends_in_exactly_one_place(steps,
             engine = done.take_over(FUZZ_CONFIG)
             for again in done.uncommitted(log, position + 1):
                 _feed(engine, again, latest_policy)
-    engine.flush_all(end, latest_policy)
+    engine.finish(latest_policy)
     done.commit(engine)
     _account(log, done)
     assert done.ledger() == expected.ledger()

@@ -1,75 +1,114 @@
-"""`LogClock`, the rule the ETL's deadlines run on (pure logic, no Kafka): the wall clock never advances a
-decision while data sits unread, only time in the log and end offsets the reader has reached do."""
+"""`LogClock`, the order and the clock the ETL's decisions run on (pure logic, no Kafka): messages are released in
+log order (broker timestamp, then rollouts before rewards) only once nothing unread can come before them, and the
+wall clock moves nothing while data sits unread."""
 
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from ember.rollouts.log_clock import LogClock
+from ember.rollouts.log_clock import END_OF_TIME_MS, LogClock
 
 T0 = 1_700_000_000_000  # a wall-clock instant in ms; the tests move it by hand
+ROLES = ["rollouts", "rewards"]
 
 
-def clock_after_reading(rollout_ms: int, reward_ms: int) -> LogClock:
-    clock = LogClock(["rollouts", "rewards"])
-    clock.read("rollouts", rollout_ms, wall_ms=rollout_ms)
-    clock.read("rewards", reward_ms, wall_ms=reward_ms)
-    return clock
+def released(clock: LogClock) -> list:
+    return [item for _role, item in clock.release()]
 
 
 def test_wall_time_does_not_advance_the_clock_while_data_is_unread():
-    """A rebalance: poll() returns nothing for 30 s while the partitions hold unread data."""
-    clock = clock_after_reading(T0, T0)
-    for wall in range(T0, T0 + 30_000, 250):  # every end-offset refresh during the rebalance shows unread data
+    """A rebalance or a loaded host: for 30 s every end-offset refresh shows data not yet read."""
+    clock = LogClock(ROLES)
+    clock.read("rollouts", T0, "r0")
+    clock.read("rewards", T0, "w0")
+    for wall in range(T0, T0 + 30_000, 250):
         assert not clock.end_offset("rewards", position=10, end=12, asked_at_ms=wall)
         assert not clock.end_offset("rollouts", position=10, end=11, asked_at_ms=wall)
+    assert released(clock) == ["r0"]  # the reward stamped T0 waits: a rollout stamped T0 may still be unread
     assert clock.now_ms == T0  # an 8 s reward deadline from T0 has not passed, whatever the wall clock says
 
 
-def test_reading_moves_the_clock_by_message_timestamps_and_the_lowest_partition_holds_it():
-    clock = clock_after_reading(T0, T0)
-    clock.read("rollouts", T0 + 5_000, wall_ms=T0 + 40_000)
-    assert clock.now_ms == T0  # rewards are read only up to T0: a reward stamped T0 + 4 s may still be unread
-    clock.read("rewards", T0 + 4_000, wall_ms=T0 + 40_000)
-    assert clock.now_ms == T0 + 4_000
+def test_messages_come_out_in_log_order_whatever_order_they_were_read_in():
+    clock = LogClock(ROLES)
+    for ts, name in [(T0 + 10, "w10"), (T0 + 30, "w30"), (T0 + 40, "w40")]:
+        clock.read("rewards", ts, name)
+    assert released(clock) == []  # nothing is known about the rollouts partition yet
+    clock.read("rollouts", T0 + 20, "r20")
+    clock.read("rollouts", T0 + 30, "r30")
+    # w30 waits: a rollout stamped T0 + 30 may still be unread, and on a tie the rollout comes first
+    assert released(clock) == ["w10", "r20", "r30"]
+    assert clock.now_ms == T0 + 30
+    assert clock.end_offset("rollouts", position=2, end=2, asked_at_ms=T0 + 1_000)
+    assert released(clock) == ["w30", "w40"] and clock.held() == 0
 
 
-def test_end_offsets_prove_time_only_up_to_when_they_were_asked_for():
-    """Caught up with end offsets asked at t means nothing unread was appended before t, nothing about later."""
-    clock = clock_after_reading(T0, T0)
-    assert clock.end_offset("rollouts", position=7, end=7, asked_at_ms=T0 + 1_000)
-    assert clock.end_offset("rewards", position=9, end=9, asked_at_ms=T0 + 1_200)
-    assert clock.now_ms == T0 + 1_000
-    # the same (now stale) end offsets, checked again 20 s of wall time later, prove nothing new:
-    # the clock only takes the time the answer was asked for
-    clock.end_offset("rollouts", position=7, end=7, asked_at_ms=T0 + 1_000)
-    assert clock.now_ms == T0 + 1_000
+def test_end_offsets_prove_time_only_up_to_when_they_were_asked_for_less_the_skew():
+    clock = LogClock(ROLES, skew_ms=200)
+    clock.read("rewards", T0 + 500, "w")
+    assert clock.end_offset("rollouts", position=7, end=7, asked_at_ms=T0 + 600)
+    assert released(clock) == []  # a rollout appended right after may be stamped T0 + 400 by a broker 200 ms behind
+    assert clock.now_ms == T0 + 400
+    assert clock.proof_wanted_ms() == T0 + 701  # the earliest ask that can release it: the service asks then
+    clock.end_offset("rollouts", position=7, end=7, asked_at_ms=T0 + 600)  # the same answer again proves nothing new
+    assert clock.now_ms == T0 + 400
+    assert clock.end_offset("rollouts", position=7, end=7, asked_at_ms=T0 + 701)
+    assert released(clock) == ["w"] and clock.proof_wanted_ms() is None
 
 
-def test_a_partition_never_read_or_proven_holds_the_clock_at_zero():
-    clock = LogClock(["rollouts", "rewards"])
-    clock.read("rollouts", T0, wall_ms=T0)
-    assert clock.now_ms == 0  # nothing is known about the rewards partition yet: no deadline may fire
+def test_a_partition_never_read_or_proven_holds_the_clock_at_zero_and_the_clock_never_goes_back():
+    clock = LogClock(ROLES)
+    clock.read("rollouts", T0, "r")
+    assert clock.now_ms == 0
     assert clock.end_offset("rewards", position=0, end=0, asked_at_ms=T0 + 500)
-    assert clock.now_ms == T0
-
-
-def test_a_producer_clock_ahead_of_the_wall_clock_cannot_fire_deadlines_early():
-    clock = clock_after_reading(T0, T0)
-    clock.read("rollouts", T0 + 3_600_000, wall_ms=T0 + 10)
-    clock.read("rewards", T0 + 3_600_000, wall_ms=T0 + 10)
-    assert clock.now_ms == T0 + 10
-
-
-def test_the_clock_never_goes_back():
-    clock = clock_after_reading(T0 + 5_000, T0 + 5_000)
-    assert clock.now_ms == T0 + 5_000
-    clock.read("rollouts", T0, wall_ms=T0 + 6_000)  # an older stamp read later (another producer's slower send)
-    assert clock.now_ms == T0 + 5_000
+    assert released(clock) == ["r"] and clock.now_ms == T0  # the rollouts partition is known only up to T0
+    assert clock.end_offset("rollouts", position=1, end=1, asked_at_ms=T0 + 800)
+    assert clock.now_ms == T0 + 500
+    assert clock.end_offset("rollouts", position=1, end=1, asked_at_ms=T0 + 100)  # an older proof
+    assert clock.now_ms == T0 + 500
 
 
 def test_unknown_partitions_are_refused():
     with pytest.raises(ValueError, match="at least one"):
         LogClock([])
     with pytest.raises(KeyError, match="'policy' is not an input partition"):
-        LogClock(["rollouts"]).read("policy", T0, wall_ms=T0)
+        LogClock(["rollouts"]).read("policy", T0, "p")
+
+
+appends = st.lists(st.integers(0, 50), max_size=12).map(lambda gaps: [T0 + sum(gaps[: i + 1]) for i in range(len(gaps))])
+
+
+@settings(max_examples=300, deadline=None)
+@given(appends, appends, st.lists(st.tuples(st.sampled_from(["read", "ends", "wait"]), st.integers(0, 1), st.integers(1, 40)), max_size=80))
+def test_any_interleaving_of_reads_and_proofs_releases_exactly_the_log_order(rollout_times, reward_times, steps):
+    """Two partitions appended at broker times (LogAppendTime: non-decreasing); a consumer that reads them in any
+    interleaving and asks for end offsets at any moment releases every message in log order, never one before a
+    message it could not have read yet, and the clock never passes a message not yet released."""
+    logs = [rollout_times, reward_times]
+    log_order = sorted((ts, rank, offset) for rank, times in enumerate(logs) for offset, ts in enumerate(times))
+    clock: LogClock[tuple[int, int, int]] = LogClock(ROLES)
+    wall, positions, out = T0, [0, 0], []
+
+    def check() -> None:
+        out.extend(released(clock))
+        assert out == log_order[: len(out)]
+        assert all(clock.now_ms <= ts for ts, _, _ in log_order[len(out):])
+
+    for action, rank, amount in steps:
+        appended = sum(1 for ts in logs[rank] if ts <= wall)
+        if action == "wait":
+            wall += amount
+        elif action == "read" and positions[rank] < appended:
+            offset = positions[rank]
+            clock.read(ROLES[rank], logs[rank][offset], (logs[rank][offset], rank, offset))
+            positions[rank] += 1
+        elif action == "ends":
+            clock.end_offset(ROLES[rank], position=positions[rank], end=appended, asked_at_ms=wall)
+        check()
+    for rank, times in enumerate(logs):  # the rest of the log, then the end of time (as the replay does)
+        for offset in range(positions[rank], len(times)):
+            clock.read(ROLES[rank], times[offset], (times[offset], rank, offset))
+        clock.end_offset(ROLES[rank], position=len(times), end=len(times), asked_at_ms=END_OF_TIME_MS)
+    check()
+    assert out == log_order
