@@ -426,6 +426,28 @@ class ShardEngine:
             times.append(self._flush_at_ms())
         return min(times, default=None)
 
+    def waiting_on(self) -> tuple[int, str] | None:
+        """The next decision only the passing of time can bring, as (log ms, what it is and which setting sets it),
+        or None: what an ETL with all its input read is waiting for. Each open group is decided by time at its
+        group timeout, or once full, when its last unrewarded member's reward timeout is up; a group of rewards
+        alone (their rollouts never came) at the orphan timeout."""
+        times = []
+        if self.ready:
+            times.append((self._flush_at_ms(), "a partly filled batch (batches.max_wait_s)"))
+        size = self.config.groups.size
+        for group_id, group in self.groups.items():
+            if not group.members:
+                at_ms = (group.first_reward_ms or 0) + math.ceil(self.config.rewards.orphan_timeout_s * 1000)
+                times.append((at_ms, f"rewards of group {group_id} whose rollouts never came (rewards.orphan_timeout_s)"))
+                continue
+            deadline = (group.first_rollout_ms or 0) + math.ceil(self.config.groups.timeout_s * 1000)
+            waiting = [self._reward_deadline(m) for m in group.members.values() if not self._rewarded(m)]
+            if len(group.members) < size or not waiting or max(waiting) >= deadline:
+                times.append((deadline, f"group {group_id}, {len(group.members)} of its {size} rollouts in (groups.timeout_s)"))
+            else:
+                times.append((max(waiting), f"the rewards of group {group_id} (rewards.timeout_s)"))
+        return min(times, default=None)
+
     def _flush_at_ms(self) -> int:
         """When the oldest packed-but-waiting group's `batches.max_wait_s` is up."""
         return self.ready[0].finished_at_ms + math.ceil(self.config.batches.max_wait_s * 1000)

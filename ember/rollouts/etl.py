@@ -242,17 +242,18 @@ def _rate(count: int, seconds: float) -> str:
     return f"{rate:.1f}" if rate < 10 else f"{rate:.0f}"
 
 
-def status_line(totals: RunTotals, previous: RunTotals, seconds: float, lag: int, groups: int) -> str:
+def status_line(totals: RunTotals, previous: RunTotals, seconds: float, unread: int, held: int, groups: int) -> str:
     """One line of about 80 columns (after the CLI's 20-column log prefix, within 100): rates since the last line,
-    input lag, the groups pending in memory, and drops by reason since the start."""
+    input not read yet (`unread`: behind on reading), input read but not committed (`held`: waiting in open
+    groups, for a decision), the groups pending in memory, and drops by reason since the start."""
     per_s = max(seconds, 1e-9)
     dropped = sum(totals.dropped.values())
-    head = (
-        f"rollouts {_rate(totals.rollouts - previous.rollouts, per_s)}/s "
-        f"batches {_rate(totals.batches - previous.batches, per_s)}/s "
-        f"lag {lag} pending {groups} groups dropped {dropped}"
-    )
+    rates = f"rollouts {_rate(totals.rollouts - previous.rollouts, per_s)}/s batches {_rate(totals.batches - previous.batches, per_s)}/s"
     tail = f" dead {totals.dead_letters}" if totals.dead_letters else ""
+    holders = f" in {groups} groups" if groups else ""
+    head = f"{rates} unread {unread} held {held}{holders} dropped {dropped}"
+    if len(head) + len(tail) > 80:  # large counts: the groups in short, so the line still fits
+        head = f"{rates} unread {unread} held {held}/{groups}g dropped {dropped}"
     room = 80 - len(head) - len(tail) - 3
     reasons = _top(totals.dropped, room)
     return head + (f" ({reasons})" if reasons else "") + tail
@@ -321,7 +322,10 @@ class EtlService:
         self._status_from = RunTotals()
         self._status_at = time.monotonic()
         self._recoveries = 0
-        self._lag = 0  # input messages not yet committed, over the owned partitions (from the last end offsets)
+        self._unread = 0  # input messages not read yet, over the owned partitions (from the last end offsets)
+        self._held = 0  # input messages read but not committed: held by open groups until their decision
+        self._waiting_said_at = 0.0  # when --until-idle last said what it waits for
+        self._quiet_input_since: float | None = time.monotonic()  # when the last input arrived (or the service started)
 
     @property
     def member_id(self) -> str:
@@ -362,6 +366,8 @@ class EtlService:
                         self._step()
                         if until_idle_s is not None and self._idle_for(until_idle_s):
                             stop.set()
+                        elif until_idle_s is not None:
+                            self._say_what_idle_waits_for(until_idle_s)
                     self._commit(force=True)
                 except (AuthorizationError, SaslAuthenticationFailedError, BrokerNotReady):
                     raise  # refused stays refused, and a start-up wait is bounded: retrying would only hide either
@@ -441,6 +447,27 @@ class EtlService:
         self.engines = {}
         self._clocks = {}
 
+    def _say_what_idle_waits_for(self, seconds: float, every_s: float = 30.0) -> None:
+        """With --until-idle: once all input is read and nothing arrived for `seconds`, what keeps the run going is
+        a decision only time brings (a group timeout, an orphan reward's wait): say which, and when, every `every_s`."""
+        now = time.monotonic()
+        if self._unread or now - self._waiting_said_at < every_s or not self.engines or not self._caught_up >= set(self.engines):
+            return
+        if self._quiet_input_since is None or now - self._quiet_input_since < seconds:
+            return
+        waits = []
+        for engine in self.engines.values():
+            found = engine.waiting_on()
+            if found is not None:
+                waits.append((found[0] - engine.now_ms, found[1]))
+        if not waits:
+            return
+        left_ms, what = min(waits)
+        groups = sum(len(e.groups) for e in self.engines.values())
+        log.info("ETL %s: all input read; --until-idle waits for %d open group(s) that only time decides: next, %s, in %.0f s",
+                 self.instance, groups, what, max(0, left_ms) / 1000)
+        self._waiting_said_at = now
+
     def _idle_for(self, seconds: float) -> bool:
         """Settled (see `_settled`) for `seconds` without interruption."""
         if not self._settled():
@@ -500,6 +527,7 @@ class EtlService:
             self._touched.add(tp.partition)
             self._caught_up.discard(tp.partition)
             self._quiet_since = None
+            self._quiet_input_since = time.monotonic()
         latest = clients.policy.latest
         if latest is not None:
             self.metrics.policy_version.set(latest)
@@ -531,7 +559,7 @@ class EtlService:
         if not interval or now - self._status_at < interval:
             return
         groups = sum(len(e.groups) for e in self.engines.values())
-        line = status_line(self.totals, self._status_from, now - self._status_at, self._lag, groups)
+        line = status_line(self.totals, self._status_from, now - self._status_at, self._unread, self._held, groups)
         log.info("ETL %s %s", self.instance, line)
         self._status_from = replace(self.totals, dropped=Counter(self.totals.dropped), rewards_dropped=Counter(self.totals.rewards_dropped))
         self._status_at = now
@@ -739,9 +767,11 @@ class EtlService:
                 behind.add(shard)
         proven = Counter(tps[tp][0] for tp in self._ends)
         self._caught_up = {s for s in self.engines if proven[s] == len(self.inputs) and s not in behind}
-        self._lag = 0
+        self._unread = self._held = 0
         for tp, end in self._ends.items():
             shard, role = tps[tp]
             committed = self._committed_marks.get(shard, {}).get(role, 0)
-            self._lag += max(0, end - committed)
+            position = max(committed, self.engines[shard].positions.get(role) or 0)
+            self._unread += max(0, end - position)
+            self._held += max(0, position - committed)
             self.metrics.lag.labels(tp.topic, str(tp.partition)).set(max(0, end - committed))

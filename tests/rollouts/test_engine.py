@@ -388,3 +388,26 @@ def test_decisions_do_not_depend_on_how_often_time_is_advanced(seed, data):
     replayed, live = fed(False), fed(True)
     assert [o.encode() for o in live.outcomes] == [o.encode() for o in replayed.outcomes]
     assert [encode(b) for b in live.batches] == [encode(b) for b in replayed.batches]
+
+
+def test_waiting_on_names_the_next_decision_only_time_brings_and_the_setting_behind_it():
+    """What `--until-idle` reports while it waits: the orphan reward's wait, a short group's timeout."""
+    from tests.rollouts.helpers import Log, config, reward, rollout
+
+    engine = ShardEngine(config(), 0, TOPICS)
+    assert engine.waiting_on() is None
+    log = Log()
+    orphan = rollout("g-orphan", 0)  # its rollout never arrives (say it was dead-lettered): only the reward does
+    engine.ingest(log.add(reward(orphan, 1.0), 1_000))
+    at_ms, what = engine.waiting_on()
+    assert at_ms == 1_000 + 20_000 and "rewards of group g-orphan whose rollouts never came (rewards.orphan_timeout_s)" == what
+    engine.ingest(log.add(rollout("g-short", 0), 2_000))
+    assert engine.waiting_on() == (2_000 + 10_000, "group g-short, 1 of its 4 rollouts in (groups.timeout_s)")
+    full = [rollout("g-full", i) for i in range(4)]
+    for i, r in enumerate(full):
+        engine.ingest(log.add(r, 3_000 + i))
+    for r in full[:3]:
+        engine.ingest(log.add(reward(r, 1.0), 3_100))
+    assert engine.waiting_on() == (3_003 + 5_000, "the rewards of group g-full (rewards.timeout_s)")
+    engine.advance(30_000, None)
+    assert engine.waiting_on() is None, "everything decided by log time 30 s"

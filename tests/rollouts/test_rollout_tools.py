@@ -26,6 +26,7 @@ from ember.rollouts.topics import Topics
 from tests.rollouts.etl_support import (
     REPO,
     EtlProcess,
+    books,
     check_books,
     etl_settings,
     publish_in_background,
@@ -96,7 +97,7 @@ def etl_run(kafka, tmp_path_factory):
 
 # ---- the ETL's status lines and exit summary ---------------------------------------------------
 
-STATUS = re.compile(r"ETL 0 rollouts [\d.]+/s batches [\d.]+/s lag \d+ pending \d+ groups dropped (\d+)")
+STATUS = re.compile(r"ETL 0 rollouts [\d.]+/s batches [\d.]+/s unread \d+ held \d+(?: in \d+ groups|/\d+g)? dropped (\d+)")
 
 
 def test_etl_logs_a_status_line_every_interval_and_a_summary_on_exit(etl_run):
@@ -304,3 +305,35 @@ def test_every_rollouts_command_names_its_prefix_one_way_and_only_topics_create_
         assert not _wait_gone(kafka, prefix), "topics delete removed them"
     finally:
         delete_topics(kafka, sorted(_prefix_topics(kafka, prefix)))
+
+
+def test_until_idle_says_what_only_time_will_decide_and_when(kafka, caplog):
+    """A reward whose rollout never comes (dead-lettered, or lost) waits for rewards.orphan_timeout_s: --until-idle
+    used to wait it out with nothing but a status line; it now names the wait and the time left."""
+    import logging
+
+    from ember.rollouts.admin import ensure_topics
+    from ember.rollouts.config import parse_config
+    from ember.rollouts.etl import EtlService
+    from ember.rollouts.transport import RecordWriter
+    from tests.rollouts.helpers import reward, rollout
+
+    prefix = f"test-idle-{uuid.uuid4().hex[:8]}"
+    topics = Topics(prefix)
+    config = parse_config(etl_settings(prefix, partitions=1, rewards={"orphan_timeout_s": 6}, metrics={"port": None}))
+    ensure_topics(kafka, list(topics.specs(1).values()))
+    try:
+        writer = RecordWriter(topics.rewards)
+        writer.write(reward(rollout("g-lost", 0), 1.0))
+        writer.producer.flush()
+        writer.producer.close()
+        started = time.monotonic()
+        with caplog.at_level(logging.INFO, logger="ember"):
+            EtlService(config, "idle").run(until_idle_s=1.0)
+        said = [r.getMessage() for r in caplog.records if "--until-idle waits" in r.getMessage()]
+        assert said, caplog.text[-2000:]
+        assert "next, rewards of group g-lost whose rollouts never came (rewards.orphan_timeout_s), in " in said[0]
+        assert time.monotonic() - started >= 5, "it still decides the orphan at its timeout, then exits"
+        assert [o.reason for o in books(topics).rewards_dropped] == ["orphan_reward"]
+    finally:
+        delete_topics(kafka, [s.name for s in topics.specs().values()])
