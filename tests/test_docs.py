@@ -126,19 +126,20 @@ def site(tmp_path_factory) -> Site:
     return Site(scratch_root(tmp_path_factory.mktemp("docs-root")))
 
 
-def pages(with_services: bool) -> list[str]:
-    return [p.name for p in sorted(QUICKSTARTS.glob("*.md")) if bool(parse_page(p).services) == with_services]
+def pages(on_slurm: bool) -> list[str]:
+    """The pages that submit Slurm jobs (they join conftest's slurm group), or the others."""
+    return [p.name for p in sorted(QUICKSTARTS.glob("*.md")) if ("slurm" in parse_page(p).services) == on_slurm]
 
 
 @pytest.mark.xdist_group("docs")
-@pytest.mark.parametrize("name", pages(with_services=False))
+@pytest.mark.parametrize("name", pages(on_slurm=False))
 def test_a_quickstart_runs_as_written(name, site, request):
     top = set(p.name for p in site.root.iterdir())
     assert not (problems := site.run(name, request)), "\n".join(problems)
     assert set(p.name for p in site.root.iterdir()) <= top | {OUTPUTS}, "a page wrote outside quickstart/"
 
 
-@pytest.mark.parametrize("name", pages(with_services=True))
+@pytest.mark.parametrize("name", pages(on_slurm=True))
 def test_a_quickstart_on_local_services_runs_as_written(name, site, request, slurm):
     """Pages on Slurm join conftest's slurm group (the `slurm` fixture) so their job is the node's only one."""
     assert not (problems := site.run(name, request)), "\n".join(problems)
