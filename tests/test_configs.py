@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import resource
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +21,7 @@ from ember.midtrain.cli import app as midtrain_app
 from ember.midtrain.config import MidtrainConfig, load_config as load_midtrain
 from ember.pipelines.corpus.config import CorpusConfig, load_config as load_corpus
 from ember.rollouts.config import EtlConfig
+from tests.peak_memory import run_with_peak_rss
 
 REPO = Path(__file__).resolve().parents[1]
 MIDTRAIN = yaml.safe_load((REPO / "ember/midtrain/examples/tiny_cpu.yaml").read_text())
@@ -449,17 +448,13 @@ def test_the_issue_alias_bomb_fails_at_once_in_bounded_memory(tmp_path):
                          1_500_000, 500_000)
     assert 3_400_000 < config.stat().st_size < configs.MAX_CONFIG_BYTES
 
-    def limits() -> None:
-        resource.setrlimit(resource.RLIMIT_CPU, (60, 60))
-        resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, 3 * 2**30))
-
     with open(tmp_path / "out.txt", "w+") as out:
-        child = subprocess.Popen([sys.executable, "-m", "ember.cli", "corpus", "build", str(config)], cwd=tmp_path,
-                                 stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "1000"}, preexec_fn=limits)
-        _, status, usage = os.wait4(child.pid, 0)  # this child's own peak RSS, not the suite's earlier children
-        child.returncode = os.waitstatus_to_exitcode(status)
+        child, peak = run_with_peak_rss(
+            [sys.executable, "-m", "ember.cli", "corpus", "build", str(config)], tmp_path, stdout=out, cwd=tmp_path,
+            env={**os.environ, "COLUMNS": "1000"}, limits={"RLIMIT_CPU": 60, "RLIMIT_AS": 3 * 2**30},
+        )
         out.seek(0)
         output = out.read()
     assert child.returncode == 2, output
     assert output.splitlines() == [f"{config}: bomb: {BOMB_LINE}"]
-    assert usage.ru_maxrss * 1024 < 1 * 2**30, usage.ru_maxrss  # Linux reports KiB; it needed over 4 GiB before
+    assert peak < 1 * 2**30, peak  # it needed over 4 GiB before

@@ -276,26 +276,22 @@ def simulate(
 
 
 def _require_topics(prefix: str, names: list[str], security, bootstrap: str | None = None) -> None:
-    """Exit 2 naming the missing topics and how to make them: only `topics create` makes topics (a typo'd prefix
-    would otherwise fork a deployment silently)."""
+    """Exit 2 when none of `names` is visible, naming them and how to make them: only `topics create` makes topics
+    (a typo'd prefix would otherwise fork a deployment silently). A principal sees only the topics its ACLs let it
+    describe, so when some are visible the broker is left to refuse what this principal may not do."""
     from ember.rollouts.admin import list_topics
     from ember.rollouts.config import kafka_bootstrap
+    from ember.rollouts.security import KafkaSecurity
 
     present = set(list_topics(bootstrap or kafka_bootstrap(), security))
-    missing = [name for name in names if name not in present]
-    if missing:
+    if not present.intersection(names):
+        who = (security or KafkaSecurity()).describe()
         console.print(
-            f"[red]{', '.join(missing)} {'does' if len(missing) == 1 else 'do'} not exist (is the prefix right?); create "
-            f"the prefix's topics with `ember rollouts topics create --prefix {escape(prefix)}`[/red]", soft_wrap=True,
+            f"[red]{', '.join(names)} {'does' if len(names) == 1 else 'do'} not exist, or {who} may not see "
+            f"{'it' if len(names) == 1 else 'them'} (is the prefix right?); create the prefix's topics with "
+            f"`ember rollouts topics create --prefix {escape(prefix)}`[/red]", soft_wrap=True,
         )
         raise typer.Exit(2)
-
-
-def _require_input_topics(settings) -> None:
-    """The topics `stats` and `replay` read, each named when missing (a typo'd prefix), before any read waits on one."""
-    kafka = settings.kafka
-    names = [kafka.topics.rollouts, kafka.topics.rewards, kafka.topics.policy_versions, kafka.topics.outcomes]
-    _require_topics(kafka.topic_prefix, names, kafka.security, kafka.bootstrap)
 
 
 def _consumer_shape(path: Path):
@@ -358,8 +354,6 @@ def etl(
     ),
 ) -> None:
     """Run one ETL process: validate, filter, join rewards, compute advantages, commit batches exactly once."""
-    import logging
-    import signal
     import threading
 
     settings = _etl_config(config)  # before Kafka's import: a config error comes at once
@@ -376,23 +370,46 @@ def etl(
     from ember.rollouts.metrics import EtlMetrics
     from ember.rollouts.transport import BrokerNotReady
 
-    # force: an import may already have configured the root logger (Beam warns at import time);
-    # a short prefix keeps the status lines within 100 columns
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", force=True)
-    logging.getLogger("kafka").setLevel(logging.ERROR)
     metrics = EtlMetrics()
     if settings.metrics.port is not None:
         bind = str(settings.metrics.bind)
         console.print(f"metrics on http://{bind}:{metrics.serve(settings.metrics.port, bind)}/metrics")
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    with _service_process(log_level, stop):
+        try:
+            with _refusals():
+                EtlService(settings, instance, metrics).run(stop, until_idle_s=until_idle)
+        except (TopologyError, BrokerNotReady) as exc:
+            console.print(f"[red]{exc}[/red]", soft_wrap=True)
+            raise typer.Exit(2) from None
+
+
+@contextmanager
+def _service_process(log_level: str, stop) -> Iterator[None]:
+    """The ETL's logging (a short prefix keeps status lines within 100 columns; the root logger alone, whatever an
+    import configured) and SIGTERM/SIGINT setting `stop`, for the run only: a command run in-process (a test, a
+    notebook) leaves no handler on a stream that is gone, and no signal handler behind."""
+    import logging
+    import signal
+    import sys
+
+    root, kafka_logger = logging.getLogger(), logging.getLogger("kafka")
+    saved = root.handlers[:], root.level, kafka_logger.level
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"))
+    root.handlers = [handler]
+    root.setLevel(log_level.upper())
+    kafka_logger.setLevel(logging.ERROR)
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        with _refusals():
-            EtlService(settings, instance, metrics).run(stop, until_idle_s=until_idle)
-    except (TopologyError, BrokerNotReady) as exc:
-        console.print(f"[red]{exc}[/red]", soft_wrap=True)
-        raise typer.Exit(2) from None
+        yield
+    finally:
+        for sig, action in previous.items():
+            signal.signal(sig, action)
+        handler.flush()
+        root.handlers = saved[0]
+        root.setLevel(saved[1])
+        kafka_logger.setLevel(saved[2])
 
 
 @rollouts_app.command("stats")
@@ -408,7 +425,6 @@ def stats(
 
     settings = _etl_config(config)
     with _refusals():
-        _require_input_topics(settings)
         if watch:
             try:
                 watch_stats(settings, console, window_s=window, interval_s=interval, count=count)
@@ -451,7 +467,6 @@ def replay(
         console.print(f"[red]{exc}[/red]", soft_wrap=True)
         raise typer.Exit(2) from None
     with _refusals():
-        _require_input_topics(settings)
         if to.startswith("topic:"):
             summary = run_replay(settings, begin, to_topic=to.removeprefix("topic:"))
         else:

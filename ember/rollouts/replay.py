@@ -30,7 +30,7 @@ from ember.rollouts.config import EtlConfig
 from ember.rollouts.engine import REWARDS, ROLLOUTS, InputMessage, ShardEngine, ShardOutput, input_topics
 from ember.rollouts.log_clock import END_OF_TIME_MS, LogClock
 from ember.rollouts.records import PolicyVersion
-from ember.rollouts.transport import consumer_config, producer_config
+from ember.rollouts.transport import consumer_config, producer_config, topic_partitions
 from ember.schemas import TRAIN_BATCH_SCHEMA, TrainBatch, encode
 
 
@@ -172,6 +172,7 @@ def replay(config: EtlConfig, start: ReplayStart, *, to_topic: str | None = None
     outcome_lines: list[str] = []
     sent = []
     try:
+        topic_partitions(consumer, topics.rollouts, kafka.security)  # a typo'd prefix: named now, not a read timeout later
         policy_tp = TopicPartition(topics.policy_versions, 0)
         policy_records = []
         for message in _read_range(consumer, {policy_tp: 0}, consumer.end_offsets([policy_tp])):

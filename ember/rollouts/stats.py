@@ -15,7 +15,7 @@ from kafka import KafkaConsumer, TopicPartition
 
 from ember.rollouts.config import EtlConfig
 from ember.rollouts.records import Outcome, PolicyVersion
-from ember.rollouts.transport import consumer_config
+from ember.rollouts.transport import TopicUnavailable, consumer_config
 
 
 @dataclass
@@ -87,6 +87,11 @@ def collect_stats(config: EtlConfig, window_s: float = 300.0) -> EtlStats:
         inputs = []
         for topic in (topics.rollouts, topics.rewards):
             inputs += [TopicPartition(topic, p) for p in sorted(group.partitions_for_topic(topic) or [])]
+        if not inputs:  # a typo'd prefix: named now, not a read timeout later (one visible topic lets the broker judge)
+            raise TopicUnavailable(
+                f"topics {topics.rollouts} and {topics.rewards} do not exist, or {kafka.security.describe()} may not read "
+                "them (is the topic prefix right? does this role read them: `ember rollouts acls`?)"
+            )
         ends = group.end_offsets(inputs) if inputs else {}
         for tp in inputs:
             stats.partitions.append(PartitionLag(tp.topic, tp.partition, ends[tp], group.committed(tp)))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import zstandard
 
 from ember.pipelines.corpus.report import read_stats
 
+from tests.peak_memory import run_with_peak_rss
 from tests.pipelines.corpus_support import rows
 
 EMBER = Path(sys.executable).with_name("ember")
@@ -45,12 +45,9 @@ def _write_bomb(out, name: str) -> None:
 
 def _build(config: Path) -> tuple[int, int, str]:
     """(exit code, peak RSS in bytes of the build and every process it waited for, output) of `ember corpus build`."""
-    child = subprocess.Popen([str(EMBER), "corpus", "build", str(config), "--runner=FnApiRunner"],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"})
-    output = child.stdout.read().decode()
-    _, status, usage = os.wait4(child.pid, 0)  # this child's getrusage(RUSAGE_CHILDREN) share, no other test's
-    child.returncode = os.waitstatus_to_exitcode(status)
-    return child.returncode, usage.ru_maxrss * 1024, output
+    done, peak = run_with_peak_rss([str(EMBER), "corpus", "build", str(config), "--runner=FnApiRunner"], config.parent,
+                                   env={**os.environ, "COLUMNS": "200"})
+    return done.returncode, peak, done.stdout.decode()
 
 
 def test_a_200_mb_line_is_a_line_too_long_reject_and_the_build_stays_small(tmp_path: Path) -> None:
