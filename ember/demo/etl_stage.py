@@ -22,7 +22,7 @@ from ember.rollouts.config import kafka_bootstrap, parse_config
 from ember.rollouts.etl import EtlService, prepare_topics
 from ember.rollouts.reader import RolloutBatchReader
 from ember.rollouts.records import Outcome
-from ember.rollouts.simulate import SIMULATED_VOCAB, WorkloadSpec, plan_workload, publish_workload
+from ember.rollouts.simulate import SIMULATED_VOCAB, PolicyShape, WorkloadSpec, plan_workload, publish_workload
 from ember.rollouts.transport import consumer_config, end_offsets
 
 
@@ -77,8 +77,7 @@ def run(console: Console, prefix: str, rollouts: int, group_size: int, tokens: i
         group_size=group_size,
         tokens=tokens,
         length_sigma=0.3,
-        max_tokens=2 * tokens,
-        layers=4,
+        shape=PolicyShape(layers=4, max_tokens=2 * tokens),
         regions={"us-east": 0.0, "eu-west": 0.2, "ap-south": 0.5},
         group_interval_s=0.02,
         episode_s=0.2,

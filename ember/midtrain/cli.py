@@ -308,6 +308,8 @@ def init(
 ) -> None:
     """Write a training config that fits shard sets: tokenizer, vocabulary, seq_len and blend weights come from their
     manifests; the rest from the template. The written config is loaded and checked against the sets before exit."""
+    import copy
+
     import yaml
 
     from ember.configs import MidtrainConfigError, read_yaml_mapping
@@ -334,7 +336,7 @@ def init(
         f"# model.tokenizer, vocab_size, seq_len and data.shard_sets come from the manifests; the rest from {template}.\n"
     )
     try:
-        check_runnable(parse_config(yaml.safe_load(yaml.safe_dump(config)), out.resolve().parent, str(out)), 1)
+        check_runnable(parse_config(copy.deepcopy(config), out.resolve().parent, str(out)), 1)  # parsing resolves paths in place
     except (MidtrainConfigError, DataError, LaunchError) as exc:
         _error(f"the template {template} does not fit these shard sets: {exc}")
         raise typer.Exit(2)

@@ -167,22 +167,13 @@ def inspect(
         _locate(locate, window)
 
 
-def _table(title: str, rows: list[tuple[str, str]]) -> Table:
-    table = Table(title=title, show_header=False)
-    table.add_column("", no_wrap=True)
-    table.add_column("", justify="right")
-    for label, value in rows:
-        table.add_row(label, value)
-    return table
-
-
 def _summarise(target: str) -> None:
     """`inspect DIR`: the shard set's manifest summary, or the build's summary and its shard set's, if it has one."""
     from ember.pipelines.jobs.logs import quiet_third_party
 
     with quiet_third_party():
         from ember import storage
-        from ember.pipelines.corpus.build import summary_table
+        from ember.pipelines.corpus.build import rows_table, summary_table
         from ember.pipelines.corpus.report import read_stats
         from ember.schemas import SchemaValidationError, read_manifest
         from ember.schemas.shards import MANIFEST_FILENAME
@@ -191,7 +182,7 @@ def _summarise(target: str) -> None:
 
         def shard_set(directory: str) -> None:
             manifest = read_manifest(local_shard_set(directory))
-            console.print(_table(f"shard set {directory}", summary_rows(manifest)))
+            console.print(rows_table(f"shard set {directory}", summary_rows(manifest)))
 
         try:
             storage.preflight(target)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
@@ -136,7 +136,7 @@ def fitted_shape(given: dict[str, int | None], config: PolicyShape | None, where
 
     shape = PolicyShape(**{key: pick(key) for key in PolicyShape.__dataclass_fields__})
     if shape.layers == 0:
-        shape = PolicyShape(shape.vocab_size, None, shape.top_k, shape.num_experts, shape.max_tokens)
+        shape = replace(shape, layers=None)
     problems = []
     keys = keys or {}
     if config is not None:
@@ -165,11 +165,7 @@ class WorkloadSpec:
     group_size: int = 8
     tokens: int = 2048
     length_sigma: float = 0.5
-    max_tokens: int | None = None
-    vocab_size: int = SIMULATED_VOCAB
-    layers: int | None = 61
-    top_k: int = 8
-    num_experts: int = 256
+    shape: PolicyShape = field(default_factory=PolicyShape)
     regions: dict[str, float] = field(default_factory=lambda: {"us-east": 0.0, "eu-west": 0.4, "ap-south": 1.5})
     group_interval_s: float = 0.05
     episode_s: float = 0.5
@@ -206,7 +202,7 @@ class Event:
 
 
 def _lengths(rng: np.random.Generator, spec: WorkloadSpec) -> np.ndarray:
-    cap = spec.max_tokens or 4 * spec.tokens
+    cap = spec.shape.max_tokens or 4 * spec.tokens
     raw = spec.tokens * rng.lognormal(0.0, spec.length_sigma, size=spec.group_size) if spec.length_sigma else np.full(spec.group_size, spec.tokens)
     return np.clip(raw.astype(np.int64), 16, cap)
 
@@ -254,10 +250,10 @@ def plan_workload(spec: WorkloadSpec) -> list[Event]:
                 prompt_id=f"prompt-{g}",
                 num_tokens=int(length),
                 prompt_tokens=max(1, int(length) // 4),
-                vocab_size=spec.vocab_size,
-                layers=spec.layers,
-                top_k=spec.top_k,
-                num_experts=spec.num_experts,
+                vocab_size=spec.shape.vocab_size,
+                layers=spec.shape.layers,
+                top_k=spec.shape.top_k,
+                num_experts=spec.shape.num_experts,
                 policy_version=max(0, version - lag),
                 rollout_id=f"{group_id}-{i}",
                 finish_reason="length" if truncated else "stop",

@@ -27,7 +27,7 @@ from ember.rollouts.reader import RolloutBatchReader
 from ember.rollouts.records import Outcome
 from ember.rollouts.replay import parse_start, replay
 from ember.rollouts.security import ENVIRONMENT, PASSWORD_ENV, PASSWORD_FILE_ENV, KafkaSecurity, role_securities
-from ember.rollouts.simulate import SIMULATED_VOCAB, Event, PublishStats, WorkloadSpec, plan_workload, publish_workload
+from ember.rollouts.simulate import SIMULATED_VOCAB, Event, PolicyShape, PublishStats, WorkloadSpec, plan_workload, publish_workload
 from ember.rollouts.topics import Topics
 from ember.rollouts.transport import consumer_config
 from ember.schemas import Reward, Rollout, decode_train_batch
@@ -150,6 +150,14 @@ class EtlProcess:
         return self.log.read_text()
 
 
+def wait_for_line(proc: EtlProcess, needle: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while needle not in proc.output():
+        assert proc.proc.poll() is None, proc.output()[-3000:]
+        assert time.monotonic() < deadline, f"{needle!r} not logged within {timeout_s}s:\n{proc.output()[-3000:]}"
+        time.sleep(0.2)
+
+
 def read_topic(topic: str, timeout_s: float = 60.0, deployment: Deployment | None = None) -> list:
     """Every committed record of a topic, up to its end at the time of the call (read as the admin)."""
     consumer = (deployment or Deployment.plaintext()).consumer(group_id=None)
@@ -212,9 +220,7 @@ def workload(prefix: str, **overrides) -> Workload:
             "group_size": 4,
             "tokens": 48,
             "length_sigma": 0.4,
-            "max_tokens": 128,
-            "layers": 2,
-            "top_k": 2,
+            "shape": PolicyShape(layers=2, top_k=2, max_tokens=128),
             "regions": {"us-east": 0.0, "eu-west": 0.3, "ap-south": 0.8},
             "group_interval_s": 0.3,
             "episode_s": 0.2,

@@ -34,19 +34,21 @@ from ember.rollouts.simulate import synthetic_rollout
 from ember.rollouts.topics import TopicSpec, Topics, timestamp_problem
 from ember.rollouts.transport import producer_config
 from ember.schemas import Reward, encode
-from tests.rollouts.etl_support import Deployment, EtlProcess, etl_settings, finish, ledger_counts, read_topic, setup_etl, write_config
+from tests.rollouts.etl_support import (
+    Deployment,
+    EtlProcess,
+    etl_settings,
+    finish,
+    ledger_counts,
+    read_topic,
+    setup_etl,
+    wait_for_line,
+    write_config,
+)
 
 GROUPS, SIZE = 36, 4
 REWARD_TIMEOUT_S = 3.0
 LINGER_MS = 2500
-
-
-def wait_for_line(proc: EtlProcess, needle: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while needle not in proc.output():
-        assert proc.proc.poll() is None, proc.output()[-3000:]
-        assert time.monotonic() < deadline, f"{needle!r} not logged within {timeout_s}s:\n{proc.output()[-3000:]}"
-        time.sleep(0.2)
 
 
 def publish(topics, bootstrap: str, seed: int = 5) -> dict[tuple[int, int], float]:

@@ -34,6 +34,7 @@ from tests.rollouts.etl_support import (
     publish_in_background,
     setup_etl,
     wait_for_books,
+    wait_for_line,
     workload,
 )
 
@@ -53,14 +54,6 @@ def rewards_exactly_after_their_rollouts(work: Workload, delay_s: float) -> Work
         for e in work.events
     ]
     return Workload(work.spec, sorted(events, key=lambda e: e.at_s))
-
-
-def wait_for_line(proc: EtlProcess, needle: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while needle not in proc.output():
-        assert proc.proc.poll() is None, proc.output()[-3000:]
-        assert time.monotonic() < deadline, f"{needle!r} not logged within {timeout_s}s:\n{proc.output()[-3000:]}"
-        time.sleep(0.2)
 
 
 def test_a_rebalance_inside_the_reward_window_declares_no_in_time_reward_late(kafka, tmp_path, processes):

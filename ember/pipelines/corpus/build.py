@@ -88,13 +88,18 @@ def prepare_options(beam_args: list[str]) -> tuple[list[str], PipelineOptions]:
     return args, options
 
 
-def summary_table(stats: dict[str, Any]) -> Table:
-    table = Table(title="corpus build summary", show_header=False)
+def rows_table(title: str, rows: list[tuple[str, str]]) -> Table:
+    """(label, value) rows as the two-column table every summary prints."""
+    table = Table(title=title, show_header=False)
     table.add_column("", no_wrap=True)
     table.add_column("", justify="right")
-    for label, value in summary_rows(stats):
+    for label, value in rows:
         table.add_row(label, value)
     return table
+
+
+def summary_table(stats: dict[str, Any]) -> Table:
+    return rows_table("corpus build summary", summary_rows(stats))
 
 
 def shards_config(config: CorpusConfig, output_dir: str | None = None) -> TokenizeConfig:

@@ -36,6 +36,7 @@ GIT = shutil.which("git")
 
 
 def _git(repo: Path, *args: str) -> None:
+    assert GIT is not None, "git is not on PATH: the source-tree tests make real checkouts (ember itself is cloned with git)"
     subprocess.run(["git", "-c", "user.name=ember", "-c", "user.email=ember@example.org", "-c", "init.defaultBranch=main",
                     *args], cwd=repo, check=True, capture_output=True)
 
@@ -61,14 +62,10 @@ def make_trees(tmp_path: Path) -> Path:
     os.symlink("../../outside.py", alpha / "escape.py")
     os.symlink("..", alpha / "src" / "up")
     os.symlink("src/area.py", alpha / "area_link.py")
-    if GIT:
-        _git(alpha, "init", "-q")
-        _git(alpha, "remote", "add", "origin", "https://someone:ghp_secret@github.com/acme/alpha.git")
-        _git(alpha, "add", "-A")
-        _git(alpha, "commit", "-q", "-m", "init")
-    else:
-        (alpha / ".git").mkdir()
-        (alpha / ".git" / "config").write_text('[core]\n\tbare = false\n[remote "origin"]\n\turl = https://someone:ghp_secret@github.com/acme/alpha.git\n')
+    _git(alpha, "init", "-q")
+    _git(alpha, "remote", "add", "origin", "https://someone:ghp_secret@github.com/acme/alpha.git")
+    _git(alpha, "add", "-A")
+    _git(alpha, "commit", "-q", "-m", "init")
     beta = tmp_path / "repos" / "beta"
     (beta / ".git").mkdir(parents=True)
     (beta / ".git" / "config").write_text(
@@ -137,8 +134,6 @@ def test_repository_name_comes_from_the_remote_without_credentials(tmp_path: Pat
 
 
 def test_a_worktree_reads_the_remote_of_its_main_repository(tmp_path: Path) -> None:
-    if GIT is None:
-        pytest.skip("git is not on PATH")
     main = tmp_path / "main"
     main.mkdir()
     (main / "a.py").write_text(CODE)
