@@ -13,7 +13,7 @@ of --repeats.
 
 --adversarial: CPU seconds of one `redact` on each input of tests/pipelines/redaction_adversarial.py at
 64 KB, 256 KB and 1 MB (median of --repeats; one over --cap wall seconds is stopped and shown as `>cap`),
-and the 1 MB / 64 KB ratio: ~16 is linear, ~256 quadratic.
+and the 1 MB / 64 KB ratio: ~16 is linear, ~256 quadratic; the same for datatrove's PIIFormatter, the anchor.
 
     .venv/bin/python bench/bench_redaction.py [--stdlib-files 150] [--repeats 5] [--also old_redaction.py]
     .venv/bin/python bench/bench_redaction.py --adversarial [--repeats 3] [--cap 20] [--also old_redaction.py]
@@ -147,6 +147,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.adversarial:
         adversarial("ember redaction", redact, args.repeats, args.cap)
+        anchor = datatrove_tool()[0]
+        adversarial("datatrove PIIFormatter (the anchor: emails and IPv4 only)", lambda text, _config: anchor(text),
+                    args.repeats, args.cap)
         if args.also:
             adversarial(f"ember redaction from {args.also}", module_redact(args.also), args.repeats, args.cap)
         return
