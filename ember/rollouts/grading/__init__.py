@@ -1,0 +1,1 @@
+"""Graders: sandboxed unit tests and an LLM judge that turn rollouts into rewards."""
