@@ -63,7 +63,7 @@ from ember.rollouts.admin import apply_acls, ensure_topics  # noqa: E402
 from ember.rollouts.config import kafka_bootstrap, parse_config  # noqa: E402
 from ember.rollouts.etl import prepare_topics  # noqa: E402
 from ember.rollouts.security import KafkaSecurity, role_securities  # noqa: E402
-from ember.rollouts.simulate import SIMULATED_VOCAB, synthetic_reward, synthetic_rollout  # noqa: E402
+from ember.rollouts.simulate import LARGE_VOCAB, synthetic_reward, synthetic_rollout  # noqa: E402
 from ember.rollouts.topics import Topics  # noqa: E402
 from ember.rollouts.transport import RewardWriter, RolloutWriter, consumer_config, topic_partitions  # noqa: E402
 
@@ -125,7 +125,7 @@ def etl_settings(prefix: str, broker: Broker) -> dict:
                   "session_timeout_ms": 6000, "heartbeat_interval_ms": 1000},
         "groups": {"size": GROUP_SIZE, "timeout_s": 600},
         "rewards": {"graders": ["unit-tests"], "timeout_s": 600},
-        "filters": {"max_policy_lag": None, "max_tokens": TOKENS, "truncated": "keep", "vocab_size": SIMULATED_VOCAB},
+        "filters": {"max_policy_lag": None, "max_tokens": TOKENS, "truncated": "keep", "vocab_size": LARGE_VOCAB},
         "batches": {"token_budget": GROUP_SIZE * TOKENS, "min_fill": 0.9, "max_wait_s": 1.0},
         "metrics": {"status_interval_s": 0},
     }

@@ -22,7 +22,7 @@ from ember.rollouts.config import kafka_bootstrap, parse_config
 from ember.rollouts.etl import EtlService, prepare_topics
 from ember.rollouts.reader import RolloutBatchReader
 from ember.rollouts.records import Outcome
-from ember.rollouts.simulate import SIMULATED_VOCAB, PolicyShape, WorkloadSpec, plan_workload, publish_workload
+from ember.rollouts.simulate import LARGE_VOCAB, PolicyShape, WorkloadSpec, plan_workload, publish_workload
 from ember.rollouts.transport import consumer_config, end_offsets
 
 
@@ -56,7 +56,7 @@ def run(console: Console, prefix: str, rollouts: int, group_size: int, tokens: i
             "kafka": {"bootstrap": kafka_bootstrap(), "topic_prefix": prefix, "partitions": 2, "group_id": f"{prefix}-etl"},
             "groups": {"size": group_size, "quorum": max(2, math.ceil(group_size / 2)), "timeout_s": 3},
             "rewards": {"graders": ["unit-tests"], "timeout_s": 1.5, "orphan_timeout_s": 3},
-            "filters": {"max_policy_lag": 3, "max_tokens": 2 * tokens, "vocab_size": SIMULATED_VOCAB},
+            "filters": {"max_policy_lag": 3, "max_tokens": 2 * tokens, "vocab_size": LARGE_VOCAB},
             "batches": {"token_budget": max(2 * tokens, group_size * tokens), "min_fill": 0.8, "max_wait_s": 0.5},
         }
     )
@@ -77,7 +77,7 @@ def run(console: Console, prefix: str, rollouts: int, group_size: int, tokens: i
         group_size=group_size,
         tokens=tokens,
         length_sigma=0.3,
-        shape=PolicyShape(layers=4, max_tokens=2 * tokens),
+        shape=PolicyShape(vocab_size=LARGE_VOCAB, layers=4, top_k=8, num_experts=256, max_tokens=2 * tokens),
         regions={"us-east": 0.0, "eu-west": 0.2, "ap-south": 0.5},
         group_interval_s=0.02,
         episode_s=0.2,

@@ -24,7 +24,7 @@ from ember.schemas.codec import encode
 from ember.schemas.rollouts import Reward, Rollout, Turn, routed_experts_dtype
 
 REGIONS = ("us-east", "eu-west", "ap-south")
-SIMULATED_VOCAB = 151_000  # token ids of simulated rollouts lie below this: an ETL config for them names it
+LARGE_VOCAB = 151_000  # a production-sized vocabulary (Qwen's is 151,936): realistic traffic for benchmarks and the demo
 
 
 def distinct_top_k(rng: np.random.Generator, shape: tuple[int, ...], top_k: int, num_experts: int) -> np.ndarray:
@@ -45,7 +45,7 @@ def synthetic_rollout(
     num_tokens: int = 8192,
     prompt_tokens: int = 512,
     turns: int = 4,
-    vocab_size: int = SIMULATED_VOCAB,
+    vocab_size: int = LARGE_VOCAB,
     layers: int | None = 61,
     top_k: int = 8,
     num_experts: int = 256,
@@ -106,13 +106,17 @@ def synthetic_reward(rng: np.random.Generator, rollout: Rollout, grader: str = "
 @dataclass(frozen=True)
 class PolicyShape:
     """What a policy accepts, and so what a simulator feeding it may emit: token ids below `vocab_size`, routed
-    experts [layers, top_k] of `num_experts`, rollouts of at most `max_tokens` (None: no limit)."""
+    experts [layers, top_k] of `num_experts`, rollouts of at most `max_tokens` (None: no limit).
 
-    vocab_size: int = SIMULATED_VOCAB
-    layers: int | None = 61
-    top_k: int = 8
-    num_experts: int = 256
-    max_tokens: int | None = None
+    The defaults are the tiny RL example's policy (ember/midtrain/examples/rl_tiny_cpu.yaml), so `rollouts
+    simulate` with no sizing option feeds that example and the ETL example as they are; a test keeps the three
+    in agreement."""
+
+    vocab_size: int = 512
+    layers: int | None = 2
+    top_k: int = 2
+    num_experts: int = 4
+    max_tokens: int | None = 64
 
 
 VOCAB_KEY, MAX_TOKENS_KEY = "vocab_size", "max_tokens"
@@ -163,7 +167,7 @@ class WorkloadSpec:
 
     groups: int = 8
     group_size: int = 8
-    tokens: int = 2048
+    tokens: int = 48
     length_sigma: float = 0.5
     shape: PolicyShape = field(default_factory=PolicyShape)
     regions: dict[str, float] = field(default_factory=lambda: {"us-east": 0.0, "eu-west": 0.4, "ap-south": 1.5})

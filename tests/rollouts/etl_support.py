@@ -27,7 +27,7 @@ from ember.rollouts.reader import RolloutBatchReader
 from ember.rollouts.records import Outcome
 from ember.rollouts.replay import parse_start, replay
 from ember.rollouts.security import ENVIRONMENT, PASSWORD_ENV, PASSWORD_FILE_ENV, KafkaSecurity, role_securities
-from ember.rollouts.simulate import SIMULATED_VOCAB, Event, PolicyShape, PublishStats, WorkloadSpec, plan_workload, publish_workload
+from ember.rollouts.simulate import LARGE_VOCAB, Event, PolicyShape, PublishStats, WorkloadSpec, plan_workload, publish_workload
 from ember.rollouts.topics import Topics
 from ember.rollouts.transport import consumer_config
 from ember.schemas import Reward, Rollout, decode_train_batch
@@ -99,7 +99,7 @@ def etl_settings(prefix: str, *, partitions: int = 4, **sections) -> dict:
         },
         "groups": {"size": 4, "quorum": 2, "timeout_s": 10},
         "rewards": {"graders": ["unit-tests"], "timeout_s": 6, "orphan_timeout_s": 8},
-        "filters": {"max_policy_lag": None, "max_tokens": 512, "truncated": "keep", "vocab_size": SIMULATED_VOCAB},
+        "filters": {"max_policy_lag": None, "max_tokens": 512, "truncated": "keep", "vocab_size": LARGE_VOCAB},
         "batches": {"token_budget": 512, "min_fill": 0.5, "max_wait_s": 0.3},
         "commit": {"interval_ms": 100},
     }
@@ -220,7 +220,7 @@ def workload(prefix: str, **overrides) -> Workload:
             "group_size": 4,
             "tokens": 48,
             "length_sigma": 0.4,
-            "shape": PolicyShape(layers=2, top_k=2, max_tokens=128),
+            "shape": PolicyShape(vocab_size=LARGE_VOCAB, layers=2, top_k=2, num_experts=256, max_tokens=128),
             "regions": {"us-east": 0.0, "eu-west": 0.3, "ap-south": 0.8},
             "group_interval_s": 0.3,
             "episode_s": 0.2,

@@ -10,12 +10,12 @@ from ember.rollouts.batching import resolve_from_log
 from ember.rollouts.config import EtlConfig, parse_config
 from ember.rollouts.engine import REWARDS, ROLLOUTS, InputMessage, ShardEngine, input_topics
 from ember.rollouts.records import Outcome
-from ember.rollouts.simulate import SIMULATED_VOCAB, synthetic_rollout
+from ember.rollouts.simulate import LARGE_VOCAB, synthetic_rollout
 from ember.rollouts.topics import Topics
 from ember.schemas import Reward, Rollout, encode
 
 TOPICS = Topics("t")
-VOCAB = SIMULATED_VOCAB
+VOCAB = LARGE_VOCAB
 
 
 def config(**sections) -> EtlConfig:

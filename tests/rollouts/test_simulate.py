@@ -86,6 +86,20 @@ def test_the_shape_comes_from_the_options_then_the_config_then_the_defaults():
     assert fitted_shape({"layers": 2, "top_k": 2, "num_experts": 4}, etl, "etl.yaml") == PolicyShape(151_936, 2, 2, 4, 65_536)
 
 
+def test_the_simulator_defaults_the_tiny_rl_example_and_the_etl_example_agree():
+    """With no sizing option, `simulate` emits what the tiny RL example trains on and the ETL example accepts."""
+    from dataclasses import asdict
+
+    from ember.rollouts.cli import _consumer_shape
+
+    (rl, _, _), _ = _consumer_shape(RL_TINY)
+    assert rl == PolicyShape(), "the simulator's defaults are the tiny RL example's policy"
+    (etl, where, keys), _ = _consumer_shape(ETL_EXAMPLE)
+    defaults = asdict(PolicyShape())
+    assert fitted_shape(defaults, etl, where, keys) == PolicyShape(), "the ETL example takes every default rollout"
+    assert fitted_shape(defaults, rl, str(RL_TINY)) == PolicyShape()
+
+
 @pytest.mark.parametrize("given, message", [
     ({"vocab_size": 151_936}, "token ids up to 151,935; model.vocab_size is 512 in rl.yaml"),
     ({"top_k": 4}, "route 2 layers x top-4 of 4 experts; rl.yaml has 2 x top-2 of 4"),
