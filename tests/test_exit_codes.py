@@ -26,10 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.midtrain.shardsets import packed_rows, write_shard_set
 
 BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[1]
 BENCHMARK_PROMPT = 'def add_numbers(first, second):\n    """Return the sum of the first and the second number given."""\n'
 
 
@@ -102,6 +104,10 @@ CASES = [
     Case("rollouts etl bad config", "ember rollouts etl {d}/bad.yaml --instance 0", 2, "{d}/bad.yaml", one_line=False),
     Case("midtrain train bad config", "midtrain train {d}/bad.yaml", 2, "{d}/bad.yaml", one_line=False),
     Case("midtrain launch bad mode", "midtrain launch {d}/bad.yaml --mode nope", 2, "--mode must be train or rl, got 'nope'"),
+    Case("midtrain train missing shard set", "midtrain train {d}/no_set.yaml", 2, "{d}/nowhere does not exist"),
+    Case("midtrain launch missing shard set", "midtrain launch {d}/no_set.yaml --dry-run", 2, "{d}/nowhere does not exist"),
+    Case("midtrain launch layout", "midtrain launch {d}/quickstart.yaml --dry-run --procs-per-node 3", 2,
+         "the requested layout cannot run this config"),
 ]
 KAFKA_CASES = [
     Case("rollouts tail missing topic", "ember rollouts tail exit-codes-%s.rollouts --limit 1" % uuid.uuid4().hex[:8], 2,
@@ -145,6 +151,12 @@ def _write_inputs(d: Path) -> None:
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     (d / "megatron").mkdir()
+    example = yaml.safe_load((REPO / "ember" / "midtrain" / "examples" / "tiny_cpu.yaml").read_text())
+    example.update(run_dir=str(d / "run"))
+    example["data"]["shard_sets"] = [{"path": str(d / "set")}]
+    (d / "quickstart.yaml").write_text(yaml.safe_dump(example))
+    example["data"]["shard_sets"] = [{"path": str(d / "nowhere")}]
+    (d / "no_set.yaml").write_text(yaml.safe_dump(example))
 
 
 @pytest.fixture(scope="module")

@@ -36,12 +36,21 @@ def _load(config: Path, rl: bool = False):
         raise typer.Exit(2)
 
 
+def _refused(exc: Exception) -> typer.Exit:
+    """One line, and the exit code of the error's kind: 1 when Slurm itself failed or is missing, 2 when the
+    config, an option, the data it names or a job id must change (as every ember command exits on usage errors)."""
+    from ember.midtrain.slurm import SlurmFailed
+
+    _error(exc)
+    return typer.Exit(1 if isinstance(exc, SlurmFailed) else 2)
+
+
 THREADS_HELP = "CPU threads per rank (torch and OMP_NUM_THREADS); default: parallel.threads"
 
 
 def _check_runnable(cfg, world: int) -> None:
     """Layout, shard sets or init checkpoint, before any process group or megatron import: one line and
-    exit 1, as `midtrain launch` reports them."""
+    exit 2, as `midtrain launch` and the rank entry points report them."""
     from ember.midtrain.data import DataError
     from ember.midtrain.launch import check_runnable
     from ember.midtrain.slurm import LaunchError
@@ -49,8 +58,7 @@ def _check_runnable(cfg, world: int) -> None:
     try:
         check_runnable(cfg, world)
     except (LaunchError, DataError) as exc:
-        _error(exc)
-        raise typer.Exit(1)
+        raise _refused(exc) from None
 
 
 @app.command()
@@ -162,9 +170,11 @@ def export_hf(
         else:
             raise export.ExportError(f"{checkpoint} does not record its architecture: pass --config with its run config")
         done = export.export_checkpoint(checkpoint, out, model, moe)
-    except (export.ExportError, MidtrainConfigError, OSError) as exc:
+    except (export.ExportError, MidtrainConfigError) as exc:
+        raise _refused(exc) from None
+    except OSError as exc:
         _error(exc)
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     console.print(f"exported {done.path} in {time.perf_counter() - started:.2f}s", highlight=False, markup=False)
     console.print(f"  uri:    {done.uri}", highlight=False, markup=False)
     console.print(f"  sha256: {done.sha256} (export.json, which pins every file)", highlight=False, markup=False)
@@ -225,8 +235,7 @@ def launch(
             return
         job = submit(cfg, script)
     except (LaunchError, DataError) as exc:
-        _error(exc)
-        raise typer.Exit(1)
+        raise _refused(exc) from None
     console.print(f"submitted job {job.job_id}", highlight=False, markup=False)
     console.print(f"  script:      {job.script}", highlight=False, markup=False)
     console.print(f"  slurm log:   {job.slurm_log}", highlight=False, markup=False)
@@ -247,8 +256,7 @@ def status(
     try:
         found = jobs(job_ids)
     except LaunchError as exc:
-        _error(exc)
-        raise typer.Exit(1)
+        raise _refused(exc) from None
     if not found:
         console.print("no midtrain jobs known to slurmctld (finished jobs are forgotten after MinJobAge)", highlight=False, markup=False)
     for i, fields in enumerate(found):
@@ -277,8 +285,7 @@ def logs(
     try:
         fields = job_fields(job_id)
     except LaunchError as exc:
-        _error(exc)
-        raise typer.Exit(1)
+        raise _refused(exc) from None
     if follow:
         try:
             state = LogFollower(fields, lambda text: typer.echo(text, nl=False)).follow()

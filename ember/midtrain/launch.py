@@ -23,7 +23,7 @@ from string import Template
 
 from ember.midtrain.config import MidtrainConfig, RLConfig
 from ember.midtrain.data import check_model_compatible, local_specs, open_manifests
-from ember.midtrain.slurm import LaunchError, partition_resources
+from ember.midtrain.slurm import LaunchError, SlurmFailed, partition_resources
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -206,7 +206,7 @@ def preflight(config: MidtrainConfig | RLConfig, request: LaunchRequest, *, need
     if not need_slurm:
         return
     if shutil.which("sbatch") is None:
-        raise LaunchError(
+        raise SlurmFailed(
             "sbatch is not on PATH: run on a Slurm login node, or start the local cluster with "
             "`ember dev up --only slurm` (or use --dry-run to only print the script)"
         )
@@ -242,7 +242,7 @@ def submit(config: MidtrainConfig, script_text: str) -> Submitted:
     script.write_text(script_text)
     result = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=60)
     if result.returncode != 0:
-        raise LaunchError(f"sbatch refused the job: {result.stderr.strip() or result.stdout.strip()}")
+        raise SlurmFailed(f"sbatch refused the job: {result.stderr.strip() or result.stdout.strip()}")
     job_id = result.stdout.strip().split(";")[0]
     return Submitted(
         job_id=job_id,

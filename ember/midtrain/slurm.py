@@ -24,7 +24,13 @@ FINAL_STATES = frozenset(
 
 
 class LaunchError(RuntimeError):
-    """Something the user must fix before the job can run or be inspected; the message says what."""
+    """Something the user must fix before the job can run or be inspected (the config, an option, a job id);
+    the message says what. The CLI exits 2, as for any usage or config error."""
+
+
+class SlurmFailed(LaunchError):
+    """Slurm itself is missing or failed (no sbatch on PATH, sinfo or sbatch erroring): nothing in the request is
+    wrong, so the CLI exits 1, as when any service a command needs is down."""
 
 
 def _scontrol_jobs(job_id: str | None = None) -> str:
@@ -32,7 +38,7 @@ def _scontrol_jobs(job_id: str | None = None) -> str:
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=30)
     except FileNotFoundError:
-        raise LaunchError("scontrol is not on PATH: run on a Slurm login node, or `ember dev up --only slurm`") from None
+        raise SlurmFailed("scontrol is not on PATH: run on a Slurm login node, or `ember dev up --only slurm`") from None
     if result.returncode != 0:
         raise LaunchError(
             f"job {job_id} is not known to slurmctld ({result.stderr.strip()}); finished jobs are forgotten "
@@ -82,12 +88,18 @@ def job_logs(fields: dict[str, str]) -> list[Path]:
     return [slurm_log, *restarts]
 
 
+_TERMINAL_CONTROL = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|[\x00-\x08\x0b-\x1f\x7f]")
+
+
 def last_line_with(path: Path, marker: str, tail_bytes: int = 1 << 16) -> str | None:
-    """The last line of `path` containing `marker`, read from the file's last `tail_bytes` only."""
+    """The last finished line of `path` containing `marker`, read from the file's last `tail_bytes` only, as a
+    terminal would show it: a line still being written is not one yet (printed, it would run into whatever is
+    printed next), and carriage returns and escape sequences are dropped."""
     with open(path, "rb") as f:
         f.seek(max(0, f.seek(0, 2) - tail_bytes))
-        lines = f.read().decode(errors="replace").splitlines()
-    return next((l for l in reversed(lines) if marker in l), None)
+        lines = f.read().decode(errors="replace").split("\n")[:-1]
+    shown = (_TERMINAL_CONTROL.sub("", l.rstrip("\r").rsplit("\r", 1)[-1]) for l in reversed(lines))
+    return next((l for l in shown if marker in l), None)
 
 
 def partition_resources(partition: str) -> tuple[int, int, int]:
@@ -96,7 +108,7 @@ def partition_resources(partition: str) -> tuple[int, int, int]:
         ["sinfo", "-h", "-p", partition, "-o", "%D|%G|%c"], capture_output=True, text=True, timeout=30
     )
     if result.returncode != 0:
-        raise LaunchError(f"sinfo failed for partition {partition!r}: {result.stderr.strip()}")
+        raise SlurmFailed(f"sinfo failed for partition {partition!r}: {result.stderr.strip()}")
     lines = [l for l in result.stdout.splitlines() if l.strip()]
     if not lines:
         raise LaunchError(f"partition {partition!r} does not exist (sinfo lists none); see `sinfo -s`")
@@ -130,6 +142,7 @@ class LogFollower:
         self.state_every_s = state_every_s
         self._files: dict[Path, _Followed] = {}
         self._current: Path | None = None
+        self._mid_line = False
 
     def _read_new(self) -> None:
         for path in job_logs(self.fields):
@@ -145,7 +158,10 @@ class LogFollower:
             if path != self._current:
                 self.write(f"{'' if self._current is None else chr(10)}==> {path} <==\n")
                 self._current = path
-            self.write(followed.decoder.decode(data))
+            text = followed.decoder.decode(data)
+            if text:
+                self.write(text)
+                self._mid_line = not text.endswith("\n")
 
     def _refresh_state(self) -> bool:
         """Whether the job has ended; a job slurmctld no longer knows has ended too."""
@@ -163,6 +179,8 @@ class LogFollower:
             if time.monotonic() >= next_state:
                 if self._refresh_state():
                     self._read_new()
+                    if self._mid_line:  # the log's last line has no newline: end it, or the next output joins it
+                        self.write("\n")
                     return self.fields.get("JobState", "UNKNOWN")
                 next_state = time.monotonic() + self.state_every_s
             time.sleep(self.poll_s)

@@ -78,17 +78,17 @@ def test_missing_and_incomplete_shard_sets_are_refused(tmp_path):
     path = tiny_run(tmp_path, steps=4, save_interval=2)
     (tmp_path / "web" / "manifest.json").unlink()
     result = runner.invoke(app, ["launch", str(path), "--dry-run"])
-    assert result.exit_code == 1 and "not a finished shard set" in _out(result)
+    assert result.exit_code == 2 and "not a finished shard set" in _out(result)
     data = yaml.safe_load(path.read_text())
     data["data"]["shard_sets"] = [{"path": "nowhere"}]
     path.write_text(yaml.safe_dump(data))
     result = runner.invoke(app, ["launch", str(path), "--dry-run"])
-    assert result.exit_code == 1 and "shard set" in _out(result) and "nowhere does not exist" in _out(result)
+    assert result.exit_code == 2 and "shard set" in _out(result) and "nowhere does not exist" in _out(result)
 
 
 def test_layouts_that_cannot_split_the_batch_are_refused(config_path):
     result = runner.invoke(app, ["launch", str(config_path), "--dry-run", "--procs-per-node", "3"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert "global_batch_size 8 is not a multiple of micro_batch_size 2 x data-parallel size 3" in _out(result)
 
 
@@ -101,18 +101,18 @@ def test_no_sbatch_on_path(config_path, tmp_path, monkeypatch):
 @pytest.mark.integration
 def test_partition_limits_come_from_the_real_cluster(config_path, slurm):
     result = runner.invoke(app, ["launch", str(config_path), "--gpus-per-node", "1"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert "--gpus-per-node 1: partition 'debug' has 0 GPU(s) per node; use --gpus-per-node 0 for a CPU run" in _out(result)
     result = runner.invoke(app, ["launch", str(config_path), "--nodes", "2", "--procs-per-node", "2"])
-    assert result.exit_code == 1 and "--nodes 2: partition 'debug' has 1 node(s)" in _out(result)
+    assert result.exit_code == 2 and "--nodes 2: partition 'debug' has 1 node(s)" in _out(result)
     result = runner.invoke(app, ["launch", str(config_path), "--partition", "no-such-partition"])
-    assert result.exit_code == 1 and "partition 'no-such-partition' does not exist" in _out(result)
+    assert result.exit_code == 2 and "partition 'no-such-partition' does not exist" in _out(result)
 
 
 @pytest.mark.integration
 def test_status_of_an_unknown_job(slurm):
     result = runner.invoke(app, ["status", "999999"])
-    assert result.exit_code == 1 and "job 999999 is not known to slurmctld" in _out(result)
+    assert result.exit_code == 2 and "job 999999 is not known to slurmctld" in _out(result)
 
 
 def test_threads_set_cpus_per_task_omp_and_the_trainer_flag(config_path, tmp_path):
@@ -143,12 +143,12 @@ def test_train_reports_data_and_layout_errors_before_distributed_init(tmp_path):
     path.write_text(yaml.safe_dump(bad))
     for nproc in ("1", "2"):
         result = _midtrain("train", str(path), "--nproc-per-node", nproc)
-        assert result.returncode == 1, result.stdout + result.stderr
+        assert result.returncode == 2, result.stdout + result.stderr
         assert "vocab_size" in result.stderr and "999" in result.stderr
         assert "Traceback" not in result.stderr + result.stdout and "[rank" not in result.stderr
     path.write_text(yaml.safe_dump(good))
     result = _midtrain("train", str(path), "--nproc-per-node", "3")
-    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "global_batch_size 8 is not a multiple of micro_batch_size 2 x data-parallel size 3" in " ".join(result.stderr.split())
     assert not (tmp_path / "run").exists()
 
@@ -171,7 +171,7 @@ def test_rl_refuses_a_missing_init_checkpoint_before_megatron(tmp_path):
     path = tmp_path / "rl.yaml"
     path.write_text(yaml.safe_dump(data))
     result = _midtrain("rl", str(path))
-    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"init_checkpoint {tmp_path / 'no-such-step'} is not a checkpoint (does not exist)" in " ".join(result.stderr.split())
     result = runner.invoke(app, ["launch", str(path), "--mode", "rl", "--dry-run"])
-    assert result.exit_code == 1 and "is not a checkpoint" in _out(result)
+    assert result.exit_code == 2 and "is not a checkpoint" in _out(result)

@@ -315,6 +315,6 @@ def test_export_hf_command_writes_the_bytes_the_trainer_announced(run, tmp_path)
     }
     assert config_json["ember"] == {"tokenizer": "toy", "tokenizer_vocab_size": 16}
     again = CliRunner().invoke(app, ["export-hf", str(checkpoint), "--out", str(tmp_path / "hf")])
-    assert again.exit_code == 1 and "exists" in again.output
+    assert again.exit_code == 2 and "exists" in again.output
     missing = CliRunner().invoke(app, ["export-hf", str(tmp_path), "--out", str(tmp_path / "hf2")])
-    assert missing.exit_code == 1 and "not a megatron dist checkpoint" in missing.output
+    assert missing.exit_code == 2 and "not a megatron dist checkpoint" in missing.output

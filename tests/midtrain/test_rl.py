@@ -205,7 +205,7 @@ def test_example_config_loads_errors_name_the_key_and_launch_renders_rl(tmp_path
     config_path = tmp_path / "ep.yaml"
     config_path.write_text(yaml.safe_dump(data, sort_keys=False))
     result = CliRunner().invoke(app, ["launch", str(config_path), "--mode", "rl", "--dry-run", "--procs-per-node", "3"])
-    assert result.exit_code == 1 and "world size 3 is not a multiple of parallel.expert 2" in result.output
+    assert result.exit_code == 2 and "world size 3 is not a multiple of parallel.expert 2" in result.output
     data["parallel"] = {"tensor": 2}
     with pytest.raises(MidtrainConfigError, match="tensor and pipeline must be 1"):
         parse_rl_config(data, tmp_path)
