@@ -195,7 +195,8 @@ class GradeCache:
 
 class LLMJudge:
     """The Grader protocol over an OpenAI-compatible chat endpoint. `grade_batch` runs a batch's requests
-    concurrently on the judge's own event loop, so limiters and the HTTP client live across batches."""
+    concurrently on the judge's own event loop, so limiters and the HTTP client live across batches; one batch
+    at a time (the service's loop calls it), close() when done."""
 
     name = "llm_judge"
 
@@ -269,7 +270,8 @@ class LLMJudge:
             if isinstance(answer, BaseException):
                 if not isinstance(answer, (openai.OpenAIError, _Refused)):
                     raise answer
-                return Grade(Verdict.UNAVAILABLE, 0.0, detail=self._detail(f"prompt {task.prompt_id}: {type(answer).__name__}: {answer}"))
+                kind = "refused" if isinstance(answer, _Refused) else type(answer).__name__
+                return Grade(Verdict.UNAVAILABLE, 0.0, detail=self._detail(f"prompt {task.prompt_id}: {kind}: {answer}"))
         span = s.score_max - s.score_min
         if len(answers) == 1:
             (raw,) = answers
