@@ -145,16 +145,16 @@ def test_requests_per_minute_holds(judge_server: JudgeServer) -> None:
 
 
 def test_tokens_per_minute_holds(judge_server: JudgeServer) -> None:
-    """A minute's bucket holds 20 requests' tokens: those go at once, the 21st waits for one request's refill (3 s)."""
+    """A minute's bucket holds 10 requests' tokens: those go at once, the 11th waits for one request's refill (6 s)."""
     sent: list[float] = []
-    items = [(Task("p", "q"), f"c{i:02d}") for i in range(21)]  # every question the same length
+    items = [(Task("p", "q"), f"c{i:02d}") for i in range(11)]  # every question the same length
     per_request = -(-len(RUBRIC.format(prompt="q", completion="c00").encode()) // 3) + 1  # the judge's estimate
-    config = settings(judge_server, tokens_per_minute=20 * per_request, logit_bias=shaped(judge_server, "7"))
+    config = settings(judge_server, tokens_per_minute=10 * per_request, logit_bias=shaped(judge_server, "7"))
     with LLMJudge(config, http_client=request_times(sent)) as judge:
         grades = judge.grade_batch(items)
     assert all(g.verdict is Verdict.SCORED for g in grades)
-    assert sent[19] - sent[0] < 3.0 * 0.95  # the burst did not wait for a refill...
-    assert sent[20] - sent[0] >= 3.0 * 0.95  # ...the request past it did
+    assert sent[9] - sent[0] < 6.0 * 0.95  # the burst did not wait for a refill...
+    assert sent[10] - sent[0] >= 6.0 * 0.95  # ...the request past it did
 
 
 def test_a_slow_answer_times_out_and_is_unavailable(judge_server: JudgeServer) -> None:
@@ -171,8 +171,8 @@ def test_the_server_killed_mid_request_and_restarted_is_survived(judge_server: J
     """SIGKILL while a batch streams requests 4 at a time; the judge retries through the restart and every grade is
     the server's answer, none UNAVAILABLE."""
     config = settings(
-        judge_server, logit_bias=shaped(judge_server, "7"), retries=20, backoff_s=1.0, backoff_max_s=5.0
-    )  # ~90 s of retries, for a restart that takes ~30 s on a loaded machine
+        judge_server, logit_bias=shaped(judge_server, "7"), retries=20, backoff_s=1.0, backoff_max_s=10.0
+    )  # ~3 min of retries, for a restart that takes 20-50 s on a loaded machine
     items = [(Task(f"k{i}", "q"), f"c{i}") for i in range(40)]
     served = judge_server.chat_requests()
     grades: list = []
@@ -191,6 +191,15 @@ def test_the_server_killed_mid_request_and_restarted_is_survived(judge_server: J
     assert [g.verdict for g in grades] == [Verdict.SCORED] * len(items), grades
     # every item answered, before the kill or after (one answered just as the server died is asked again)
     assert judge_server.chat_requests() - served >= len(items)
+
+
+def test_a_refused_request_is_unavailable_at_once(judge_server: JudgeServer) -> None:
+    """A 4xx (here a 404 from a wrong base_url) would be refused again: no retry."""
+    wrong = settings(judge_server, base_url=judge_server.url.removesuffix("/v1") + "/nope", retries=3)
+    with LLMJudge(wrong) as judge:
+        (grade,) = judge.grade_batch([(Task("lost", "q"), "c")])
+    assert grade.verdict is Verdict.UNAVAILABLE and "refused: HTTP 404" in grade.detail, grade
+    assert judge_server.log_path.read_text(errors="replace").count('"POST /nope/chat/completions') == 1
 
 
 def test_a_dead_endpoint_is_unavailable_and_the_key_never_shows(
