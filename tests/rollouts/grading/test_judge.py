@@ -23,6 +23,8 @@ KEY = "sk-ember-judge-test-9f8e7d6c5b4a"
 KEY_ENV = "EMBER_TEST_JUDGE_KEY"
 RUBRIC = "Rate the answer from 0 to 10. Reply with the number only.\nQuestion: {prompt}\nAnswer: {completion}\nScore:"
 SWAP = "Which answer is better, 0 (second) to 10 (first)?\nQuestion: {prompt}\nFirst: {first}\nSecond: {second}\nScore:"
+pytestmark = pytest.mark.xdist_group("judge_server")  # one server (a minute of CPU to start) for all of these
+
 TASKS = [Task(f"p{i}", f"def add{i}(a, b):", reference="    return a + b") for i in range(6)]
 
 
