@@ -20,20 +20,24 @@ def _fail(message: str, code: int) -> typer.Exit:
 
 def sample(config_path: Path = typer.Argument(..., metavar="CONFIG", help="Sampler YAML (example: ember/inference/sample.example.yaml).")) -> None:
     """Generate G completions per task with the announced policy in transformers and publish them as Rollouts."""
+    from ember.configs import ConfigError
+    from ember.inference.config import load_config
+
+    try:
+        config = load_config(config_path)  # before torch, transformers and Kafka are imported: a typo answers at once
+    except ConfigError as exc:
+        raise _fail(str(exc), 2) from None
     from kafka.errors import KafkaError
 
-    from ember.configs import ConfigError
     from ember.inference import worker
-    from ember.inference.config import load_config
     from ember.inference.generate import Sampling
     from ember.inference.tasks import read_tasks
     from ember.rollouts.transport import BrokerNotReady, RolloutWriter
     from ember.tokenize.tokenizers import TokenizerLoadError, load_tokenizer
 
     try:
-        config = load_config(config_path)
         tokenizer = load_tokenizer(config.tokenizer)
-    except (ConfigError, TokenizerLoadError) as exc:
+    except TokenizerLoadError as exc:
         raise _fail(str(exc), 2) from None
     try:
         task_set = read_tasks(config.tasks)

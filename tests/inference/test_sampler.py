@@ -213,3 +213,18 @@ def test_a_swap_within_a_batch_gives_each_rollout_the_span_of_versions_that_samp
                 logits = policy.model(input_ids=ids).logits[0]
             logp = sampling_logprobs(logits, sampling, 512)[:-1].gather(1, ids[0, 1:, None])[:, 0].numpy()[p - 1 :]
             np.testing.assert_allclose(completion.logprobs[p:][steps], logp[steps], atol=1e-4)
+
+
+def test_the_example_config_loads_and_bad_keys_are_named(tmp_path):
+    from ember.inference.config import SamplerConfigError
+
+    example = Path(__file__).resolve().parents[2] / "ember" / "inference" / "sample.example.yaml"
+    config = load_config(example)
+    assert config.tasks == example.parent / "../../runs/benchmarks/humaneval.jsonl" and config.generation.group_size == 8
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(example.read_text().replace("batch_size: 32", "batch_size: 30"))
+    with pytest.raises(SamplerConfigError, match=r"batch_size \(30\) must be a multiple of group_size \(8\)"):
+        load_config(bad)
+    bad.write_text(example.read_text().replace("top_p: 1.0", "top_p: 1.5"))
+    result = CliRunner().invoke(app, ["rollouts", "sample", str(bad)])
+    assert result.exit_code == 2 and "generation.top_p" in result.output
