@@ -25,6 +25,7 @@ from ember.inference import worker
 from ember.inference.config import load_config
 from ember.inference.generate import Sampling, generate, sampling_logprobs
 from ember.inference.policy import LoadedPolicy, load_policy
+from ember.midtrain.export_format import PolicyFetchError
 from ember.inference.tasks import read_tasks
 from ember.midtrain.rl.run import PolicyVersionPublisher
 from ember.rollouts.admin import ensure_topics
@@ -228,3 +229,26 @@ def test_the_example_config_loads_and_bad_keys_are_named(tmp_path):
     bad.write_text(example.read_text().replace("top_p: 1.0", "top_p: 1.5"))
     result = CliRunner().invoke(app, ["rollouts", "sample", str(bad)])
     assert result.exit_code == 2 and "generation.top_p" in result.output
+
+
+@pytest.mark.parametrize("scheme", ["gs", "s3"])
+def test_an_export_on_an_object_store_is_fetched_verified_and_loaded(scheme, request, workspace):
+    """The local fake-gcs-server and moto S3: the announced export loads; one with a byte of config.json changed
+    is refused naming the object."""
+    from ember import storage
+
+    bucket = request.getfixturevalue(f"{scheme}_bucket")
+    exported = workspace["v1"]
+    for name in ("export.json", "config.json", "model.safetensors"):
+        storage.upload(exported.path / name, f"{bucket}/v1/{name}")
+    policy = load_policy(f"{bucket}/v1", exported.sha256, 1)
+    local = load_policy(exported.uri, exported.sha256, 1)
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        assert torch.equal(policy.model(input_ids=ids).logits, local.model(input_ids=ids).logits)
+    config = (exported.path / "config.json").read_bytes().replace(b'"rms_norm_eps": 1e-05', b'"rms_norm_eps": 1e-04')
+    storage.write_bytes(f"{bucket}/v1/config.json", config)
+    with pytest.raises(PolicyFetchError, match=rf"^{bucket}/v1/config.json hashes to [0-9a-f]{{64}}, export.json records .*: the file changed$"):
+        load_policy(f"{bucket}/v1", exported.sha256, 1)
+    with pytest.raises(PolicyFetchError, match=rf"^{bucket}/v2/export.json: cannot be fetched"):
+        load_policy(f"{bucket}/v2", exported.sha256, 1)
