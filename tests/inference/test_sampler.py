@@ -252,3 +252,43 @@ def test_an_export_on_an_object_store_is_fetched_verified_and_loaded(scheme, req
         load_policy(f"{bucket}/v1", exported.sha256, 1)
     with pytest.raises(PolicyFetchError, match=rf"^{bucket}/v2/export.json: cannot be fetched"):
         load_policy(f"{bucket}/v2", exported.sha256, 1)
+
+
+def test_a_tampered_version_mid_run_is_refused_and_counted_and_the_next_good_one_taken(kafka, topic_prefix, workspace, tmp_path):
+    ensure_topics(kafka, list(Topics(topic_prefix).specs(partitions=1).values()))
+    v1, v2 = workspace["v1"], workspace["v2"]
+    _announce(kafka, topic_prefix, 1, v1)
+    config = load_config(_config(workspace, topic_prefix, tmp_path / "refuse.yaml"))
+    stats = worker.SampleStats()
+    follower = worker.PolicyFollower(config)
+    try:
+        sampler = worker.Sampler(config, follower, stats)
+        tampered = Path(shutil.copytree(v2.path, tmp_path / "version_2"))
+        weights = bytearray((tampered / "model.safetensors").read_bytes())
+        weights[-1] ^= 1  # one bit of the last tensor
+        (tampered / "model.safetensors").write_bytes(bytes(weights))
+        _announce(kafka, topic_prefix, 2, type(v2)(tampered, v2.sha256))
+        deadline = time.monotonic() + 30
+        while not stats.refused and time.monotonic() < deadline:
+            assert sampler.refresh() is None
+            time.sleep(0.1)
+        assert len(stats.refused) == 1 and stats.refused[0].startswith("policy version 2 refused, still sampling version 1: ")
+        assert f"{tampered / 'model.safetensors'} hashes to " in stats.refused[0] and sampler.policy.version == 1
+        assert sampler.refresh() is None and len(stats.refused) == 1  # refused once, not retried every batch
+        _announce(kafka, topic_prefix, 3, v2)
+        while sampler.policy.version != 3 and time.monotonic() < deadline:
+            sampler.refresh()
+            time.sleep(0.1)
+        assert stats.versions == [1, 3] and sampler.policy.sha256 == v2.sha256
+    finally:
+        follower.close()
+
+
+def test_a_pinned_export_whose_digest_is_not_the_one_given_exits_2_naming_it(workspace, tmp_path):
+    path = _config(workspace, "unused", tmp_path / "pinned.yaml")
+    data = yaml.safe_load(path.read_text())
+    data["policy"] = {"follow": False, "uri": workspace["v1"].uri, "sha256": workspace["v2"].sha256, "version": 1}
+    path.write_text(yaml.safe_dump(data))
+    result = CliRunner().invoke(app, ["rollouts", "sample", str(path)])
+    assert result.exit_code == 2, result.output
+    assert f"policy version 1: {workspace['v1'].path / 'export.json'} hashes to {workspace['v1'].sha256}" in result.output
