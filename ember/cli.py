@@ -7,6 +7,7 @@ from ember import terminal
 from rich.table import Column, Table
 
 from ember.dev import services
+from ember.inference.cli import sample
 from ember.pipelines.cli import app as corpus_app
 from ember.pipelines.export_cli import app as export_app
 from ember.rollouts.cli import app as rollouts_app
@@ -14,6 +15,7 @@ from ember.rollouts.cli import app as rollouts_app
 app = typer.Typer(help="ember: the data plane for post-training a coding model.", no_args_is_help=True)
 dev_app = typer.Typer(help="Local real services for development and tests (Kafka, secured Kafka, Slurm, Flink job-server jar, GCS and S3 object stores).", no_args_is_help=True)
 app.add_typer(dev_app, name="dev")
+rollouts_app.command("sample")(sample)  # the worker needs midtrain's export reader, which rollouts may not import
 app.add_typer(rollouts_app, name="rollouts")
 app.add_typer(corpus_app, name="corpus")
 app.add_typer(export_app, name="export")

@@ -311,6 +311,7 @@ _LAYOUTS: dict[str, _Layout] = {
                 Column("turn_roles", _Strings(), get=lambda r: [t.role for t in r.turns]),
                 Column("turn_ends", _Numbers(np.dtype("<i4")), get=lambda r: np.array([t.end for t in r.turns], np.int32)),
                 Column("routed_experts", _Experts(), default=None),
+                Column("policy_version_end", _INT64, default=None),
             ),
             _rollout,
         ),

@@ -90,15 +90,24 @@ class Rollout:
     finish_reason: str = "stop"
     truncated: bool = False
     prompt_tokens: int = 0
+    # The policy version whose weights produced the last token (`policy_version`: the first). None: the record
+    # predates the span (or its sampler never swaps mid-rollout), and it ended with the version it started with.
+    policy_version_end: int | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(len(self.tokens))
 
+    @property
+    def last_policy_version(self) -> int:
+        return self.policy_version if self.policy_version_end is None else self.policy_version_end
+
     def issues(self) -> list[FieldIssue]:
         found = _name_issues(self, ("rollout_id", "group_id", "prompt_id", "sampler"))
         found += _name_issues(self, ("region",), required=False)
         found += _int64_issue("policy_version", self.policy_version)
+        if self.policy_version_end is not None:
+            found += _int64_issue("policy_version_end", self.policy_version_end, low=min(self.policy_version, INT64_MAX))
         found += _int64_issue("created_at_us", self.created_at_us, low=-INT64_MAX)
         if self.finish_reason not in FINISH_REASONS:
             found.append(FieldIssue("finish_reason", f"{self.finish_reason[:40]!r} not in {FINISH_REASONS}"))
@@ -321,6 +330,7 @@ ROLLOUT_SCHEMA = versioned_schema(
         pa.field("finish_reason", pa.string(), nullable=False),
         pa.field("truncated", pa.bool_(), nullable=False),
         pa.field("prompt_tokens", pa.int32(), nullable=False),
+        pa.field("policy_version_end", pa.int64()),
     ],
 )
 
@@ -404,6 +414,7 @@ def rollouts_to_table(rollouts: list[Rollout]) -> pa.Table:
         "finish_reason": pa.array([r.finish_reason for r in rollouts], pa.string()),
         "truncated": pa.array([r.truncated for r in rollouts], pa.bool_()),
         "prompt_tokens": pa.array([r.prompt_tokens for r in rollouts], pa.int32()),
+        "policy_version_end": pa.array([r.policy_version_end for r in rollouts], pa.int64()),
     }
     return pa.Table.from_pydict(columns, schema=ROLLOUT_SCHEMA)
 
@@ -450,6 +461,7 @@ def table_to_rollouts(table: pa.Table) -> list[Rollout]:
                 finish_reason=row["finish_reason"],
                 truncated=row["truncated"],
                 prompt_tokens=row["prompt_tokens"] or 0,
+                policy_version_end=row["policy_version_end"],
             )
         )
     return rollouts

@@ -36,11 +36,12 @@ def rollouts(draw) -> Rollout:
         dtype = draw(st.sampled_from([np.uint8, np.uint16]))
         shape = (n, draw(st.integers(1, 4)), draw(st.integers(1, 8)))
         experts = draw(hnp.arrays(dtype, shape))
+    version = draw(int64s)
     return Rollout(
         rollout_id=draw(text),
         group_id=draw(text),
         prompt_id=draw(text),
-        policy_version=draw(int64s),
+        policy_version=version,
         sampler=draw(text),
         region=draw(st.text(max_size=10)),
         created_at_us=draw(int64s),
@@ -52,6 +53,7 @@ def rollouts(draw) -> Rollout:
         finish_reason=draw(st.sampled_from(FINISH_REASONS)),
         truncated=draw(st.booleans()),
         prompt_tokens=draw(st.integers(0, n)),
+        policy_version_end=draw(st.none() | st.integers(version, 2**63 - 1)),
     )
 
 

@@ -172,6 +172,18 @@ def test_absent_optional_columns_take_their_defaults():
     assert nulled.routed_experts is None
 
 
+def test_a_rollout_written_before_the_version_span_ended_with_the_version_it_started_with():
+    """policy_version_end is additive: an old writer's rollout has none, and its span is [start, start]."""
+    spanning = synthetic_rollout(np.random.default_rng(3), group_id="g", prompt_id="p", num_tokens=16, layers=None)
+    spanning.policy_version, spanning.policy_version_end = 4, 6
+    assert decode(encode(spanning)).last_policy_version == 6
+    old = decode(rewritten(encode(spanning), drop=("policy_version_end",)))
+    assert old.policy_version_end is None and old.last_policy_version == old.policy_version == 4
+    spanning.policy_version_end = 3
+    with pytest.raises(InvalidRecord, match=r"'policy_version_end': must be in \[4, "):
+        decode(encode(spanning))
+
+
 def test_a_record_written_by_another_arrow_writer_decodes():
     """A grader in another language builds the columns itself; ember only needs names, types and metadata."""
     meta, _columns = arrow_parts(encode(REWARD))
