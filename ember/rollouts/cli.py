@@ -1,4 +1,4 @@
-"""`ember rollouts ...`: topics, ACLs, the load generator, the ETL service, stats, replay and a decoding tail.
+"""`ember rollouts ...`: topics, ACLs, the load generator, the grading and ETL services, stats, replay and a decoding tail.
 
 Commands without a config take their Kafka security settings from EMBER_KAFKA_* (see
 `ember.rollouts.security`); those with one from its `kafka.security` section, falling back to the same
@@ -17,7 +17,7 @@ from ember import terminal
 from rich.table import Column, Table
 from rich.markup import escape
 
-rollouts_app = typer.Typer(help="Kafka rollout stream: topics, simulation, ETL, stats, replay, inspection.", no_args_is_help=True)
+rollouts_app = typer.Typer(help="Kafka rollout stream: topics, simulation, grading, ETL, stats, replay, inspection.", no_args_is_help=True)
 topics_app = typer.Typer(help="Create, describe or delete the topics of a prefix.", no_args_is_help=True)
 rollouts_app.add_typer(topics_app, name="topics")
 app = rollouts_app
@@ -145,13 +145,16 @@ def acls(
     prefix: str = PrefixOption,
     etl_group: str = typer.Option(None, help="The ETL's consumer group (kafka.group_id); default <prefix>-etl."),
     trainer_group: str = typer.Option(None, help="The trainer's consumer group (rollouts.group_id); default <prefix>-trainer."),
+    grader_group: str = typer.Option(None, help="The graders' consumer group (`rollouts grade` kafka.group_id); default <prefix>-grader."),
     user: list[str] = typer.Option(None, "--user", help="ROLE=NAME for a principal other than ember-ROLE, e.g. etl=svc-etl."),
     apply: bool = typer.Option(False, "--apply", help="Create the missing bindings on the broker (as a super user, from EMBER_KAFKA_*)."),
 ) -> None:
     """Least-privilege ACLs per role (inference, grader, etl, trainer): print them, and with --apply create them (idempotent)."""
     from ember.rollouts.acls import role_bindings
 
-    bindings = role_bindings(prefix, etl_group=etl_group, trainer_group=trainer_group, users=_users(user or []))
+    bindings = role_bindings(
+        prefix, etl_group=etl_group, trainer_group=trainer_group, grader_group=grader_group, users=_users(user or [])
+    )
     outcome: dict = {}
     if apply:
         from ember.rollouts.admin import apply_acls
@@ -377,6 +380,54 @@ def etl(
                 EtlService(settings, instance, metrics).run(stop, until_idle_s=until_idle)
         except (TopologyError, BrokerNotReady) as exc:
             console.print(f"[red]{exc}[/red]", soft_wrap=True)
+            raise typer.Exit(2) from None
+
+
+@rollouts_app.command("grade")
+def grade(
+    config: Path = typer.Argument(..., help="Grader config YAML (see ember/rollouts/grade.example.yaml)."),
+    instance: str = typer.Option("0", help="Distinct per process: transactional id and static group member."),
+    until_idle: float = typer.Option(None, help="Exit once every owned partition is graded and no rollout came for this many seconds."),
+    log_level: str = typer.Option("INFO", help="Python log level."),
+    status_interval: float = typer.Option(
+        None, min=0, help="Seconds between one-line status logs (overrides metrics.status_interval_s; 0: none)."
+    ),
+) -> None:
+    """Run one grading process: read rollouts, grade each with every configured grader, publish one reward per
+    grader exactly once (in the transaction that commits the rollouts' offsets); ungradable rollouts are dead-lettered."""
+    import threading
+
+    from ember.configs import GraderConfigError
+    from ember.rollouts.grading.config import load_config as load_grader_config
+    from ember.rollouts.grading.tasks import TaskSetError, load_tasks
+    from ember.tokenize.tokenizers import TokenizerLoadError, load_tokenizer
+
+    try:
+        settings = load_grader_config(config)
+        if status_interval is not None:
+            settings = settings.model_copy(update={"metrics": settings.metrics.model_copy(update={"status_interval_s": status_interval})})
+        tasks = load_tasks(settings.tasks.path, settings.tasks.fields.model_dump(), settings.tasks.format)
+        tokenizer = load_tokenizer(settings.tokenizer)
+        from ember.rollouts.grading.service import GraderTopologyError, GradingService, build_graders
+
+        graders = build_graders(settings, tasks)
+    except (GraderConfigError, TaskSetError, TokenizerLoadError) as exc:
+        console.print(f"[red]{escape(str(exc))}[/red]", soft_wrap=True)
+        raise typer.Exit(2) from None
+    from ember.rollouts.grading.metrics import GraderMetrics
+    from ember.rollouts.transport import BrokerNotReady
+
+    metrics = GraderMetrics()
+    if settings.metrics.port is not None:
+        bind = str(settings.metrics.bind)
+        console.print(f"metrics on http://{bind}:{metrics.serve(settings.metrics.port, bind)}/metrics")
+    stop = threading.Event()
+    with _service_process(log_level, stop):
+        try:
+            with _refusals():
+                GradingService(settings, tasks, tokenizer.decode, graders, instance, metrics).run(stop, until_idle_s=until_idle)
+        except (GraderTopologyError, BrokerNotReady) as exc:
+            console.print(f"[red]{escape(str(exc))}[/red]", soft_wrap=True)
             raise typer.Exit(2) from None
 
 
