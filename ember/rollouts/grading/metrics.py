@@ -2,8 +2,8 @@
 
 Counters move only after the transaction that published the rewards commits, so a crash never counts a reward
 twice. Labels come from closed sets (the config's grader names, `Verdict`, `DeadReason`), never from message
-content. A grader with metrics of its own (the judge's request latency and errors) registers them on the same
-registry through `GraderMetrics.registry` when the service offers it (`bind_metrics`), so one endpoint shows all.
+content. A grader with metrics of its own (the judge's request latency and errors) defines `bind_metrics(registry)`:
+the service hands it this registry once, so one endpoint shows all.
 """
 
 from __future__ import annotations

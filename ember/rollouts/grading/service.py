@@ -146,6 +146,10 @@ class GradingService:
         self._status_at = time.monotonic()
         self._status_from = GradeTotals()
         self._last_input = time.monotonic()
+        for built in self.graders:  # once: a grader's own metrics (the judge's latency, errors) on the same endpoint
+            bind = getattr(built.grader, "bind_metrics", None)
+            if bind is not None:
+                bind(self.metrics.registry)
 
     @property
     def member_id(self) -> str:
@@ -218,10 +222,6 @@ class GradingService:
         consumer.subscribe([self.topics.rollouts])
         log.info("grader %s reads %s as %s with %s", self.member_id, self.topics.rollouts, kafka.security.describe(),
                  ", ".join(f"{b.spec.name} ({b.spec.kind} v{b.spec.version})" for b in self.graders))
-        for built in self.graders:
-            bind = getattr(built.grader, "bind_metrics", None)
-            if bind is not None:
-                bind(self.metrics.registry)
 
     def _disconnect(self) -> None:
         consumer, producer, self._consumer, self._producer = self._consumer, self._producer, None, None
