@@ -267,6 +267,22 @@ def test_one_reward_per_grader_a_repeat_is_dropped_and_a_shared_component_name_i
     assert "given by graders ['judge', 'tests']" in detail["error"] and "'tests.value'" in detail["error"]
 
 
+def test_a_partial_grader_set_at_the_deadline_is_unrewarded_and_the_group_goes_on_at_quorum():
+    log = Log()
+    rollouts = [rollout("g", i) for i in range(4)]
+    for r in rollouts:
+        log.add(r, 0)
+    for i, r in enumerate(rollouts):
+        log.add(reward(r, float(i), grader="tests"), 0)
+        if i < 3:
+            log.add(reward(r, 0.0, grader="judge"), 0)
+    done = run(config(rewards={"graders": ["tests", "judge"], "timeout_s": 5}, groups={"quorum": 3}), log.messages, end_ms=20_000)
+    (batch,) = done.batches
+    assert sorted(batch.rollout_ids) == ["g-0", "g-1", "g-2"]
+    (unrewarded,) = [o for o in done.outcomes if o.reason == "unrewarded"]
+    assert unrewarded.rollout_id == "g-3" and unrewarded.detail["graders"] == ["tests"]
+
+
 def test_orphan_rewards_and_group_overflow():
     log = Log()
     log.add(reward(rollout("never", 0), 1.0), 0)
