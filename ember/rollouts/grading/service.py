@@ -232,7 +232,10 @@ class GradingService:
                 log.debug("ignoring error while closing a client: %r", exc)
 
     def _idle_for(self, seconds: float) -> bool:
-        return bool(self._consumer and self._consumer.assignment()) and self.lag == 0 and time.monotonic() - self._last_input >= seconds
+        """Assigned, nothing came for `seconds`, and no lag by end offsets asked for after the last input came."""
+        now = time.monotonic()
+        assigned = bool(self._consumer and self._consumer.assignment())
+        return assigned and self.lag == 0 and self._lag_at > self._last_input and now - self._last_input >= seconds
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -244,7 +247,7 @@ class GradingService:
             self._last_input = time.monotonic()
             outcome = self._grade(messages)
             self._commit(outcome)
-        self._refresh_lag(force=bool(messages))
+        self._refresh_lag()
         self._report_status()
 
     def _grade(self, messages: list[ConsumerRecord]) -> _Outcome:
@@ -356,9 +359,10 @@ class GradingService:
             t.dead[dead.reason.value] += 1
             m.dead_letters.labels(dead.reason.value).inc()
 
-    def _refresh_lag(self, force: bool = False) -> None:
+    def _refresh_lag(self) -> None:
+        """Every LAG_REFRESH_S, not after every batch: asking the broker for end offsets delays the next poll."""
         consumer = self._consumer
-        if consumer is None or (not force and time.monotonic() - self._lag_at < LAG_REFRESH_S):
+        if consumer is None or time.monotonic() - self._lag_at < LAG_REFRESH_S:
             return
         self._lag_at = time.monotonic()
         owned = list(consumer.assignment())
