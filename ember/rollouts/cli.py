@@ -398,23 +398,22 @@ def grade(
     import threading
 
     from ember.configs import GraderConfigError
-    from ember.rollouts.grading.config import load_config as load_grader_config
+    from ember.rollouts.grading.config import build_graders, load_config as load_grader_config
     from ember.rollouts.grading.tasks import TaskSetError, load_tasks
     from ember.tokenize.tokenizers import TokenizerLoadError, load_tokenizer
 
-    try:
+    try:  # before Kafka's import: a config, task set or tokenizer error comes at once
         settings = load_grader_config(config)
         if status_interval is not None:
             settings = settings.model_copy(update={"metrics": settings.metrics.model_copy(update={"status_interval_s": status_interval})})
         tasks = load_tasks(settings.tasks.path, settings.tasks.fields.model_dump(), settings.tasks.format)
         tokenizer = load_tokenizer(settings.tokenizer)
-        from ember.rollouts.grading.service import GraderTopologyError, GradingService, build_graders
-
         graders = build_graders(settings, tasks)
     except (GraderConfigError, TaskSetError, TokenizerLoadError) as exc:
         console.print(f"[red]{escape(str(exc))}[/red]", soft_wrap=True)
         raise typer.Exit(2) from None
     from ember.rollouts.grading.metrics import GraderMetrics
+    from ember.rollouts.grading.service import GraderTopologyError, GradingService
     from ember.rollouts.transport import BrokerNotReady
 
     metrics = GraderMetrics()

@@ -9,13 +9,16 @@ Each grader names its kind; the kind's class is imported by name only when the s
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, IPvAnyAddress, model_validator
+from pydantic import Field, IPvAnyAddress, ValidationError, model_validator
 
 from ember import configs
-from ember.configs import GraderConfigError, StrictModel
+from ember.configs import GraderConfigError, StrictModel, error_lines
+from ember.rollouts.grading.base import Grader, Task
 from ember.rollouts.config import KafkaSettings
 from ember.tokenize.config import TokenizerConfig
 
@@ -107,3 +110,30 @@ def parse_config(data: Any, source: str = "config", base: Path | None = None) ->
 
 def load_config(path: str | Path) -> GraderConfig:
     return parse_config(configs.read_yaml_mapping(path, GraderConfigError), str(path), Path(path).parent)
+
+
+@dataclass(frozen=True)
+class BuiltGrader:
+    spec: GraderSpec
+    grader: Grader
+
+
+def build_graders(config: GraderConfig, tasks: Mapping[str, Task]) -> list[BuiltGrader]:
+    """Each configured grader, built by its kind's class; a grader that needs what the task set lacks is refused."""
+    built = []
+    for i, spec in enumerate(config.graders):
+        cls = grader_class(spec.kind)
+        try:
+            grader = cls.from_settings(spec.name, spec.version, spec.settings)
+        except ValidationError as exc:
+            raise GraderConfigError(f"graders.{i}.settings ({spec.kind} grader {spec.name!r}): {'; '.join(error_lines(exc))}") from None
+        if getattr(cls, "needs_reference", False):
+            lacking = sorted(p for p, t in tasks.items() if not t.reference)
+            if lacking:
+                raise GraderConfigError(
+                    f"graders.{i} ({spec.kind} grader {spec.name!r}) compares with each task's reference, but "
+                    f"{len(lacking)} tasks of {config.tasks.path} have none (e.g. {lacking[0]!r}; tasks.fields.reference "
+                    f"is {config.tasks.fields.reference!r})"
+                )
+        built.append(BuiltGrader(spec, grader))
+    return built

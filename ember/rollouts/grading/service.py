@@ -26,13 +26,11 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
 from kafka.errors import AuthorizationError, KafkaError, SaslAuthenticationFailedError
 from kafka.structs import OffsetAndMetadata
-from pydantic import ValidationError
 
-from ember.configs import GraderConfigError, error_lines
 from ember.rollouts.admin import READY_TIMEOUT_S, wait_until_ready
 from ember.rollouts.faults import crash_point
-from ember.rollouts.grading.base import Grade, Grader, Task
-from ember.rollouts.grading.config import GraderConfig, GraderSpec, grader_class
+from ember.rollouts.grading.base import Grade, Task
+from ember.rollouts.grading.config import BuiltGrader, GraderConfig, GraderSpec
 from ember.rollouts.grading.metrics import GraderMetrics
 from ember.rollouts.transport import consumer_config, producer_config, topic_partitions
 from ember.schemas import DecodeError, Reward, Rollout, decode_rollout, encode
@@ -53,12 +51,6 @@ class DeadReason(StrEnum):
 
 class GraderTopologyError(RuntimeError):
     """The topics cannot carry graded rewards (rollouts and rewards partition counts differ)."""
-
-
-@dataclass(frozen=True)
-class BuiltGrader:
-    spec: GraderSpec
-    grader: Grader
 
 
 @dataclass
@@ -381,24 +373,3 @@ class GradingService:
         log.info("grader %s %s", self.instance, status_line(self.totals, self._status_from, now - self._status_at, self.lag))
         self._status_from = replace(self.totals, verdicts=Counter(self.totals.verdicts), dead=Counter(self.totals.dead))
         self._status_at = now
-
-
-def build_graders(config: GraderConfig, tasks: Mapping[str, Task]) -> list[BuiltGrader]:
-    """Each configured grader, built by its kind's class; a grader that needs what the task set lacks is refused."""
-    built = []
-    for i, spec in enumerate(config.graders):
-        cls = grader_class(spec.kind)
-        try:
-            grader = cls.from_settings(spec.name, spec.version, spec.settings)
-        except ValidationError as exc:
-            raise GraderConfigError(f"graders.{i}.settings ({spec.kind} grader {spec.name!r}): {'; '.join(error_lines(exc))}") from None
-        if getattr(cls, "needs_reference", False):
-            lacking = sorted(p for p, t in tasks.items() if not t.reference)
-            if lacking:
-                raise GraderConfigError(
-                    f"graders.{i} ({spec.kind} grader {spec.name!r}) compares with each task's reference, but "
-                    f"{len(lacking)} tasks of {config.tasks.path} have none (e.g. {lacking[0]!r}; tasks.fields.reference "
-                    f"is {config.tasks.fields.reference!r})"
-                )
-        built.append(BuiltGrader(spec, grader))
-    return built

@@ -15,10 +15,10 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.parser import text_string_to_metric_families
 
 from ember.rollouts.grading.base import Grade, Task, Verdict
-from ember.rollouts.grading.config import parse_config
+from ember.rollouts.grading.config import build_graders, parse_config
 from ember.rollouts.grading.metrics import GraderMetrics
 from ember.rollouts.grading.rule import RuleGrader
-from ember.rollouts.grading.service import GradingService, build_graders
+from ember.rollouts.grading.service import GradingService
 from tests.rollouts.etl_support import REPO, Deployment
 from tests.rollouts.grading.support import TOKENIZER, code_rollout, fenced, grader_settings, prepare
 from tests.rollouts.grading.test_service import _write, humaneval  # noqa: F401  (a fixture)

@@ -14,9 +14,8 @@ from typer.testing import CliRunner
 from ember.configs import GraderConfigError
 from ember.rollouts.cli import app
 from ember.rollouts.grading.base import Task, Verdict
-from ember.rollouts.grading.config import load_config, parse_config
+from ember.rollouts.grading.config import build_graders, load_config, parse_config
 from ember.rollouts.grading.rule import RuleGrader, extract_code
-from ember.rollouts.grading.service import build_graders
 from ember.rollouts.grading.tasks import TaskSetError, load_tasks
 from tests.rollouts.etl_support import REPO
 from tests.rollouts.grading.support import fenced, fetch_humaneval
