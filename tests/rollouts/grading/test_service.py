@@ -11,11 +11,14 @@ import threading
 import time
 import uuid
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 from kafka import KafkaProducer
 
+from ember.rollouts.admin import ensure_topics
 from ember.rollouts.grading.tasks import load_tasks
+from ember.rollouts.topics import Topics
 from ember.rollouts.transport import RolloutWriter, producer_config
 from ember.schemas import encode
 from tests.rollouts.etl_support import Deployment, read_topic, wait_for_line
@@ -161,3 +164,19 @@ def test_kill_9_at_random_moments_loses_and_doubles_no_reward(tmp_path, humaneva
         assert proc.stop() == 0, proc.output()[-3000:]
     assert not read_topic(topics.dead_letter, deployment=deployment)
     assert kills >= 4 and all("rollouts graded" in p.output() for p in graders), "no exit summary"
+
+
+@pytest.mark.integration
+def test_rewards_with_another_partition_count_than_rollouts_is_exit_2(tmp_path, humaneval, graders):
+    """The ETL joins rollouts partition p with rewards partition p, so the grader refuses topics it could not serve."""
+    deployment = Deployment.plaintext()
+    path, _tasks = humaneval
+    prefix = f"test-grade-topo-{uuid.uuid4().hex[:8]}"
+    specs = Topics(prefix).specs(2)
+    specs["rewards"] = replace(specs["rewards"], partitions=3)
+    ensure_topics(deployment.bootstrap, list(specs.values()))
+    proc = GraderProcess(write_config(tmp_path / "grade.yaml", grader_settings(prefix, path, deployment)), "0", tmp_path)
+    graders.append(proc)
+    assert proc.wait(120) == 2, proc.output()[-3000:]
+    assert f"{prefix}.rollouts has 2 partitions but {prefix}.rewards has 3" in proc.output()
+    assert "Traceback" not in proc.output()
