@@ -428,6 +428,9 @@ def grade(
         except (GraderTopologyError, BrokerNotReady) as exc:
             console.print(f"[red]{escape(str(exc))}[/red]", soft_wrap=True)
             raise typer.Exit(2) from None
+        finally:
+            for built in graders:  # sandboxes' cgroups, the judge's HTTP client and cache
+                built.close()
 
 
 @contextmanager

@@ -2,13 +2,14 @@
 
 Typed and strict like the ETL's (`ember.rollouts.config`): an unknown key fails at start with its dotted path.
 Kafka settings and security are the ETL's own models, so a grader is pointed at a deployment the same way.
-Each grader names its kind; the kind's class is imported by name only when the service builds it
-(`grader_class`), so a grader whose dependencies are not installed costs nothing to those who do not run it.
+Each grader names its kind and the kind's own settings; `build_graders` imports a kind's module only when a
+config uses it, so the judge's HTTP client or the sandbox costs nothing to a deployment that does not run them.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,16 +19,10 @@ from pydantic import Field, IPvAnyAddress, ValidationError, model_validator
 
 from ember import configs
 from ember.configs import GraderConfigError, StrictModel, error_lines
-from ember.rollouts.grading.base import Grader, Task
 from ember.rollouts.config import KafkaSettings
+from ember.rollouts.grading.base import Grader, Task
+from ember.rollouts.grading.rule import RuleGrader, RuleSettings
 from ember.tokenize.config import TokenizerConfig
-
-GRADER_KINDS = {
-    "unit_tests": ("ember.rollouts.grading.unit_tests", "UnitTestGrader"),
-    "judge": ("ember.rollouts.grading.judge", "LLMJudge"),
-    "rule": ("ember.rollouts.grading.rule", "RuleGrader"),
-}
-"""kind -> (module, class). Each class builds itself with `from_settings(name, version, settings)`."""
 
 EXAMPLE_HINT = "check the spelling; see ember/rollouts/grade.example.yaml"
 _NAME = r"^[A-Za-z0-9_.-]+$"
@@ -85,15 +80,6 @@ class GraderConfig(StrictModel):
         return self
 
 
-def grader_class(kind: str) -> type:
-    """The class of grader `kind`, imported now; a kind whose module is not installed is a config error."""
-    module, name = GRADER_KINDS[kind]
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise GraderConfigError(f"grader kind {kind!r} needs {module}.{name}, which cannot be imported: {exc}") from None
-
-
 def parse_config(data: Any, source: str = "config", base: Path | None = None) -> GraderConfig:
     """The validated config; relative task set and tokenizer paths resolve against `base` (the config's directory)."""
     if data is None or data == {}:
@@ -112,22 +98,64 @@ def load_config(path: str | Path) -> GraderConfig:
     return parse_config(configs.read_yaml_mapping(path, GraderConfigError), str(path), Path(path).parent)
 
 
+class UnitTestSettings(StrictModel):
+    """A `unit_tests` grader's `settings`."""
+
+    workers: int = Field(2, ge=1, le=256, description="completions run in this many sandboxes at once")
+    limits: dict[str, float] = Field(
+        default_factory=dict, description="sandbox limits by name (wall_s, cpu_s, memory_mb, ...: SandboxLimits); others default"
+    )
+
+
 @dataclass(frozen=True)
 class BuiltGrader:
+    """A configured grader, and what the service stamps on its rewards: the config's name, and the config's version
+    followed by the grader's own when it keeps one (the judge's names its rubric: `1/judge-1+3fa2...`)."""
+
     spec: GraderSpec
     grader: Grader
+    version: str
+    keyed: bool  # its grade_batch takes `keys` (the judge caches grades under each rollout's sha256)
+
+    def close(self) -> None:
+        close = getattr(self.grader, "close", None)
+        if close is not None:
+            close()
+
+
+def _make(spec: GraderSpec) -> Grader:
+    if spec.kind == "rule":
+        return RuleGrader(spec.name, spec.version, RuleSettings.model_validate(spec.settings))
+    if spec.kind == "judge":
+        from ember.rollouts.grading.judge import JudgeError, JudgeSettings, LLMJudge
+
+        settings = JudgeSettings.model_validate(spec.settings)
+        try:
+            return LLMJudge(settings)
+        except JudgeError as exc:  # its key cannot be read: the message names the source, never the key
+            raise ValueError(str(exc)) from None
+    settings = UnitTestSettings.model_validate(spec.settings)
+    try:  # by name: the sandbox ships apart from the service (bubblewrap, its harness)
+        unit_tests = importlib.import_module("ember.rollouts.grading.unit_tests")
+        sandbox = importlib.import_module("ember.rollouts.grading.sandbox")
+    except ImportError as exc:
+        raise GraderConfigError(f"grader kind 'unit_tests' needs ember.rollouts.grading.unit_tests: {exc}") from None
+    return unit_tests.UnitTestGrader(spec.name, spec.version, sandbox.SandboxLimits(**settings.limits), settings.workers)
 
 
 def build_graders(config: GraderConfig, tasks: Mapping[str, Task]) -> list[BuiltGrader]:
-    """Each configured grader, built by its kind's class; a grader that needs what the task set lacks is refused."""
+    """Each configured grader, built with its kind's settings; bad settings, or a grader that needs what the task set
+    lacks, are a GraderConfigError naming the grader."""
     built = []
     for i, spec in enumerate(config.graders):
-        cls = grader_class(spec.kind)
+        where = f"graders.{i}.settings ({spec.kind} grader {spec.name!r})"
         try:
-            grader = cls.from_settings(spec.name, spec.version, spec.settings)
+            grader = _make(spec)
         except ValidationError as exc:
-            raise GraderConfigError(f"graders.{i}.settings ({spec.kind} grader {spec.name!r}): {'; '.join(error_lines(exc))}") from None
-        if getattr(cls, "needs_reference", False):
+            raise GraderConfigError(f"{where}: {'; '.join(error_lines(exc))}") from None
+        except (ValueError, TypeError) as exc:  # a limit the sandbox refuses, a judge key that cannot be read
+            raise GraderConfigError(f"{where}: {exc}") from None
+        if getattr(grader, "needs_reference", False):
             lacking = sorted(p for p, t in tasks.items() if not t.reference)
             if lacking:
                 raise GraderConfigError(
@@ -135,5 +163,7 @@ def build_graders(config: GraderConfig, tasks: Mapping[str, Task]) -> list[Built
                     f"{len(lacking)} tasks of {config.tasks.path} have none (e.g. {lacking[0]!r}; tasks.fields.reference "
                     f"is {config.tasks.fields.reference!r})"
                 )
-        built.append(BuiltGrader(spec, grader))
+        own = str(getattr(grader, "version", spec.version))
+        version = spec.version if own == spec.version else f"{spec.version}/{own}"
+        built.append(BuiltGrader(spec, grader, version, "keys" in inspect.signature(grader.grade_batch).parameters))
     return built

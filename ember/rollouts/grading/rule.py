@@ -9,8 +9,8 @@ are compared with trailing spaces and blank lines at the ends dropped, so format
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Literal
 
 from pydantic import Field
 
@@ -51,10 +51,6 @@ class RuleGrader:
         self.name = name
         self.version = version
         self.settings = settings
-
-    @classmethod
-    def from_settings(cls, name: str, version: str, settings: Mapping[str, Any]) -> "RuleGrader":
-        return cls(name, version, RuleSettings.model_validate(settings))
 
     def grade(self, task: Task, completion: str) -> Grade:
         code, reference = normalized(extract_code(completion)), normalized(task.reference)

@@ -13,6 +13,7 @@ committed offsets. A grader killed at any moment therefore neither loses nor dou
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -30,7 +31,7 @@ from kafka.structs import OffsetAndMetadata
 from ember.rollouts.admin import READY_TIMEOUT_S, wait_until_ready
 from ember.rollouts.faults import crash_point
 from ember.rollouts.grading.base import Grade, Task
-from ember.rollouts.grading.config import BuiltGrader, GraderConfig, GraderSpec
+from ember.rollouts.grading.config import BuiltGrader, GraderConfig
 from ember.rollouts.grading.metrics import GraderMetrics
 from ember.rollouts.transport import consumer_config, producer_config, topic_partitions
 from ember.schemas import DecodeError, Reward, Rollout, decode_rollout, encode
@@ -213,7 +214,7 @@ class GradingService:
             )
         consumer.subscribe([self.topics.rollouts])
         log.info("grader %s reads %s as %s with %s", self.member_id, self.topics.rollouts, kafka.security.describe(),
-                 ", ".join(f"{b.spec.name} ({b.spec.kind} v{b.spec.version})" for b in self.graders))
+                 ", ".join(f"{b.spec.name} ({b.spec.kind} v{b.version})" for b in self.graders))
 
     def _disconnect(self) -> None:
         consumer, producer, self._consumer, self._producer = self._consumer, self._producer, None, None
@@ -256,15 +257,16 @@ class GradingService:
         if not work:
             return outcome
         items = [(task, text) for _m, _r, task, text in work]
+        keys = [hashlib.sha256(message.value).hexdigest() for message, *_ in work]
         now_us = time.time_ns() // 1000
         for built in self.graders:
             began = time.perf_counter()
-            grades = built.grader.grade_batch(items)
+            grades = built.grader.grade_batch(items, keys=keys) if built.keyed else built.grader.grade_batch(items)
             self.metrics.grading_seconds.labels(built.spec.name).observe(time.perf_counter() - began)
             if len(grades) != len(items):
                 raise RuntimeError(f"grader {built.spec.name} returned {len(grades)} grades for {len(items)} completions")
             for (message, rollout, _task, _text), grade in zip(work, grades):
-                reward = self._reward(built.spec, rollout, grade, now_us)
+                reward = self._reward(built, rollout, grade, now_us)
                 if isinstance(reward, str):
                     outcome.dead.append(_Dead(message, DeadReason.INVALID_GRADE, f"grader {built.spec.name}: {reward}"))
                 else:
@@ -289,10 +291,10 @@ class GradingService:
         return rollout, task, text
 
     @staticmethod
-    def _reward(spec: GraderSpec, rollout: Rollout, grade: Grade, now_us: int) -> Reward | str:
+    def _reward(built: BuiltGrader, rollout: Rollout, grade: Grade, now_us: int) -> Reward | str:
         reward = Reward(
-            rollout_id=rollout.rollout_id, group_id=rollout.group_id, grader=spec.name, score=float(grade.score),
-            created_at_us=now_us, components=dict(grade.components), grader_version=spec.version, verdict=grade.verdict.value,
+            rollout_id=rollout.rollout_id, group_id=rollout.group_id, grader=built.spec.name, score=float(grade.score),
+            created_at_us=now_us, components=dict(grade.components), grader_version=built.version, verdict=grade.verdict.value,
         )
         issues = reward.issues()
         return "; ".join(str(issue) for issue in issues) if issues else reward

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 import threading
 import urllib.request
 import uuid
@@ -62,7 +63,7 @@ def test_metrics_after_a_run_count_what_was_committed(humaneval):  # noqa: F811
     hooked = CountingRule(built.spec.name, built.spec.version, built.grader.settings)
     metrics = GraderMetrics()
     port = metrics.serve(0)
-    service = GradingService(config, tasks, TOKENIZER.decode, [type(built)(built.spec, hooked)], "0", metrics)
+    service = GradingService(config, tasks, TOKENIZER.decode, [replace(built, grader=hooked)], "0", metrics)
     runner = threading.Thread(target=service.run, kwargs={"until_idle_s": 1.0, "ready_timeout_s": 60})
     runner.start()
     runner.join(timeout=120)

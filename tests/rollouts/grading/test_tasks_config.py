@@ -15,7 +15,7 @@ from ember.configs import GraderConfigError
 from ember.rollouts.cli import app
 from ember.rollouts.grading.base import Task, Verdict
 from ember.rollouts.grading.config import build_graders, load_config, parse_config
-from ember.rollouts.grading.rule import RuleGrader, extract_code
+from ember.rollouts.grading.rule import RuleGrader, RuleSettings, extract_code
 from ember.rollouts.grading.tasks import TaskSetError, load_tasks
 from tests.rollouts.etl_support import REPO
 from tests.rollouts.grading.support import fenced, fetch_humaneval
@@ -104,17 +104,43 @@ def test_the_rule_grader_needs_references_and_valid_settings(tmp_path):
     bad = parse_config(_minimal(str(path), graders=[{"name": "m", "version": "1", "kind": "rule", "settings": {"match": "fuzzy"}}]))
     with pytest.raises(GraderConfigError, match=r"graders\.0\.settings \(rule grader 'm'\): match: "):
         build_graders(bad, {})
+    sandboxed = parse_config(_minimal(str(path), graders=[{"name": "t", "version": "1", "kind": "unit_tests", "settings": {"workers": 0}}]))
+    with pytest.raises(GraderConfigError, match=r"graders\.0\.settings \(unit_tests grader 't'\): workers: "):
+        build_graders(sandboxed, {})
+
+
+def test_a_judge_is_built_from_its_settings_and_its_rubric_goes_into_the_stamped_version(tmp_path, monkeypatch):
+    """The judge's own version names its rubric: the rewards carry the config's version and the judge's, so a
+    rubric edit is visible on every reward without anyone bumping `version`."""
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"id": "a", "prompt": "p"}\n')
+    monkeypatch.setenv("JUDGE_KEY", "not-a-real-key")
+    judge = {"base_url": "http://127.0.0.1:9/v1", "model": "m", "api_key_env": "JUDGE_KEY", "rubric": "Rate {completion} for {prompt}: 0-10"}
+    config = parse_config(_minimal(str(path), graders=[{"name": "style", "version": "4", "kind": "judge", "settings": judge}]))
+    (built,) = build_graders(config, load_tasks(path, DEFAULT_FIELDS))
+    try:
+        assert built.version.startswith("4/") and built.version.endswith(built.grader.rubric_hash[:12])
+        assert built.keyed, "the judge caches under each rollout's sha256: the service must hand it the keys"
+    finally:
+        built.close()
+    other = {**judge, "rubric": "Score {completion} given {prompt}, 0 to 10"}
+    (rebuilt,) = build_graders(parse_config(_minimal(str(path), graders=[{"name": "style", "version": "4", "kind": "judge", "settings": other}])), {})
+    rebuilt.close()
+    assert rebuilt.version != built.version
+    missing = {**judge, "api_key_env": "NO_SUCH_JUDGE_KEY_VARIABLE"}
+    with pytest.raises(GraderConfigError, match=r"graders\.0\.settings \(judge grader 'style'\): .*NO_SUCH_JUDGE_KEY_VARIABLE"):
+        build_graders(parse_config(_minimal(str(path), graders=[{"name": "style", "version": "4", "kind": "judge", "settings": missing}])), {})
 
 
 def test_rule_grader_passes_the_canonical_solution_and_fails_a_changed_one(humaneval):
     tasks = load_tasks(humaneval, DEFAULT_FIELDS)
-    exact = RuleGrader.from_settings("exact", "1", {"match": "exact"})
+    exact = RuleGrader("exact", "1", RuleSettings(match="exact"))
     items = [(t, fenced(t.reference)) for t in tasks.values()]
     assert {g.verdict for g in exact.grade_batch(items)} == {Verdict.PASSED}
     wrong = [(t, fenced(t.reference.replace("return ", "return not ", 1))) for t in tasks.values() if "return " in t.reference]
     grades = exact.grade_batch(wrong)
     assert len(grades) > 150 and {(g.verdict, g.score, g.components["match"]) for g in grades} == {(Verdict.FAILED, 0.0, 0.0)}
-    contains = RuleGrader.from_settings("contains", "1", {"match": "contains"})
+    contains = RuleGrader("contains", "1", RuleSettings(match="contains"))
     task = tasks["HumanEval/0"]
     assert contains.grade(task, "```\nimport math\n" + task.reference + "\n# done\n```").verdict is Verdict.PASSED
 
