@@ -64,6 +64,10 @@ class EtlConfigError(ConfigError):
     """A rollout ETL config that cannot be used."""
 
 
+class GraderConfigError(ConfigError):
+    """An `ember rollouts grade` config (task set, tokenizer, graders, Kafka) that cannot be used."""
+
+
 def unique_names(items: list, what: str = "source names") -> list:
     """`items` unchanged when their `.name`s are unique; else a ValueError naming the repeats."""
     names = [item.name for item in items]

@@ -61,9 +61,10 @@ def test_config_and_cli_modules_import_no_beam_torch_megatron_or_kafka():
         (["ember.cli", "corpus", "tokenize"], "output_dir: out\nsources: []\n"),
         (["ember.cli", "rollouts", "etl"], "groups: {size: 0}\n"),
         (["ember.cli", "rollouts", "sample"], "generation: {group_size: 0}\n"),
+        (["ember.cli", "rollouts", "grade"], "graders: []\n"),
         (["ember.midtrain.cli", "train"], "model: {}\n"),
     ],
-    ids=["corpus build", "corpus tokenize", "rollouts etl", "rollouts sample", "midtrain train"],
+    ids=["corpus build", "corpus tokenize", "rollouts etl", "rollouts sample", "rollouts grade", "midtrain train"],
 )
 def test_a_config_error_comes_before_any_heavy_import(tmp_path, command, config):
     # Was: `corpus build` imported Beam (and `rollouts etl` Kafka) before reading the config: ~7-20 s to the first error.

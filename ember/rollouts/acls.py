@@ -6,7 +6,8 @@ Kafka's authorizer lets READ and WRITE imply DESCRIBE, and WRITE on a topic impl
 so those are not listed. No role gets CREATE: topics are created by the admin (a super user).
 
 - inference: writes rollouts.
-- grader: writes rewards.
+- grader: reads rollouts with its own consumer group; writes rewards and dead-letter (rollouts it cannot
+  grade); owns the transactional ids `<group>-<instance>` it commits rewards and offsets with.
 - etl: reads rollouts, rewards, policy-versions; writes train-batches, dead-letter, outcomes (its
   ledger, which it also reads for `ember rollouts stats`) and etl-state (which it reads back on
   recovery); owns its consumer group and the transactional ids `<group>-<instance>` it commits with.
@@ -46,16 +47,24 @@ def role_bindings(
     *,
     etl_group: str | None = None,
     trainer_group: str | None = None,
+    grader_group: str | None = None,
     users: dict[str, str] | None = None,
 ) -> list[Binding]:
-    """Every role's bindings for the deployment `prefix`; groups default to `<prefix>-etl` / `<prefix>-trainer`."""
+    """Every role's bindings for the deployment `prefix`; groups default to `<prefix>-etl` / `<prefix>-trainer` /
+    `<prefix>-grader`."""
     topics = Topics(prefix)
     etl_group = etl_group or f"{prefix}-etl"
     trainer_group = trainer_group or f"{prefix}-trainer"
+    grader_group = grader_group or f"{prefix}-grader"
     names = {role: (users or {}).get(role, default_user(role)) for role in ROLES}
     rules: list[tuple[str, str, str, str, str]] = [
         ("inference", "WRITE", "TOPIC", topics.rollouts, "LITERAL"),
         ("grader", "WRITE", "TOPIC", topics.rewards, "LITERAL"),
+        ("grader", "WRITE", "TOPIC", topics.dead_letter, "LITERAL"),
+        ("grader", "READ", "TOPIC", topics.rollouts, "LITERAL"),
+        ("grader", "READ", "GROUP", grader_group, "LITERAL"),
+        ("grader", "WRITE", "TRANSACTIONAL_ID", f"{grader_group}-", "PREFIXED"),
+        ("grader", "DESCRIBE", "TRANSACTIONAL_ID", f"{grader_group}-", "PREFIXED"),
         *[("etl", "READ", "TOPIC", name, "LITERAL") for name in (topics.rollouts, topics.rewards, topics.policy_versions)],
         *[
             ("etl", "WRITE", "TOPIC", name, "LITERAL")

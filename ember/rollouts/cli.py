@@ -1,4 +1,4 @@
-"""`ember rollouts ...`: topics, ACLs, the load generator, the ETL service, stats, replay and a decoding tail.
+"""`ember rollouts ...`: topics, ACLs, the load generator, the grading and ETL services, stats, replay and a decoding tail.
 
 Commands without a config take their Kafka security settings from EMBER_KAFKA_* (see
 `ember.rollouts.security`); those with one from its `kafka.security` section, falling back to the same
@@ -17,7 +17,7 @@ from ember import terminal
 from rich.table import Column, Table
 from rich.markup import escape
 
-rollouts_app = typer.Typer(help="Kafka rollout stream: topics, simulation, ETL, stats, replay, inspection.", no_args_is_help=True)
+rollouts_app = typer.Typer(help="Kafka rollout stream: topics, simulation, grading, ETL, stats, replay, inspection.", no_args_is_help=True)
 topics_app = typer.Typer(help="Create, describe or delete the topics of a prefix.", no_args_is_help=True)
 rollouts_app.add_typer(topics_app, name="topics")
 app = rollouts_app
@@ -145,13 +145,16 @@ def acls(
     prefix: str = PrefixOption,
     etl_group: str = typer.Option(None, help="The ETL's consumer group (kafka.group_id); default <prefix>-etl."),
     trainer_group: str = typer.Option(None, help="The trainer's consumer group (rollouts.group_id); default <prefix>-trainer."),
+    grader_group: str = typer.Option(None, help="The graders' consumer group (`rollouts grade` kafka.group_id); default <prefix>-grader."),
     user: list[str] = typer.Option(None, "--user", help="ROLE=NAME for a principal other than ember-ROLE, e.g. etl=svc-etl."),
     apply: bool = typer.Option(False, "--apply", help="Create the missing bindings on the broker (as a super user, from EMBER_KAFKA_*)."),
 ) -> None:
     """Least-privilege ACLs per role (inference, grader, etl, trainer): print them, and with --apply create them (idempotent)."""
     from ember.rollouts.acls import role_bindings
 
-    bindings = role_bindings(prefix, etl_group=etl_group, trainer_group=trainer_group, users=_users(user or []))
+    bindings = role_bindings(
+        prefix, etl_group=etl_group, trainer_group=trainer_group, grader_group=grader_group, users=_users(user or [])
+    )
     outcome: dict = {}
     if apply:
         from ember.rollouts.admin import apply_acls
@@ -266,7 +269,7 @@ def simulate(
         stats = publish_workload(plan_workload(spec), topics, time_scale=time_scale, security=security)
     rollout_bytes = stats.bytes.get("rollouts", 0)
     console.print(
-        f"published {stats.counts} in {stats.seconds:.1f}s; rollouts {rollout_bytes / 1e6:.1f} MB on the wire, "
+        f"published {_counted(stats.counts)} in {stats.seconds:.1f}s; rollouts {rollout_bytes / 1e6:.1f} MB on the wire, "
         f"{rollout_bytes / max(1, stats.tokens):.1f} B/token"
     )
 
@@ -288,6 +291,12 @@ def _require_topics(prefix: str, names: list[str], security, bootstrap: str | No
             f"`ember rollouts topics create --prefix {escape(prefix)}`[/red]", soft_wrap=True,
         )
         raise typer.Exit(2)
+
+
+def _counted(counts: dict[str, int]) -> str:
+    """`1 policy_versions, 32 rollouts, 32 rewards`: in one order whatever was published first."""
+    order = ["policy_versions", "rollouts", "rewards"]
+    return ", ".join(f"{counts[k]} {k}" for k in sorted(counts, key=lambda k: (order.index(k) if k in order else len(order), k)))
 
 
 def _consumer_shape(path: Path):
@@ -378,6 +387,56 @@ def etl(
         except (TopologyError, BrokerNotReady) as exc:
             console.print(f"[red]{exc}[/red]", soft_wrap=True)
             raise typer.Exit(2) from None
+
+
+@rollouts_app.command("grade")
+def grade(
+    config: Path = typer.Argument(..., help="Grader config YAML (see ember/rollouts/grade.example.yaml)."),
+    instance: str = typer.Option("0", help="Distinct per process: transactional id and static group member."),
+    until_idle: float = typer.Option(None, help="Exit once every owned partition is graded and no rollout came for this many seconds."),
+    log_level: str = typer.Option("INFO", help="Python log level."),
+    status_interval: float = typer.Option(
+        None, min=0, help="Seconds between one-line status logs (overrides metrics.status_interval_s; 0: none)."
+    ),
+) -> None:
+    """Run one grading process: read rollouts, grade each with every configured grader, publish one reward per
+    grader exactly once (in the transaction that commits the rollouts' offsets); ungradable rollouts are dead-lettered."""
+    import threading
+
+    from ember.configs import GraderConfigError
+    from ember.rollouts.grading.config import build_graders, load_config as load_grader_config
+    from ember.rollouts.grading.tasks import TaskSetError, load_tasks
+    from ember.tokenize.tokenizers import TokenizerLoadError, load_tokenizer
+
+    try:  # before Kafka's import: a config, task set or tokenizer error comes at once
+        settings = load_grader_config(config)
+        if status_interval is not None:
+            settings = settings.model_copy(update={"metrics": settings.metrics.model_copy(update={"status_interval_s": status_interval})})
+        tasks = load_tasks(settings.tasks.path, settings.tasks.fields.model_dump(), settings.tasks.format)
+        tokenizer = load_tokenizer(settings.tokenizer)
+        graders = build_graders(settings, tasks)
+    except (GraderConfigError, TaskSetError, TokenizerLoadError) as exc:
+        console.print(f"[red]{escape(str(exc))}[/red]", soft_wrap=True)
+        raise typer.Exit(2) from None
+    from ember.rollouts.grading.metrics import GraderMetrics
+    from ember.rollouts.grading.service import GraderTopologyError, GradingService
+    from ember.rollouts.transport import BrokerNotReady
+
+    metrics = GraderMetrics()
+    if settings.metrics.port is not None:
+        bind = str(settings.metrics.bind)
+        console.print(f"metrics on http://{bind}:{metrics.serve(settings.metrics.port, bind)}/metrics")
+    stop = threading.Event()
+    with _service_process(log_level, stop):
+        try:
+            with _refusals():
+                GradingService(settings, tasks, tokenizer.decode, graders, instance, metrics).run(stop, until_idle_s=until_idle)
+        except (GraderTopologyError, BrokerNotReady) as exc:
+            console.print(f"[red]{escape(str(exc))}[/red]", soft_wrap=True)
+            raise typer.Exit(2) from None
+        finally:
+            for built in graders:  # sandboxes' cgroups, the judge's HTTP client and cache
+                built.close()
 
 
 @contextmanager

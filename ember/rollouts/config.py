@@ -82,7 +82,8 @@ class RewardSettings(StrictModel):
         default_factory=list, description="graders that must all report before a rollout is rewarded; empty: any one"
     )
     weights: dict[str, float] = Field(
-        default_factory=dict, description="component weights for the combined reward; empty: sum of grader scores"
+        default_factory=dict,
+        description="component weights for the combined reward (a name two graders give: <grader>.<name>); empty: sum of grader scores",
     )
     timeout_s: float = Field(900.0, gt=0, description="a rollout without its rewards this long after it arrived is unrewarded")
     orphan_timeout_s: float = Field(3600.0, gt=0, description="a reward whose rollout never arrives is dropped after this")

@@ -19,6 +19,7 @@ import heapq
 import logging
 import math
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -150,6 +151,28 @@ class ShardOutput:
 
 class StateMismatch(RuntimeError):
     """The committed offsets and the ETL state snapshot disagree: the state topic was tampered with."""
+
+
+def _weighable(holds: list[_RewardHold], weights: Mapping[str, float]) -> dict[str, float]:
+    """Every grader's components under `<grader>.<name>`, and under the bare name when one grader alone gives it.
+
+    Two graders may name a component alike (both say `score`): a weight on the bare name is then ambiguous and
+    raises KeyError naming the qualified names to weight instead, rather than silently taking one grader's."""
+    components: dict[str, float] = {}
+    givers: dict[str, list[str]] = {}
+    for hold in holds:
+        for name, value in hold.reward.components.items():
+            components[f"{hold.reward.grader}.{name}"] = value
+            givers.setdefault(name, []).append(hold.reward.grader)
+    ambiguous = sorted(n for n in weights if len(givers.get(n, [])) > 1)
+    if ambiguous:
+        name = ambiguous[0]
+        raise KeyError(
+            f"reward component {name!r} is given by graders {givers[name]}: weight "
+            f"{' or '.join(repr(f'{g}.{name}') for g in givers[name])} instead"
+        )
+    components.update({name: components[f"{graders[0]}.{name}"] for name, graders in givers.items() if len(graders) == 1})
+    return components
 
 
 class ShardEngine:
@@ -492,10 +515,7 @@ class ShardEngine:
         holds = [member.rewards[g] for g in sorted(member.rewards)]
         weights = self.config.rewards.weights
         if weights:
-            components: dict[str, float] = {}
-            for hold in holds:
-                components.update(hold.reward.components)
-            value = combine_reward(components, weights)
+            value = combine_reward(_weighable(holds, weights), weights)
         else:
             value = float(sum(h.reward.score for h in holds))
         rollout = member.rollout

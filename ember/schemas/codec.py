@@ -331,6 +331,8 @@ _LAYOUTS: dict[str, _Layout] = {
                     default=np.zeros(0),
                     get=lambda r: np.array(list(r.components.values()), np.float64),
                 ),
+                Column("grader_version", _STRING, default=None),
+                Column("verdict", _STRING, default=None),
             ),
             _reward,
         ),

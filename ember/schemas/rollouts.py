@@ -160,9 +160,12 @@ class Reward:
     score: float
     created_at_us: int
     components: dict[str, float] = field(default_factory=dict)
+    grader_version: str | None = None  # added after v1: a reward written before it decodes with None
+    verdict: str | None = None  # how the grading ended (passed, timeout, malformed, ...); None before it existed
 
     def issues(self) -> list[FieldIssue]:
         found = _name_issues(self, ("rollout_id", "group_id", "grader"))
+        found += _name_issues(self, tuple(n for n in ("grader_version", "verdict") if getattr(self, n) is not None))
         found += _int64_issue("created_at_us", self.created_at_us, low=-INT64_MAX)
         long_names = [n for n in self.components if len(n) > MAX_ID_CHARS]
         if long_names:
@@ -344,6 +347,8 @@ REWARD_SCHEMA = versioned_schema(
         pa.field("score", pa.float64(), nullable=False),
         pa.field("components", pa.map_(pa.string(), pa.float64()), nullable=False),
         pa.field("created_at", pa.timestamp("us", tz="UTC"), nullable=False),
+        pa.field("grader_version", pa.string()),
+        pa.field("verdict", pa.string()),
     ],
 )
 
@@ -476,6 +481,8 @@ def rewards_to_table(rewards: list[Reward]) -> pa.Table:
             "score": [float(r.score) for r in rewards],
             "components": [list(r.components.items()) for r in rewards],
             "created_at": pa.array([r.created_at_us for r in rewards], pa.int64()).cast(pa.timestamp("us", tz="UTC")),
+            "grader_version": [r.grader_version for r in rewards],
+            "verdict": [r.verdict for r in rewards],
         },
         schema=REWARD_SCHEMA,
     )

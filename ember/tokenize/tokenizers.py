@@ -41,12 +41,18 @@ class TokenizerLoadError(ValueError):
     """The tokenizer cannot be found offline, its file is unreadable, or it does not parse."""
 
 
+class TokenizerDecodeError(ValueError):
+    """Token ids that are not text under this tokenizer: an id it does not have, or bytes that are not UTF-8."""
+
+
 class TokenizerMismatchError(ValueError):
     """A shard set was built with a different tokenizer than the one configured for training."""
 
 
 class _Backend(Protocol):
     def encode_ordinary_batch(self, texts: list[str]) -> list[list[int]]: ...
+
+    def decode_bytes(self, ids: list[int]) -> bytes: ...
 
     def special_id(self, token: str) -> int | None: ...
 
@@ -72,6 +78,11 @@ class _HuggingFaceBackend:
         # with tokenizers 0.23 (bench/bench_tokenize_pack.py).
         return [e.ids for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
 
+    def decode_bytes(self, ids: list[int]) -> bytes:
+        # The library maps bytes it cannot join into UTF-8 to U+FFFD and skips unknown ids; ids are checked by
+        # `Tokenizer.decode` first, so what comes back is the text, replacement characters and all.
+        return self._tokenizer.decode(ids, skip_special_tokens=False).encode("utf-8")
+
     def special_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)
 
@@ -90,6 +101,12 @@ class _TiktokenBackend:
 
     def encode_ordinary_batch(self, texts: list[str]) -> list[list[int]]:
         return self._encoding.encode_ordinary_batch(texts, num_threads=1)
+
+    def decode_bytes(self, ids: list[int]) -> bytes:
+        try:
+            return self._encoding.decode_bytes(ids)
+        except KeyError as exc:  # an id inside the range that the encoding leaves unassigned
+            raise TokenizerDecodeError(str(exc.args[0]) if exc.args else "invalid token id") from None
 
     def special_id(self, token: str) -> int | None:
         return self.special.get(token)
@@ -324,6 +341,18 @@ class Tokenizer:
     def encode_ordinary(self, texts: list[str]) -> list[list[int]]:
         """The library's own ids for the text, no framing."""
         return self._backend.encode_ordinary_batch(texts)
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of `ids` (a policy's completion, for a grader), or `TokenizerDecodeError` saying why there is
+        none: a grader must not score text the policy never wrote, so nothing is skipped or replaced here."""
+        too_big = next((i for i in ids if not 0 <= i < self.identity.vocab_size), None)
+        if too_big is not None:
+            raise TokenizerDecodeError(f"token id {too_big} is outside {self.identity.name}'s vocabulary of {self.identity.vocab_size}")
+        data = self._backend.decode_bytes(ids)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise TokenizerDecodeError(f"the tokens' bytes are not UTF-8 at byte {exc.start} of {len(data)} ({exc.reason})") from None
 
     def encode_batch(self, texts: list[str]) -> EncodedBatch:
         ids = self._backend.encode_ordinary_batch(texts)

@@ -238,6 +238,51 @@ def test_graders_weights_and_incomplete_rewards():
     assert sequence_advantages(batch) == pytest.approx(expected, rel=1e-5)
 
 
+def test_one_reward_per_grader_a_repeat_is_dropped_and_a_shared_component_name_is_ambiguous():
+    """Two graders per rollout: each one's first reward counts, a second from the same grader (a grader that
+    crashed before its commit and graded again with another score) is dropped as duplicate_reward, never summed;
+    a component name both graders give is weighted by its qualified name, and the bare name is refused."""
+    log = Log()
+    rollouts = [rollout("g", i) for i in range(4)]
+    for r in rollouts:
+        log.add(r, 0)
+    for i, r in enumerate(rollouts):
+        log.add(reward(r, float(i), grader="tests", value=float(i)), 0)
+        log.add(reward(r, 0.5, grader="judge", value=0.5 * i), 0)
+        if i == 0:  # while the group is still open: after its decision a repeat is late_reward
+            log.add(reward(r, 100.0, grader="tests", value=100.0), 0)
+    graders = {"graders": ["tests", "judge"]}
+    summed = run(config(rewards=graders), log.messages)
+    assert summed.reasons("reward_dropped") == {"duplicate_reward": 1}
+    (batch,) = summed.batches
+    expected = dict(zip([r.rollout_id for r in rollouts], grpo_advantages([i + 0.5 for i in range(4)])))
+    assert sequence_advantages(batch) == pytest.approx(expected, rel=1e-5)
+    qualified = run(config(rewards={**graders, "weights": {"tests.value": 1.0, "judge.value": 2.0}}), log.messages)
+    (batch,) = qualified.batches
+    expected = dict(zip([r.rollout_id for r in rollouts], grpo_advantages([i + 2 * 0.5 * i for i in range(4)])))
+    assert sequence_advantages(batch) == pytest.approx(expected, rel=1e-5)
+    ambiguous = run(config(rewards={**graders, "weights": {"value": 1.0}}), log.messages)
+    assert not ambiguous.batches and ambiguous.reasons() == {"reward_incomplete": 4}
+    detail = next(o.detail for o in ambiguous.outcomes if o.reason == "reward_incomplete")
+    assert "given by graders ['judge', 'tests']" in detail["error"] and "'tests.value'" in detail["error"]
+
+
+def test_a_partial_grader_set_at_the_deadline_is_unrewarded_and_the_group_goes_on_at_quorum():
+    log = Log()
+    rollouts = [rollout("g", i) for i in range(4)]
+    for r in rollouts:
+        log.add(r, 0)
+    for i, r in enumerate(rollouts):
+        log.add(reward(r, float(i), grader="tests"), 0)
+        if i < 3:
+            log.add(reward(r, 0.0, grader="judge"), 0)
+    done = run(config(rewards={"graders": ["tests", "judge"], "timeout_s": 5}, groups={"quorum": 3}), log.messages, end_ms=20_000)
+    (batch,) = done.batches
+    assert sorted(batch.rollout_ids) == ["g-0", "g-1", "g-2"]
+    (unrewarded,) = [o for o in done.outcomes if o.reason == "unrewarded"]
+    assert unrewarded.rollout_id == "g-3" and unrewarded.detail["graders"] == ["tests"]
+
+
 def test_orphan_rewards_and_group_overflow():
     log = Log()
     log.add(reward(rollout("never", 0), 1.0), 0)

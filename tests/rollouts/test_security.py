@@ -146,7 +146,14 @@ def test_acls_give_each_role_only_its_own_topics_and_nobody_create():
     bindings = role_bindings("p")
     by_role = {role: {(b.operation, b.resource, b.name, b.pattern) for b in bindings if b.role == role} for role in ROLES}
     assert by_role["inference"] == {("WRITE", "TOPIC", topics.rollouts, "LITERAL")}
-    assert by_role["grader"] == {("WRITE", "TOPIC", topics.rewards, "LITERAL")}
+    assert by_role["grader"] == {
+        ("WRITE", "TOPIC", topics.rewards, "LITERAL"),
+        ("WRITE", "TOPIC", topics.dead_letter, "LITERAL"),  # rollouts it cannot grade
+        ("READ", "TOPIC", topics.rollouts, "LITERAL"),
+        ("READ", "GROUP", "p-grader", "LITERAL"),
+        ("WRITE", "TRANSACTIONAL_ID", "p-grader-", "PREFIXED"),  # GradingService.member_id: <group_id>-<instance>
+        ("DESCRIBE", "TRANSACTIONAL_ID", "p-grader-", "PREFIXED"),
+    }
     assert by_role["trainer"] == {
         ("READ", "TOPIC", topics.train_batches, "LITERAL"),
         ("READ", "TOPIC", topics.rollouts, "LITERAL"),  # batches are by reference: ranks fetch their rollouts

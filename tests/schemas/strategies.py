@@ -69,6 +69,8 @@ def rewards(draw) -> Reward:
         score=draw(finite),
         created_at_us=draw(int64s),
         components=draw(st.dictionaries(st.text(max_size=12), finite, max_size=5)),
+        grader_version=draw(st.none() | text),
+        verdict=draw(st.none() | text),
     )
 
 

@@ -184,6 +184,21 @@ def test_a_rollout_written_before_the_version_span_ended_with_the_version_it_sta
         decode(encode(spanning))
 
 
+def test_a_reward_before_grader_version_and_verdict_decodes_and_a_graded_one_carries_them():
+    """Rewards written before the grading service (no grader_version, no verdict columns) still decode: additive
+    evolution, the schema version unchanged; a None field writes no column at all, the old wire form."""
+    old = encode(REWARD)
+    assert REWARD.grader_version is None and not {"grader_version", "verdict"} & set(pa.ipc.open_stream(old).schema.names)
+    decoded = decode_reward(old)
+    assert (decoded.grader_version, decoded.verdict) == (None, None)
+    graded = Reward("r-0", "g", "unit-tests", 1.0, 5, {"passed": 1.0}, grader_version="3", verdict="passed")
+    schema = pa.ipc.open_stream(encode(graded)).schema
+    assert schema.metadata[SCHEMA_VERSION_KEY] == b"1"
+    assert decode_reward(encode(graded)) == graded
+    with pytest.raises(InvalidRecord, match="grader_version"):
+        decode_reward(encode(Reward("r-0", "g", "t", 1.0, 5, grader_version="v" * 10_000)))
+
+
 def test_a_record_written_by_another_arrow_writer_decodes():
     """A grader in another language builds the columns itself; ember only needs names, types and metadata."""
     meta, _columns = arrow_parts(encode(REWARD))

@@ -11,6 +11,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from ember.schemas.shards import Manifest
 from ember.tokenize.config import TokenizerConfig
 from ember.tokenize.tokenizers import (
+    TokenizerDecodeError,
     TokenizerLoadError,
     TokenizerMismatchError,
     check_tokenizer_matches,
@@ -247,3 +248,25 @@ def test_a_huggingface_file_takes_its_eos_from_the_tokenizer_config_beside_it(tm
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|pad|>"}))
     ember = load_tokenizer(TokenizerConfig(path=path))
     assert (ember.eos_token, ember.eos_id) == ("<|pad|>", HFTokenizer.from_file(str(path)).token_to_id("<|pad|>"))
+
+
+def test_decode_gives_back_the_text_or_says_why_not(hf_tokenizer_path):
+    """A grader reads completions through `decode`: ids it does not have and bytes that are not UTF-8 are errors,
+    never skipped or replaced (a grader must not score text the policy never wrote)."""
+    tiktoken_based = load_tokenizer(TokenizerConfig(name="cl100k_base"))
+    text = "def f(x):\n    return x + 1  # é 𝔘 <|endoftext|>"
+    (ids,) = tiktoken_based.encode_ordinary([text])
+    assert tiktoken_based.decode(ids) == text
+    (one_char,) = tiktoken_based.encode_ordinary(["𝔘"])
+    assert len(one_char) > 1
+    with pytest.raises(TokenizerDecodeError, match="not UTF-8 at byte 0"):
+        tiktoken_based.decode(one_char[:1])
+    with pytest.raises(TokenizerDecodeError, match="token id 100277 is outside cl100k_base's vocabulary of 100277"):
+        tiktoken_based.decode([100277])
+    with pytest.raises(TokenizerDecodeError, match="100256"):  # inside the range, but no token has it
+        tiktoken_based.decode([100256])
+    hf = load_tokenizer(TokenizerConfig(path=hf_tokenizer_path, eos_token="<|endoftext|>"))
+    (ids,) = hf.encode_ordinary(["def f(x): return x"])
+    assert hf.decode(ids) == "def f(x): return x"
+    with pytest.raises(TokenizerDecodeError, match="outside"):
+        hf.decode([hf.identity.vocab_size])

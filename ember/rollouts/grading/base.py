@@ -35,7 +35,7 @@ class Task:
     prompt: str
     tests: str = ""
     entry_point: str = ""
-    reference: str = ""  # a known-good answer (HumanEval's canonical solution): what the judge's swap check compares with
+    reference: str = ""  # a known-good answer (HumanEval's canonical solution): the judge's swap check and rule graders compare with it
 
 
 @dataclass(frozen=True)
