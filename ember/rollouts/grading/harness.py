@@ -6,7 +6,8 @@ has read the tests, closes the report descriptor in that child, and makes itself
 neither ptrace it nor reach its descriptors. The tests run here, in the harness, against a proxy that asks the
 child to call the entry point and accepts only plain data back (`ast.literal_eval`): an object whose `__eq__`
 always answers True cannot cross the pipe. Whatever the child does to itself (`sys.exit(0)`, monkeypatching,
-killing its parent) ends in a named non-passing outcome, and the exit code is never read as the verdict.
+a kill -9 of its parent, which as the pid namespace's init ignores it) ends in a named non-passing outcome, and
+the exit code is never read as the verdict.
 
 Protocol. stdin: one JSON object {program, entry_point, prompt, tests, limits}. The report descriptor gets
 `started` first, then one JSON line {outcome, total, passed, detail}.

@@ -4,11 +4,14 @@ What the sandbox holds: the interpreter the grader runs under (`sys.base_prefix`
 its standard library, with `site-packages` hidden), the system's shared libraries, a minimal /dev and a private tmpfs
 /tmp. Nothing else: not the venv, not /root, not /work, not ember's configs or Kafka credentials, and no /proc. It
 gets new user, pid, ipc, uts, net and cgroup namespaces, runs as uid/gid 65534 with no capabilities, cannot create
-further user namespaces, dies with the grader and has its own session (no terminal signals).
+further user namespaces, dies with the grader and has its own session (no terminal signals). The harness is the
+pid namespace's init (`--as-pid-1`): the completion cannot SIGKILL it, and bwrap reaps it directly, so no orphaned
+init waits for the host's init to reap it while its pids stay charged to the slot.
 
 Limits. rlimits (CPU seconds, address space, processes, file size, open files) are set by the harness in the
 completion's process before its first line runs. The wall clock is kept here: past it the whole sandbox is killed
-(SIGKILL to bwrap's process group; the pid namespace takes every process in it along) and reaped. stdout and
+(SIGKILL to the harness, the
+namespace's init: the kernel takes every process in it along) and reaped. stdout and
 stderr are read with a bound; past it the sandbox is killed too. When the grader runs as root, RLIMIT_NPROC binds
 nothing (the kernel exempts uid 0, which the sandbox's uid maps to), so each concurrent slot gets its own pids
 cgroup with `pids.max`; it also lets the sandbox check that no process outlives a run.
@@ -31,6 +34,8 @@ import sysconfig
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
+
+import psutil
 
 SANDBOX_UID = 65534
 REPORT_LIMIT = 1 << 20
@@ -106,12 +111,14 @@ class _PidsCgroups:
         return self.base / f"slot-{slot}" / "cgroup.procs"
 
     def drain(self, slot: int) -> None:
-        """Kill and wait out anything left in the slot (a pid namespace tears down asynchronously)."""
+        """Kill and wait out anything left in the slot. A pid namespace tears down asynchronously, and a pid is
+        uncharged only when its process is released, after it leaves cgroup.procs: wait for `pids.current` 0."""
+        path = self.base / f"slot-{slot}"
         deadline = time.monotonic() + 5.0
-        while pids := self.procs(slot).read_text().split():
+        while int((path / "pids.current").read_text()) > 0:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"sandbox slot {slot}: processes {pids} survived SIGKILL for 5 s")
-            for pid in pids:
+                raise RuntimeError(f"sandbox slot {slot}: processes survived SIGKILL for 5 s")
+            for pid in (path / "cgroup.procs").read_text().split():
                 try:
                     os.kill(int(pid), signal.SIGKILL)
                 except ProcessLookupError:
@@ -195,7 +202,7 @@ class Sandbox:
         bwrap = [
             self._bwrap, "--unshare-all", "--unshare-user", "--disable-userns",
             "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--cap-drop", "ALL",
-            "--die-with-parent", "--new-session", "--clearenv", "--setenv", "HOME", "/tmp",
+            "--as-pid-1", "--die-with-parent", "--new-session", "--clearenv", "--setenv", "HOME", "/tmp",
             *self._binds,
             "--dev", "/dev", "--size", str(int(self.limits.tmp_mb) << 20), "--tmpfs", "/tmp", "--chdir", "/tmp",
             self._python, "-I", "-S", "-c", harness, str(report_fd),
@@ -231,7 +238,7 @@ class Sandbox:
                 except subprocess.TimeoutExpired:
                     timed_out = True
         finally:
-            _kill_group(process)
+            _kill(process)
             process.wait()
             streams.close()
             if self._cgroups is not None:
@@ -294,9 +301,21 @@ class _Streams:
                 stream.close()
 
 
-def _kill_group(process: subprocess.Popen[bytes]) -> None:
-    """SIGKILL bwrap's process group: bwrap's init is in it, and its death takes the whole pid namespace."""
+def _kill(process: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the sandbox's init, the harness (the pid namespace goes with it), and let bwrap reap it, so nothing
+    is orphaned to a system init that may reap late; then bwrap's process group, if bwrap has not exited."""
+    if process.poll() is not None:
+        return
     try:
+        inits = psutil.Process(process.pid).children()
+    except psutil.NoSuchProcess:
+        inits = []
+    for init in inits:
+        try:
+            init.kill()
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        process.wait(timeout=1.0)
+    except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
