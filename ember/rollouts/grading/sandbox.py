@@ -95,7 +95,10 @@ class _PidsCgroups:
     """One pids cgroup per slot, so a fork bomb in one run cannot starve the runs beside it."""
 
     def __init__(self, slots: int, max_pids: int) -> None:
-        self.base = _pids_cgroup_root() / f"ember-sandbox-{os.getpid()}-{id(self):x}"
+        try:
+            self.base = _pids_cgroup_root() / f"ember-sandbox-{os.getpid()}-{id(self):x}"
+        except OSError as error:
+            raise SandboxUnavailable(f"running as root and no usable pids cgroup: {error}") from error
         try:
             self.base.mkdir()
             for slot in range(slots):

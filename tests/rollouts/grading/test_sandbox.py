@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from ember.rollouts.grading.base import Task, Verdict
-from ember.rollouts.grading.sandbox import SandboxLimits
+from ember.rollouts.grading.sandbox import Sandbox, SandboxLimits
 from ember.rollouts.grading.unit_tests import UnitTestGrader
 
 REPO = Path(__file__).resolve().parents[3]
@@ -226,3 +226,15 @@ def test_a_thousand_hostile_runs_leak_nothing(tmp_path, monkeypatch):
     assert sorted(os.listdir("/proc/self/fd")) == fds_before
     assert os.listdir(tmp_path) == []
     assert cgroup is None or not cgroup.exists()
+
+
+def test_a_harness_that_never_starts_is_told_apart_from_one_killed_later():
+    sandbox = Sandbox(LIMITS, slots=1)
+    try:
+        silent = sandbox.run("raise SystemExit(3)", b"")
+        killed = sandbox.run("import os, sys\nos.write(int(sys.argv[1]), b'started\\n')\nos.abort()", b"")
+    finally:
+        sandbox.close()
+    assert (silent.started, silent.report, silent.returncode) == (False, None, 3)
+    assert (killed.started, killed.report) == (True, None)
+    assert killed.returncode != 0
