@@ -31,6 +31,14 @@ if [ ! -x "$UV" ]; then
   "$TOOLS/uv-$UV_VERSION/bin/python" -m pip install --quiet --disable-pip-version-check "uv==$UV_VERSION"
 fi
 
+# bubblewrap: the unit-test grader's sandbox (ember/rollouts/grading/sandbox.py), from Debian as Slurm is.
+if ! command -v bwrap >/dev/null 2>&1; then
+  # shellcheck source=infra/common.sh
+  source "$REPO/infra/common.sh"
+  apt_install bubblewrap
+  need_cmd bwrap "apt-get install -y bubblewrap did not provide it"
+fi
+
 echo "==> syncing .venv from uv.lock with $PYTHON"
 cd "$REPO"
 # --compile-bytecode: write every .pyc now. Where PYTHONDONTWRITEBYTECODE is set (CI images often set it), Python

@@ -405,6 +405,7 @@ def grade(
 
     from ember.configs import GraderConfigError
     from ember.rollouts.grading.config import build_graders, load_config as load_grader_config
+    from ember.rollouts.grading.sandbox import SandboxUnavailable
     from ember.rollouts.grading.tasks import TaskSetError, load_tasks
     from ember.tokenize.tokenizers import TokenizerLoadError, load_tokenizer
 
@@ -418,6 +419,9 @@ def grade(
     except (GraderConfigError, TaskSetError, TokenizerLoadError) as exc:
         console.print(f"[red]{escape(str(exc))}[/red]", soft_wrap=True)
         raise typer.Exit(2) from None
+    except SandboxUnavailable as exc:  # this machine cannot run the sandbox (no bwrap, no pids cgroup): not the config
+        console.print(f"[red]{escape(str(exc))}[/red]", soft_wrap=True)
+        raise typer.Exit(1) from None
     from ember.rollouts.grading.metrics import GraderMetrics
     from ember.rollouts.grading.service import GraderTopologyError, GradingService
     from ember.rollouts.transport import BrokerNotReady

@@ -8,7 +8,6 @@ config uses it, so the judge's HTTP client or the sandbox costs nothing to a dep
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -134,13 +133,16 @@ def _make(spec: GraderSpec) -> Grader:
             return LLMJudge(settings)
         except JudgeError as exc:  # its key cannot be read: the message names the source, never the key
             raise ValueError(str(exc)) from None
+    from dataclasses import fields
+
+    from ember.rollouts.grading.sandbox import SandboxLimits
+    from ember.rollouts.grading.unit_tests import UnitTestGrader
+
     settings = UnitTestSettings.model_validate(spec.settings)
-    try:  # by name: the sandbox ships apart from the service (bubblewrap, its harness)
-        unit_tests = importlib.import_module("ember.rollouts.grading.unit_tests")
-        sandbox = importlib.import_module("ember.rollouts.grading.sandbox")
-    except ImportError as exc:
-        raise GraderConfigError(f"grader kind 'unit_tests' needs ember.rollouts.grading.unit_tests: {exc}") from None
-    return unit_tests.UnitTestGrader(spec.name, spec.version, sandbox.SandboxLimits(**settings.limits), settings.workers)
+    known = {f.name for f in fields(SandboxLimits)}
+    if unknown := sorted(set(settings.limits) - known):
+        raise ValueError(f"unknown sandbox limit {', '.join(unknown)}: one of {', '.join(sorted(known))}")
+    return UnitTestGrader(spec.name, spec.version, SandboxLimits(**settings.limits), settings.workers)
 
 
 def build_graders(config: GraderConfig, tasks: Mapping[str, Task]) -> list[BuiltGrader]:
