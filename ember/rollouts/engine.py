@@ -509,6 +509,9 @@ class ShardEngine:
             return Reason.STALE, {"lag_versions": lag, "age_s": round(age_s, 3), "max_policy_lag": filters.max_policy_lag}
         if not self._rewarded(member):
             return Reason.UNREWARDED, {"graders": sorted(member.rewards)}
+        unjudged = {g: h.reward.verdict for g, h in sorted(member.rewards.items()) if not h.reward.judged}
+        if unjudged:  # a placeholder score is not a reward: the rollout is dropped, never trained on as a 0
+            return Reason.UNGRADED, {"verdicts": unjudged}
         return None, {}
 
     def _reward_value(self, member: _Member) -> float:

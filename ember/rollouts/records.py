@@ -54,6 +54,7 @@ class Reason(str, Enum):
     TRUNCATED = "truncated"
     STALE = "stale"
     UNREWARDED = "unrewarded"
+    UNGRADED = "ungraded"
     REWARD_INCOMPLETE = "reward_incomplete"
     REWARD_NOT_FINITE = "reward_not_finite"
     ADVANTAGE_NOT_FINITE = "advantage_not_finite"

@@ -152,6 +152,11 @@ class Rollout:
         return self
 
 
+NO_JUDGEMENT_VERDICTS = frozenset({"malformed", "unavailable", "sandbox_error"})
+"""Verdicts of a grader that reached no judgement of the completion (a judge's answer it could not parse, an endpoint
+that never answered, a sandbox that could not start): their score is a placeholder, never a reward to train on."""
+
+
 @dataclass
 class Reward:
     rollout_id: str
@@ -162,6 +167,11 @@ class Reward:
     components: dict[str, float] = field(default_factory=dict)
     grader_version: str | None = None  # added after v1: a reward written before it decodes with None
     verdict: str | None = None  # how the grading ended (passed, timeout, malformed, ...); None before it existed
+
+    @property
+    def judged(self) -> bool:
+        """Whether `score` is the grader's judgement of the completion (see NO_JUDGEMENT_VERDICTS)."""
+        return self.verdict not in NO_JUDGEMENT_VERDICTS
 
     def issues(self) -> list[FieldIssue]:
         found = _name_issues(self, ("rollout_id", "group_id", "grader"))

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from ember.rollouts.advantages import grpo_advantages, rloo_advantages
 from ember.rollouts.engine import REWARDS, ROLLOUTS, ShardEngine, StateMismatch
 from ember.rollouts.records import ShardSnapshot
-from ember.schemas import encode
+from ember.schemas import Reward, encode
 from tests.rollouts.helpers import TOPICS, Committed, Log, config, reward, rollout, run
 
 SCORES = [0.1, 0.9, 0.4, 0.7]
@@ -281,6 +281,25 @@ def test_a_partial_grader_set_at_the_deadline_is_unrewarded_and_the_group_goes_o
     assert sorted(batch.rollout_ids) == ["g-0", "g-1", "g-2"]
     (unrewarded,) = [o for o in done.outcomes if o.reason == "unrewarded"]
     assert unrewarded.rollout_id == "g-3" and unrewarded.detail["graders"] == ["tests"]
+
+
+@pytest.mark.parametrize("verdict", ["malformed", "unavailable", "sandbox_error"])
+def test_a_reward_that_holds_no_judgement_drops_its_rollout_at_once_instead_of_scoring_it(verdict):
+    """A judge that could not parse its answer, an endpoint that never answered, a sandbox that would not start: the
+    grader reports it (so nobody waits for a deadline), and the ETL drops that rollout as `ungraded`, never training
+    on the placeholder score. Judgements of a misbehaving completion (timeout, memory, crashed) are scores."""
+    log = Log()
+    rollouts = [rollout("g", i) for i in range(4)]
+    for r in rollouts:
+        log.add(r, 0)
+    for i, r in enumerate(rollouts):
+        log.add(Reward(r.rollout_id, r.group_id, "tests", float(i), 0, verdict="timeout" if i == 0 else "passed"), 0)
+        log.add(Reward(r.rollout_id, r.group_id, "judge", 0.0, 0, verdict=verdict if i == 3 else "scored"), 0)
+    done = run(config(rewards={"graders": ["tests", "judge"], "timeout_s": 3600}, groups={"quorum": 3}), log.messages, end_ms=1_000)
+    (batch,) = done.batches
+    assert sorted(batch.rollout_ids) == ["g-0", "g-1", "g-2"], "decided at once, not at the 3600 s deadline"
+    (ungraded,) = [o for o in done.outcomes if o.reason == "ungraded"]
+    assert ungraded.rollout_id == "g-3" and ungraded.detail["verdicts"] == {"judge": verdict}
 
 
 def test_orphan_rewards_and_group_overflow():
