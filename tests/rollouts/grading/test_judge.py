@@ -6,7 +6,6 @@ import logging
 import statistics
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -17,7 +16,7 @@ from pydantic import ValidationError
 from ember import configs
 from ember.rollouts.grading.base import Task, Verdict
 from ember.rollouts.grading.judge import JudgeError, JudgeSettings, LLMJudge, parse_score
-from tests.rollouts.grading.judge_server import JudgeServer, build_tiny_model
+from tests.rollouts.grading.judge_server import JudgeServer
 
 KEY = "sk-ember-judge-test-9f8e7d6c5b4a"
 KEY_ENV = "EMBER_TEST_JUDGE_KEY"
@@ -26,15 +25,6 @@ SWAP = "Which answer is better, 0 (second) to 10 (first)?\nQuestion: {prompt}\nF
 pytestmark = pytest.mark.xdist_group("judge_server")  # one server (a minute of CPU to start) for all of these
 
 TASKS = [Task(f"p{i}", f"def add{i}(a, b):", reference="    return a + b") for i in range(6)]
-
-
-@pytest.fixture(scope="session")
-def judge_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JudgeServer]:
-    root = tmp_path_factory.mktemp("judge-server")
-    server = JudgeServer(build_tiny_model(root / "model"), root / "serve.log")
-    server.start()
-    yield server
-    server.kill()
 
 
 @pytest.fixture(autouse=True)
