@@ -21,6 +21,7 @@ import os
 import re
 import sqlite3
 import string
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any
@@ -28,6 +29,7 @@ from typing import Annotated, Any
 import httpx
 import openai
 from aiolimiter import AsyncLimiter
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from pydantic import Field, model_validator
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
@@ -213,6 +215,23 @@ class LLMJudge:
         self._requests = AsyncLimiter(1, 60.0 / settings.requests_per_minute)
         self._tokens = AsyncLimiter(settings.tokens_per_minute, 60.0)
         self._cache = GradeCache(settings.cache_dir) if settings.cache_dir is not None else None
+        self._latency: Histogram | None = None
+        self._errors: Counter | None = None
+
+    def bind_metrics(self, registry: CollectorRegistry) -> None:
+        """The judge's request latency and its errors by kind, on the grading service's /metrics (called once)."""
+        self._latency = Histogram(
+            "ember_judge_request_seconds", "Seconds from sending a judge request to its answer (failed ones too)",
+            registry=registry, buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+        )
+        self._errors = Counter(
+            "ember_judge_errors_total", "Judge requests that gave no score, by kind (each retry counts)", ["kind"],
+            registry=registry,
+        )
+
+    def _count_error(self, kind: str) -> None:
+        if self._errors is not None:
+            self._errors.labels(kind).inc()
 
     def grade_batch(self, items: Sequence[tuple[Task, str]], keys: Sequence[str] | None = None) -> list[Grade]:
         """Grades in the order of `items`; `keys` (the rollouts' sha256) name them in the cache, else their text does."""
@@ -309,6 +328,7 @@ class LLMJudge:
         async with self._slots:
             await self._requests.acquire()
             await self._tokens.acquire(estimate)
+            started = time.perf_counter()
             try:
                 response = await self._client.chat.completions.create(
                     model=s.model,
@@ -318,11 +338,19 @@ class LLMJudge:
                     **({"logit_bias": {str(k): v for k, v in s.logit_bias.items()}} if s.logit_bias else {}),
                 )
             except openai.APIStatusError as exc:
+                self._count_error(f"http_{exc.status_code}")
                 if isinstance(exc, (openai.RateLimitError, openai.InternalServerError)):
                     raise
                 raise _Refused(f"HTTP {exc.status_code}: {exc.message}") from None
+            except openai.APIConnectionError as exc:
+                self._count_error("timeout" if isinstance(exc, openai.APITimeoutError) else "connection")
+                raise
+            finally:
+                if self._latency is not None:
+                    self._latency.observe(time.perf_counter() - started)
         answer = response.choices[0].message.content if response.choices else None
         try:
             return parse_score(answer or "", s.score_min, s.score_max)
         except ValueError as exc:
+            self._count_error("malformed")
             raise _Malformed(str(exc)) from None

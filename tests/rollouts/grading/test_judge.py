@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from ember import configs
@@ -79,11 +80,15 @@ def test_parse_score_accepts_one_number_in_range_only() -> None:
 
 def test_nonsense_answers_are_malformed_after_retries(judge_server: JudgeServer) -> None:
     before = judge_server.chat_requests()
+    registry = CollectorRegistry()
     with LLMJudge(settings(judge_server, max_tokens=6, retries=2)) as judge:
+        judge.bind_metrics(registry)
         grades = judge.grade_batch([(task, "    return a - b") for task in TASKS[:3]])
     assert [g.verdict for g in grades] == [Verdict.MALFORMED] * 3, grades
     assert all(g.score == 0.0 and not g.components and "after 2 retries" in g.detail for g in grades)
     assert judge_server.chat_requests() - before == 3 * 3  # each asked once and retried twice
+    assert registry.get_sample_value("ember_judge_errors_total", {"kind": "malformed"}) == 9, "every try counted"
+    assert registry.get_sample_value("ember_judge_request_seconds_count") == 9
 
 
 def test_a_well_formed_answer_is_scored(judge_server: JudgeServer) -> None:
@@ -152,9 +157,12 @@ def test_tokens_per_minute_holds(judge_server: JudgeServer) -> None:
 def test_a_slow_answer_times_out_and_is_unavailable(judge_server: JudgeServer) -> None:
     """400 tokens take the tiny model most of a second; a 50 ms limit cuts every try."""
     sent: list[float] = []
+    registry = CollectorRegistry()
     with LLMJudge(settings(judge_server, max_tokens=400, timeout_s=0.05, retries=1), http_client=request_times(sent)) as judge:
+        judge.bind_metrics(registry)
         (grade,) = judge.grade_batch([(Task("slow", "q"), "c")])
     assert grade.verdict is Verdict.UNAVAILABLE, grade
+    assert registry.get_sample_value("ember_judge_errors_total", {"kind": "timeout"}) == 2
     assert "APITimeoutError" in grade.detail and "slow" in grade.detail
     assert len(sent) == 2
 
