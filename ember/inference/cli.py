@@ -71,6 +71,8 @@ def sample(config_path: Path = typer.Argument(..., metavar="CONFIG", help="Sampl
     finally:
         if follower is not None:
             follower.close()
+    if stats.failed_groups and not stats.rollouts:
+        raise _fail(f"no rollout published: all {len(stats.failed_groups)} groups failed; first: {stats.failed_groups[0]}", 1)
     versions = (f"{config.http.policy_version} (stamped: the server holds the weights), no routed experts" if config.http
                 else ", ".join(map(str, stats.versions)))
     for line in stats.rejected_tasks[:5] + stats.refused + stats.failed_groups[:5]:

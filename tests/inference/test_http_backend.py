@@ -146,8 +146,13 @@ def test_rollouts_from_a_vllm_shaped_server_carry_its_ids_and_logprobs_and_pass_
         np.testing.assert_array_equal(inline.sampler_logprobs, np.concatenate([by_id[i].sampler_logprobs for i in claim.rollout_ids]))
 
 
-def test_http_settings_are_checked_at_the_edge(workspace, tmp_path):
-    path = _config(workspace, "unused", tmp_path / "bad.yaml", base_url="http://127.0.0.1:1/v1")
+def test_http_settings_are_checked_at_the_edge_and_a_server_that_never_answers_is_exit_1(kafka, topic_prefix, workspace, tmp_path):
+    ensure_topics(kafka, list(Topics(topic_prefix).specs(partitions=1).values()))
+    path = _config(workspace, topic_prefix, tmp_path / "bad.yaml", base_url="http://127.0.0.1:1/v1")
+    result = CliRunner().invoke(app, ["rollouts", "sample", str(path)])
+    assert result.exit_code == 1, result.output
+    assert "no rollout published: all 3 groups failed; first: group bad-e0-add: dropped, 2 of 2 completions failed; first: " \
+           "request 0: APIConnectionError after 0 retries" in " ".join(result.output.split())
     data = yaml.safe_load(path.read_text())
     for change, message in (
         ({"http": {**data["http"], "api_key": "sk-123"}}, "api_key cannot be given in a config"),
