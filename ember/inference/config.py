@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
 from ember import configs
 from ember.configs import ConfigError, StrictModel
+from ember.inference.http_backend import OpenAIHTTPSettings
 from ember.rollouts.config import kafka_bootstrap
 from ember.rollouts.security import KafkaSecurity
 from ember.tokenize.config import TokenizerConfig
@@ -69,6 +70,10 @@ class SamplerConfig(StrictModel):
     kafka: SamplerKafka
     tasks: Path = Field(..., description="the task set: JSONL with prompt_id (or id) and prompt, e.g. `ember corpus benchmarks fetch humaneval`")
     tokenizer: TokenizerConfig = Field(..., description="the policy's tokenizer (as midtrain and tokenize name it); its eos ends a completion")
+    backend: Literal["transformers", "openai_http"] = Field(
+        "transformers", description="transformers: the announced export, in this process, routed experts recorded; "
+        "openai_http: a vLLM / SGLang server (`http`), no routed experts")
+    http: OpenAIHTTPSettings | None = Field(None, description="the server, with backend: openai_http")
     policy: PolicySource = Field(default_factory=PolicySource)
     generation: GenerationSettings = Field(default_factory=GenerationSettings)
     epochs: int = Field(1, ge=1, description="passes over the task set")
@@ -76,6 +81,20 @@ class SamplerConfig(StrictModel):
     region: str = Field("local", max_length=256, description="the Rollout.region")
     run_id: str = Field("run", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
                         description="part of every group id: a second run over the same tasks must differ, or the ETL drops it as duplicates")
+
+    @model_validator(mode="after")
+    def _backend_settings(self) -> "SamplerConfig":
+        if self.backend == "openai_http":
+            if self.http is None:
+                raise ValueError("backend: openai_http needs an `http` section (base_url, model)")
+            if "policy" in self.model_fields_set:
+                raise ValueError("policy: the openai_http backend samples the weights its server holds; "
+                                 "stamp their version with http.policy_version")
+            if self.generation.swap_every_tokens:
+                raise ValueError("generation.swap_every_tokens: the openai_http backend cannot swap the server's weights")
+        elif self.http is not None:
+            raise ValueError("http: only read with backend: openai_http")
+        return self
 
 
 def load_config(path: str | Path) -> SamplerConfig:

@@ -12,35 +12,15 @@ tokens, and the top-k experts of every token in every MoE layer from the router 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 import torch
 from transformers import DynamicCache
 
+from ember.inference.backend import Completion, Sampling
 from ember.inference.policy import LoadedPolicy
 from ember.schemas.rollouts import routed_experts_dtype
-
-
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float
-    top_p: float
-    max_new_tokens: int
-    eos_id: int | None
-    pad_id: int
-
-
-@dataclass(frozen=True)
-class Completion:
-    tokens: np.ndarray  # uint32 [n]: prompt then completion
-    prompt_tokens: int
-    logprobs: np.ndarray  # float32 [n], 0 on the prompt
-    experts: np.ndarray  # uint8|uint16 [n, layers, top_k]
-    finish_reason: str  # "stop": the eos token was sampled; "length": max_new_tokens ran out
-    first_version: int  # the policy version that sampled its first token
-    last_version: int  # ... and its last
 
 
 def sampling_logprobs(logits: torch.Tensor, sampling: Sampling, vocab_size: int) -> torch.Tensor:

@@ -23,7 +23,8 @@ import torch
 from kafka import KafkaConsumer, TopicPartition
 
 from ember.inference.config import SamplerConfig
-from ember.inference.generate import Completion, Sampling, generate
+from ember.inference.backend import Backend, Completion, Sampling
+from ember.inference.generate import generate
 from ember.inference.policy import LoadedPolicy, load_policy
 from ember.inference.tasks import Task
 from ember.midtrain.export_format import PolicyConfig, PolicyFetchError
@@ -91,13 +92,17 @@ class SampleStats:
     versions: list[int] = field(default_factory=list)  # every version loaded, in order
     refused: list[str] = field(default_factory=list)  # one line per announced export that failed verification
     rejected_tasks: list[str] = field(default_factory=list)
+    failed_groups: list[str] = field(default_factory=list)  # one line per group dropped: a completion could not be had
 
 
 class Sampler:
-    """Holds the policy in use and swaps it for a newer announced one when asked (`refresh`)."""
+    """The transformers backend: holds the policy in use and swaps it for a newer announced one when asked
+    (`refresh`): before every batch, and every `swap_every_tokens` decode steps within one."""
 
     def __init__(self, config: SamplerConfig, follower: PolicyFollower | None, stats: SampleStats):
         self.follower, self.stats = follower, stats
+        self.generator = torch.Generator().manual_seed(config.generation.seed)
+        self.swap_every = config.generation.swap_every_tokens
         if follower is None:
             self.policy = self._load(config.policy.uri, config.policy.sha256, config.policy.version)
         else:
@@ -111,6 +116,11 @@ class Sampler:
             return load_policy(uri, sha256, version)
         except PolicyFetchError as exc:
             raise NoPolicy(f"policy version {version}: {exc}") from None
+
+    def generate(self, prompts: list[list[int]], texts: list[str], sampling: Sampling) -> list[Completion | str]:
+        self.refresh()
+        return list(generate(self.policy, prompts, sampling, self.generator,
+                             refresh=self.refresh if self.swap_every else None, refresh_every=self.swap_every))
 
     def refresh(self) -> LoadedPolicy | None:
         """The newer announced policy, verified and loaded, now in use; None when there is none (or it was refused)."""
@@ -156,11 +166,14 @@ def to_rollouts(config: SamplerConfig, epoch: int, tasks: list[Task], completion
     return rollouts
 
 
-def prompt_ids(config: SamplerConfig, tokenizer: Tokenizer, tasks: list[Task], policy: PolicyConfig,
+def prompt_ids(config: SamplerConfig, tokenizer: Tokenizer, tasks: list[Task], policy: PolicyConfig | None,
                rejects: list[str]) -> list[tuple[Task, list[int]]]:
     """Each task's prompt as token ids (the tokenizer's BOS first, if it has one); a prompt that leaves no room for
-    max_new_tokens within the policy's positions, or exceeds max_prompt_tokens, is rejected into `rejects`."""
-    limit = min(policy.max_position_embeddings - config.generation.max_new_tokens, config.generation.max_prompt_tokens)
+    max_new_tokens within the policy's positions (when the policy is known here), or exceeds max_prompt_tokens, is
+    rejected into `rejects`."""
+    limit = config.generation.max_prompt_tokens
+    if policy is not None:
+        limit = min(policy.max_position_embeddings - config.generation.max_new_tokens, limit)
     bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
     kept = []
     for task, ids in zip(tasks, tokenizer.encode_ordinary([t.prompt for t in tasks])):
@@ -173,29 +186,37 @@ def prompt_ids(config: SamplerConfig, tokenizer: Tokenizer, tasks: list[Task], p
 
 
 def run(config: SamplerConfig, prompts: list[tuple[Task, list[int]]], sampling: Sampling, writer: RolloutWriter,
-        sampler: Sampler, stats: SampleStats, stop: threading.Event | None = None) -> SampleStats:
+        backend: Backend, stats: SampleStats, stop: threading.Event | None = None) -> SampleStats:
     """Every (task, prompt ids) `epochs` times, `batch_size // group_size` tasks per generation batch; `stop` ends
-    the run between batches (each batch's rollouts are acked first)."""
+    the run between batches (each batch's rollouts are acked first). A group with a completion the backend could
+    not deliver is dropped whole (the ETL needs whole groups) and named in `stats.failed_groups`."""
     g = config.generation
-    generator = torch.Generator().manual_seed(g.seed)
     per_batch = g.batch_size // g.group_size
     for epoch in range(config.epochs):
         for start in range(0, len(prompts), per_batch):
             if stop is not None and stop.is_set():
                 return stats
             chunk = prompts[start : start + per_batch]
-            sampler.refresh()
             began = time.perf_counter()
-            completions = generate(
-                sampler.policy, [ids for _, ids in chunk for _ in range(g.group_size)], sampling, generator,
-                refresh=sampler.refresh if g.swap_every_tokens else None, refresh_every=g.swap_every_tokens,
-            )
+            completions = backend.generate([ids for _, ids in chunk for _ in range(g.group_size)],
+                                           [task.prompt for task, _ in chunk for _ in range(g.group_size)], sampling)
             stats.generate_s += time.perf_counter() - began
-            for rollout in to_rollouts(config, epoch, [task for task, _ in chunk], completions):
+            kept_tasks, kept = [], []
+            for i, (task, _) in enumerate(chunk):
+                group = completions[i * g.group_size : (i + 1) * g.group_size]
+                failures = [c for c in group if isinstance(c, str)]
+                if failures:
+                    stats.failed_groups.append(f"group {group_id(config, epoch, task)}: dropped, {len(failures)} of "
+                                               f"{g.group_size} completions failed; first: {failures[0]}")
+                    log.warning("%s", stats.failed_groups[-1])
+                    continue
+                kept_tasks.append(task)
+                kept += group
+            for rollout in to_rollouts(config, epoch, kept_tasks, kept):
                 writer.write(rollout)
                 stats.rollouts += 1
                 stats.tokens += rollout.num_tokens
                 stats.generated_tokens += rollout.num_tokens - rollout.prompt_tokens
             writer.flush()  # acked before the next batch: a crash loses at most the batch in flight
-            stats.groups += len(chunk)
+            stats.groups += len(kept_tasks)
     return stats

@@ -7,6 +7,7 @@ Megatron-core keeps global parallel state, so every trainer or sampler runs in a
 from __future__ import annotations
 
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -81,6 +82,13 @@ def test_replay_forces_the_sampler_routing_and_off_reports_the_mismatch(batches)
     # same weights, same first batch: forcing the sampler's experts removes most of the log-prob gap
     assert off[0]["mismatch"]["mean_abs_delta_logp"] > replay[0]["mismatch"]["mean_abs_delta_logp"] > 0
     assert off[0]["mismatch"]["kl_mu_pi"] > 0 and 0 <= off[0]["correction_kept_frac"] <= 1
+    for r in replay + off:  # item 4 per step: both KL estimators and the importance weights' distribution
+        m = r["mismatch"]
+        assert 0 < m["rho_min"] <= m["rho_mean"] <= m["rho_max"] and 0 <= m["frac_above_cap"] <= 1 and 0 <= m["frac_outside"] <= 1
+        assert m["max_abs_delta_logp"] == pytest.approx(max(-math.log(m["rho_min"]), math.log(m["rho_max"])), rel=1e-6)
+        assert math.isfinite(m["kl_k1"]) and m["kl_mu_pi"] >= 0
+        # MIS (this run's correction) keeps exactly the tokens inside [alpha, beta]
+        assert r["correction_kept_frac"] == pytest.approx(1 - m["frac_outside"], abs=1e-9)
     assert "routing-disagree" in outputs["off"] and "|dlogp|" in outputs["off"]
     versions = [PolicyVersion.decode(r.value).policy_version for r in read_topic(Topics(prefix).policy_versions)]
     assert sorted(versions) == [0, 0, 1, 1, 2, 2, 3, 3], "each run: its start, then every checkpoint"
@@ -97,6 +105,8 @@ def test_replay_forces_the_sampler_routing_and_off_reports_the_mismatch(batches)
     kl = events.Scalars("mismatch/kl_mu_pi")
     assert [e.step for e in kl] == [r["step"] for r in off]
     assert [e.value for e in kl] == pytest.approx([r["mismatch"]["kl_mu_pi"] for r in off], rel=1e-6)
+    for key in ("kl_k1", "rho_max", "frac_above_cap"):
+        assert [e.value for e in events.Scalars(f"mismatch/{key}")] == pytest.approx([r["mismatch"][key] for r in off], rel=1e-6)
 
 
 def _wait_records(metrics: Path, count: int, proc: subprocess.Popen, log: Path) -> None:

@@ -36,8 +36,11 @@ def test_mismatch_metrics_by_hand():
     log_rho = torch.tensor([0.0, math.log(1.9), math.log(0.25), 5.0])
     sampler = torch.tensor([-1.0, -1.0, -1.0, -1.0])
     mask = torch.tensor([1.0, 1.0, 1.0, 0.0])  # the last token is not a policy token
-    m = step_math.mismatch_metrics(sampler + log_rho, sampler, mask, alpha=0.5, beta=2.0)
+    m = step_math.mismatch_metrics(sampler + log_rho, sampler, mask, alpha=0.5, beta=2.0, cap=1.5)
     assert m["mean_abs_delta_logp"] == pytest.approx((0 + math.log(1.9) + math.log(4)) / 3)
+    assert m["kl_k1"] == pytest.approx((0 - math.log(1.9) + math.log(4)) / 3)
+    assert m["rho_mean"] == pytest.approx((1 + 1.9 + 0.25) / 3) and m["frac_above_cap"] == pytest.approx(1 / 3)
+    assert (m["rho_min"], m["rho_max"]) == pytest.approx((0.25, 1.9))  # the masked-out token (rho = e^5) is not seen
     # k3: rho - 1 - log rho = 0, 0.9 - ln 1.9, -0.75 + ln 4
     assert m["kl_mu_pi"] == pytest.approx((0 + (0.9 - math.log(1.9)) + (-0.75 + math.log(4))) / 3, rel=1e-6)
     assert m["frac_outside"] == pytest.approx(1 / 3)  # rho = 1.9 is inside [0.5, 2], 0.25 is not

@@ -68,22 +68,31 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def mismatch_metrics(
-    trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, alpha: float, beta: float
+    trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, alpha: float, beta: float, cap: float
 ) -> dict[str, float]:
     """How far the trainer's log-probs are from the sampler's on the policy tokens.
 
-    `kl_mu_pi` is the k3 estimator of KL(mu || pi) from tokens sampled by mu: mean(rho - 1 - log rho),
-    unbiased and never negative. `frac_outside` counts tokens with rho outside [alpha, beta].
+    Both estimators of KL(mu || pi) from tokens sampled by mu: `kl_k1` is mean(-log rho), unbiased but noisy
+    and negative on some batches; `kl_mu_pi` is k3, mean(rho - 1 - log rho), unbiased and never negative.
+    The importance weights' distribution, which decides what TIS and MIS do to the step: `rho_mean` (1 in
+    expectation when mu samples), `frac_above_cap` (tokens TIS truncates at `cap`), `frac_outside` (tokens
+    MIS masks: rho outside [alpha, beta]) and the extremes `rho_min` / `rho_max`.
     """
     mask = mask.float()
     log_rho = (trainer_logp - sampler_logp).detach().double()
     rho = log_rho.exp()
     outside = ((rho < alpha) | (rho > beta)).double()
+    policy = mask.bool()
     return {
         "mean_abs_delta_logp": float(_masked_mean(log_rho.abs(), mask)),
+        "kl_k1": float(_masked_mean(-log_rho, mask)),
         "kl_mu_pi": float(_masked_mean(rho - 1 - log_rho, mask)),
+        "rho_mean": float(_masked_mean(rho, mask)),
+        "frac_above_cap": float(_masked_mean((rho > cap).double(), mask)),
         "frac_outside": float(_masked_mean(outside, mask)),
         "max_abs_delta_logp": float((log_rho.abs() * mask).max()) if mask.any() else 0.0,
+        "rho_max": float(rho[policy].max()) if policy.any() else 1.0,
+        "rho_min": float(rho[policy].min()) if policy.any() else 1.0,
     }
 
 

@@ -45,6 +45,8 @@ from ember.rollouts.faults import crash_point
 from ember.rollouts.records import PolicyVersion
 
 VERSION_DIR = re.compile(r"version_(\d+)")
+_EXTREMES = ("max_abs_delta_logp", "rho_max", "rho_min")
+"""Mismatch metrics reduced over ranks by max (min), not averaged by token."""
 
 
 class PolicyChannel(Protocol):
@@ -356,12 +358,12 @@ class RLTrainer:
         """The step's metrics line for the whole batch: sums and token-weighted means reduced over ranks."""
         rl, mask = self.config.rl, inputs.mask
         local_policy = float(mask.sum())
-        mismatch = step_math.mismatch_metrics(loss.first_logp, inputs.sampler_logp, mask, rl.alpha, rl.beta)
+        mismatch = step_math.mismatch_metrics(loss.first_logp, inputs.sampler_logp, mask, rl.alpha, rl.beta, rl.tis_cap)
         means = {
             "clip_frac": loss.clip_frac,
             "correction_mean_weight": float((loss.weights * mask).sum()) / max(local_policy, 1.0),
             "correction_kept_frac": float(((loss.weights > 0).float() * mask).sum()) / max(local_policy, 1.0),
-            **{f"mismatch/{k}": v for k, v in mismatch.items() if k != "max_abs_delta_logp"},
+            **{f"mismatch/{k}": v for k, v in mismatch.items() if k not in _EXTREMES},
         }
         sums = torch.tensor(
             [batch.num_sequences, len(inputs.tokens), local_policy, loss.losses[0], loss.losses[-1],
@@ -369,7 +371,10 @@ class RLTrainer:
             dtype=torch.float64,
         )
         dist.all_reduce(sums, group=self.control)
-        extremes = torch.tensor([mismatch["max_abs_delta_logp"], -float(batch.policy_versions.min())], dtype=torch.float64)
+        extremes = torch.tensor(
+            [mismatch["max_abs_delta_logp"], mismatch["rho_max"], -mismatch["rho_min"], -float(batch.policy_versions.min())],
+            dtype=torch.float64,
+        )
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.control)
         per_rank: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, (batch.num_sequences, batch.decoded_bytes, batch.routed_expert_bytes), group=self.control)
@@ -391,10 +396,12 @@ class RLTrainer:
             "mismatch": {
                 **{k.removeprefix("mismatch/"): v for k, v in reduced.items() if k.startswith("mismatch/")},
                 "max_abs_delta_logp": float(extremes[0]),
+                "rho_max": float(extremes[1]),
+                "rho_min": -float(extremes[2]),
             },
             "replayed": inputs.replay is not None,
             "policy_version": self.policy_version,
-            "max_policy_lag": int(self.policy_version - 1 + int(extremes[1])),
+            "max_policy_lag": int(self.policy_version - 1 + int(extremes[3])),
             "ranks": dist.get_world_size(),
             "rank_sequences": [r[0] for r in per_rank],
             "rank_decoded_bytes": [r[1] for r in per_rank],
@@ -483,6 +490,13 @@ def _print_step(record: dict[str, Any], steps: int, rl: Any, explained: set[str]
         f"{record['step_seconds']:.2f}s",
         flush=True,
     )
+    if rl.replay == "replay" and not record["replayed"] and "unreplayed" not in explained:
+        explained.add("unreplayed")
+        print(
+            f"[rl] note: batch {record['batch_id']} carries no routed experts (its sampler cannot supply them, e.g. "
+            "an HTTP engine): its steps run without router replay, the trainer routing by itself",
+            flush=True,
+        )
     if m["frac_outside"] > FAR_SAMPLER_SHARE and "outside" not in explained:
         explained.add("outside")
         print(
