@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Annotated, Any, Callable, Iterable, Mapping, TypeVar, Union, get_args, get_origin
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 Model = TypeVar("Model", bound=BaseModel)
 
@@ -46,6 +46,47 @@ class StrictModel(BaseModel):
     """The base of every config section: unknown keys are errors (a typo never passes silently), values are frozen."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class APIKeySource(StrictModel):
+    """Where an HTTP client's API key comes from: a file or an environment variable, never the config itself (a key
+    there would sit in a file and in every error that quotes it). Read once, by `read_api_key`, into the client."""
+
+    api_key_file: Path | None = Field(None, description="a file holding the API key (mode 0600)")
+    api_key_env: Annotated[str | None, SECRET] = Field(  # SECRET: where a pasted key would land
+        None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="name of an environment variable holding the API key"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_literal_key(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "api_key" in data:
+            raise ValueError("api_key cannot be given in a config (it would sit in a file and in errors): use api_key_file or api_key_env")
+        return data
+
+    @model_validator(mode="after")
+    def _at_most_one_key_source(self) -> "APIKeySource":
+        if self.api_key_file is not None and self.api_key_env is not None:
+            raise ValueError("give exactly one key source, not both: api_key_file or api_key_env")
+        return self
+
+    def read_api_key(self, error: type[Exception]) -> str | None:
+        """The key, None when no source is given; an unreadable file or an unset variable is `error`, naming the
+        source and never the key."""
+        if self.api_key_file is not None:
+            try:
+                key = self.api_key_file.read_text().strip()
+            except OSError as exc:
+                raise error(f"api_key_file {self.api_key_file}: cannot read it: {exc.strerror}") from None
+            source = f"api_key_file {self.api_key_file}"
+        elif self.api_key_env is not None:
+            key = os.environ.get(self.api_key_env, "").strip()
+            source = f"the environment variable {self.api_key_env} (api_key_env)"
+        else:
+            return None
+        if not key:
+            raise error(f"{source} is unset or empty")
+        return key
 
 
 class CorpusConfigError(ConfigError):

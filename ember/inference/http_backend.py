@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
-from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
 import openai
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from ember.configs import SECRET, StrictModel
+from ember.configs import APIKeySource
 from ember.inference.backend import Completion, Sampling
 
 FINISH_REASONS = {"stop", "length"}
@@ -36,12 +34,11 @@ class HTTPBackendError(RuntimeError):
     """The server cannot serve as a sampler (it refuses the requests, or its answers lack needed fields)."""
 
 
-class OpenAIHTTPSettings(StrictModel):
+class OpenAIHTTPSettings(APIKeySource):
+    """The endpoint of a production engine; no key source: a server without auth."""
+
     base_url: str = Field(..., pattern=r"^https?://", description="the OpenAI-compatible endpoint, e.g. http://host:8000/v1")
     model: str = Field(..., min_length=1, description="the model name the server serves")
-    api_key_file: Path | None = Field(None, description="a file holding the API key; none: a server without auth")
-    api_key_env: Annotated[str | None, SECRET] = Field(
-        None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="name of an environment variable holding the API key")
     prompt_as: Literal["token_ids", "text"] = Field(
         "token_ids", description="token_ids (vLLM, SGLang): the engine sees exactly the rollout's prompt; text: for a "
         "server that takes only text, whose echoed prompt_token_ids must then equal the tokenizer's")
@@ -54,36 +51,10 @@ class OpenAIHTTPSettings(StrictModel):
     retries: int = Field(2, ge=0, le=20, description="retries of a timeout, a connection error, 429 or a server error")
     max_concurrency: int = Field(16, ge=1, le=4096, description="requests in flight at once")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _no_literal_key(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "api_key" in data:
-            raise ValueError("api_key cannot be given in a config (it would sit in a file and in errors): use api_key_file or api_key_env")
-        return data
-
-    @model_validator(mode="after")
-    def _one_key_source(self) -> "OpenAIHTTPSettings":
-        if self.api_key_file is not None and self.api_key_env is not None:
-            raise ValueError("give at most one key source: api_key_file or api_key_env")
-        return self
-
     def api_key(self) -> str:
         """The only place the key is read (as the judge reads its own); it goes straight into the client, never
         into a log or an error. A server without auth still needs a non-empty string in the openai client."""
-        if self.api_key_file is not None:
-            try:
-                key = self.api_key_file.read_text().strip()
-            except OSError as exc:
-                raise HTTPBackendError(f"api_key_file {self.api_key_file}: cannot read it: {exc.strerror}") from None
-            source = f"api_key_file {self.api_key_file}"
-        elif self.api_key_env is not None:
-            key = os.environ.get(self.api_key_env, "").strip()
-            source = f"the environment variable {self.api_key_env} (api_key_env)"
-        else:
-            return "no-key"
-        if not key:
-            raise HTTPBackendError(f"{source} is unset or empty")
-        return key
+        return self.read_api_key(HTTPBackendError) or "no-key"
 
 
 class OpenAIBackend:

@@ -17,14 +17,12 @@ import hashlib
 import json
 import logging
 import math
-import os
 import re
 import sqlite3
 import string
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any
 
 import httpx
 import openai
@@ -33,7 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from pydantic import Field, model_validator
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
-from ember.configs import SECRET, StrictModel
+from ember.configs import APIKeySource
 from ember.rollouts.grading.base import Grade, Task, Verdict
 
 log = logging.getLogger(__name__)
@@ -65,13 +63,9 @@ def _placeholders(template: str, allowed: set[str], what: str) -> str:
     return template
 
 
-class JudgeSettings(StrictModel):
+class JudgeSettings(APIKeySource):
     base_url: str = Field(..., pattern=r"^https?://", description="the OpenAI-compatible endpoint, e.g. http://host:8000/v1")
     model: str = Field(..., min_length=1, description="the model name the endpoint serves")
-    api_key_file: Path | None = Field(None, description="a file holding the API key (mode 0600)")
-    api_key_env: Annotated[str | None, SECRET] = Field(  # SECRET: where a pasted key would land
-        None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="name of an environment variable holding the API key"
-    )
     rubric: str = Field(
         ..., description="the question, with {prompt} and {completion}; the answer must be one number in the score range"
     )
@@ -98,16 +92,9 @@ class JudgeSettings(StrictModel):
     backoff_max_s: float = Field(8.0, ge=0)
     cache_dir: Path | None = Field(None, description="final grades are kept here; None: no cache")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _no_literal_key(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "api_key" in data:
-            raise ValueError("api_key cannot be given in a config (it would sit in a file and in errors): use api_key_file or api_key_env")
-        return data
-
     @model_validator(mode="after")
     def _consistent(self) -> "JudgeSettings":
-        if (self.api_key_file is None) == (self.api_key_env is None):
+        if self.api_key_file is None and self.api_key_env is None:
             raise ValueError("give exactly one key source: api_key_file or api_key_env")
         _placeholders(self.rubric, {"prompt", "completion"}, "rubric")
         if self.swap_rubric is not None:
@@ -120,17 +107,8 @@ class JudgeSettings(StrictModel):
 
     def api_key(self) -> str:
         """The only place the key is read; it goes straight into the client and is never logged."""
-        if self.api_key_file is not None:
-            try:
-                key = self.api_key_file.read_text().strip()
-            except OSError as exc:
-                raise JudgeError(f"api_key_file {self.api_key_file}: cannot read it: {exc.strerror}") from None
-            source = f"api_key_file {self.api_key_file}"
-        else:
-            key = os.environ.get(self.api_key_env or "", "").strip()
-            source = f"the environment variable {self.api_key_env} (api_key_env)"
-        if not key:
-            raise JudgeError(f"{source} is unset or empty")
+        key = self.read_api_key(JudgeError)
+        assert key is not None, "the validator requires a key source"
         return key
 
     def rubric_hash(self) -> str:
