@@ -156,9 +156,9 @@ def finish(result: PipelineResult, options: PipelineOptions) -> str:
 
 def run_pipeline(p: Pipeline, options: PipelineOptions, what: str) -> str:
     """`p` run to the end (`finish`), with one log line as it starts and one as it ends: the job log then says how
-    many Beam jobs a build ran and the seconds each took."""
+    many Beam jobs a build ran, in which process, and the seconds each took."""
     log = logging.getLogger(__name__)
-    log.info("beam job started: %s on %s", what, runner_name(options))
+    log.info("beam job started: %s on %s in process %d", what, runner_name(options), os.getpid())
     started = time.monotonic()
     state = finish(p.run(), options)
     log.info("beam job ended: %s, state %s after %.1f s", what, state, time.monotonic() - started)

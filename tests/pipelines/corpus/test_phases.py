@@ -1,8 +1,10 @@
 """A small build pays Beam's fixed cost once: its two phases run fused as one Beam job, counted from the job
-log's own lines, and write the same bytes and the same reusable cache entry as the two-job (split) build."""
+log's own lines, in the one job process that also runs its tokenize job, and write the same bytes and the same
+reusable cache entry as the two-job (split) build."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from ember.pipelines.jobs.runners import SMALL_INPUT_BYTES
 from tests.pipelines.corpus_support import IN_PROCESS, file_digests
 
 TOKENIZE = {"tokenizer": {"name": "cl100k_base"}, "seq_len": 128, "sequences_per_shard": 4}
-JOB_LINE = re.compile(r"beam job started: (.+) on (\w+)$", re.MULTILINE)
+JOB_LINE = re.compile(r"beam job started: (.+) on (\w+) in process (\d+)$", re.MULTILINE)
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +32,15 @@ def sample(tmp_path_factory: pytest.TempPathFactory) -> SampleCorpus:
 
 
 def cli_build(sample: SampleCorpus, out: Path, *options: str) -> list[tuple[str, str]]:
-    """`ember corpus build` with a tokenize section; the Beam jobs it ran, as (what, runner), from `<out>.log`."""
+    """`ember corpus build` with a tokenize section; the Beam jobs it ran, as (what, runner), from `<out>.log`,
+    each in the same job process, not this one."""
     config = out.parent / f"{out.name}.yaml"
     config.write_text(yaml.safe_dump({**sample.config(str(out)), "tokenize": TOKENIZE}))
     result = CliRunner().invoke(app, ["build", str(config), *options])
     assert result.exit_code == 0, result.output
-    return JOB_LINE.findall(out.with_name(f"{out.name}.log").read_text())
+    jobs = JOB_LINE.findall(out.with_name(f"{out.name}.log").read_text())
+    assert len({pid for _, _, pid in jobs}) == 1 and jobs[0][2] != str(os.getpid()), jobs
+    return [(what, runner) for what, runner, _ in jobs]
 
 
 def outputs(out: Path) -> dict[str, str]:
