@@ -245,7 +245,11 @@ def fused_pipeline(p: beam.Pipeline, config: CorpusConfig, entry: str, progress_
     cache holds, so the output is byte-identical to the two-job build's."""
     found = documents_stages(p, config, progress_dir)
     cache_documents(found, entry)
-    output_stages(p, config, found, progress_dir)
+    # Beam 2.62's portable fuser (Flink) rejects a graph where a Flatten and another transform read the same
+    # PCollection (apache/beam#34647): the rejects and stats the cache reads reach the output's Flattens as copies.
+    copies = {name: getattr(found, name) | f"Output{name.title()}" >> beam.Map(lambda element: element)
+              for name in ("rejects", "stats")}
+    output_stages(p, config, found._replace(**copies), progress_dir)
 
 
 def run_documents(config: CorpusConfig, args: list[str], entry: str, progress_dir: str | None) -> str:
