@@ -15,7 +15,7 @@ and to the terminal too with `--verbose`; the terminal shows progress, the summa
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NoReturn
+from typing import Literal, NoReturn
 
 import typer
 from ember import terminal
@@ -260,9 +260,14 @@ def build(
     config: str = typer.Argument(..., help="Corpus build YAML, a path or gs:// / s3:// URL (sources, filters, redaction, dedup, output)."),
     beam_args: list[str] = typer.Argument(
         None,
-        help="Beam pipeline options, passed through unchanged. Default: --runner=FnApiRunner "
-        "--direct_running_mode=multi_processing --direct_num_workers=<cores>.",
+        help="Beam pipeline options, passed through unchanged. Default: --runner=FnApiRunner, in this process for "
+        "inputs up to 8 MiB, else with --direct_running_mode=multi_processing --direct_num_workers=<cores>.",
     ),
+    phases: Literal["auto", "fused", "split"] = typer.Option(
+        "auto", "--phases",
+        help="How a local build runs its documents and output phases: fused (one Beam job; an interrupted build "
+        "starts over), split (two jobs; an interruption in output resumes after documents), or auto: fused for "
+        "inputs up to 8 MiB."),
     min_free_mb: int | None = typer.Option(None, "--min-free-mb", min=0, help=MIN_FREE_HELP),
     strict: bool = typer.Option(
         False, "--strict", help=f"Exit {SOURCE_EXIT} (after writing the output) when a source lost more than warn_share "
@@ -292,7 +297,8 @@ def build(
         min_free = None if min_free_mb is None else min_free_mb * 2**20
         try:
             with stop_on_signals():
-                outcome = build_corpus(settings, list(beam_args or []), console, min_free_bytes=min_free, config_path=str(config))
+                outcome = build_corpus(settings, list(beam_args or []), console, min_free_bytes=min_free, config_path=str(config),
+                                       phases_plan=phases)
         except (CorpusConfigError, TokenizeConfigError, TokenizerLoadError, OutputUnusable) as exc:
             fail(exc)
         except BuildFailed as exc:

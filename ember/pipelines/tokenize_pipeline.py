@@ -49,7 +49,7 @@ from ember.files import write_atomically
 from ember.pipelines.jobs.process import isolating, run_job
 from ember.pipelines.jobs.output_guard import MIN_FREE_BYTES, OutputUnusable, check_room, refuse_foreign, staged
 from ember.pipelines.jobs.progress import ProgressWriter, watch
-from ember.pipelines.jobs.runners import runs_locally
+from ember.pipelines.jobs.runners import run_pipeline, runs_locally
 from ember.schemas import SchemaValidationError
 from ember.schemas.documents import REJECTED_SCHEMA, reject_row
 from ember.schemas.shards import MANIFEST_FILENAME, Manifest, read_manifest, write_manifest
@@ -506,8 +506,10 @@ def _run_pipeline(config: TokenizeConfig, beam_args: list[str], tokenizer: Token
     if isolating():
         run_job(_pipeline_in_job_process, config, list(beam_args), recorded, progress_dir)
         return
-    with beam.Pipeline(options=pipeline_options(beam_args)) as pipeline:
-        build(pipeline, config, tokenizer, recorded, progress_dir)
+    options = pipeline_options(beam_args)
+    pipeline = beam.Pipeline(options=options)
+    build(pipeline, config, tokenizer, recorded, progress_dir)
+    run_pipeline(pipeline, options, STAGE)
 
 
 def _pipeline_in_job_process(config: TokenizeConfig, beam_args: list[str], recorded: TokenizeConfig | None,

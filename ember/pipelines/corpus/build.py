@@ -9,7 +9,9 @@ clusters, stats, report and a shard set inside it - and swapped in only when com
 just before the output. A URL output (gs://) must be new or empty: the job never deletes there.
 
 A local build runs in two checkpointed phases (ember/pipelines/corpus/phases.py): a rerun of the same
-config skips what is complete and verified, and an interrupted one resumes from the last finished phase.
+config skips what is complete and verified. A small input (`runners.SMALL_INPUT_BYTES`) runs both as one
+fused Beam job in this process: its fixed cost is paid once; a larger one runs them as two jobs, so an
+interrupted build resumes from the last finished phase (`phases=` overrides the choice).
 Under `stop_on_signals()` (the CLI) each Beam job runs in a child process that SIGINT/SIGTERM stop whole
 (ember/pipelines/jobs/process.py); `Interrupted` leaves here saying what state the output is in.
 """
@@ -23,7 +25,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions
@@ -53,7 +55,9 @@ from ember.pipelines.jobs.output_guard import (
 )
 from ember.pipelines.jobs.process import Interrupted, run_job, signals_deferred
 from ember.pipelines.jobs.progress import watch
-from ember.pipelines.jobs.runners import BuildFailed, dataflow_problems, runner_name, runs_locally, with_defaults
+from ember.pipelines.jobs.runners import (
+    BuildFailed, dataflow_problems, is_small, runner_name, runs_locally, with_defaults,
+)
 from ember.schemas import Manifest, read_manifest
 from ember.tokenize.config import ShardSource, TokenizeConfig
 
@@ -63,6 +67,9 @@ if TYPE_CHECKING:
 # Output bytes per input byte, a generous ceiling: outputs are zstd Parquet, so plain JSONL shrinks;
 # compressed inputs (Parquet, gzip, zstd) expand to their text first. A shard set inside the output doubles it.
 OUTPUT_PER_INPUT_BYTE = {"jsonl": 1, "parquet": 3, "jsonl.gz": 4, "jsonl.zst": 4, "warc": 4, "html": 1, "files": 1}
+Phases = Literal["auto", "fused", "split"]
+"""How a local build runs its two phases: one fused Beam job, two jobs (an interruption resumes after
+`documents`), or fused exactly when the input is small."""
 
 
 @dataclass(frozen=True)
@@ -77,9 +84,9 @@ class BuildOutcome:
     vanished: tuple[VanishedSource, ...] = ()
 
 
-def prepare_options(beam_args: list[str]) -> tuple[list[str], PipelineOptions]:
-    """Defaults applied, and a Dataflow submit checked before anything is staged."""
-    args = with_defaults(beam_args)
+def prepare_options(beam_args: list[str], input_bytes: int | None = None) -> tuple[list[str], PipelineOptions]:
+    """Defaults applied (in-process for a small `input_bytes`), and a Dataflow submit checked before anything is staged."""
+    args = with_defaults(beam_args, input_bytes)
     options = PipelineOptions(args)
     if runner_name(options) == "DataflowRunner":
         problems = dataflow_problems(options)
@@ -133,6 +140,13 @@ def _input_bytes(source: CorpusSource) -> int:
         return sum(f.size for pattern in source.inputs for root in trees.directories(pattern)
                    for f in trees.walk(root) if isinstance(f, trees.TreeFile))
     return sum(m.size_in_bytes for pattern in source.inputs for m in FileSystems.match([pattern])[0].metadata_list)
+
+
+def local_input_bytes(config: CorpusConfig) -> int | None:
+    """What the inputs hold when all are local (it picks the runner and the phases); None when any is a URL."""
+    if any(storage.is_url(pattern) for source in config.sources for pattern in source.inputs):
+        return None
+    return sum(_input_bytes(source) for source in config.sources)
 
 
 def free_space_needed(config: CorpusConfig) -> int:
@@ -261,10 +275,12 @@ def preflight_urls(config: CorpusConfig, url_shards: str | None) -> None:
 
 
 def build_corpus(config: CorpusConfig, beam_args: list[str], console: Console | None = None,
-                 min_free_bytes: int | None = None, config_path: str | None = None) -> BuildOutcome:
+                 min_free_bytes: int | None = None, config_path: str | None = None, phases_plan: Phases = "auto") -> BuildOutcome:
     """Run the build to completion; with a console, local runs show live progress and a summary.
-    `min_free_bytes` overrides the free-space floor estimated from the inputs."""
-    args, options = prepare_options(beam_args)
+    `min_free_bytes` overrides the free-space floor estimated from the inputs; `phases_plan` says how a local
+    build runs its phases (`Phases`)."""
+    input_bytes = local_input_bytes(config)
+    args, options = prepare_options(beam_args, input_bytes)
     url_shards = config.shards_directory if config.shards_directory and storage.is_url(config.shards_directory) else None
     preflight_urls(config, url_shards)
     check_inputs(config)
@@ -308,14 +324,30 @@ def build_corpus(config: CorpusConfig, beam_args: list[str], console: Console | 
         if (shards is None and url_shards is None) or inside is not None:  # a set elsewhere may have changed: rebuilt
             if up_to_date(target, keys[1]):
                 return _unchanged(final, target, args, keys, console)
-        entry, marker = _documents_phase(final, target, args, options, console, keys[0])
-        phase = "phase output"
-        _say(console, f"phase output: running (key {keys[1]})")
-        with staged(target, owned, "output.directory") as staging:
-            job = (phases.run_output, (_staged_config(final, staging, target), args, str(entry), marker))
-            outcome = _build(_staged_config(final, staging, target), final, args, options, tokenizer, console, min_free_bytes,
-                             config_path, job)
-            write_ownership(staging, build_key=keys[1])
+        entry = phases.cache_root(target) / f"documents-{keys[0]}"
+        marker = phases.verified(entry)
+        if marker is None and (phases_plan == "fused" or (phases_plan == "auto" and is_small(input_bytes))):
+            phase = "phases documents + output"
+            _say(console, f"phases documents + output: running as one Beam job (keys {keys[0]}, {keys[1]})")
+            partial = phases.partial_entry(entry.parent, entry.name)
+            job: tuple[Callable[..., str], tuple] = (phases.run_fused, (str(partial),))
+        else:
+            marker = _documents_phase(final, args, options, console, entry, marker)
+            phase, partial = "phase output", None
+            _say(console, f"phase output: running (key {keys[1]})")
+            job = (phases.run_output, (str(entry), marker))
+        try:
+            with staged(target, owned, "output.directory") as staging:
+                config_in = _staged_config(final, staging, target)
+                outcome = _build(config_in, final, args, options, tokenizer, console, min_free_bytes, config_path,
+                                 (job[0], (config_in, args, *job[1])))
+                if partial is not None:
+                    with signals_deferred():
+                        phases.publish_entry(partial, entry)
+                write_ownership(staging, build_key=keys[1])
+        finally:
+            if partial is not None:
+                shutil.rmtree(partial, ignore_errors=True)  # gone already once published
     except Interrupted as exc:
         exc.where = exc.where or phase
         exc.state = exc.state or _interrupted_state(target, keys)
@@ -324,7 +356,7 @@ def build_corpus(config: CorpusConfig, beam_args: list[str], console: Console | 
     if removed:
         _say(console, f"cache: removed {len(removed)} superseded entr{'y' if len(removed) == 1 else 'ies'}")
     return BuildOutcome(outcome.state, args, outcome.stats, outcome.report, outcome.shards, outcome.warnings, {
-        "documents": "skipped" if marker.get("reused") else "ran", "output": "ran",
+        "documents": "skipped" if marker is not None and marker.get("reused") else "ran", "output": "ran",
     }, outcome.vanished)
 
 
@@ -333,16 +365,14 @@ def _say(console: Console | None, message: str) -> None:
         console.print(message, highlight=False)
 
 
-def _documents_phase(config: CorpusConfig, target: Path, args: list[str], options, console: Console | None,
-                     key: str) -> tuple[Path, dict[str, Any]]:
-    """The `documents` phase's verified cache entry, reused when complete, else built (under a partial name
-    until sealed, so an interrupted one is never taken for done)."""
-    root = phases.cache_root(target)
-    entry = root / f"documents-{key}"
-    marker = phases.verified(entry)
+def _documents_phase(config: CorpusConfig, args: list[str], options, console: Console | None, entry: Path,
+                     marker: dict[str, Any] | None) -> dict[str, Any]:
+    """The marker of the `documents` phase's verified cache `entry`: reused when complete (`marker`), else built
+    (under a partial name until sealed, so an interrupted one is never taken for done)."""
+    root, key = entry.parent, entry.name.removeprefix("documents-")
     if marker is not None:
         _say(console, f"phase documents: up to date (key {key}), skipped")
-        return entry, {**marker, "reused": True}
+        return {**marker, "reused": True}
     _say(console, f"phase documents: running (key {key})")
     partial = phases.partial_entry(root, entry.name)
     try:
@@ -355,7 +385,7 @@ def _documents_phase(config: CorpusConfig, target: Path, args: list[str], option
     marker = phases.verified(entry)
     if marker is None:
         raise BuildFailed(f"the documents phase's cache entry {entry} does not verify right after it was written")
-    return entry, marker
+    return marker
 
 
 def _print_findings(console: Console, warnings: tuple[SourceWarning, ...], vanished: tuple[VanishedSource, ...]) -> None:

@@ -15,8 +15,11 @@ key is recorded in the output's ownership file: a rerun whose key matches skips 
 A completed build removes every other cache entry of that output (superseded keys) and keeps the
 current one, so a later change to dedup or output settings still skips `documents`.
 
-Both graphs end in the same `write_outputs` as the one-graph build (ember/pipelines/corpus/pipeline.py),
-fed the same rows, so a resumed build writes byte-identical files.
+The two phases run as two Beam jobs (`split`: an interruption in `output` resumes after `documents`) or
+fused into one (`fused_pipeline`: the `documents` results are written to the entry on the side and flow on
+into dedup, so a small build pays Beam's fixed cost once; an interrupted one starts over). Every graph
+ends in the same `write_outputs` as the one-graph build (ember/pipelines/corpus/pipeline.py), fed the
+same rows, so a fused, a split and a resumed build write byte-identical files.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from ember.pipelines.corpus.config import CorpusConfig
 from ember.pipelines.corpus.outputs import WriteParquetParts, write_outputs
 from ember.pipelines.corpus.pipeline import corpus_stages
 from ember.pipelines.corpus.stages import CLUSTER_TEXT_FIELDS, REJECT_TEXT_FIELDS, ExactDedup, NearDedup, RedactRows, StageOutput
-from ember.pipelines.jobs.runners import finish
+from ember.pipelines.jobs.runners import run_pipeline
 from ember.files import write_atomically
 from ember.schemas.documents import DOCUMENT_SCHEMA, REJECTED_SCHEMA
 
@@ -149,11 +152,12 @@ def prune(root: Path, keep: str) -> list[str]:
     return removed
 
 
-# ---------------------------------------------------------------- the two graphs
+# ---------------------------------------------------------------- the graphs
 
 
-def documents_pipeline(p: beam.Pipeline, config: CorpusConfig, entry: str, progress_dir: str | None) -> None:
-    """read .. redact into `entry`: documents/<source>/part-*.parquet, rejects/part-*.parquet, events.json."""
+def documents_stages(p: beam.Pipeline, config: CorpusConfig, progress_dir: str | None) -> StageOutput:
+    """read .. redact, every kept row's location and every reject redacted as the cache entry holds them (no stage
+    before dedup makes clusters, so the entry has none)."""
     documents, outputs = p, []
     for stage in corpus_stages(config, progress_dir):
         if isinstance(stage, (ExactDedup, NearDedup)):
@@ -161,23 +165,35 @@ def documents_pipeline(p: beam.Pipeline, config: CorpusConfig, entry: str, progr
         output = documents | stage
         outputs.append(output)
         documents = output.documents
-    rejects, stats = ([getattr(o, name) for o in outputs] | f"All{name.title()}" >> beam.Flatten() for name in ("rejects", "stats"))
+    rejects, clusters, stats = (
+        [getattr(o, name) for o in outputs] | f"Found{name.title()}" >> beam.Flatten() for name in ("rejects", "clusters", "stats")
+    )
     # a kept row's location becomes its cluster rows' and dedup rejects' location in the output phase
     documents = documents | "RedactLocations" >> RedactRows(config.redaction, CLUSTER_TEXT_FIELDS)
     rejects = rejects | "RedactRejects" >> RedactRows(config.redaction, REJECT_TEXT_FIELDS)
-    _ = documents | "CacheDocuments" >> WriteParquetParts(
+    return StageOutput(documents, rejects, clusters, stats)
+
+
+def cache_documents(found: StageOutput, entry: str) -> None:
+    """The `documents` phase's results into `entry`: documents/<source>/part-*.parquet, rejects/part-*.parquet, events.json."""
+    _ = found.documents | "CacheDocuments" >> WriteParquetParts(
         f"{entry}/documents", CACHED_DOCUMENT_SCHEMA, "source", "id", ("id", "location"), CACHE_ROWS_PER_SHARD, None
     )
-    _ = rejects | "CacheRejects" >> WriteParquetParts(
+    _ = found.rejects | "CacheRejects" >> WriteParquetParts(
         f"{entry}/rejects", REJECTED_SCHEMA, None, "location", ("source", "location", "stage", "reason", "document_id"),
         CACHE_ROWS_PER_SHARD, None,
     )
     _ = (
-        stats
-        | "SumEvents" >> beam.CombinePerKey(sum)
-        | "CollectEvents" >> beam.combiners.ToList()
+        found.stats
+        | "SumCachedEvents" >> beam.CombinePerKey(sum)
+        | "CollectCachedEvents" >> beam.combiners.ToList()
         | "CacheEvents" >> beam.Map(_write_events, f"{entry}/{EVENTS_FILE}")
     )
+
+
+def documents_pipeline(p: beam.Pipeline, config: CorpusConfig, entry: str, progress_dir: str | None) -> None:
+    """The `documents` phase alone: read .. redact into `entry`."""
+    cache_documents(documents_stages(p, config, progress_dir), entry)
 
 
 def _write_events(events: list, path: str) -> None:
@@ -188,8 +204,8 @@ def _read_rows(path: str) -> Iterator[dict[str, Any]]:
     yield from pq.read_table(path).to_pylist()
 
 
-def output_pipeline(p: beam.Pipeline, config: CorpusConfig, entry: str, marker: dict[str, Any], progress_dir: str | None) -> None:
-    """dedup + write from a verified `documents` entry, into `config.output.directory`."""
+def cached_documents(p: beam.Pipeline, entry: str, marker: dict[str, Any]) -> StageOutput:
+    """What `cache_documents` wrote, read back from a verified entry."""
     def cached(kind: str) -> beam.PCollection:
         paths = sorted(f"{entry}/{name}" for name in marker["files"] if name.startswith(f"{kind}/"))
         return (
@@ -199,10 +215,14 @@ def output_pipeline(p: beam.Pipeline, config: CorpusConfig, entry: str, marker: 
             | f"Read{kind.title()}" >> beam.FlatMap(_read_rows)
         )
 
-    documents = cached("documents")
     events = json.loads(Path(entry, EVENTS_FILE).read_text(encoding="utf-8"))
-    rejects, clusters = [cached("rejects")], []
-    stats = [p | "CachedEvents" >> beam.Create([(tuple(k), v) for k, v in events])]
+    stats = p | "CachedEvents" >> beam.Create([(tuple(k), v) for k, v in events])
+    return StageOutput(cached("documents"), cached("rejects"), p | "CachedClusters" >> beam.Create([]), stats)
+
+
+def output_stages(p: beam.Pipeline, config: CorpusConfig, found: StageOutput, progress_dir: str | None) -> None:
+    """exact + near dedup of the `documents` phase's results, and the write into `config.output.directory`."""
+    documents, rejects, clusters, stats = found.documents, [found.rejects], [found.clusters], [found.stats]
     for stage in corpus_stages(config, progress_dir):
         if isinstance(stage, (ExactDedup, NearDedup)):
             output = documents | stage
@@ -210,9 +230,26 @@ def output_pipeline(p: beam.Pipeline, config: CorpusConfig, entry: str, marker: 
             clusters.append(output.clusters)
             stats.append(output.stats)
             documents = output.documents
-    flat = [parts | f"All{name}" >> beam.Flatten() if parts else p | f"No{name}" >> beam.Create([])
-            for name, parts in (("Rejects", rejects), ("Clusters", clusters), ("Stats", stats))]
+    flat = [parts | f"All{name}" >> beam.Flatten() for name, parts in (("Rejects", rejects), ("Clusters", clusters), ("Stats", stats))]
     write_outputs(StageOutput(documents, *flat), config, progress_dir)
+
+
+def output_pipeline(p: beam.Pipeline, config: CorpusConfig, entry: str, marker: dict[str, Any], progress_dir: str | None) -> None:
+    """The `output` phase alone: dedup + write from a verified `documents` entry."""
+    output_stages(p, config, cached_documents(p, entry, marker), progress_dir)
+
+
+def fused_pipeline(p: beam.Pipeline, config: CorpusConfig, entry: str, progress_dir: str | None) -> None:
+    """Both phases as one graph: the `documents` results go into `entry` on the side and straight on into dedup,
+    so a small build pays Beam's fixed cost (runner, workers, graph) once. The rows dedup sees are the ones the
+    cache holds, so the output is byte-identical to the two-job build's."""
+    found = documents_stages(p, config, progress_dir)
+    cache_documents(found, entry)
+    # Beam 2.62's portable fuser (Flink) rejects a graph where a Flatten and another transform read the same
+    # PCollection (apache/beam#34647): the rejects and stats the cache reads reach the output's Flattens as copies.
+    copies = {name: getattr(found, name) | f"Output{name.title()}" >> beam.Map(lambda element: element)
+              for name in ("rejects", "stats")}
+    output_stages(p, config, found._replace(**copies), progress_dir)
 
 
 def run_documents(config: CorpusConfig, args: list[str], entry: str, progress_dir: str | None) -> str:
@@ -220,11 +257,18 @@ def run_documents(config: CorpusConfig, args: list[str], entry: str, progress_di
     options = PipelineOptions(args)
     p = beam.Pipeline(options=options)
     documents_pipeline(p, config, entry, progress_dir)
-    return finish(p.run(), options)
+    return run_pipeline(p, options, "phase documents")
 
 
 def run_output(config: CorpusConfig, args: list[str], entry: str, marker: dict[str, Any], progress_dir: str | None) -> str:
     options = PipelineOptions(args)
     p = beam.Pipeline(options=options)
     output_pipeline(p, config, entry, marker, progress_dir)
-    return finish(p.run(), options)
+    return run_pipeline(p, options, "phase output")
+
+
+def run_fused(config: CorpusConfig, args: list[str], entry: str, progress_dir: str | None) -> str:
+    options = PipelineOptions(args)
+    p = beam.Pipeline(options=options)
+    fused_pipeline(p, config, entry, progress_dir)
+    return run_pipeline(p, options, "phases documents + output")

@@ -18,7 +18,7 @@ from ember.pipelines.corpus.stages import (
     CLUSTER_TEXT_FIELDS, REJECT_TEXT_FIELDS, ExactDedup, FilterDocuments, NearDedup, PerDocument, ReadSources,
     RedactDocuments, RedactRows, StageOutput, UniqueIds,
 )
-from ember.pipelines.jobs.runners import finish
+from ember.pipelines.jobs.runners import run_pipeline
 
 
 def corpus_stages(config: CorpusConfig, progress_dir: str | None = None) -> list[beam.PTransform]:
@@ -63,5 +63,6 @@ def run(config: CorpusConfig, options: PipelineOptions, progress_dir: str | None
     require_empty_output(config.output.directory)
     p = beam.Pipeline(options=options)
     build_pipeline(p, config, progress_dir)
-    result = p.run()
-    return finish(result, options) if wait else str(result.state)
+    if not wait:
+        return str(p.run().state)
+    return run_pipeline(p, options, "corpus build")

@@ -8,7 +8,9 @@ signal raises `Interrupted` in the main thread: the child's whole process group 
 terminated, then killed after `GRACE_SECONDS`, and every descendant is waited for before the exception
 travels on, through the staging clean-up, to the command's one-line "interrupted: ..." and exit code
 128 + signal (130 for SIGINT, 143 for SIGTERM). Without it (library use, tests, the Dataflow template),
-jobs run in this process as before.
+jobs run in this process as before. One job process serves every job of the block in turn (a build's
+phases, then its tokenize job): Beam and ember are imported once per command, not once per job, which on
+a small build is seconds of a run that takes tens of them.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class JobProcessFailed(RuntimeError):
 
 
 _active = False
+_server: subprocess.Popen | None = None
 _deferring = 0
 _pending: int | None = None
 
@@ -77,8 +80,11 @@ def stop_on_signals() -> Iterator[None]:
         yield
     finally:
         _active = False
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        try:
+            _close_server()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
 
 
 @contextmanager
@@ -101,18 +107,25 @@ def isolating() -> bool:
 
 
 def run_job(fn: Callable[..., Any], *args: Any) -> Any:
-    """`fn(*args)`: in a child process of its own session while `stop_on_signals()` is active, else here.
-    `fn` and `args` must pickle (a module-level function, configs, plain lists)."""
+    """`fn(*args)`: in the job process (a child in a session of its own, started on first use) while
+    `stop_on_signals()` is active, else here. `fn` and `args` must pickle (a module-level function, configs,
+    plain lists)."""
+    global _server
     if not _active:
         return fn(*args)
+    if _server is None or _server.poll() is not None:
+        root = str(Path(__file__).resolve().parents[3])  # the child imports this same ember, not an installed one
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+        _server = subprocess.Popen([sys.executable, "-m", __name__], env=env, start_new_session=True,
+                                   stdin=subprocess.PIPE, text=True)
+    child = _server
     with tempfile.TemporaryDirectory(prefix="ember-job-") as tmp:
         call, result = Path(tmp) / "call.pickle", Path(tmp) / "result.pickle"
         call.write_bytes(pickle.dumps((fn, args)))
-        root = str(Path(__file__).resolve().parents[3])  # the child imports this same ember, not an installed one
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
-        child = subprocess.Popen([sys.executable, "-m", __name__, str(call), str(result)], env=env, start_new_session=True)
         try:
-            while child.poll() is None:
+            child.stdin.write(f"{call}\t{result}\n")
+            child.stdin.flush()
+            while not result.exists() and child.poll() is None:
                 time.sleep(POLL_SECONDS)
         except BaseException:
             stop_tree(child)
@@ -123,6 +136,19 @@ def run_job(fn: Callable[..., Any], *args: Any) -> Any:
     if ok:
         return value
     raise value
+
+
+def _close_server() -> None:
+    """The job process ends when its input does; one that does not within `GRACE_SECONDS` is stopped."""
+    global _server
+    child, _server = _server, None
+    if child is None or child.poll() is not None:
+        return
+    try:
+        child.stdin.close()
+        child.wait(timeout=GRACE_SECONDS)
+    except (OSError, subprocess.TimeoutExpired):
+        stop_tree(child)
 
 
 def stop_tree(child: subprocess.Popen) -> None:
@@ -159,10 +185,16 @@ def _portable(exc: BaseException) -> BaseException:
     return copy
 
 
-def _main(call: str, result: str) -> None:
+def _serve() -> None:
+    """The job process: one `call<TAB>result` pair of paths a line on stdin, each run in turn, until stdin ends."""
     from ember.pipelines.jobs.logs import LOG_FORMAT
 
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)  # to the inherited fd 2: the parent's job log
+    for line in sys.stdin:
+        _main(*line.rstrip("\n").split("\t"))
+
+
+def _main(call: str, result: str) -> None:
     fn, args = pickle.loads(Path(call).read_bytes())
     try:
         outcome = (True, fn(*args))
@@ -174,4 +206,4 @@ def _main(call: str, result: str) -> None:
 
 
 if __name__ == "__main__":
-    _main(*sys.argv[1:3])
+    _serve()

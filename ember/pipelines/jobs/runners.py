@@ -1,9 +1,12 @@
 """Beam pipeline options for `ember corpus build`: the local default, and checks before a Dataflow submit.
 
 The user's Beam options pass through unchanged. Only when no `--runner` is given does ember pick
-`FnApiRunner` in multi-processing mode with one worker per core (in-process on a one-core machine,
-where a worker process would only add serialisation): Beam's plain DirectRunner first tries to
-download the Prism runner from GitHub, which offline machines cannot reach.
+`FnApiRunner`: in multi-processing mode with one worker per core, or in this process when the input is
+at most `SMALL_INPUT_BYTES` or the machine has one core. Worker processes cost seconds each job (spawn,
+imports, channels), more than a small input's work, which a second core cannot win back. Beam's plain
+DirectRunner is never the default: it first tries to download the Prism runner from GitHub, which
+offline machines cannot reach. The user's options come after the default, so
+`--direct_running_mode=multi_processing --direct_num_workers=N` overrides the choice either way.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
+from apache_beam import Pipeline
 from apache_beam.options.pipeline_options import (
     GoogleCloudOptions,
     PipelineOptions,
@@ -50,8 +54,18 @@ def local_args(workers: int) -> list[str]:
     return ["--runner=FnApiRunner", "--direct_running_mode=multi_processing", f"--direct_num_workers={workers}"]
 
 
-def default_local_args() -> list[str]:
-    return local_args(os.cpu_count() or 1)
+SMALL_INPUT_BYTES = 8 * 1024 * 1024
+"""Inputs up to this size build in-process and as one fused job: about 8 s of single-core work, the most a
+many-core machine could lose against worker processes' start-up (bench/bench_corpus_small.py)."""
+
+
+def is_small(input_bytes: int | None) -> bool:
+    """`input_bytes` is known (all inputs local) and at most `SMALL_INPUT_BYTES`."""
+    return input_bytes is not None and input_bytes <= SMALL_INPUT_BYTES
+
+
+def default_local_args(input_bytes: int | None = None) -> list[str]:
+    return local_args(1 if is_small(input_bytes) else os.cpu_count() or 1)
 
 
 # `--flink_cluster` stands for the options that target the session cluster of infra/flink-cluster.sh.
@@ -85,8 +99,9 @@ def flink_cluster_args(env: Mapping[str, str] = os.environ) -> list[str]:
     ]
 
 
-def with_defaults(beam_args: list[str]) -> list[str]:
-    """`beam_args` as given (`--flink_cluster` expanded), or the local FnApiRunner default when they name no runner.
+def with_defaults(beam_args: list[str], input_bytes: int | None = None) -> list[str]:
+    """`beam_args` as given (`--flink_cluster` expanded), or the local FnApiRunner default for `input_bytes` of input
+    (None: unknown) when they name no runner.
 
     A job for a Flink cluster ember can reach over REST gets a `--job_name` when it has none: the name is
     how a stopped build finds its Flink job to cancel it (see `cancelled_on_stop`).
@@ -94,7 +109,7 @@ def with_defaults(beam_args: list[str]) -> list[str]:
     if FLINK_CLUSTER_FLAG in beam_args:
         args = flink_cluster_args() + [a for a in beam_args if a != FLINK_CLUSTER_FLAG]
     elif PipelineOptions(beam_args).view_as(StandardOptions).runner is None:
-        return default_local_args() + list(beam_args)
+        return default_local_args(input_bytes) + list(beam_args)
     else:
         args = list(beam_args)
     options = PipelineOptions(args)
@@ -137,6 +152,17 @@ def finish(result: PipelineResult, options: PipelineOptions) -> str:
             f"the {runner_name(options)} job{job} failed: it ended in state {state} ({cause[:300]}); "
             "Beam wrote the runner's full error into the job log"
         ) from exc
+
+
+def run_pipeline(p: Pipeline, options: PipelineOptions, what: str) -> str:
+    """`p` run to the end (`finish`), with one log line as it starts and one as it ends: the job log then says how
+    many Beam jobs a build ran, in which process, and the seconds each took."""
+    log = logging.getLogger(__name__)
+    log.info("beam job started: %s on %s in process %d", what, runner_name(options), os.getpid())
+    started = time.monotonic()
+    state = finish(p.run(), options)
+    log.info("beam job ended: %s, state %s after %.1f s", what, state, time.monotonic() - started)
+    return state
 
 
 class _Stop(BaseException):

@@ -116,10 +116,11 @@ def test_flink_runner_keeps_the_same_documents_byte_for_byte(sample: SampleCorpu
     assert file_digests(tmp_path) == file_digests(built)
 
 
-def test_cli_build_on_the_default_multiprocess_runner(sample: SampleCorpus, built: Path, tmp_path: Path) -> None:
+def test_cli_build_on_the_multiprocess_runner(sample: SampleCorpus, built: Path, tmp_path: Path) -> None:
     config = tmp_path / "corpus.yaml"
     config.write_text(yaml.safe_dump(sample.config(str(tmp_path / "out"))))
-    result = CliRunner().invoke(app, ["build", str(config)])
+    workers = ["--direct_running_mode=multi_processing", "--direct_num_workers=2"]  # the sample alone would run in-process
+    result = CliRunner().invoke(app, ["build", str(config), *workers])
     assert result.exit_code == 0, result.output
     assert "corpus build summary" in result.output and "balanced (in = kept + rejected)" in result.output
     assert re.search(r"\] read +66 docs", result.output), "worker progress files reached the progress lines"

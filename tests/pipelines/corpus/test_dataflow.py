@@ -15,6 +15,7 @@ import tarfile
 from pathlib import Path
 
 import apache_beam
+from apache_beam.options.pipeline_options import PipelineOptions
 import pytest
 import yaml
 from typer.testing import CliRunner
@@ -26,7 +27,7 @@ from ember.pipelines.cli import app
 from ember.pipelines.corpus.report import read_stats
 from ember.pipelines.corpus.dataflow import missing_build_tools, proto_transforms
 from ember.pipelines.quality.decontamination import write_benchmark
-from ember.pipelines.jobs.runners import default_local_args, local_args, with_defaults
+from ember.pipelines.jobs.runners import SMALL_INPUT_BYTES, default_local_args, local_args, with_defaults
 from ember.demo.sample_corpus import write_sample_corpus
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -40,6 +41,16 @@ def test_no_runner_means_the_multiprocess_fnapi_default() -> None:
     assert local_args(4) == ["--runner=FnApiRunner", "--direct_running_mode=multi_processing", "--direct_num_workers=4"]
     assert local_args(1) == ["--runner=FnApiRunner"], "one core: in-process, no worker to serialise to"
     assert with_defaults(["--runner=FlinkRunner", "--flink_master=[local]"]) == ["--runner=FlinkRunner", "--flink_master=[local]"]
+
+
+def test_a_small_input_runs_in_process_unless_the_options_ask_for_workers() -> None:
+    assert with_defaults([], SMALL_INPUT_BYTES) == ["--runner=FnApiRunner"]
+    assert with_defaults([], SMALL_INPUT_BYTES + 1) == default_local_args(None) == local_args(os.cpu_count() or 1)
+    assert with_defaults([], None) == default_local_args(None), "a URL input's size is unknown: the multi-process default"
+    workers = ["--direct_running_mode=multi_processing", "--direct_num_workers=2"]
+    options = PipelineOptions(with_defaults(workers, 1)).get_all_options()
+    assert (options["runner"], options["direct_running_mode"], options["direct_num_workers"]) == ("FnApiRunner", "multi_processing", 2)
+    assert with_defaults(["--runner=FlinkRunner"], 1) == ["--runner=FlinkRunner"]
 
 
 def test_complete_dataflow_options_pass() -> None:

@@ -31,6 +31,9 @@ from tests.pipelines.corpus_support import IN_PROCESS, file_digests, rows
 REPO = Path(__file__).resolve().parents[3]
 STOP_WITHIN_SECONDS = 30  # liveness bound, not a speed measurement
 START_TIMEOUT_SECONDS = 400
+SPLIT_WITH_WORKERS = ["--phases=split", "--direct_running_mode=multi_processing", "--direct_num_workers=2"]
+"""A small input builds fused and in-process by default; these tests stop a phase of the two-job build, with
+its SDK worker processes."""
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +73,10 @@ def comparable(out: Path) -> dict[str, str]:
 class Build:
     """`ember corpus build` (or `tokenize`; this worktree's code) as a real process, its output lines collected as they come."""
 
-    def __init__(self, config: Path, command: str = "build"):
+    def __init__(self, config: Path, command: str = "build", options: tuple[str, ...] = ()):
         env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "ember.cli", "corpus", command, str(config)],
+            [sys.executable, "-m", "ember.cli", "corpus", command, str(config), *options],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
         )
         self.lines: list[str] = []
@@ -182,7 +185,7 @@ def test_sigterm_in_the_output_phase_stops_and_a_rerun_resumes_byte_identical(sa
                                                                               tmp_path: Path) -> None:
     out = tmp_path / "out"
     config = write_config(tmp_path / "build.yaml", sample.config(str(out)))
-    build = Build(config)
+    build = Build(config, options=SPLIT_WITH_WORKERS)
     build.wait_for("phase output: running")
     code, elapsed, tree = build.stop(signal.SIGTERM)
     assert code == 143, build.output
@@ -215,7 +218,7 @@ def test_sigint_stops_a_running_build_and_leaves_the_previous_output(big_sample:
     before = file_digests(out)
     config = big_sample.config(str(out))
     config["output"]["rows_per_shard"] = 1000
-    build = Build(write_config(tmp_path / "build.yaml", config))
+    build = Build(write_config(tmp_path / "build.yaml", config), options=SPLIT_WITH_WORKERS)
     build.wait_for("phase documents: running")
     code, elapsed, tree = build.stop(signal.SIGINT, group=True)
     assert code == 130, build.output
