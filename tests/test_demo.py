@@ -22,3 +22,4 @@ def test_demo_runs_every_stage_and_its_checks_hold(kafka, slurm):
                 "books balance", "rl routing vs sampler (tokens differing)", "slurm job"):
         assert row in out, f"the demo summary lacks '{row}'"
     assert "FAILED" not in out
+    assert "versions gone round" in out and "sha256 = trainer's export: yes" in out, "the demo's loop stage did not close"

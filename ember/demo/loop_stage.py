@@ -227,7 +227,7 @@ def _wait(what: str, done, services: _Services, alive: tuple[str, ...], timeout_
         services.check_alive(*alive)
         if time.monotonic() > deadline:
             raise TimeoutError(f"the loop: {what} did not happen within {timeout_s:.0f}s")
-        time.sleep(1.0)
+        time.sleep(0.25)
 
 
 def run_loop(workdir: Path, prefix: str, tokenizer: Path, *, steps: int = 3, groups_per_version: int = 2,
