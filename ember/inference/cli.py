@@ -81,6 +81,9 @@ def sample(config_path: Path = typer.Argument(..., metavar="CONFIG", help="Sampl
         f"{', '.join(map(str, stats.versions))}; {len(stats.rejected_tasks)} tasks rejected, {len(stats.refused)} versions refused",
         soft_wrap=True,
     )
+    if config.policy.max_groups_per_version is not None:
+        console.print(f"waited {stats.waited_s:.1f}s for newer versions (max_groups_per_version "
+                      f"{config.policy.max_groups_per_version})", soft_wrap=True)
     for version, digest in zip(stats.versions, stats.sha256s):
         console.print(f"loaded policy version {version}: export.json sha256 {digest} (verified)", soft_wrap=True)
 

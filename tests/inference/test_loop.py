@@ -7,8 +7,12 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
 from ember.demo.loop_stage import GRADER, GROUP_SIZE, run_loop
 from tests.tokenize.support import train_tokenizer
+
+pytestmark = pytest.mark.integration
 
 
 def test_three_policy_versions_go_round_with_every_rollout_decided_once_and_the_sampler_on_the_trainers_exports(
