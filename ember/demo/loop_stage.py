@@ -289,4 +289,6 @@ def run(console: Console, workdir: Path) -> list[tuple[str, str]]:
         tokenizer = train_tokenizer(workdir / "tokenizer.json")
     with console.status("loop: midtrain rl (2 ranks) <- etl <- grade <- sample (transformers), versions going round..."):
         records = run_loop(workdir, prefix, tokenizer)
-    return [("loop", records.summary())]
+    summary = records.summary()
+    console.print(f"loop: {summary}", soft_wrap=True)  # whole, for a reader grepping the log; the table wraps it
+    return [("loop", summary)]
