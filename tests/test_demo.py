@@ -22,3 +22,5 @@ def test_demo_runs_every_stage_and_its_checks_hold(kafka, slurm):
                 "books balance", "rl routing vs sampler (tokens differing)", "slurm job"):
         assert row in out, f"the demo summary lacks '{row}'"
     assert "FAILED" not in out
+    loop = next((line for line in out.splitlines() if line.startswith("loop: ")), "")
+    assert "versions gone round" in loop and "decided once: yes" in loop and "sha256 = trainer's export: yes" in loop, out[-6000:]

@@ -6,7 +6,9 @@ code + web corpus with Beam (filters, redaction, exact + near dedup); tokenize a
 into verified Arrow shards; run a few Megatron-core MoE mid-training steps on those shards; stream
 simulated RL rollouts and late rewards through the rollout ETL into training batches that a trainer
 reads; run RL steps with router replay on rollouts a reference sampler produced, printing the
-trainer/sampler mismatch; and run a job on the local Slurm. Each stage contributes rows to one summary table; the demo
+trainer/sampler mismatch; close the loop with no simulator (`midtrain rl` on 2 ranks exports and announces each
+version, `rollouts sample` hot-swaps it in transformers, `rollouts grade` and `rollouts etl` feed the trainer back);
+and run a job on the local Slurm. Each stage contributes rows to one summary table; the demo
 fails when a stage raises or a stage's own check (records equal, books balance, shards verify) fails.
 """
 
@@ -30,6 +32,7 @@ VERDICTS: dict[str, Callable[[str], bool]] = {
     "corpus accounted (in = kept + rejected)": lambda v: v == "yes",
     "verify": lambda v: v == "OK",
     "books balance": lambda v: v.startswith("yes"),
+    "loop": lambda v: int(v.split(" ")[0]) >= 2 and "NO" not in v,
 }
 
 
@@ -69,6 +72,7 @@ def run_demo(console: Console, *, rollouts: int, group_size: int, tokens: int, l
     from ember.demo import rl_stage as rl_demo
     from ember.demo import corpus_stage as corpus_demo
     from ember.demo import etl_stage as rollouts_demo
+    from ember.demo import loop_stage as loop_demo
 
     sections: list[tuple[str, Rows]] = []
     context: dict[str, Path] = {}
@@ -84,6 +88,7 @@ def run_demo(console: Console, *, rollouts: int, group_size: int, tokens: int, l
         ("mid-training (Megatron-core MoE, CPU)", lambda: midtrain_demo.run(console, context["shards"], workdir / "midtrain")),
         ("rollout ETL (Kafka)", lambda: rollouts_demo.run(console, f"{DEMO_PREFIX}-etl-{int(time.time())}", 48, group_size, 512)),
         ("RL steps: sampler -> ETL -> trainer with router replay (Megatron-core MoE, CPU)", lambda: rl_demo.run(console, workdir / "rl")),
+        ("RL loop: midtrain rl -> sample (transformers) -> grade -> ETL, no simulator", lambda: loop_demo.run(console, workdir / "loop")),
         ("slurm", lambda: slurm_stage(workdir)),
     ]
     ok = True

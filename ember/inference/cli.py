@@ -3,6 +3,10 @@ midtrain, whose export reader the worker needs, so the command lives above both)
 
 from __future__ import annotations
 
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import typer
@@ -62,8 +66,9 @@ def sample(config_path: Path = typer.Argument(..., metavar="CONFIG", help="Sampl
                         f"{stats.rejected_tasks[0] if stats.rejected_tasks else 'the file is empty'})", 2)
         g = config.generation
         sampling = Sampling(g.temperature, g.top_p, g.max_new_tokens, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, seed=g.seed)
-        with RolloutWriter(config.kafka.topic_prefix, security=config.kafka.security, bootstrap_servers=config.kafka.bootstrap) as writer:
-            worker.run(config, prompts, sampling, writer, backend, stats)
+        with (RolloutWriter(config.kafka.topic_prefix, security=config.kafka.security, bootstrap_servers=config.kafka.bootstrap) as writer,
+              _stop_on_signals() as stop):
+            worker.run(config, prompts, sampling, writer, backend, stats, stop)
     except (worker.NoPolicy, HTTPBackendError) as exc:
         raise _fail(str(exc), 2) from None
     except (BrokerNotReady, KafkaError) as exc:
@@ -85,3 +90,21 @@ def sample(config_path: Path = typer.Argument(..., metavar="CONFIG", help="Sampl
         f"{len(stats.failed_groups)} groups failed",
         soft_wrap=True,
     )
+    if config.policy.max_groups_per_version is not None:
+        console.print(f"waited {stats.waited_s:.1f}s for newer versions (max_groups_per_version "
+                      f"{config.policy.max_groups_per_version})", soft_wrap=True)
+    for version, digest in zip(stats.versions, stats.sha256s):
+        console.print(f"loaded policy version {version}: export.json sha256 {digest} (verified)", soft_wrap=True)
+
+
+@contextmanager
+def _stop_on_signals() -> Iterator[threading.Event]:
+    """An event SIGTERM or SIGINT sets, for the run only (the previous handlers come back after it): the run ends
+    after the batch in flight is acked (or at once while it waits for a version), leaving no half-published group."""
+    stop = threading.Event()
+    previous = {number: signal.signal(number, lambda *_: stop.set()) for number in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield stop
+    finally:
+        for number, action in previous.items():
+            signal.signal(number, action)

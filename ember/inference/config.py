@@ -34,6 +34,10 @@ class PolicySource(StrictModel):
     sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$", description="sha256 of the pinned export's export.json")
     version: int = Field(0, ge=0, description="the policy version a pinned export's rollouts carry")
     wait_s: float = Field(60.0, ge=0, description="with follow: how long to wait for a first announced version")
+    max_groups_per_version: int | None = Field(
+        None, ge=1, description="with follow: a batch starts only while fewer groups than this came from the version in "
+        "use, else the sampler waits for a newer one (how far sampling may run ahead of training, as AReaL's "
+        "max_head_offpolicyness); null: never wait")
 
     @model_validator(mode="after")
     def _one_source(self) -> "PolicySource":
@@ -42,6 +46,8 @@ class PolicySource(StrictModel):
             raise ValueError("set follow: true, or follow: false with uri and sha256 (a pinned export)")
         if pinned and (self.uri is None or self.sha256 is None):
             raise ValueError("a pinned export needs both uri and sha256")
+        if pinned and self.max_groups_per_version is not None:
+            raise ValueError("max_groups_per_version waits for newer announced versions: it needs follow: true")
         return self
 
 

@@ -35,6 +35,9 @@ from ember.tokenize.tokenizers import Tokenizer
 
 log = logging.getLogger(__name__)
 
+_VERSION_POLL_S = 0.2
+"""How often a sampler that waits for a newer version (`max_groups_per_version`) looks at the policy-versions topic."""
+
 
 class NoPolicy(RuntimeError):
     """No usable policy: none announced with weights in time, or the one named is not the announced export."""
@@ -90,6 +93,8 @@ class SampleStats:
     generated_tokens: int = 0
     generate_s: float = 0.0
     versions: list[int] = field(default_factory=list)  # every version loaded, in order
+    sha256s: list[str] = field(default_factory=list)  # each loaded version's verified export.json digest, in order
+    waited_s: float = 0.0  # time spent waiting for a newer version (max_groups_per_version)
     refused: list[str] = field(default_factory=list)  # one line per announced export that failed verification
     rejected_tasks: list[str] = field(default_factory=list)
     failed_groups: list[str] = field(default_factory=list)  # one line per group dropped: a completion could not be had
@@ -109,6 +114,7 @@ class Sampler:
             first = follower.wait_first(config.policy.wait_s)
             self.policy = self._load(first.weights_uri, first.weights_sha256, first.policy_version)
         self.stats.versions.append(self.policy.version)
+        self.stats.sha256s.append(self.policy.sha256)
 
     @staticmethod
     def _load(uri: str, sha256: str, version: int) -> LoadedPolicy:
@@ -139,6 +145,7 @@ class Sampler:
             return None
         self.policy = policy
         self.stats.versions.append(policy.version)
+        self.stats.sha256s.append(policy.sha256)
         log.info("swapped to policy version %d (%s)", policy.version, policy.sha256[:12])
         return policy
 
@@ -188,15 +195,23 @@ def prompt_ids(config: SamplerConfig, tokenizer: Tokenizer, tasks: list[Task], p
 def run(config: SamplerConfig, prompts: list[tuple[Task, list[int]]], sampling: Sampling, writer: RolloutWriter,
         backend: Backend, stats: SampleStats, stop: threading.Event | None = None) -> SampleStats:
     """Every (task, prompt ids) `epochs` times, `batch_size // group_size` tasks per generation batch; `stop` ends
-    the run between batches (each batch's rollouts are acked first). A group with a completion the backend could
-    not deliver is dropped whole (the ETL needs whole groups) and named in `stats.failed_groups`."""
+    the run between batches (each batch's rollouts are acked first), also while it waits for a newer version. A group
+    with a completion the backend could not deliver is dropped whole (the ETL needs whole groups) and named in
+    `stats.failed_groups`."""
     g = config.generation
     per_batch = g.batch_size // g.group_size
+    stop = stop or threading.Event()
+    per_version: dict[int, int] = {}  # groups started under each version
     for epoch in range(config.epochs):
         for start in range(0, len(prompts), per_batch):
-            if stop is not None and stop.is_set():
+            if stop.is_set():
                 return stats
             chunk = prompts[start : start + per_batch]
+            if isinstance(backend, Sampler):  # the in-process sampler follows announced versions; an engine holds its own
+                backend.refresh()
+                if not _within_version_budget(config, backend, per_version, stats, stop):
+                    return stats
+                per_version[backend.policy.version] = per_version.get(backend.policy.version, 0) + len(chunk)
             began = time.perf_counter()
             completions = backend.generate([ids for _, ids in chunk for _ in range(g.group_size)],
                                            [task.prompt for task, _ in chunk for _ in range(g.group_size)], sampling)
@@ -220,3 +235,17 @@ def run(config: SamplerConfig, prompts: list[tuple[Task, list[int]]], sampling: 
             writer.flush()  # acked before the next batch: a crash loses at most the batch in flight
             stats.groups += len(kept_tasks)
     return stats
+
+
+def _within_version_budget(config: SamplerConfig, sampler: Sampler, per_version: dict[int, int], stats: SampleStats,
+                           stop: threading.Event) -> bool:
+    """Waits while the version in use has its `max_groups_per_version` groups, until a newer one is loaded (True)
+    or `stop` is set (False): the trainer's pace bounds how many groups one version samples."""
+    limit = config.policy.max_groups_per_version
+    began = time.perf_counter()
+    while limit is not None and per_version.get(sampler.policy.version, 0) >= limit:
+        if stop.wait(_VERSION_POLL_S):
+            return False
+        sampler.refresh()
+    stats.waited_s += time.perf_counter() - began
+    return True

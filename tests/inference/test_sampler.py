@@ -292,3 +292,16 @@ def test_a_pinned_export_whose_digest_is_not_the_one_given_exits_2_naming_it(wor
     result = CliRunner().invoke(app, ["rollouts", "sample", str(path)])
     assert result.exit_code == 2, result.output
     assert f"policy version 1: {workspace['v1'].path / 'export.json'} hashes to {workspace['v1'].sha256}" in result.output
+
+
+def test_max_groups_per_version_needs_a_followed_policy_and_is_named_when_set_on_a_pinned_one(tmp_path):
+    from ember.inference.config import SamplerConfigError
+
+    example = Path(__file__).resolve().parents[2] / "ember" / "inference" / "sample.example.yaml"
+    assert load_config(example).policy.max_groups_per_version is None
+    bad = tmp_path / "pinned.yaml"
+    data = yaml.safe_load(example.read_text())
+    data["policy"] = {"follow": False, "uri": "file:///x", "sha256": "0" * 64, "max_groups_per_version": 2}
+    bad.write_text(yaml.safe_dump(data))
+    with pytest.raises(SamplerConfigError, match="max_groups_per_version waits for newer announced versions: it needs follow: true"):
+        load_config(bad)
