@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from ember import configs
+from ember import configs, storage
 from ember.configs import MidtrainConfigError, StrictModel, at_most
 from ember.rollouts.security import KafkaSecurity
 from ember.rollouts.topics import Topics
@@ -356,8 +356,26 @@ class RLSettings(StrictModel):
         "never retrains an announced version. null: every checkpoint. The starting and the final version are always announced",
     )
     keep_versions: Annotated[int, at_most(1000, "each one is a full copy of the weights on disk")] = Field(
-        default=4, gt=0, description="exported versions kept under run_dir/versions; older ones are removed"
+        default=4, gt=0, description="exported versions kept under run_dir/versions (and publish_uri); older ones are removed"
     )
+    publish_uri: str | None = Field(
+        default=None, description="gs://BUCKET/PREFIX or s3://BUCKET/PREFIX: each version is uploaded under it (files "
+        "first, export.json last) and announced there. null: announced at run_dir/versions",
+    )
+    full_every_k: Annotated[int, at_most(1000, "a late sampler rebuilds up to this many versions")] = Field(
+        default=1, gt=0, description="every k-th published version is a full snapshot, the others deltas (XOR + zstd) on "
+        "the previous one; 1: every version full",
+    )
+
+    @field_validator("publish_uri")
+    @classmethod
+    def _object_store(cls, uri: str | None) -> str | None:
+        if uri is not None:
+            try:
+                storage.parse(uri)
+            except storage.StorageError as exc:
+                raise ValueError(str(exc)) from None
+        return uri
 
     @model_validator(mode="before")
     @classmethod
@@ -395,6 +413,12 @@ class RLSettings(StrictModel):
                 f"initial_policy_version + steps exceeds {MAX_POLICY_VERSION:,}, the largest int64 policy version "
                 "a TrainBatch or policy announcement can carry"
             )
+        if self.full_every_k > self.keep_versions:
+            problems.append((
+                "keep_versions",
+                f"{self.keep_versions} is below full_every_k {self.full_every_k}: a delta's chain back to its full "
+                "snapshot would be removed before a late sampler could rebuild it",
+            ))
         if self.publish_interval is not None and (not self.save_interval or self.publish_interval % self.save_interval):
             saves = f"every {self.save_interval} steps" if self.save_interval else "only at the end: save_interval 0"
             problems.append((
