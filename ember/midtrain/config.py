@@ -11,12 +11,13 @@ shard sets it names can move together.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from ember import configs, storage
+from ember import configs
 from ember.configs import MidtrainConfigError, StrictModel, at_most
 from ember.rollouts.security import KafkaSecurity
 from ember.rollouts.topics import Topics
@@ -370,11 +371,9 @@ class RLSettings(StrictModel):
     @field_validator("publish_uri")
     @classmethod
     def _object_store(cls, uri: str | None) -> str | None:
-        if uri is not None:
-            try:
-                storage.parse(uri)
-            except storage.StorageError as exc:
-                raise ValueError(str(exc)) from None
+        """The scheme only: the bucket's name, credentials and reach are `storage.preflight`'s, before the run starts."""
+        if uri is not None and not re.fullmatch(r"(gs|s3)://[^/]+(/.*)?", uri):
+            raise ValueError(f"{uri!r}: expected gs://BUCKET/PREFIX or s3://BUCKET/PREFIX (null: publish under run_dir/versions)")
         return uri
 
     @model_validator(mode="before")
