@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Buffer
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Callable, Literal, Mapping
@@ -206,7 +207,7 @@ class PolicyConfig(StrictModel):
         return shapes
 
 
-def sha256(data: bytes) -> str:
+def sha256(data: Buffer) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
@@ -288,8 +289,9 @@ BaseResolver = Callable[[BaseRef], "ExportFiles"]
 """Reads a delta's base (its weights rebuilt and checked); a consumer's own (an object store, a copy in memory)."""
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> bytes:
-    return tensor.contiguous().view(torch.uint8).numpy().tobytes()
+def _tensor_bytes(tensor: torch.Tensor):
+    """The tensor's bytes as a uint8 array viewing its storage (no copy): hashed and XOR-ed in place."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 def _tensors(raw: bytes, where: Path) -> dict[str, torch.Tensor]:
@@ -312,12 +314,13 @@ def encode_delta(weights: bytes, base_weights: bytes) -> tuple[bytes, dict[str, 
     new, old = _tensors(weights, Path(WEIGHTS_FILE)), _tensors(base_weights, Path(WEIGHTS_FILE))
     if new.keys() != old.keys() or any((t.dtype, t.shape) != (old[n].dtype, old[n].shape) for n, t in new.items()):
         return None
-    xored, checksums = [], {}
+    xored, checksums, at = np.empty(sum(t.numel() * t.element_size() for t in new.values()), np.uint8), {}, 0
     for name in sorted(new):
         raw = _tensor_bytes(new[name])
         checksums[name] = sha256(raw)
-        xored.append(np.bitwise_xor(np.frombuffer(raw, np.uint8), np.frombuffer(_tensor_bytes(old[name]), np.uint8)))
-    return zstandard.ZstdCompressor(level=3).compress(np.concatenate(xored).tobytes()), checksums
+        np.bitwise_xor(raw, _tensor_bytes(old[name]), out=xored[at:at + raw.size])
+        at += raw.size
+    return zstandard.ZstdCompressor(level=3).compress(xored), checksums
 
 
 def _rebuild(base: "ExportFiles", delta: bytes, manifest: DeltaManifest, path: Path) -> bytes:
@@ -341,9 +344,9 @@ def _rebuild(base: "ExportFiles", delta: bytes, manifest: DeltaManifest, path: P
     rebuilt, at = {}, 0
     for name in sorted(old):
         before = old[name]
-        raw = np.bitwise_xor(np.frombuffer(_tensor_bytes(before), np.uint8), np.frombuffer(xored, np.uint8, before.numel() * before.element_size(), at))
+        raw = np.bitwise_xor(_tensor_bytes(before), np.frombuffer(xored, np.uint8, before.numel() * before.element_size(), at))
         at += raw.size
-        if (actual := sha256(raw.tobytes())) != manifest.tensors[name]:
+        if (actual := sha256(raw)) != manifest.tensors[name]:
             raise PolicyFetchError(f"{where}: tensor {name} rebuilds to sha256 {actual}, {MANIFEST_FILE} records {manifest.tensors[name]}")
         rebuilt[name] = torch.from_numpy(raw).view(before.dtype).reshape(before.shape)
     weights = save(rebuilt, metadata={"format": "pt"})

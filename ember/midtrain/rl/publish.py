@@ -4,8 +4,9 @@ previous version, then (with `rl.publish_uri`) uploaded to gs:// or s3://, the U
 Why a delta: consecutive RL versions differ by a few optimizer steps, so XOR-ing each tensor's bytes against the
 previous version's leaves mostly zero bytes, which zstd shrinks (`export_format.encode_delta`; slime's delta
 weight sync is the anchor). Every `full_every_k`-th version is a full snapshot, so a sampler that joins late walks
-at most k - 1 deltas forward from it, and `keep_versions` >= `full_every_k` keeps that chain on the store. The first
-version after a restart is full: the previous weights are not held in memory then.
+at most k - 1 deltas forward from it, and `keep_versions` >= `full_every_k` keeps that chain on the store. A
+restarted run's first export is full (the previous weights left memory with the old process), unless the resumed
+version's export is on disk: it is read back, checked, and is the next delta's base.
 
 An upload is committed as the corpus commits a shard set (`storage.commit_files`): the files first, checked at their
 sizes, export.json last, so a reader that starts from the manifest never sees half an export. Old versions are
