@@ -6,8 +6,8 @@ The versions are real consecutive torch.distributed checkpoints in megatron's la
 trainer step costs more than everything measured here), each an Adam-like step from the last: every weight moved
 by +-lr (1e-5 by default; RL runs train at 1e-6 to 1e-5). Full: every version a full export. Delta:
 full_every_k 4, so versions 1 and 5 are full and 2-4 deltas; the delta rows are the median over the delta
-versions, "per version" the mean over all five (what a run pays on average). Medians of 3 repeats; CPU only,
-timing never decides pass/fail.
+versions, "per version" the mean over all five (what a run pays on average). Medians of 3 repeats, the four
+paths taking turns; CPU only, timing never decides pass/fail.
 
     EMBER_HOME=/work/main/.ember .venv/bin/python bench/bench_publish.py [--repeats 3] [--lr 1e-5]
 """
@@ -66,22 +66,22 @@ def measure(sizes: dict, bucket: str, repeats: int, lr: float) -> dict:
     model, moe = _shape(sizes)
     work = Path(tempfile.mkdtemp(prefix="bench-publish-"))
     checkpoints = consecutive_checkpoints(work / "checkpoints", VERSIONS, lr=lr, model=model, moe=moe)
-    results = {}
-    for target in ("local disk", "S3 (moto)"):
-        for mode, k in (("full", 1), ("delta", K)):
-            per_repeat = []
-            for repeat in range(repeats + 1):  # the first warms up
+    runs: dict[tuple[str, str], list[list[dict]]] = {}
+    for repeat in range(repeats + 1):  # the first warms up; the four paths take turns, so load drift hits all alike
+        for target in ("local disk", "S3 (moto)"):
+            for mode, k in (("full", 1), ("delta", K)):
                 tag = f"{target[:2]}-{mode}-{repeat}-{uuid.uuid4().hex[:6]}"
-                uri = None if target == "local disk" else f"{bucket}/{tag}"
-                rows = _round(checkpoints, model, moe, work / tag, uri, k)
+                rows = _round(checkpoints, model, moe, work / tag, None if target == "local disk" else f"{bucket}/{tag}", k)
                 if repeat:
-                    per_repeat.append(rows)
-            picked = [[r for r in rows if r["delta"] == (mode == "delta")] for rows in per_repeat]
-            results[(target, mode)] = {
-                key: statistics.median(statistics.median(r[key] for r in rows) for rows in picked)
-                for key in ("bytes", "publish", "load")
-            } | {"mean_bytes": statistics.median(statistics.mean(r["bytes"] for r in rows) for rows in per_repeat),
-                 "mean_s": statistics.median(statistics.mean(r["publish"] + r["load"] for r in rows) for rows in per_repeat)}
+                    runs.setdefault((target, mode), []).append(rows)
+    results = {}
+    for (target, mode), per_repeat in runs.items():
+        picked = [[r for r in rows if r["delta"] == (mode == "delta")] for rows in per_repeat]
+        results[(target, mode)] = {
+            key: statistics.median(statistics.median(r[key] for r in rows) for rows in picked)
+            for key in ("bytes", "publish", "load")
+        } | {"mean_bytes": statistics.median(statistics.mean(r["bytes"] for r in rows) for rows in per_repeat),
+             "mean_s": statistics.median(statistics.mean(r["publish"] + r["load"] for r in rows) for rows in per_repeat)}
     return results
 
 
