@@ -132,10 +132,13 @@ def read_bytes(location: str | Path) -> bytes:
             raise FileNotFoundError(f"{location} does not exist")
         with io.open(location, "rb") as handle:
             return handle.read()
+    from apache_beam.io.filesystem import CompressionTypes
+
     fs = _filesystems()
     if not fs.exists(location):
         raise FileNotFoundError(f"{location} does not exist")
-    with fs.open(location) as handle:
+    # the stored bytes, as written: Beam would otherwise decompress by the name's extension (.gz, .zst, ...)
+    with fs.open(location, compression_type=CompressionTypes.UNCOMPRESSED) as handle:
         return handle.read()
 
 

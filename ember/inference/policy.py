@@ -19,7 +19,7 @@ import torch
 
 from ember import storage
 from ember.midtrain.export_format import (
-    EXPORTED_FILES, MANIFEST_FILE, ExportFiles, PolicyConfig, PolicyFetchError, read_export,
+    MANIFEST_FILE, BaseRef, ExportFiles, PolicyConfig, PolicyFetchError, listed_files, read_export,
 )
 from ember.midtrain.hf_policy import local_path
 
@@ -33,6 +33,7 @@ class LoadedPolicy:
     version: int
     sha256: str
     uri: str
+    files: ExportFiles  # the checked bytes, kept as the base a delta on this version is rebuilt from
 
 
 def mixtral_config(config: PolicyConfig):
@@ -50,32 +51,51 @@ def _fetch(location: str) -> bytes:
         raise PolicyFetchError(f"{location}: cannot be fetched ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
 
 
-def read_announced(uri: str, sha256: str) -> ExportFiles:
-    """The export at `uri` (file://, gs:// or s3://), every file checked by `read_export`. An object-store export is
-    copied into a private temporary directory first (export.json first, checked against `sha256` before the weights
-    are fetched) and read from there once: what is verified is what is loaded."""
+def _sibling(uri: str, name: str) -> str:
+    if urlparse(uri).scheme in storage.SCHEMES:
+        return storage.join(uri.rstrip("/").rsplit("/", 1)[0], name)
+    return local_path(uri).parent.joinpath(name).as_uri()
+
+
+def _bases(uri: str, known: ExportFiles | None):
+    """A delta's base: `known` (the version in use) when it is the one pinned, so a sampler that follows every
+    version fetches only deltas; else the export beside `uri`, read by `read_announced` in turn, back to the last
+    full snapshot (a sampler that joined late)."""
+    def resolve(ref: BaseRef) -> ExportFiles:
+        if known is not None and known.sha256 == ref.sha256:
+            return known
+        return read_announced(_sibling(uri, ref.name), ref.sha256, known)
+    return resolve
+
+
+def read_announced(uri: str, sha256: str, known: ExportFiles | None = None) -> ExportFiles:
+    """The export at `uri` (file://, gs:// or s3://), every file checked by `read_export` (a delta rebuilt on its
+    base, `_bases`). An object-store export is copied into a private temporary directory first (export.json first,
+    checked against `sha256` before anything else is fetched) and read from there once: what is verified is what
+    is loaded."""
     if urlparse(uri).scheme not in storage.SCHEMES:
-        return read_export(local_path(uri), sha256)
+        return read_export(local_path(uri), sha256, _bases(uri, known))
     with tempfile.TemporaryDirectory(prefix="ember-policy-") as tmp:
         manifest = _fetch(storage.join(uri, MANIFEST_FILE))
         if (digest := hashlib.sha256(manifest).hexdigest()) != sha256:
             raise PolicyFetchError(f"{storage.join(uri, MANIFEST_FILE)} hashes to {digest}, the announcement says {sha256}: not the announced export")
         (Path(tmp) / MANIFEST_FILE).write_bytes(manifest)
-        for name in EXPORTED_FILES:
+        for name in listed_files(manifest):
             (Path(tmp) / name).write_bytes(_fetch(storage.join(uri, name)))
         try:
-            return read_export(Path(tmp), sha256)
+            return read_export(Path(tmp), sha256, _bases(uri, known))
         except PolicyFetchError as exc:  # name the object, not the private copy
-            raise PolicyFetchError(str(exc).replace(tmp, uri.rstrip("/"))) from None
+            raise type(exc)(str(exc).replace(tmp, uri.rstrip("/"))) from None
 
 
-def load_policy(uri: str, sha256: str, version: int) -> LoadedPolicy:
-    """The export at `uri` whose export.json hashes to `sha256` (every file checked: `read_announced`), in
-    transformers. Raises PolicyFetchError naming the file for an export that is not the announced one or does not load."""
+def load_policy(uri: str, sha256: str, version: int, known: LoadedPolicy | None = None) -> LoadedPolicy:
+    """The export at `uri` whose export.json hashes to `sha256` (every file checked: `read_announced`; a delta on
+    `known`'s version rebuilt from the bytes `known` was loaded from), in transformers. Raises PolicyFetchError naming
+    the file for an export that is not the announced one or does not load."""
     from transformers import MixtralForCausalLM
     from transformers.utils import logging as hf_logging
 
-    files = read_announced(uri, sha256)
+    files = read_announced(uri, sha256, known.files if known else None)
     try:
         config, tensors = files.load()
     except PolicyFetchError as exc:
@@ -99,4 +119,4 @@ def load_policy(uri: str, sha256: str, version: int) -> LoadedPolicy:
         detail = "; ".join(f"{key}: {', '.join(map(str, value[:3]))}" for key, value in problems.items())
         raise PolicyFetchError(f"{files.path}: transformers' MixtralForCausalLM does not take these weights ({detail})")
     logging.getLogger(__name__).info("loaded policy version %d from %s (%s)", version, uri, sha256[:12])
-    return LoadedPolicy(model.eval(), config, version, files.sha256, uri)
+    return LoadedPolicy(model.eval(), config, version, files.sha256, uri, files)

@@ -137,7 +137,7 @@ class Sampler:
             return None
         self.follower.pending = None
         try:
-            policy = load_policy(announced.weights_uri, announced.weights_sha256, announced.policy_version)
+            policy = load_policy(announced.weights_uri, announced.weights_sha256, announced.policy_version, self.policy)
         except PolicyFetchError as exc:
             line = f"policy version {announced.policy_version} refused, still sampling version {self.policy.version}: {exc}"
             log.error("%s", line)

@@ -11,6 +11,7 @@ shard sets it names can move together.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -356,8 +357,24 @@ class RLSettings(StrictModel):
         "never retrains an announced version. null: every checkpoint. The starting and the final version are always announced",
     )
     keep_versions: Annotated[int, at_most(1000, "each one is a full copy of the weights on disk")] = Field(
-        default=4, gt=0, description="exported versions kept under run_dir/versions; older ones are removed"
+        default=4, gt=0, description="exported versions kept under run_dir/versions (and publish_uri); older ones are removed"
     )
+    publish_uri: str | None = Field(
+        default=None, description="gs://BUCKET/PREFIX or s3://BUCKET/PREFIX: each version is uploaded under it (files "
+        "first, export.json last) and announced there. null: announced at run_dir/versions",
+    )
+    full_every_k: Annotated[int, at_most(1000, "a late sampler rebuilds up to this many versions")] = Field(
+        default=1, gt=0, description="every k-th published version is a full snapshot, the others deltas (XOR + zstd) on "
+        "the previous one; 1: every version full",
+    )
+
+    @field_validator("publish_uri")
+    @classmethod
+    def _object_store(cls, uri: str | None) -> str | None:
+        """The scheme only: the bucket's name, credentials and reach are `storage.preflight`'s, before the run starts."""
+        if uri is not None and not re.fullmatch(r"(gs|s3)://[^/]+(/.*)?", uri):
+            raise ValueError(f"{uri!r}: expected gs://BUCKET/PREFIX or s3://BUCKET/PREFIX (null: publish under run_dir/versions)")
+        return uri
 
     @model_validator(mode="before")
     @classmethod
@@ -395,6 +412,12 @@ class RLSettings(StrictModel):
                 f"initial_policy_version + steps exceeds {MAX_POLICY_VERSION:,}, the largest int64 policy version "
                 "a TrainBatch or policy announcement can carry"
             )
+        if self.full_every_k > self.keep_versions:
+            problems.append((
+                "keep_versions",
+                f"{self.keep_versions} is below full_every_k {self.full_every_k}: a delta's chain back to its full "
+                "snapshot would be removed before a late sampler could rebuild it",
+            ))
         if self.publish_interval is not None and (not self.save_interval or self.publish_interval % self.save_interval):
             saves = f"every {self.save_interval} steps" if self.save_interval else "only at the end: save_interval 0"
             problems.append((

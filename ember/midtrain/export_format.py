@@ -12,16 +12,27 @@ each file once, reads it whole (at most the size the manifest records) and hashe
 (`PolicyConfig`: every size bounded, epsilon and RoPE base positive) and the parameters it describes must fit
 in the weights file; after, every tensor's name, shape and dtype must be the config's.
 
+Format 3 is a delta export (slime's delta weight sync is the anchor): `weights.delta.zst` instead of the weights, the
+XOR of each tensor's bytes against the base version's (a previous export, named and pinned by its digest in
+`base`), laid out as byte planes (Blosc's shuffle: every element's first byte, then every second byte, ...) and
+zstd-compressed. Small updates leave the sign, exponent and high mantissa bits of most weights as they were, so
+those planes are almost all zero bytes and compress to little; the low mantissa planes are noise either way. The manifest records the sha256 of every rebuilt tensor and
+of the rebuilt `model.safetensors`, byte for byte the file a full export of the same weights holds: the reader
+rebuilds it from the base (itself read and checked, a delta in turn back to the last full snapshot) and hands on
+only bytes that match. A base that cannot be had is `DeltaBaseUnavailable`, never a guess.
+
 Format 1 (a manifest naming the weights' sha256 alone) is refused: re-export the checkpoint.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+from collections.abc import Buffer
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal, Mapping
+from typing import Annotated, Callable, Literal, Mapping
 
 import torch
 from pydantic import Field, StrictInt, ValidationError, field_validator, model_validator
@@ -34,12 +45,19 @@ from ember.schemas.wire_json import DecodeError, parse_json
 from ember.tokenize.config import MAX_SEQ_LEN, SEQ_LEN_WHY
 
 FORMAT = 2
+DELTA_FORMAT = 3
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+DELTA_FILE = "weights.delta.zst"
 MANIFEST_FILE = "export.json"
 EXPORTED_FILES = (CONFIG_FILE, WEIGHTS_FILE)
-MAX_MANIFEST_BYTES = 64 * 1024
-"""Two file entries and a checkpoint path: a larger export.json is not one ember wrote."""
+DELTA_FILES = (CONFIG_FILE, DELTA_FILE)
+DELTA_ZSTD_LEVEL = 1
+"""A delta's byte planes are near-zero (sign, exponent, high mantissa) or noise (low mantissa): higher levels find
+nothing more (36.8% of the bytes at level 3, 36.7% at 1, fp32 moved by 1e-5) and compress at a third of the speed."""
+MAX_MANIFEST_BYTES = 16 * 1024 * 1024
+"""A delta's manifest holds a checksum per tensor (about 120 bytes each): 16 MiB is over 100,000 tensors, ten
+times a large MoE's; a larger export.json is not one ember wrote."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -47,9 +65,19 @@ class PolicyFetchError(ValueError):
     """An export that cannot be used: unreachable, incomplete, altered, an old format, or not the announced one."""
 
 
+class DeltaBaseUnavailable(PolicyFetchError):
+    """A delta export whose base cannot be had (removed, never fetched, altered): its weights cannot be rebuilt."""
+
+
 class FileEntry(StrictModel):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     size: StrictInt = Field(ge=0)
+
+
+def _exactly(files: dict[str, FileEntry], names: tuple[str, ...]) -> dict[str, FileEntry]:
+    if sorted(files) != sorted(names):
+        raise ValueError(f"must list exactly {', '.join(names)}, got {', '.join(sorted(files)) or 'none'}")
+    return files
 
 
 class Manifest(StrictModel):
@@ -64,9 +92,37 @@ class Manifest(StrictModel):
     @field_validator("files")
     @classmethod
     def _exactly_the_exported_files(cls, files: dict[str, FileEntry]) -> dict[str, FileEntry]:
-        if sorted(files) != sorted(EXPORTED_FILES):
-            raise ValueError(f"must list exactly {', '.join(EXPORTED_FILES)}, got {', '.join(sorted(files)) or 'none'}")
-        return files
+        return _exactly(files, EXPORTED_FILES)
+
+    def encode(self) -> bytes:
+        return (self.model_dump_json(indent=2, exclude_none=True) + "\n").encode()
+
+
+class BaseRef(StrictModel):
+    """The export a delta applies to: its directory's name beside this one, and its digest (export.json's sha256)."""
+
+    name: str = Field(pattern=r"^version_[0-9]+$")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class DeltaManifest(StrictModel):
+    """export.json of a delta export: the files it holds, the base it applies to, and what the rebuilt weights
+    hash to, per tensor and as the whole model.safetensors a full export would hold."""
+
+    format: Literal[3]
+    files: dict[str, FileEntry]
+    base: BaseRef
+    chain: StrictInt = Field(ge=1, description="deltas since the last full snapshot, this one included")
+    weights: FileEntry
+    tensors: dict[str, Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = Field(min_length=1)
+    source_checkpoint: str = Field(min_length=1)
+    policy_version: StrictInt | None = Field(default=None, ge=0)
+    step: StrictInt | None = Field(default=None, ge=0)
+
+    @field_validator("files")
+    @classmethod
+    def _exactly_the_delta_files(cls, files: dict[str, FileEntry]) -> dict[str, FileEntry]:
+        return _exactly(files, DELTA_FILES)
 
     def encode(self) -> bytes:
         return (self.model_dump_json(indent=2, exclude_none=True) + "\n").encode()
@@ -155,7 +211,7 @@ class PolicyConfig(StrictModel):
         return shapes
 
 
-def sha256(data: bytes) -> str:
+def sha256(data: Buffer) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
@@ -194,8 +250,8 @@ class ExportFiles:
 
     path: Path
     sha256: str  # of MANIFEST_FILE's bytes: the digest an announcement carries
-    manifest: Manifest
-    files: Mapping[str, bytes]
+    manifest: Manifest | DeltaManifest
+    files: Mapping[str, bytes]  # config.json and model.safetensors (a delta's rebuilt and checked)
 
     @property
     def uri(self) -> str:
@@ -208,9 +264,6 @@ class ExportFiles:
     def load(self) -> tuple[PolicyConfig, dict[str, torch.Tensor]]:
         """The validated config and the weights, parsed from the checked bytes after the config's parameters
         are known to fit in them; every tensor's name, shape and dtype are then the config's."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load
-
         config = self.config()
         where, raw = self.path / WEIGHTS_FILE, self.files[WEIGHTS_FILE]
         needed = config.parameter_count() * config.dtype.itemsize
@@ -219,10 +272,7 @@ class ExportFiles:
                 f"{self.path / CONFIG_FILE} describes {config.parameter_count():,} {config.torch_dtype} parameters "
                 f"({needed:,} bytes), {where} holds {len(raw):,} bytes: the config is not these weights'"
             )
-        try:
-            tensors = load(raw)
-        except SafetensorError as exc:
-            raise PolicyFetchError(f"{where}: not a safetensors file ({exc})") from None
+        tensors = _tensors(raw, where)
         expected = config.tensor_shapes()
         missing, extra = sorted(expected.keys() - tensors.keys()), sorted(tensors.keys() - expected.keys())
         if missing or extra:
@@ -239,10 +289,102 @@ class ExportFiles:
         return config, tensors
 
 
-def read_export(path: Path, announced_sha256: str | None = None) -> ExportFiles:
+BaseResolver = Callable[[BaseRef], "ExportFiles"]
+"""Reads a delta's base (its weights rebuilt and checked); a consumer's own (an object store, a copy in memory)."""
+
+
+def _tensor_bytes(tensor: torch.Tensor):
+    """The tensor's bytes as a uint8 array viewing its storage (no copy): hashed and XOR-ed in place."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _tensors(raw: bytes, where: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        return load(raw)
+    except SafetensorError as exc:
+        raise PolicyFetchError(f"{where}: not a safetensors file ({exc})") from None
+
+
+def encode_delta(weights: bytes, base_weights: bytes) -> tuple[bytes, dict[str, str]] | None:
+    """The zstd-compressed XOR of each tensor's bytes against the base's (tensors in name order, each as byte planes:
+    every element's first byte, then every second byte, ...), and the sha256 of each tensor of `weights`; None when the two do not hold the same tensors at the same shapes and dtypes (a
+    delta would not apply: export in full)."""
+    import numpy as np
+    import zstandard
+
+    new, old = _tensors(weights, Path(WEIGHTS_FILE)), _tensors(base_weights, Path(WEIGHTS_FILE))
+    if new.keys() != old.keys() or any((t.dtype, t.shape) != (old[n].dtype, old[n].shape) for n, t in new.items()):
+        return None
+    xored, checksums, at = np.empty(sum(t.numel() * t.element_size() for t in new.values()), np.uint8), {}, 0
+    for name in sorted(new):
+        raw, size = _tensor_bytes(new[name]), new[name].element_size()
+        checksums[name] = sha256(raw)
+        planes = xored[at:at + raw.size].reshape(size, -1)
+        np.bitwise_xor(raw.reshape(-1, size).T, _tensor_bytes(old[name]).reshape(-1, size).T, out=planes)
+        at += raw.size
+    return zstandard.ZstdCompressor(level=DELTA_ZSTD_LEVEL).compress(xored), checksums
+
+
+def _rebuild(base: "ExportFiles", delta: bytes, manifest: DeltaManifest, path: Path) -> bytes:
+    """model.safetensors from the base's checked weights and the delta: every tensor's bytes against its recorded
+    sha256, then the serialized file against the sha256 and size a full export of these weights records."""
+    import numpy as np
+    import zstandard
+    from safetensors.torch import save
+
+    where = path / DELTA_FILE
+    old = _tensors(base.files[WEIGHTS_FILE], base.path / WEIGHTS_FILE)
+    if sorted(old) != sorted(manifest.tensors):
+        raise PolicyFetchError(f"{where}: the base {manifest.base.name} holds other tensors than {MANIFEST_FILE} lists")
+    total = sum(t.numel() * t.element_size() for t in old.values())
+    try:
+        xored = zstandard.ZstdDecompressor().decompress(delta, max_output_size=total)
+    except zstandard.ZstdError as exc:
+        raise PolicyFetchError(f"{where}: not a zstd stream of at most {total:,} bytes ({exc})") from None
+    if len(xored) != total:
+        raise PolicyFetchError(f"{where}: {len(xored):,} bytes of XOR, the base's tensors hold {total:,}")
+    rebuilt, at = {}, 0
+    for name in sorted(old):
+        before, size = old[name], old[name].element_size()
+        planes = np.frombuffer(xored, np.uint8, before.numel() * size, at).reshape(size, -1)
+        raw = np.bitwise_xor(_tensor_bytes(before).reshape(-1, size), planes.T, order="C").reshape(-1)
+        at += raw.size
+        if (actual := sha256(raw)) != manifest.tensors[name]:
+            raise PolicyFetchError(f"{where}: tensor {name} rebuilds to sha256 {actual}, {MANIFEST_FILE} records {manifest.tensors[name]}")
+        rebuilt[name] = torch.from_numpy(raw).view(before.dtype).reshape(before.shape)
+    weights = save(rebuilt, metadata={"format": "pt"})
+    if (actual := sha256(weights)) != manifest.weights.sha256 or len(weights) != manifest.weights.size:
+        raise PolicyFetchError(
+            f"{path / WEIGHTS_FILE} rebuilds to sha256 {actual} ({len(weights):,} bytes), {MANIFEST_FILE} records "
+            f"{manifest.weights.sha256} ({manifest.weights.size:,} bytes)"
+        )
+    return weights
+
+
+def listed_files(manifest: bytes) -> tuple[str, ...]:
+    """The files an export with this manifest holds besides it, by its format (what to fetch before `read_export`
+    checks them); a manifest that does not parse gets a full export's, and `read_export` then refuses it."""
+    try:
+        delta = json.loads(manifest).get("format") == DELTA_FORMAT
+    except (ValueError, AttributeError):
+        delta = False
+    return DELTA_FILES if delta else EXPORTED_FILES
+
+
+def _siblings(path: Path) -> BaseResolver:
+    """A base beside the delta on disk, read (and, a delta in turn, rebuilt) by this same reader."""
+    return lambda ref: read_export(path.parent / ref.name, ref.sha256, _siblings(path.parent / ref.name))
+
+
+def read_export(path: Path, announced_sha256: str | None = None, base: BaseResolver | None = None) -> ExportFiles:
     """The export at `path`, each file read once and checked: the manifest against `announced_sha256` (None: the
     manifest is taken as found, as the trainer does for its own export), every other file against the manifest,
-    and the directory holding nothing else."""
+    and the directory holding nothing else. A delta (format 3) is rebuilt on its base, which `base` reads (default:
+    the directory beside this one, back to the last full snapshot) and which must hash as the manifest pins; the
+    result holds the rebuilt model.safetensors, as a full export of the same weights would."""
     manifest_path = path / MANIFEST_FILE
     if not path.is_dir():
         raise PolicyFetchError(f"{path}: no such export directory (removed by the trainer's keep_versions, or never written)")
@@ -253,12 +395,12 @@ def read_export(path: Path, announced_sha256: str | None = None) -> ExportFiles:
     if announced_sha256 is not None and digest != announced_sha256:
         raise PolicyFetchError(f"{manifest_path} hashes to {digest}, the announcement says {announced_sha256}: not the announced export")
     data = _json_object(raw, manifest_path)
-    if data.get("format") != FORMAT:
+    if data.get("format") not in (FORMAT, DELTA_FORMAT):
         raise PolicyFetchError(
-            f"{manifest_path}: export format {data.get('format', 1)!r}, this reader takes format {FORMAT} (a manifest "
-            "that pins every file); re-export the checkpoint with `midtrain export-hf`"
+            f"{manifest_path}: export format {data.get('format', 1)!r}, this reader takes formats {FORMAT} (a manifest "
+            f"that pins every file) and {DELTA_FORMAT} (a delta); re-export the checkpoint with `midtrain export-hf`"
         )
-    manifest = _validated(Manifest, data, manifest_path)
+    manifest = _validated(Manifest if data["format"] == FORMAT else DeltaManifest, data, manifest_path)
     unlisted = sorted(set(os.listdir(path)) - {MANIFEST_FILE, *manifest.files})
     if unlisted:
         raise PolicyFetchError(f"{path}: {', '.join(unlisted[:5])} not listed in {MANIFEST_FILE}; an export holds only the files it pins")
@@ -271,17 +413,44 @@ def read_export(path: Path, announced_sha256: str | None = None) -> ExportFiles:
         if (actual := sha256(content)) != entry.sha256:
             raise PolicyFetchError(f"{path / name} hashes to {actual}, {MANIFEST_FILE} records {entry.sha256}: the file changed")
         files[name] = content
+    if isinstance(manifest, DeltaManifest):
+        ref = manifest.base
+        try:
+            base_files = (base or _siblings(path))(ref)
+        except PolicyFetchError as exc:
+            raise DeltaBaseUnavailable(
+                f"{path}: a delta on {ref.name} (export.json sha256 {ref.sha256[:12]}...), which cannot be used: {exc}"
+            ) from None
+        if base_files.sha256 != ref.sha256:
+            raise DeltaBaseUnavailable(f"{path}: a delta on {ref.name} {ref.sha256}, the base found hashes to {base_files.sha256}")
+        files[WEIGHTS_FILE] = _rebuild(base_files, files.pop(DELTA_FILE), manifest, path)
     return ExportFiles(path, digest, manifest, files)
+
+
+def _seal(tmp: Path, files: Mapping[str, bytes], manifest: type[configs.Model], **fields) -> str:
+    entries = {}
+    for name, data in files.items():
+        write_atomically(tmp / name, data)
+        entries[name] = FileEntry(sha256=sha256(data), size=len(data))
+    raw = manifest(files=entries, **fields).encode()
+    write_atomically(tmp / MANIFEST_FILE, raw)
+    return sha256(raw)
 
 
 def seal(tmp: Path, files: Mapping[str, bytes], source_checkpoint: Path, **provenance: int) -> str:
     """Writes `files` and their manifest into `tmp` (each fsync'd); returns the manifest's digest.
     Each file is hashed from the bytes written, not read back."""
-    entries = {}
-    for name, data in files.items():
-        write_atomically(tmp / name, data)
-        entries[name] = FileEntry(sha256=sha256(data), size=len(data))
-    manifest = Manifest(format=FORMAT, files=entries, source_checkpoint=str(source_checkpoint.resolve()), **provenance)
-    raw = manifest.encode()
-    write_atomically(tmp / MANIFEST_FILE, raw)
-    return sha256(raw)
+    return _seal(tmp, files, Manifest, format=FORMAT, source_checkpoint=str(source_checkpoint.resolve()), **provenance)
+
+
+def seal_delta(
+    tmp: Path, config: bytes, delta: bytes, weights: bytes, checksums: Mapping[str, str], base: BaseRef, chain: int,
+    source_checkpoint: Path, **provenance: int,
+) -> str:
+    """As `seal`, for a delta export: config.json and the delta written, the full `weights` (not written) recorded
+    by sha256 and size along with each tensor's `checksums`, so the reader can prove its rebuild."""
+    return _seal(
+        tmp, {CONFIG_FILE: config, DELTA_FILE: delta}, DeltaManifest, format=DELTA_FORMAT, base=base, chain=chain,
+        weights=FileEntry(sha256=sha256(weights), size=len(weights)), tensors=dict(checksums),
+        source_checkpoint=str(source_checkpoint.resolve()), **provenance,
+    )

@@ -39,7 +39,7 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from pydantic import ValidationError
@@ -229,32 +229,34 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def export_checkpoint(
-    checkpoint: Path, out: Path, model: ModelConfig, moe: MoEConfig, provenance: dict[str, int] | None = None
-) -> Exported:
-    """Writes `out` (which must not exist) from `checkpoint`; returns its path and digest (`Exported`).
-    `provenance` (policy_version, step) goes into the manifest."""
+def export_files(checkpoint: Path, model: ModelConfig, moe: MoEConfig) -> dict[str, bytes]:
+    """config.json and model.safetensors of `checkpoint`'s policy, in memory (a delta export keeps the second)."""
     from safetensors.torch import save
 
     problems = unsupported(model, moe)
     if problems:
         raise ExportError(f"{checkpoint}: cannot be written as MixtralForCausalLM: {'; '.join(problems)}")
-    if out.exists():
-        raise ExportError(f"{out} exists; export into a new directory (an export is never overwritten in place)")
     tensors = hf_tensors(read_checkpoint_tensors(checkpoint), model, moe)
     vocab_rows, dtype = tensors["model.embed_tokens.weight"].shape[0], tensors["model.embed_tokens.weight"].dtype
     try:
         config = PolicyConfig.model_validate(hf_config(model, moe, vocab_rows, dtype))
     except ValidationError as exc:
         raise ExportError(f"{checkpoint}: its {CONFIG_FILE} would not load: {'; '.join(error_lines(exc))}") from None
-    files = {
+    return {
         WEIGHTS_FILE: save(tensors, metadata={"format": "pt"}),
         CONFIG_FILE: (json.dumps(config.model_dump(mode="json"), indent=2) + "\n").encode(),
     }
+
+
+def write_export(out: Path, seal_into: Callable[[Path], str]) -> Exported:
+    """`out` (which must not exist) appears complete or not at all: `seal_into` writes the files and the manifest
+    into a temporary sibling and returns the digest, which is then renamed into place."""
+    if out.exists():
+        raise ExportError(f"{out} exists; export into a new directory (an export is never overwritten in place)")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
     try:
-        digest = seal(tmp, files, checkpoint, **(provenance or {}))
+        digest = seal_into(tmp)
         os.chmod(tmp, 0o755)
         _fsync(tmp)
         os.rename(tmp, out)
@@ -263,3 +265,14 @@ def export_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return Exported(out, digest)
+
+
+def export_checkpoint(
+    checkpoint: Path, out: Path, model: ModelConfig, moe: MoEConfig, provenance: dict[str, int] | None = None
+) -> Exported:
+    """Writes `out` (which must not exist) from `checkpoint`; returns its path and digest (`Exported`).
+    `provenance` (policy_version, step) goes into the manifest."""
+    if out.exists():
+        raise ExportError(f"{out} exists; export into a new directory (an export is never overwritten in place)")
+    files = export_files(checkpoint, model, moe)
+    return write_export(out, lambda tmp: seal(tmp, files, checkpoint, **(provenance or {})))

@@ -60,3 +60,23 @@ def export_version(root: Path, version: int, seed: int = 1) -> Exported:
         warnings.simplefilter("ignore", UserWarning)
         save_checkpoint(_megatron_tensors(model, moe, seed), storage_writer=FileSystemWriter(str(checkpoint)), no_dist=True)
     return export_checkpoint(checkpoint, root / f"version_{version}", model, moe, {"policy_version": version, "step": version})
+
+
+def consecutive_checkpoints(root: Path, count: int, *, seed: int = 1, lr: float = 1e-5, model: ModelConfig | None = None,
+                            moe: MoEConfig | None = None) -> list[Path]:
+    """root/step_1 .. step_COUNT: the example-shaped policy (or `model`/`moe`) moved between checkpoints by an
+    Adam-like step (every weight by +-lr, the sign drawn from `seed`), as consecutive RL versions differ."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import save as save_checkpoint
+
+    if model is None or moe is None:
+        model, moe = example_shape()
+    tensors, g, paths = _megatron_tensors(model, moe, seed), torch.Generator().manual_seed(seed + 1), []
+    for step in range(1, count + 1):
+        if step > 1:
+            tensors = {name: t + lr * torch.randint(0, 2, t.shape, generator=g).mul(2).sub(1) for name, t in tensors.items()}
+        paths.append(root / f"step_{step}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            save_checkpoint(tensors, storage_writer=FileSystemWriter(str(paths[-1])), no_dist=True)
+    return paths

@@ -201,7 +201,7 @@ def test_an_export_of_the_old_format_is_refused_with_how_to_fix_it(export):
     """Format 1 pinned the weights alone; its announcements carried the weights' sha256."""
     weights_sha256 = sha256((export / WEIGHTS_FILE).read_bytes())
     (export / MANIFEST_FILE).write_text(json.dumps({"weights": {WEIGHTS_FILE: weights_sha256}, "source_checkpoint": "/c"}))
-    with pytest.raises(PolicyFetchError, match="export format 1, this reader takes format 2 .* re-export the checkpoint with `midtrain export-hf`"):
+    with pytest.raises(PolicyFetchError, match="export format 1, this reader takes formats 2 .* and 3 .*; re-export the checkpoint with `midtrain export-hf`"):
         read_export(export)
     with pytest.raises(PolicyFetchError, match="not the announced export"):
         load_policy(export.as_uri(), weights_sha256)

@@ -318,3 +318,45 @@ def test_export_hf_command_writes_the_bytes_the_trainer_announced(run, tmp_path)
     assert again.exit_code == 2 and "exists" in again.output
     missing = CliRunner().invoke(app, ["export-hf", str(tmp_path), "--out", str(tmp_path / "hf2")])
     assert missing.exit_code == 2 and "not a megatron dist checkpoint" in missing.output
+
+
+@pytest.mark.integration
+def test_a_run_publishing_deltas_to_s3_announces_versions_the_sampler_rebuilds_with_the_trainers_digest(kafka, s3_bucket, tmp_path):
+    """`midtrain rl` with rl.publish_uri on the local S3 server and full_every_k 2: versions 0 and 2 full, 1 and 3
+    deltas, each announced at its S3 URI; a sampler joining at version 3 walks from version 2 and its rebuilt weights
+    are the bytes a full export of the same checkpoint holds. A bucket that does not exist stops the run first, exit 2."""
+    from kafka import KafkaProducer
+
+    from ember import storage
+    from ember.inference.policy import load_policy as sampler_load
+    from ember.midtrain.config import load_rl_config
+    from ember.midtrain.export_format import WEIGHTS_FILE
+    from ember.midtrain.export_hf import export_files
+    from ember.rollouts.admin import ensure_topics
+    from ember.rollouts.transport import producer_config
+
+    prefix = f"test-pw-s3-{uuid.uuid4().hex[:8]}"
+    topics = Topics(prefix)
+    ensure_topics(kafka, list(topics.specs(1).values()))
+    producer = KafkaProducer(**producer_config(None, bootstrap_servers=kafka))
+    for batch in _batches(3):
+        producer.send(topics.train_batches, key=batch.batch_id.encode(), value=encode_train_batch(batch))
+    producer.flush()
+    producer.close()
+    missing = rl_config(tmp_path / "missing.yaml", tmp_path / "missing", prefix, steps=3, publish_uri=f"{s3_bucket}-none/run")
+    code, output = _trainer(missing, None, tmp_path / "missing.log")
+    assert code == 2 and f"bucket '{s3_bucket.removeprefix('s3://')}-none' does not exist" in output, output[-2000:]
+    config = rl_config(tmp_path / "rl.yaml", tmp_path / "run", prefix, steps=3, save_interval=1, correction="tis",
+                       publish_uri=f"{s3_bucket}/run", full_every_k=2, keep_versions=2)
+    code, output = _trainer(config, None, tmp_path / "trainer.log")
+    assert code == 0, output[-4000:]
+    announced = _announced(prefix)
+    assert [(v.policy_version, v.weights_uri) for v in announced] == [(i, f"{s3_bucket}/run/version_{i}") for i in range(4)]
+    formats = [json.loads(storage.read_bytes(f"{v.weights_uri}/{MANIFEST_FILE}"))["format"] for v in announced[2:]]
+    assert formats == [2, 3], "versions 0 and 1 left the store (keep_versions 2)"
+    last = announced[-1]
+    policy = sampler_load(last.weights_uri, last.weights_sha256, last.policy_version)
+    assert policy.sha256 == last.weights_sha256
+    source = Path(json.loads(storage.read_bytes(f"{last.weights_uri}/{MANIFEST_FILE}"))["source_checkpoint"])
+    rl = load_rl_config(config)
+    assert policy.files.files[WEIGHTS_FILE] == export_files(source, rl.model, rl.moe)[WEIGHTS_FILE]

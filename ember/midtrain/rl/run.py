@@ -19,6 +19,7 @@ import sys
 import time
 from typing import Any, Iterator
 
+from ember import storage
 from ember.configs import MidtrainConfigError
 from ember.midtrain import runtime
 from ember.midtrain.launch import check_runnable
@@ -147,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = runtime.with_threads(load_rl_config(args.config), args.threads)
         check_runnable(config, int(os.environ.get("WORLD_SIZE", "1")))
-    except (MidtrainConfigError, LaunchError) as exc:
+        if config.rl.publish_uri is not None:  # a typo'd bucket or missing credentials, before megatron loads
+            storage.preflight(config.rl.publish_uri, write=True)
+    except (MidtrainConfigError, LaunchError, storage.StorageError) as exc:
         print(f"[rl] {exc}", file=sys.stderr, flush=True)
         return 2
     return run(config, stop)

@@ -10,7 +10,8 @@ clipped policy-gradient loss on the batch's advantages, masked to policy tokens;
 The trainer never owns the transport: `run_rl` takes an iterable of batches and a `PolicyChannel`
 told of every finished step and of every announced policy version (Kafka in `midtrain rl`, lists in
 the tests and benchmarks). A version is announced only once it is checkpointed and exported
-(`export_hf`, durable, hashed): the announcement carries the export's URI and sha256. A
+(`rl.publish`: full or a delta on the last version, durable, hashed, uploaded with
+`rl.publish_uri`): the announcement carries the export's URI and sha256. A
 checkpoint holds the transport position of the last trained batch, so a restart resumes on the
 batch after it. One JSON line per step in metrics.jsonl; a restart appends
 {"event": "resumed", "step": S}: lines of steps after S before it were redone.
@@ -22,8 +23,6 @@ N ranks is the step one rank would take on the same batch, and the metrics line 
 
 from __future__ import annotations
 
-import re
-import shutil
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -44,7 +43,6 @@ from ember.midtrain.runtime import MetricsLog, StopRequest
 from ember.rollouts.faults import crash_point
 from ember.rollouts.records import PolicyVersion
 
-VERSION_DIR = re.compile(r"version_(\d+)")
 _EXTREMES = ("max_abs_delta_logp", "rho_max", "rho_min")
 """Mismatch metrics reduced over ranks by max (min), not averaged by token."""
 
@@ -154,6 +152,7 @@ class RLTrainer:
         checkpoint.start_writer_helper()
         self.state = checkpoint.TrainState()
         self.data_position: dict[str, Any] | None = None
+        self.publisher = None  # rank 0's VersionPublisher, made at the first export
         self.resumed_from = checkpoint.latest_checkpoint(config.checkpoint_dir)
         if self.resumed_from is not None:
             self.load_checkpoint(self.resumed_from)
@@ -420,39 +419,17 @@ class RLTrainer:
         )
 
     def export_version(self, checkpoint_path: Path) -> PolicyVersion | None:
-        """Exports the checkpointed policy (`checkpoint_path`, this step's) as version `policy_version` under
-        run_dir/versions and returns its announcement; None on ranks other than 0. An export left by a run
-        that died before announcing it is read back through the checked reader (every file against its manifest,
-        config and weights loadable) and announced as is."""
-        from ember.midtrain.export_format import read_export
-        from ember.midtrain.export_hf import export_checkpoint
+        """Publishes the checkpointed policy (`checkpoint_path`, this step's) as version `policy_version`
+        (`VersionPublisher`: full or a delta, under run_dir/versions and rl.publish_uri) and returns its
+        announcement; None on ranks other than 0."""
+        from ember.midtrain.rl.publish import VersionPublisher
 
         if dist.get_rank() != 0:
             return None
-        version = self.policy_version
-        out = self.config.versions_dir / f"version_{version}"
-        if out.exists():
-            exported = read_export(out)
-            exported.load()
-            made_from = exported.manifest.source_checkpoint
-            if made_from != str(checkpoint_path.resolve()):
-                raise ValueError(f"{out} was exported from {made_from}, not {checkpoint_path}: another lineage of this run")
-        else:
-            exported = export_checkpoint(
-                checkpoint_path, out, self.config.model, self.config.moe,
-                {"policy_version": version, "step": self.state.step},
-            )
-        self._drop_old_versions()
-        return PolicyVersion.now(version, exported.uri, exported.sha256)
-
-    def _drop_old_versions(self) -> None:
-        """Exports beyond the newest keep_versions, and temporaries of exports a killed run left behind
-        (this rank is the run's only writer and is not exporting now)."""
-        found = sorted(
-            (int(m.group(1)), p) for p in self.config.versions_dir.iterdir() if (m := VERSION_DIR.fullmatch(p.name))
-        )
-        for old in [p for _, p in found[: -self.config.rl.keep_versions]] + list(self.config.versions_dir.glob(".version_*.tmp")):
-            shutil.rmtree(old)
+        if self.publisher is None:
+            self.publisher = VersionPublisher.for_run(self.config)
+        published = self.publisher.publish(checkpoint_path, self.policy_version, self.state.step)
+        return PolicyVersion.now(self.policy_version, published.uri, published.sha256)
 
     def load_checkpoint(self, path: Path) -> None:
         from ember.midtrain import checkpoint
