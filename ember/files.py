@@ -7,6 +7,8 @@ file, no file, or the whole new one, and a failed write (a full disk) leaves not
 
 from __future__ import annotations
 
+import gzip
+import json
 import os
 import tempfile
 from collections.abc import Iterator
@@ -53,3 +55,45 @@ def bounded_lines(stream: BinaryIO, cap: int) -> Iterator[tuple[bytes | None, in
         while not line.endswith(b"\n") and (line := stream.readline(SKIP_READ_BYTES)):
             length += len(line)
         yield None, length
+
+
+def read_records(path: Path, fmt: str, error: type[Exception], max_line_bytes: int) -> Iterator[tuple[str, dict]]:
+    """(where, record) for each record of a small JSONL (.gz too) or Parquet file of JSON objects (a benchmark, a
+    prompt or task set): `where` is `path:line` or `path row N`, and anything unusable (not the format, a cut gzip,
+    invalid UTF-8, a line over `max_line_bytes`, a value that is not an object) is `error` naming it."""
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except Exception as exc:  # pyarrow raises several types for a file that is not Parquet; invalid UTF-8 too
+            raise error(f"{path}: not a readable Parquet file: {type(exc).__name__}: {exc}") from None
+        for i, row in enumerate(rows):
+            yield f"{path} row {i}", row
+        return
+    opener = gzip.open if path.name.endswith(".gz") else open
+    number = 0
+    try:
+        with opener(path, "rb") as stream:
+            for number, (line, length) in enumerate(bounded_lines(stream, max_line_bytes), 1):
+                where = f"{path}:{number}"
+                if line is None:
+                    raise error(f"{where}: a line of {length:,} bytes, more than {max_line_bytes:,}")
+                if line.strip():
+                    yield where, _json_object(line, where, error)
+    except (OSError, EOFError) as exc:  # unreadable, not gzip, a cut or corrupt gzip stream
+        raise error(f"{path}: unreadable after {number} line(s): {type(exc).__name__}: {exc}") from None
+
+
+def _json_object(line: bytes, where: str, error: type[Exception]) -> dict:
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise error(f"{where}: not UTF-8 (byte {exc.start}: {exc.reason})") from None
+    except RecursionError:
+        raise error(f"{where}: not a JSON object: nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, or an integer past Python's conversion limit
+        raise error(f"{where}: not a JSON object: {exc}") from None
+    if not isinstance(record, dict):
+        raise error(f"{where}: expected a JSON object, got {type(record).__name__}")
+    return record

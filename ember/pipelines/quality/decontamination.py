@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from ember.files import bounded_lines
+from ember.files import bounded_lines, read_records
 from ember.pipelines.quality.minhash import splitmix64, windows
 
 TOKEN = re.compile(r"\w+|[^\w\s]")
@@ -142,44 +142,7 @@ def _text(value: object, where: str, name: str) -> str:
 def _records(path: Path, fmt: str) -> Iterator[tuple[str, Mapping[str, object]]]:
     """(where, record) for each record of a benchmark or prompt file; anything unusable is a `DecontaminationError`
     naming the file and the line or row."""
-    if fmt == "parquet":
-        try:
-            records = pq.read_table(path).to_pylist()
-        except Exception as exc:  # pyarrow raises several types for a file that is not Parquet; invalid UTF-8 too
-            raise DecontaminationError(f"{path}: not a readable Parquet file: {type(exc).__name__}: {exc}") from None
-        for i, record in enumerate(records):
-            yield f"{path} row {i}", record
-        return
-    opener = gzip.open if path.name.endswith(".gz") else open
-    number = 0
-    try:
-        with opener(path, "rb") as stream:
-            for number, (line, length) in enumerate(bounded_lines(stream, MAX_LINE_BYTES), 1):
-                where = f"{path}:{number}"
-                if line is None:
-                    raise DecontaminationError(f"{where}: a line of {length:,} bytes, more than {MAX_LINE_BYTES:,}")
-                if line.strip():
-                    yield where, _json_object(line, where)
-    except (OSError, EOFError) as exc:  # unreadable, not gzip, a cut or corrupt gzip stream
-        raise DecontaminationError(f"{path}: unreadable after {number} line(s): {type(exc).__name__}: {exc}") from None
-
-
-def _json_object(line: bytes, where: str) -> Mapping[str, object]:
-    try:
-        text = line.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise DecontaminationError(f"{where}: not UTF-8 (byte {exc.start}: {exc.reason})") from None
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise DecontaminationError(f"{where}: not a JSON object: {exc}") from None
-    except RecursionError:
-        raise DecontaminationError(f"{where}: not a JSON object: nested too deeply") from None
-    except ValueError as exc:  # an integer longer than Python's conversion limit
-        raise DecontaminationError(f"{where}: not a JSON object: {exc}") from None
-    if not isinstance(record, dict):
-        raise DecontaminationError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    return record
+    return read_records(path, fmt, DecontaminationError, MAX_LINE_BYTES)
 
 
 def file_format(path: str | Path) -> str:

@@ -9,14 +9,11 @@ task set would dead-letter the other half's rollouts as unknown prompts.
 
 from __future__ import annotations
 
-import gzip
-import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-import pyarrow.parquet as pq
 
-from ember.files import bounded_lines
+from ember.files import read_records
 from ember.rollouts.grading.base import Task
 
 MAX_LINE_BYTES = 16 * 2**20
@@ -39,40 +36,7 @@ def task_format(path: str | Path) -> str:
 
 
 def _records(path: Path, fmt: str) -> Iterator[tuple[str, Mapping[str, object]]]:
-    if fmt == "parquet":
-        try:
-            rows = pq.read_table(path).to_pylist()
-        except Exception as exc:  # pyarrow raises several types for a file that is not Parquet
-            raise TaskSetError(f"{path}: not a readable Parquet file: {type(exc).__name__}: {exc}") from None
-        for i, row in enumerate(rows):
-            yield f"{path} row {i}", row
-        return
-    opener = gzip.open if path.name.endswith(".gz") else open
-    number = 0
-    try:
-        with opener(path, "rb") as stream:
-            for number, (line, length) in enumerate(bounded_lines(stream, MAX_LINE_BYTES), 1):
-                where = f"{path}:{number}"
-                if line is None:
-                    raise TaskSetError(f"{where}: a line of {length:,} bytes, more than {MAX_LINE_BYTES:,}")
-                if line.strip():
-                    yield where, _json_object(line, where)
-    except (OSError, EOFError) as exc:
-        raise TaskSetError(f"{path}: unreadable after {number} line(s): {type(exc).__name__}: {exc}") from None
-
-
-def _json_object(line: bytes, where: str) -> Mapping[str, object]:
-    try:
-        record = json.loads(line.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise TaskSetError(f"{where}: not UTF-8 (byte {exc.start}: {exc.reason})") from None
-    except RecursionError:
-        raise TaskSetError(f"{where}: not a JSON object: nested too deeply") from None
-    except ValueError as exc:  # JSONDecodeError, or an integer past Python's conversion limit
-        raise TaskSetError(f"{where}: not a JSON object: {exc}") from None
-    if not isinstance(record, dict):
-        raise TaskSetError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    return record
+    return read_records(path, fmt, TaskSetError, MAX_LINE_BYTES)
 
 
 def _text(value: object, where: str, key: str) -> str:
