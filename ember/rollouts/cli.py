@@ -293,6 +293,13 @@ def _require_topics(prefix: str, names: list[str], security, bootstrap: str | No
         raise typer.Exit(2)
 
 
+def _serve_metrics(metrics, settings) -> None:
+    """A service's Prometheus endpoint on `settings.bind`:`settings.port` (none when the port is null), named once."""
+    if settings.port is not None:
+        bind = str(settings.bind)
+        console.print(f"metrics on http://{bind}:{metrics.serve(settings.port, bind)}/metrics")
+
+
 def _counted(counts: dict[str, int]) -> str:
     """`1 policy_versions, 32 rollouts, 32 rewards`: in one order whatever was published first."""
     order = ["policy_versions", "rollouts", "rewards"]
@@ -376,9 +383,7 @@ def etl(
     from ember.rollouts.transport import BrokerNotReady
 
     metrics = EtlMetrics()
-    if settings.metrics.port is not None:
-        bind = str(settings.metrics.bind)
-        console.print(f"metrics on http://{bind}:{metrics.serve(settings.metrics.port, bind)}/metrics")
+    _serve_metrics(metrics, settings.metrics)
     stop = threading.Event()
     with _service_process(log_level, stop):
         try:
@@ -427,9 +432,7 @@ def grade(
     from ember.rollouts.transport import BrokerNotReady
 
     metrics = GraderMetrics()
-    if settings.metrics.port is not None:
-        bind = str(settings.metrics.bind)
-        console.print(f"metrics on http://{bind}:{metrics.serve(settings.metrics.port, bind)}/metrics")
+    _serve_metrics(metrics, settings.metrics)
     stop = threading.Event()
     with _service_process(log_level, stop):
         try:

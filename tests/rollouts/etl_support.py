@@ -113,22 +113,19 @@ def write_config(path: Path, settings: dict) -> EtlConfig:
     return parse_config(settings)
 
 
-class EtlProcess:
-    """`ember rollouts etl CONFIG` as a child process, killable with SIGKILL."""
+class ServiceProcess:
+    """`ember rollouts COMMAND CONFIG --instance I ...` as a child process, killable with SIGKILL; its output in a
+    log file. `fault` sets EMBER_FAULT (ember.rollouts.faults) for this child only."""
 
-    def __init__(self, config_path: Path, instance: str, log_dir: Path, fault: str | None = None):
-        self.log = log_dir / f"etl-{instance}-{time.monotonic_ns()}.log"
-        env = dict(os.environ)
-        env.pop("EMBER_FAULT", None)
+    def __init__(self, command: str, config_path: Path, instance: str, log_dir: Path, *args: str, fault: str | None = None):
+        self.log = log_dir / f"{command}-{instance}-{time.monotonic_ns()}.log"
+        env = {k: v for k, v in os.environ.items() if k != "EMBER_FAULT"}
         if fault:
             env["EMBER_FAULT"] = fault
         self._file = self.log.open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ember.cli", "rollouts", "etl", str(config_path), "--instance", instance],
-            cwd=REPO,
-            env=env,
-            stdout=self._file,
-            stderr=subprocess.STDOUT,
+            [sys.executable, "-m", "ember.cli", "rollouts", command, str(config_path), "--instance", instance, *args],
+            cwd=REPO, env=env, stdout=self._file, stderr=subprocess.STDOUT,
         )
 
     def kill(self) -> None:
@@ -141,16 +138,28 @@ class EtlProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
-            code = self.proc.wait(timeout=60)
+            return self.proc.wait(timeout=60)
         finally:
             self._file.close()
-        return code
+
+    def wait(self, timeout_s: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        finally:
+            self._file.close()
 
     def output(self) -> str:
         return self.log.read_text()
 
 
-def wait_for_line(proc: EtlProcess, needle: str, timeout_s: float) -> None:
+class EtlProcess(ServiceProcess):
+    """`ember rollouts etl CONFIG` as a child process."""
+
+    def __init__(self, config_path: Path, instance: str, log_dir: Path, fault: str | None = None):
+        super().__init__("etl", config_path, instance, log_dir, fault=fault)
+
+
+def wait_for_line(proc: ServiceProcess, needle: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while needle not in proc.output():
         assert proc.proc.poll() is None, proc.output()[-3000:]

@@ -4,10 +4,6 @@ read_committed count of what it published."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -24,7 +20,7 @@ from ember.rollouts.topics import Topics
 from ember.schemas import Rollout, Turn, decode_reward
 from ember.tokenize.config import TokenizerConfig
 from ember.tokenize.tokenizers import load_tokenizer
-from tests.rollouts.etl_support import REPO, Deployment, read_topic
+from tests.rollouts.etl_support import Deployment, ServiceProcess, read_topic
 
 TOKENIZER = load_tokenizer(TokenizerConfig(name="cl100k_base"))
 
@@ -87,42 +83,11 @@ def prepare(deployment: Deployment, prefix: str, partitions: int = 3) -> Topics:
     return topics
 
 
-class GraderProcess:
-    """`ember rollouts grade CONFIG` as a child process, killable with SIGKILL."""
+class GraderProcess(ServiceProcess):
+    """`ember rollouts grade CONFIG` as a child process."""
 
     def __init__(self, config: Path, instance: str, log_dir: Path, *args: str, fault: str | None = None):
-        self.log = log_dir / f"grader-{instance}-{time.monotonic_ns()}.log"
-        env = {k: v for k, v in os.environ.items() if k != "EMBER_FAULT"}
-        if fault:
-            env["EMBER_FAULT"] = fault
-        self._file = self.log.open("w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ember.cli", "rollouts", "grade", str(config), "--instance", instance, *args],
-            cwd=REPO, env=env, stdout=self._file, stderr=subprocess.STDOUT,
-        )
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
-        self._file.close()
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=60)
-        finally:
-            self._file.close()
-
-    def wait(self, timeout_s: float) -> int:
-        try:
-            return self.proc.wait(timeout=timeout_s)
-        finally:
-            self._file.close()
-
-    def output(self) -> str:
-        return self.log.read_text()
+        super().__init__("grade", config, instance, log_dir, *args, fault=fault)
 
 
 def write_config(path: Path, settings: dict) -> Path:
