@@ -32,6 +32,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -39,6 +40,9 @@ import psutil
 
 SANDBOX_UID = 65534
 REPORT_LIMIT = 1 << 20
+STARTUP_S = 30.0
+"""How long the interpreter and harness may take to start before the wall clock runs (`wall_s` counts from the
+harness's "started"): a sandbox not started by then is a sandbox_error, not the completion's timeout."""
 
 
 class SandboxUnavailable(RuntimeError):
@@ -233,11 +237,18 @@ class Sandbox:
             os.close(report_w)
             os.close(stdin_fd)
         streams = _Streams(process, report_r, self.limits.output_bytes)
+
+        def deadline() -> float:  # the wall clock runs from the harness's "started": a loaded host's slow
+            # interpreter start is not the completion's time (a right answer must not become a timeout)
+            if streams.started_at is None:
+                return start + max(STARTUP_S, self.limits.wall_s)
+            return streams.started_at + self.limits.wall_s
+
         try:
-            timed_out = not streams.read_until(start + self.limits.wall_s)
+            timed_out = not streams.read_until(deadline)
             if not timed_out and not streams.exceeded:
                 try:
-                    process.wait(timeout=max(0.0, start + self.limits.wall_s - time.monotonic()))
+                    process.wait(timeout=max(0.0, deadline() - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     timed_out = True
         finally:
@@ -270,16 +281,18 @@ class _Streams:
         self.stderr = bytearray()
         self.report = bytearray()
         self.exceeded = False
+        self.started_at: float | None = None  # when the harness reported "started"
         self.report_fd = report_fd
         self.selector = selectors.DefaultSelector()
         self.selector.register(process.stdout.fileno(), selectors.EVENT_READ, self.stdout)
         self.selector.register(process.stderr.fileno(), selectors.EVENT_READ, self.stderr)
         self.selector.register(report_fd, selectors.EVENT_READ, self.report)
 
-    def read_until(self, deadline: float) -> bool:
-        """Read until every stream is closed (True), the deadline passes (False) or output passes its bound."""
+    def read_until(self, deadline: Callable[[], float]) -> bool:
+        """Read until every stream is closed (True), the deadline passes (False) or output passes its bound; the
+        deadline is asked again after every read (it moves once the harness has started)."""
         while self.selector.get_map():
-            remaining = deadline - time.monotonic()
+            remaining = deadline() - time.monotonic()
             if remaining <= 0:
                 return False
             for key, _ in self.selector.select(remaining):
@@ -289,6 +302,8 @@ class _Streams:
                     continue
                 key.data.extend(data)
                 if key.data is self.report:
+                    if self.started_at is None and self.report.startswith(b"started\n"):
+                        self.started_at = time.monotonic()
                     if len(self.report) > REPORT_LIMIT:
                         self.selector.unregister(key.fd)
                 elif len(self.stdout) + len(self.stderr) > self.limit:

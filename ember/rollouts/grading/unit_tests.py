@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ember.rollouts.grading.base import Grade, Task, Verdict
-from ember.rollouts.grading.sandbox import Sandbox, SandboxLimits, SandboxRun
+from ember.rollouts.grading.sandbox import STARTUP_S, Sandbox, SandboxLimits, SandboxRun
 
 HARNESS = (Path(__file__).with_name("harness.py")).read_text()
 _FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
@@ -113,11 +113,12 @@ class UnitTestGrader:
             report = json.loads(run.report)
             fraction = report["passed"] / report["total"] if report["total"] else 0.0
             return _grade(Verdict(report["outcome"]), fraction, report["detail"])
+        if not run.started:  # before the wall clock: an interpreter that never came up is not the completion's timeout
+            tail = run.stderr.decode("utf-8", "replace").strip()[-300:]
+            why = f"not within {max(STARTUP_S, self.limits.wall_s):.0f} s" if run.timed_out else f"exit {run.returncode}"
+            return _grade(Verdict.SANDBOX_ERROR, 0.0, f"the sandbox did not start ({why}): {tail}")
         if run.timed_out:
             return _grade(Verdict.TIMEOUT, 0.0, f"still running after {self.limits.wall_s} s (wall clock)")
-        if not run.started:
-            tail = run.stderr.decode("utf-8", "replace").strip()[-300:]
-            return _grade(Verdict.SANDBOX_ERROR, 0.0, f"the sandbox did not start (exit {run.returncode}): {tail}")
         return _grade(Verdict.CRASHED, 0.0, f"the harness was killed before it reported (exit {run.returncode})")
 
 

@@ -95,7 +95,8 @@ def test_a_reason_above_the_warn_share_names_source_share_and_fix() -> None:
 
 def test_a_build_that_drops_a_source_warns_strict_fails_and_beam_logs_go_to_the_log_file(tmp_path: Path) -> None:
     config = write_config(tmp_path, stdlib_like(tmp_path / "in", "LGPL-2.1"))
-    result = ember("corpus", "build", str(config), "--strict")  # the default multi-process runner: worker processes
+    result = ember("corpus", "build", str(config), "--strict", "--direct_running_mode=multi_processing",
+                   "--direct_num_workers=2")  # the multi-process runner (a small input runs in-process by default): worker processes
     assert result.returncode == 3, result.stdout + result.stderr
     out = result.stdout
     assert "warning: source 'stdlib': filter:license_not_allowed rejected 7 of 8 documents (88%)" in " ".join(out.split())

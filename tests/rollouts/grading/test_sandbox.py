@@ -246,3 +246,18 @@ def test_a_harness_that_never_starts_is_told_apart_from_one_killed_later():
     assert (silent.started, silent.report, silent.returncode) == (False, None, 3)
     assert (killed.started, killed.report) == (True, None)
     assert killed.returncode != 0
+
+
+def test_the_wall_clock_runs_from_the_harness_start_not_the_interpreter_start():
+    """A loaded grader host can take seconds to start an interpreter; that is not the completion's time. Here the
+    harness spends 1.5 s before "started" (as a slow start would) and then finishes at once, under a 0.5 s wall
+    clock: it is not a timeout. Spending the same time after "started" is."""
+    sandbox = Sandbox(SandboxLimits(wall_s=0.5, cpu_s=5), slots=1)
+    slow_start = "import os, sys, time\ntime.sleep(1.5)\nr = int(sys.argv[1])\nos.write(r, b'started\\n')\nos.write(r, b'{}\\n')"
+    slow_run = "import os, sys, time\nr = int(sys.argv[1])\nos.write(r, b'started\\n')\ntime.sleep(1.5)\nos.write(r, b'{}\\n')"
+    try:
+        started_late, ran_late = sandbox.run(slow_start, b""), sandbox.run(slow_run, b"")
+    finally:
+        sandbox.close()
+    assert (started_late.started, started_late.timed_out, started_late.report) == (True, False, "{}"), started_late
+    assert (ran_late.started, ran_late.timed_out, ran_late.report) == (True, True, None), ran_late
