@@ -57,6 +57,17 @@ def bounded_lines(stream: BinaryIO, cap: int) -> Iterator[tuple[bytes | None, in
         yield None, length
 
 
+def record_format(path: str | Path, error: type[Exception], what: str, setting: str) -> str:
+    """jsonl for .jsonl/.json/.jsonl.gz, parquet for .parquet; anything else is `error` naming the file, `what` it
+    should have been (e.g. "task set") and the `setting` that names a format instead."""
+    name = str(path).lower()
+    if name.endswith(".parquet"):
+        return "parquet"
+    if name.endswith((".jsonl", ".jsonl.gz", ".json")):
+        return "jsonl"
+    raise error(f"{path}: unknown {what} type; use .jsonl, .jsonl.gz or .parquet (or set {setting})")
+
+
 def read_records(path: Path, fmt: str, error: type[Exception], max_line_bytes: int) -> Iterator[tuple[str, dict]]:
     """(where, record) for each record of a small JSONL (.gz too) or Parquet file of JSON objects (a benchmark, a
     prompt or task set): `where` is `path:line` or `path row N`, and anything unusable (not the format, a cut gzip,

@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from ember.files import bounded_lines, read_records
+from ember.files import bounded_lines, read_records, record_format
 from ember.pipelines.quality.minhash import splitmix64, windows
 
 TOKEN = re.compile(r"\w+|[^\w\s]")
@@ -146,13 +146,7 @@ def _records(path: Path, fmt: str) -> Iterator[tuple[str, Mapping[str, object]]]
 
 
 def file_format(path: str | Path) -> str:
-    """jsonl for .jsonl/.json/.jsonl.gz, parquet for .parquet; anything else is an error naming the file."""
-    name = str(path).lower()
-    if name.endswith(".parquet"):
-        return "parquet"
-    if name.endswith((".jsonl", ".jsonl.gz", ".json")):
-        return "jsonl"
-    raise DecontaminationError(f"{path}: unknown benchmark file type; use .jsonl, .jsonl.gz or .parquet (or set format)")
+    return record_format(path, DecontaminationError, "benchmark file", "format")
 
 
 def read_items(benchmark: str, path: str | Path, fields: Mapping[str, str | None], fmt: str | None = None) -> list[BenchmarkItem]:

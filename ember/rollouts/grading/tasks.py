@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 
-from ember.files import read_records
+from ember.files import read_records, record_format
 from ember.rollouts.grading.base import Task
 
 MAX_LINE_BYTES = 16 * 2**20
@@ -26,13 +26,7 @@ class TaskSetError(ValueError):
 
 
 def task_format(path: str | Path) -> str:
-    """jsonl for .jsonl/.json/.jsonl.gz, parquet for .parquet; anything else is an error naming the file."""
-    name = str(path).lower()
-    if name.endswith(".parquet"):
-        return "parquet"
-    if name.endswith((".jsonl", ".jsonl.gz", ".json")):
-        return "jsonl"
-    raise TaskSetError(f"{path}: unknown task set type; use .jsonl, .jsonl.gz or .parquet (or set tasks.format)")
+    return record_format(path, TaskSetError, "task set", "tasks.format")
 
 
 def _records(path: Path, fmt: str) -> Iterator[tuple[str, Mapping[str, object]]]:
