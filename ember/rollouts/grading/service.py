@@ -136,6 +136,8 @@ class GradingService:
         self._consumer: KafkaConsumer | None = None
         self._producer: KafkaProducer | None = None
         self._lag_at = float("-inf")
+        self._lag_of: frozenset[TopicPartition] = frozenset()
+        self._quiet_since: float | None = None
         self._status_at = time.monotonic()
         self._status_from = GradeTotals()
         self._last_input = time.monotonic()
@@ -225,10 +227,17 @@ class GradingService:
                 log.debug("ignoring error while closing a client: %r", exc)
 
     def _idle_for(self, seconds: float) -> bool:
-        """Assigned, nothing came for `seconds`, and no lag by end offsets asked for after the last input came."""
-        now = time.monotonic()
-        assigned = bool(self._consumer and self._consumer.assignment())
-        return assigned and self.lag == 0 and self._lag_at > self._last_input and now - self._last_input >= seconds
+        """Settled for `seconds` without interruption: partitions assigned, no lag by end offsets asked for after the
+        last input came and for the partitions owned now. A lag measured before the group assigned anything is 0
+        while the topic is full (a loaded broker takes seconds to assign): it must not count."""
+        assignment = frozenset(self._consumer.assignment()) if self._consumer else frozenset()
+        settled = bool(assignment) and assignment == self._lag_of and self.lag == 0 and self._lag_at > self._last_input
+        if not settled:
+            self._quiet_since = None
+            return False
+        if self._quiet_since is None:
+            self._quiet_since = time.monotonic()
+        return time.monotonic() - self._quiet_since >= seconds
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -361,6 +370,7 @@ class GradingService:
         self._lag_at = time.monotonic()
         owned = list(consumer.assignment())
         ends = consumer.end_offsets(owned) if owned else {}
+        self._lag_of = frozenset(owned)
         self.lag = 0
         for tp, end in ends.items():
             behind = max(0, end - consumer.position(tp))
