@@ -61,6 +61,10 @@ class Reason(str, Enum):
     ROUTED_EXPERTS_MISMATCH = "routed_experts_mismatch"
     BELOW_QUORUM = "below_quorum"
     ZERO_VARIANCE = "zero_variance"
+    # product path (issue 34): a served completion dropped before or at its horizon
+    OPT_OUT = "opt_out"
+    NO_SIGNAL = "no_signal"
+    BASELINE_WARMUP = "baseline_warmup"
     # reward_dropped
     UNKNOWN_GRADER = "unknown_grader"
     LATE_REWARD = "late_reward"
