@@ -46,4 +46,4 @@ class Feed:
 
 
 def engine(path, settings: ProductSettings | None = None, limits: JoinLimits = LIMITS, **kw) -> ProductJoin:
-    return ProductJoin(settings or ProductSettings(), limits, PendingStore(path), **kw)
+    return ProductJoin(settings or ProductSettings(), limits, PendingStore(path, durable=False), **kw)
