@@ -7,7 +7,7 @@ from ember.rollouts.product.config import ProductSettings
 from ember.rollouts.product.join import Message, ProductOutput
 from ember.rollouts.product.reward import RewardFunction
 from ember.rollouts.product.simulate import ProductTraffic, plan_traffic
-from tests.rollouts.product.support import LIMITS, engine
+from tests.rollouts.product.support import engine
 
 SETTINGS = ProductSettings(reward=RewardFunction(horizon_s=2, unshown_horizon_s=1, kept_after_min=1 / 60))
 PLAN = plan_traffic(ProductTraffic(completions=40, users=5, time_scale=3600, kept_minutes=1 / 60, acted=0.6, vocab_size=1000, seed=3))
