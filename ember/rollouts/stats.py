@@ -46,6 +46,7 @@ class EtlStats:
     max_staleness: int | None = None
     oldest_version_batched: int | None = None
     unreadable: int = 0
+    versions: dict[int, Counter] = field(default_factory=lambda: defaultdict(Counter))  # product path: served/rewarded/trained
 
     @property
     def rollouts_per_s(self) -> float:
@@ -132,9 +133,14 @@ def _add(stats: EtlStats, outcome: Outcome) -> None:
             if latest is not None:
                 lag = latest - low
                 stats.max_staleness = lag if stats.max_staleness is None else max(stats.max_staleness, lag)
+        for version, n in outcome.detail.get("versions", {}).items():  # product batches count their versions
+            stats.versions[int(version)].update({"served": n, "rewarded": n, "trained": n})
     elif outcome.kind == "rollout_dropped":
         stats.dropped[outcome.reason] += 1
         stats.dropped_tokens[outcome.reason] += outcome.tokens
+        if "policy_version" in outcome.detail:  # a product completion: served, and rewarded if it earned one
+            counts = stats.versions[int(outcome.detail["policy_version"])]
+            counts.update({"served": 1, "rewarded": int("reward" in outcome.detail)})
     elif outcome.kind == "reward_dropped":
         stats.rewards_dropped[outcome.reason] += 1
     else:
@@ -203,7 +209,13 @@ def stats_tables(stats: EtlStats) -> list:
         drops.add_row(f"reward: {reason}", str(count), "-", "-")
     for topic, count in stats.dead_letters.most_common():
         drops.add_row(f"dead letter from {topic}", str(count), "-", "-")
-    return [flow, lag, drops]
+    tables = [flow, lag, drops]
+    if stats.versions:
+        versions = Table("policy version", "served", "rewarded", "trained", title="product completions per policy version")
+        for version, counts in sorted(stats.versions.items()):
+            versions.add_row(str(version), str(counts["served"]), str(counts["rewarded"]), str(counts["trained"]))
+        tables.append(versions)
+    return tables
 
 
 def per_reason(outcomes: list[Outcome]) -> dict[str, dict[str, int]]:

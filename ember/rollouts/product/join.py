@@ -62,6 +62,11 @@ class ProductOutput:
         return out
 
 
+def _version_counts(batch: TrainBatch) -> dict[str, int]:
+    versions, counts = np.unique(batch.policy_versions, return_counts=True)
+    return {str(int(v)): int(n) for v, n in zip(versions, counts)}
+
+
 class ProductJoin:
     def __init__(
         self,
@@ -78,18 +83,22 @@ class ProductJoin:
         self.opt_out = opt_out or OptOutList()
         self._batches: list[TrainBatch] = []
         self._outcomes: list[Outcome] = []
+        self._committed_positions = (store.get(f"pos.{SERVED}"), store.get(f"pos.{EVENTS}"))
         self.horizon_to_batch_ms: deque[int] = deque(maxlen=100_000)  # log time from horizon to batch, newest last
 
     # ---- restart ----
 
     def recover(self, kafka_txn: int | None) -> ProductOutput | None:
-        """Square the store with the txn the Kafka commit carries (see `store`): the outputs to send again, or None."""
+        """Square the store with the txn the Kafka commit carries (see `store`): the outputs to send again (also
+        queued for the next checkpoint), or None."""
         mine = self.store.get("txn", 0)
         theirs = kafka_txn or 0
         if mine == theirs:
             return None
-        if mine == theirs + 1:
-            return ProductOutput.from_outbox(mine, self.store.outbox(mine))
+        if mine == theirs + 1:  # sent again within the next txn: its outbox then holds them too
+            resent = ProductOutput.from_outbox(mine, self.store.outbox(mine))
+            self._batches, self._outcomes = resent.batches + self._batches, resent.outcomes + self._outcomes
+            return resent
         raise StoreMismatch(
             f"shard {self.shard}: spill store {self.store.path} is at txn {mine} but Kafka committed txn {theirs}; "
             "the state dir was lost or replaced: reset the ETL group's offsets and the state dir together, never one alone"
@@ -128,12 +137,13 @@ class ProductJoin:
         )
 
     def _dropped(self, reason: Reason, cid: str, at_ms: int, *, offset: int = -1, tokens: int = 0, version: int | None = None, **detail) -> None:
+        if version is not None:  # the ledger's per-version counts (`rollouts stats`) read it
+            detail["policy_version"] = version
+            self.store.count(version, "dropped")
         self._outcomes.append(
             Outcome("rollout_dropped", reason, self.shard, at_ms, group_id=cid, rollout_id=cid, topic=self.topics[SERVED],
                     partition=self.shard, offset=offset, tokens=tokens, detail=detail)
         )
-        if version is not None:
-            self.store.count(version, "dropped")
 
     def _event_dropped(self, reason: Reason, cid: str, at_ms: int, offset: int) -> None:
         self._outcomes.append(
@@ -340,17 +350,25 @@ class ProductJoin:
             self._outcomes.append(
                 Outcome("batch", Reason.BATCHED, self.shard, self.now_ms, tokens=batch.num_tokens,
                         detail={"batch_id": batch.batch_id, "step": step, "rollout_ids": list(batch.rollout_ids),
-                                "estimator": chosen[0][3]})
+                                "estimator": chosen[0][3], "versions": _version_counts(batch)})
             )
 
     # ---- checkpoint ----
 
     def checkpoint(self) -> ProductOutput:
-        """Commit the store with this checkpoint's outputs in its outbox; the caller sends them to Kafka next."""
+        """Commit the store with this checkpoint's outputs in its outbox; the caller sends them to Kafka next,
+        with `txn` and the input positions. A new txn only when there are outputs or the positions moved: exactly
+        when the service has something to commit to Kafka, so Kafka is never more than one txn behind."""
         out = ProductOutput(0, self._batches, self._outcomes)
-        out.txn = self.store.commit(out.outbox())
+        positions = (self.store.get(f"pos.{SERVED}"), self.store.get(f"pos.{EVENTS}"))
+        changed = bool(out.batches or out.outcomes) or positions != self._committed_positions
+        out.txn = self.store.commit(out.outbox(), new_txn=changed)
+        self._committed_positions = positions
         self._batches, self._outcomes = [], []
         return out
+
+    def has_output(self) -> bool:
+        return bool(self._batches or self._outcomes)
 
     def pending_count(self) -> int:
         return self.store.pending_count()

@@ -29,7 +29,7 @@ class ProductTraffic(StrictModel):
     tokens: int = Field(64, ge=2, description="tokens per completion (prompt + answer)")
     vocab_size: int = Field(32_000, ge=2)
     rate_per_s: float = Field(50.0, gt=0, description="served completions per second of (uncompressed) product time")
-    time_scale: float = Field(1.0, ge=1, description="delays divided by this: 3600 plays an hour in a second")
+    time_scale: float = Field(1.0, gt=0, description="delays divided by this: 3600 plays an hour in a second")
     shown: float = Field(0.8, ge=0, le=1)
     acted: float = Field(0.3, ge=0, le=1, description="share of shown completions the user does anything with")
     kept_minutes: float = Field(60.0, ge=0)

@@ -90,7 +90,7 @@ class PendingStore:
         for tests and benchmarks."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30.0)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute(f"PRAGMA synchronous={'FULL' if durable else 'OFF'}")  # a commit is the promise Kafka's builds on
         self.db.execute("PRAGMA secure_delete=ON")
@@ -223,15 +223,21 @@ class PendingStore:
 
     # ---- transactions ----
 
-    def commit(self, outbox: list[tuple[str, bytes]]) -> int:
-        """Make this transaction's changes durable with its outputs; returns its txn number."""
+    def commit(self, outbox: list[tuple[str, bytes]], *, new_txn: bool = True) -> int:
+        """Make this transaction's changes durable; with `new_txn`, under a new txn number with `outbox` as its
+        outputs (what Kafka must get), else under the current one (changes Kafka need not hear of, such as log
+        time moving on). Returns the txn number."""
         if self.get("epoch") != self.epoch:
             self.db.execute("ROLLBACK")
             raise Fenced(f"{self.path}: another process (epoch {self.get('epoch')}) owns this shard now; this one had {self.epoch}")
-        txn = self.get("txn", 0) + 1
-        self.set("txn", txn)
-        self.db.execute("DELETE FROM outbox WHERE txn < ?", (txn - 1,))  # txn - 1 stays until Kafka has txn
-        self.db.executemany("INSERT INTO outbox VALUES (?, ?, ?, ?)", [(txn, i, k, p) for i, (k, p) in enumerate(outbox)])
+        txn = self.get("txn", 0)
+        if new_txn:
+            txn += 1
+            self.set("txn", txn)
+            self.db.execute("DELETE FROM outbox WHERE txn < ?", (txn - 1,))  # txn - 1 stays until Kafka has txn
+            self.db.executemany("INSERT INTO outbox VALUES (?, ?, ?, ?)", [(txn, i, k, p) for i, (k, p) in enumerate(outbox)])
+        elif outbox:
+            raise ValueError("outputs need a new txn: Kafka must receive them")
         self.db.execute("COMMIT")
         self.db.execute("BEGIN IMMEDIATE")
         return txn

@@ -38,7 +38,7 @@ def test_opt_out_added_while_pending_leaves_nothing_downstream(tmp_path):
     alice = [o for o in outcomes if o.rollout_id.startswith("alice")]
     assert {(o.kind, o.reason) for o in alice} == {("rollout_dropped", "opt_out"), ("reward_dropped", "opt_out")}
     assert {o.rollout_id for o in alice if o.kind == "rollout_dropped"} == {f"alice-{i}" for i in range(6)} | {"alice-late"}
-    assert all(o.detail in ({}, {"grader": "product"}) for o in alice)  # the fact "opt_out", nothing of hers
+    assert all(o.detail in ({"policy_version": 1}, {"grader": "product"}) for o in alice)  # the fact "opt_out", nothing of hers
     batches = before.batches + after.batches
     assert sorted(c for b in batches for c in b.rollout_ids) == sorted(f"bob-{i}" for i in range(6)[1:])  # bob-0 warms the baseline
     assert not any(SECRET in b.tokens for b in batches)
