@@ -1,0 +1,87 @@
+"""`source: product` against the real broker: ETL processes killed with SIGKILL (between the spill store's
+commit and Kafka's, and at a random moment) while completions wait for an hour-long horizon, compressed 240x;
+every served completion still ends exactly once, in a committed batch or the ledger."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+import uuid
+from collections import Counter
+
+import pytest
+
+from ember.rollouts.product.simulate import ProductTraffic, plan_traffic
+from ember.rollouts.product_etl import publish_traffic
+from ember.rollouts.records import Outcome
+from tests.rollouts.etl_support import Deployment, EtlProcess, etl_settings, finish, read_topic, wait_for_line, write_config
+
+pytestmark = pytest.mark.integration
+
+SCALE = 240  # an hour of product time in 15 s of log time: longer than two process starts and a kill
+
+
+def _ends(topics) -> tuple[dict[str, list[str]], list[str]]:
+    """Each completion id's ends in the ledger (trained, or its drop reason), and the committed batch keys."""
+    ends: dict[str, list[str]] = {}
+    for record in read_topic(topics.outcomes):
+        outcome = Outcome.decode(record.value)
+        if outcome.kind == "batch":
+            for cid in outcome.detail["rollout_ids"]:
+                ends.setdefault(cid, []).append("trained")
+        elif outcome.kind == "rollout_dropped":
+            ends.setdefault(outcome.rollout_id, []).append(outcome.reason)
+    return ends, [r.key.decode() for r in read_topic(topics.train_batches)]
+
+
+def test_kill_9_mid_window_with_spilled_state_loses_and_doubles_nothing(kafka, tmp_path, processes):
+    prefix = f"test-product-{uuid.uuid4().hex[:8]}"
+    deployment = Deployment.plaintext()
+    settings = etl_settings(
+        prefix, partitions=2, kafka=deployment.kafka_section("etl"),
+        filters={"vocab_size": 1000, "max_tokens": 64, "max_policy_lag": None},
+        batches={"token_budget": 256, "min_fill": 0.5, "max_wait_s": 0.3},
+    )
+    settings["source"] = "product"
+    settings["product"] = {
+        "state_dir": str(tmp_path / "state"),
+        "reward": {"horizon_s": 3660 / SCALE, "unshown_horizon_s": 600 / SCALE},
+    }
+    config = write_config(tmp_path / "etl.yaml", settings)
+    topics = deployment.prepare(prefix, config)
+    plan = plan_traffic(ProductTraffic(completions=80, users=8, tokens=32, vocab_size=1000, acted=0.7, rate_per_s=2, time_scale=SCALE, seed=5))
+    served = {p.key.decode() for p in plan if p.role == "served"}
+    publisher = threading.Thread(target=publish_traffic, args=(plan, topics), daemon=True)
+    crashed = EtlProcess(tmp_path / "etl.yaml", "0", tmp_path, fault="etl.before_commit:3")  # store committed, Kafka not
+    processes.append(crashed)
+    wait_for_line(crashed, "owns shards", 120)
+    publisher.start()
+    assert crashed.proc.wait(timeout=120) == -signal.SIGKILL, crashed.output()[-3000:]
+    crashed.kill()
+    second = EtlProcess(tmp_path / "etl.yaml", "0", tmp_path)
+    processes.append(second)
+    time.sleep(3.0)  # mid-window: completions shown, their hour not yet over
+    second.kill()
+    publisher.join(timeout=60)
+    survivor = EtlProcess(tmp_path / "etl.yaml", "0", tmp_path)
+    processes.append(survivor)
+    deadline = time.monotonic() + 120
+    while True:
+        ends, batch_keys = _ends(topics)
+        if set(ends) >= served or time.monotonic() > deadline:
+            break
+        assert survivor.proc.poll() is None, survivor.output()[-3000:]
+        time.sleep(1.0)
+    finish([survivor])
+    ends, batch_keys = _ends(topics)
+
+    assert set(ends) == served, f"{len(served - set(ends))} served completions never ended"
+    assert {cid: e for cid, e in ends.items() if len(e) != 1} == {}
+    assert not [k for k, n in Counter(batch_keys).items() if n > 1], "a batch committed twice"
+    reasons = Counter(e[0] for e in ends.values())
+    assert reasons["trained"] and reasons["no_signal"], reasons
+    later = second.output() + survivor.output()
+    assert "sending its outputs again" in later, "the crash between the two commits left nothing to send again"
+    rebuilt = [line for line in later.splitlines() if "pending to rebuild" in line]
+    assert any(" 0 pending" not in line for line in rebuilt), "no restart found completions waiting in the spill store"
