@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+LOCK_WAIT_S = 30.0  # how long a new owner waits for the previous one to let go of the file
 CACHE_KIB = 8 * 1024  # SQLite's page cache per shard: what pending completions cost in RAM, whatever their number
 
 _SCHEMA = """
@@ -90,7 +91,7 @@ class PendingStore:
         for tests and benchmarks."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30.0)
+        self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=LOCK_WAIT_S)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute(f"PRAGMA synchronous={'FULL' if durable else 'OFF'}")  # a commit is the promise Kafka's builds on
         self.db.execute("PRAGMA secure_delete=ON")
@@ -100,7 +101,10 @@ class PendingStore:
         self.db.execute("BEGIN IMMEDIATE")
 
     def _take_over(self) -> int:
-        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:  # a zombie owner still holds it: the service retries, as on a Kafka error
+            raise TimeoutError(f"{self.path}: {exc} (another process still owns this shard's spill store)") from None
         epoch = self.get("epoch", 0) + 1
         self.set("epoch", epoch)
         self.db.execute("COMMIT")
@@ -247,5 +251,6 @@ class PendingStore:
 
     def close(self) -> None:
         """Roll back what was not committed (as a crash would) and close the file."""
-        self.db.execute("ROLLBACK")
+        if self.db.in_transaction:
+            self.db.execute("ROLLBACK")
         self.db.close()
