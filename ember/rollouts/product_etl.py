@@ -18,7 +18,7 @@ import time
 from kafka import KafkaProducer, TopicPartition
 from prometheus_client import Gauge
 
-from ember.rollouts.engine import REWARDS, ROLLOUTS, EmittedBatch, InputMessage, ShardOutput
+from ember.rollouts.engine import REWARDS, ROLLOUTS, DeadLetter, EmittedBatch, InputMessage, ShardOutput
 from ember.rollouts.config import EtlConfig
 from ember.rollouts.etl import EtlService, _Clients
 from ember.rollouts.metrics import EtlMetrics
@@ -27,7 +27,7 @@ from ember.rollouts.product.join import EVENTS, SERVED, Message, ProductJoin
 from ember.rollouts.product.optout import OptOutFile
 from ember.rollouts.product.simulate import Planned
 from ember.rollouts.product.store import PendingStore
-from ember.rollouts.records import ShardSnapshot
+from ember.rollouts.records import Reason, ShardSnapshot
 from ember.rollouts.security import KafkaSecurity
 from ember.rollouts.topics import Topics
 from ember.rollouts.transport import producer_config
@@ -78,7 +78,7 @@ class ProductShard:
         return self.join.has_output()
 
     def has_batches(self) -> bool:
-        return bool(self.join._batches)
+        return self.join.has_batches()
 
     def waiting_on(self) -> tuple[int, str] | None:
         at = self.join.store.next_horizon_ms()
@@ -90,7 +90,12 @@ class ProductShard:
         batches = [EmittedBatch(b, tuple(b.rollout_ids), b.created_at_us // 1000) for b in out.batches]
         marks = self.positions
         snapshot = ShardSnapshot(self.join.shard, marks, {}, self.join.store.get("next_step", 0), (), etl_instance)
-        return ShardOutput(batches=batches, outcomes=out.outcomes), snapshot, marks
+        dead = [
+            DeadLetter(InputMessage(self.join.topics[r.role], self.join.shard, r.offset, r.timestamp_ms, r.key, r.value),
+                       Reason(r.reason), r.detail, r.value is not None)
+            for r in out.rejected
+        ]
+        return ShardOutput(batches=batches, outcomes=out.outcomes, dead_letters=dead), snapshot, marks
 
 
 class ProductEtlService(EtlService):

@@ -33,9 +33,11 @@ class JoinLimits:
     min_fill: float = 0.9
     max_wait_s: float = 5.0
     drop_empty: bool = True
+    max_message_bytes: int = 48 * 1024 * 1024
 
     @staticmethod
     def of(config) -> "JoinLimits":
         """From an `EtlConfig` (passed in, not imported: the ETL config imports this package)."""
         f, b = config.filters, config.batches
-        return JoinLimits(f.vocab_size, f.max_policy_lag, f.max_tokens, b.token_budget, b.min_fill, b.max_wait_s, f.drop_empty)
+        return JoinLimits(f.vocab_size, f.max_policy_lag, f.max_tokens, b.token_budget, b.min_fill, b.max_wait_s, f.drop_empty,
+                          config.dead_letter.max_message_bytes)

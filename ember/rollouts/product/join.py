@@ -40,6 +40,31 @@ class Message:
     value: bytes
 
 
+@dataclass(frozen=True)
+class Rejected:
+    """An input record for the dead-letter topic: where it came from, why, and its bytes unless too large to keep."""
+
+    role: str
+    offset: int
+    timestamp_ms: int
+    key: bytes | None
+    value: bytes | None
+    reason: str
+    detail: str
+
+    def encode(self) -> bytes:
+        head = {"role": self.role, "offset": self.offset, "timestamp_ms": self.timestamp_ms, "reason": self.reason,
+                "detail": self.detail, "key": None if self.key is None else self.key.hex(), "kept": self.value is not None}
+        return json.dumps(head).encode() + b"\n" + (self.value or b"")
+
+    @staticmethod
+    def decode(raw: bytes) -> "Rejected":
+        head, _, value = raw.partition(b"\n")
+        h = json.loads(head)
+        key = None if h["key"] is None else bytes.fromhex(h["key"])
+        return Rejected(h["role"], h["offset"], h["timestamp_ms"], key, value if h["kept"] else None, h["reason"], h["detail"])
+
+
 @dataclass
 class ProductOutput:
     """What one checkpoint made; the service sends it in one Kafka transaction tagged with `txn`."""
@@ -47,9 +72,14 @@ class ProductOutput:
     txn: int
     batches: list[TrainBatch] = field(default_factory=list)
     outcomes: list[Outcome] = field(default_factory=list)
+    rejected: list[Rejected] = field(default_factory=list)
 
     def outbox(self) -> list[tuple[str, bytes]]:
-        return [("batch", encode(b)) for b in self.batches] + [("outcome", o.encode()) for o in self.outcomes]
+        return (
+            [("batch", encode(b)) for b in self.batches]
+            + [("outcome", o.encode()) for o in self.outcomes]
+            + [("dead_letter", r.encode()) for r in self.rejected]
+        )
 
     @staticmethod
     def from_outbox(txn: int, rows: list[tuple[str, bytes]]) -> "ProductOutput":
@@ -57,8 +87,10 @@ class ProductOutput:
         for kind, payload in rows:
             if kind == "batch":
                 out.batches.append(decode(payload))
-            else:
+            elif kind == "outcome":
                 out.outcomes.append(Outcome.decode(payload))
+            else:
+                out.rejected.append(Rejected.decode(payload))
         return out
 
 
@@ -83,6 +115,7 @@ class ProductJoin:
         self.opt_out = opt_out or OptOutList()
         self._batches: list[TrainBatch] = []
         self._outcomes: list[Outcome] = []
+        self._rejected: list[Rejected] = []
         self._committed_positions = (store.get(f"pos.{SERVED}"), store.get(f"pos.{EVENTS}"))
         self.horizon_to_batch_ms: deque[int] = deque(maxlen=100_000)  # log time from horizon to batch, newest last
 
@@ -98,6 +131,7 @@ class ProductJoin:
         if mine == theirs + 1:  # sent again within the next txn: its outbox then holds them too
             resent = ProductOutput.from_outbox(mine, self.store.outbox(mine))
             self._batches, self._outcomes = resent.batches + self._batches, resent.outcomes + self._outcomes
+            self._rejected = resent.rejected + self._rejected
             return resent
         raise StoreMismatch(
             f"shard {self.shard}: spill store {self.store.path} is at txn {mine} but Kafka committed txn {theirs}; "
@@ -121,6 +155,10 @@ class ProductJoin:
         self.advance(message.timestamp_ms, latest_policy)
         self.store.set(f"pos.{role}", message.offset + 1)
         now = self.now_ms
+        size = len(message.value)
+        if size > self.limits.max_message_bytes:
+            self._dead_letter(role, message, Reason.OVERSIZED, f"{size} bytes > dead_letter.max_message_bytes {self.limits.max_message_bytes}", keep=False)
+            return
         try:
             if role == SERVED:
                 self._served(message, now)
@@ -130,10 +168,13 @@ class ProductJoin:
             reason = Reason.INVALID_RECORD if isinstance(exc, InvalidRecord) else Reason.MALFORMED
             self._dead_letter(role, message, reason, str(exc))
 
-    def _dead_letter(self, role: str, message: Message, reason: Reason, detail: str) -> None:
+    def _dead_letter(self, role: str, message: Message, reason: Reason, detail: str, *, keep: bool = True) -> None:
+        detail = detail[:1000]
+        self._rejected.append(Rejected(role, message.offset, message.timestamp_ms, message.key, message.value if keep else None,
+                                       reason.value, detail))
         self._outcomes.append(
             Outcome("dead_letter", reason, self.shard, message.timestamp_ms, topic=self.topics[role], partition=self.shard,
-                    offset=message.offset, detail={"error": detail[:1000]})
+                    offset=message.offset, detail={"error": detail})
         )
 
     def _dropped(self, reason: Reason, cid: str, at_ms: int, *, offset: int = -1, tokens: int = 0, version: int | None = None, **detail) -> None:
@@ -219,10 +260,9 @@ class ProductJoin:
         now = self.now_ms
         for cid, table in list(self.store.pending_of(added_users, added_orgs)):
             if table == "ready":
-                row = self.store.db.execute("SELECT offset, tokens, payload FROM ready WHERE cid = ?", (cid,)).fetchone()
+                offset, tokens, payload = self.store.ready_row(cid)
                 self.store.drop_ready(cid)
-                version = decode(row[2]).policy_version
-                self._dropped(Reason.OPT_OUT, cid, now, offset=row[0], tokens=row[1], version=version)
+                self._dropped(Reason.OPT_OUT, cid, now, offset=offset, tokens=tokens, version=decode(payload).policy_version)
                 self.store.close_id(cid, now, opted_out=True)
             else:
                 self._opt_out(cid, now, early=self.store.pending(cid))
@@ -359,16 +399,19 @@ class ProductJoin:
         """Commit the store with this checkpoint's outputs in its outbox; the caller sends them to Kafka next,
         with `txn` and the input positions. A new txn only when there are outputs or the positions moved: exactly
         when the service has something to commit to Kafka, so Kafka is never more than one txn behind."""
-        out = ProductOutput(0, self._batches, self._outcomes)
+        out = ProductOutput(0, self._batches, self._outcomes, self._rejected)
         positions = (self.store.get(f"pos.{SERVED}"), self.store.get(f"pos.{EVENTS}"))
         changed = bool(out.batches or out.outcomes) or positions != self._committed_positions
         out.txn = self.store.commit(out.outbox(), new_txn=changed)
         self._committed_positions = positions
-        self._batches, self._outcomes = [], []
+        self._batches, self._outcomes, self._rejected = [], [], []
         return out
 
     def has_output(self) -> bool:
         return bool(self._batches or self._outcomes)
+
+    def has_batches(self) -> bool:
+        return bool(self._batches)
 
     def pending_count(self) -> int:
         return self.store.pending_count()

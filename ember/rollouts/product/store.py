@@ -175,6 +175,11 @@ class PendingStore:
         row = self.db.execute("SELECT SUM(tokens), MIN(ready_ms) FROM ready").fetchone()
         return None if row[0] is None else (int(row[0]), int(row[1]))
 
+    def ready_row(self, cid: str) -> tuple[int, int, bytes]:
+        """(served offset, tokens, encoded rollout) of a scored completion waiting for its batch."""
+        offset, tokens, payload = self.db.execute("SELECT offset, tokens, payload FROM ready WHERE cid = ?", (cid,)).fetchone()
+        return int(offset), int(tokens), bytes(payload)
+
     def drop_ready(self, cid: str) -> None:
         self.db.execute("DELETE FROM ready WHERE cid = ?", (cid,))
 
