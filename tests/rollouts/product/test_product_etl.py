@@ -85,3 +85,26 @@ def test_kill_9_mid_window_with_spilled_state_loses_and_doubles_nothing(kafka, t
     assert "sending its outputs again" in later, "the crash between the two commits left nothing to send again"
     rebuilt = [line for line in later.splitlines() if "pending to rebuild" in line]
     assert any(" 0 pending" not in line for line in rebuilt), "no restart found completions waiting in the spill store"
+
+
+def test_simulate_product_publishes_served_completions_and_their_events(kafka):
+    """`rollouts simulate --product`: GROUPS x GROUP_SIZE served completions on the rollouts topic, their events on
+    the rewards topic, every record keyed by its completion id and readable by the product records' decoders."""
+    from typer.testing import CliRunner
+
+    from ember.rollouts.cli import rollouts_app
+    from ember.rollouts.product.events import ProductEvent, ServedCompletion
+    from ember.rollouts.topics import Topics
+
+    topics = Topics(f"test-simprod-{uuid.uuid4().hex[:8]}")
+    result = CliRunner().invoke(rollouts_app, [
+        "simulate", "--prefix", topics.prefix, "--create-topics", "--partitions", "2", "--product", "--groups", "5",
+        "--group-size", "4", "--vocab-size", "1000", "--time-scale", "inf",
+    ])
+    assert result.exit_code == 0, result.output
+    served = [ServedCompletion.decode(r.value) for r in read_topic(topics.rollouts)]
+    assert len(served) == 20 and all(s.rollout.tokens.max() < 1000 for s in served)
+    ids = {s.completion_id for s in served}
+    events = [(r.key.decode(), ProductEvent.decode(r.value)) for r in read_topic(topics.rewards)]
+    assert events and all(key == e.completion_id and key in ids for key, e in events)
+    assert f"published 20 served completions and {len(events)} events" in " ".join(result.output.split())
