@@ -10,7 +10,7 @@ so a reader needs no new Arrow schema and old readers of `Rollout` are untouched
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from enum import Enum
 
 from ember.schemas import Rollout, decode, encode
@@ -45,6 +45,7 @@ class ServedCompletion:
     user_id: str
     org_id: str = ""
     context_text: str | None = None  # the editor text around the cursor, when the product logs it
+    rollout_wire: bytes | None = field(default=None, repr=False, compare=False)  # the rollout's bytes as read: stored as is
 
     @property
     def completion_id(self) -> str:
@@ -87,6 +88,7 @@ class ServedCompletion:
             user_id=_check_id("user_id", header.get("user_id")),
             org_id=_check_id("org_id", header.get("org_id", ""), required=False),
             context_text=text,
+            rollout_wire=body[cut + 1:],
         )
 
 

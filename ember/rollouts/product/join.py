@@ -211,17 +211,36 @@ class ProductJoin:
         if self.opt_out.excludes(served.user_id, served.org_id):
             self._opt_out(cid, now, offset=message.offset, tokens=rollout.num_tokens, version=version, early=existing)
             return
+        unfit = self._unfit(rollout)
+        if unfit is not None:  # decided at arrival: no reward can make it trainable, so it is never stored
+            self._drop_at_arrival(cid, now, unfit, offset=message.offset, tokens=rollout.num_tokens, version=version, early=existing)
+            return
         shown_ms = existing.shown_ms if existing else None
         reward = self.settings.reward
         horizon = shown_ms + reward.horizon_s * 1000 if shown_ms is not None else message.timestamp_ms + reward.unshown_horizon_s * 1000
         self.store.put_pending(
             PendingRow(
                 cid, message.offset, message.timestamp_ms, int(horizon), version, served.context_key, served.user_id,
-                served.org_id, rollout.num_tokens, encode(rollout),  # the context text is never stored (see the guide)
+                served.org_id, rollout.num_tokens, served.rollout_wire,  # the context text is never stored (see the guide)
                 existing.flags if existing else 0, existing.edit if existing else 0,
                 existing.first_event_offset if existing else None, existing.last_event_offset if existing else None, shown_ms,
+                repr(expert_signature(rollout)),
             )
         )
+
+    def _unfit(self, rollout: Rollout) -> tuple[Reason, dict] | None:
+        if self.limits.drop_empty and not rollout.loss_mask.any():
+            return Reason.EMPTY, {}
+        if rollout.num_tokens > self.limits.max_tokens:
+            return Reason.OVERLONG, {"max_tokens": self.limits.max_tokens}
+        return None
+
+    def _drop_at_arrival(self, cid: str, at_ms: int, unfit: tuple[Reason, dict], *, early: PendingRow | None, **where) -> None:
+        if early is not None:  # its events came first: they go with it
+            self.store.drop_pending(cid)
+            self._event_dropped(unfit[0], cid, at_ms, early.first_event_offset)
+        self._dropped(unfit[0], cid, at_ms, **where, **unfit[1])
+        self.store.close_id(cid, at_ms)
 
     def _event(self, message: Message, now: int) -> None:
         event = ProductEvent.decode(message.value)
@@ -236,7 +255,7 @@ class ProductJoin:
         row = self.store.pending(cid)
         if row is None:  # the event came first: an orphan until its completion arrives
             orphan_at = message.timestamp_ms + int(self.settings.orphan_timeout_s * 1000)
-            row = PendingRow(cid, None, None, orphan_at, None, None, None, None, None, None, 0, 0, None, None, None)
+            row = PendingRow(cid, None, None, orphan_at, None, None, None, None, None, None, 0, 0, None, None, None, None)
         features = Features.from_bits(row.flags, row.edit).fold(event, self.settings.reward.kept_after_min)
         flags, edit = features.to_bits()
         shown_ms, horizon = row.shown_ms, row.horizon_ms
@@ -247,7 +266,7 @@ class ProductJoin:
         first = row.first_event_offset if row.first_event_offset is not None else message.offset
         self.store.put_pending(
             PendingRow(cid, row.offset, row.served_ms, horizon, row.version, row.context, row.user, row.org, row.tokens,
-                       row.payload, flags, edit, first, message.offset, shown_ms)
+                       row.payload, flags, edit, first, message.offset, shown_ms, row.signature)
         )
 
     # ---- opt-out ----
@@ -317,13 +336,6 @@ class ProductJoin:
         if self.limits.max_policy_lag is not None and lag > self.limits.max_policy_lag:
             self._dropped(Reason.STALE, row.cid, now, **where, lag_versions=lag, max_policy_lag=self.limits.max_policy_lag)
             return
-        rollout: Rollout = decode(row.payload)
-        if self.limits.drop_empty and not rollout.loss_mask.any():
-            self._dropped(Reason.EMPTY, row.cid, now, **where)
-            return
-        if rollout.num_tokens > self.limits.max_tokens:
-            self._dropped(Reason.OVERLONG, row.cid, now, **where, max_tokens=self.limits.max_tokens)
-            return
         reward = evaluate(self.settings.reward, Features.from_bits(row.flags, row.edit))
         if reward is None:
             self._dropped(Reason.NO_SIGNAL, row.cid, now, **where)
@@ -337,7 +349,7 @@ class ProductJoin:
         self.store.set("next_seq", seq + 1)
         events = [o for o in (row.first_event_offset, row.last_event_offset) if o is not None]
         self.store.put_ready((
-            row.cid, seq, rollout.num_tokens, advantage, self.settings.baseline.estimator, repr(expert_signature(rollout)),
+            row.cid, seq, row.tokens, advantage, self.settings.baseline.estimator, row.signature,
             row.payload, row.offset, json.dumps(events), now, row.horizon_ms, row.user, row.org,
         ))
 

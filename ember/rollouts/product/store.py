@@ -37,7 +37,7 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS pending (
     cid TEXT PRIMARY KEY, offset INTEGER, served_ms INTEGER, horizon_ms INTEGER NOT NULL, version INTEGER,
     context TEXT, user TEXT, org TEXT, tokens INTEGER, payload BLOB, flags INTEGER NOT NULL DEFAULT 0,
-    edit INTEGER NOT NULL DEFAULT 0, first_event_offset INTEGER, last_event_offset INTEGER, shown_ms INTEGER
+    edit INTEGER NOT NULL DEFAULT 0, first_event_offset INTEGER, last_event_offset INTEGER, shown_ms INTEGER, signature TEXT
 );
 CREATE INDEX IF NOT EXISTS pending_due ON pending (horizon_ms, cid);
 CREATE TABLE IF NOT EXISTS ready (
@@ -80,6 +80,7 @@ class PendingRow:
     first_event_offset: int | None
     last_event_offset: int | None
     shown_ms: int | None  # log time of the first 'shown' event
+    signature: str | None  # routed-expert layout: which completions may share a batch
 
 
 class PendingStore:
@@ -126,11 +127,11 @@ class PendingStore:
         return None if row is None else PendingRow(*row)
 
     def put_pending(self, row: PendingRow) -> None:
-        self.db.execute("INSERT OR REPLACE INTO pending VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", tuple(row.__dict__.values()))
+        self.db.execute("INSERT OR REPLACE INTO pending VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", tuple(row.__dict__.values()))
 
     def put_pending_many(self, rows: list[tuple]) -> None:
         """Bulk insert of fresh served completions (same column order as `PendingRow`)."""
-        self.db.executemany("INSERT INTO pending VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
+        self.db.executemany("INSERT INTO pending VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
 
     def drop_pending(self, cid: str) -> None:
         self.db.execute("DELETE FROM pending WHERE cid = ?", (cid,))

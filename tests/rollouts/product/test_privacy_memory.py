@@ -70,7 +70,7 @@ def test_a_million_pending_completions_stay_on_disk(tmp_path):
     join.store.db.execute(
         "WITH RECURSIVE n(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM n WHERE i < 999999) "
         "INSERT INTO pending SELECT printf('c%07d', i), i, 0, 3600000 + i, 1, 'py/inline', 'u' || (i % 1000), 'o', 8, "
-        "zeroblob(64), 0, 0, NULL, NULL, NULL FROM n"
+        "zeroblob(64), 0, 0, NULL, NULL, NULL, NULL FROM n"
     )
     join.checkpoint()
     join.advance(1000)  # nothing due yet: the horizon index answers without reading the rows
