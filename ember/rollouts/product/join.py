@@ -11,6 +11,7 @@ batch, or in a `rollout_dropped` outcome with its reason (opt_out, no_signal, st
 from __future__ import annotations
 
 import json
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -28,6 +29,8 @@ from ember.schemas import DecodeError, Rollout, SourceOffset, TrainBatch, decode
 from ember.schemas.errors import InvalidRecord
 
 SERVED, EVENTS = "served", "events"
+
+log = logging.getLogger("ember.etl")
 
 
 @dataclass(frozen=True)
@@ -159,14 +162,26 @@ class ProductJoin:
         if size > self.limits.max_message_bytes:
             self._dead_letter(role, message, Reason.OVERSIZED, f"{size} bytes > dead_letter.max_message_bytes {self.limits.max_message_bytes}", keep=False)
             return
+        marks = (len(self._batches), len(self._outcomes), len(self._rejected))
+        self.store.db.execute("SAVEPOINT message")  # a message is taken whole or not at all
         try:
             if role == SERVED:
                 self._served(message, now)
             else:
                 self._event(message, now)
-        except (ProductRecordError, DecodeError, InvalidRecord) as exc:
-            reason = Reason.INVALID_RECORD if isinstance(exc, InvalidRecord) else Reason.MALFORMED
-            self._dead_letter(role, message, reason, str(exc))
+        except Exception as exc:  # bad input costs this one message, never the shard
+            self.store.db.execute("ROLLBACK TO message")
+            del self._batches[marks[0]:], self._outcomes[marks[1]:], self._rejected[marks[2]:]
+            if isinstance(exc, InvalidRecord):
+                reason = Reason.INVALID_RECORD
+            elif isinstance(exc, (ProductRecordError, DecodeError)):
+                reason = Reason.MALFORMED
+            else:
+                log.exception("shard %d: %s@%d could not be taken", self.shard, self.topics[role], message.offset)
+                reason = Reason.INTERNAL_ERROR
+            self._dead_letter(role, message, reason, str(exc) if reason is not Reason.INTERNAL_ERROR else repr(exc))
+        finally:
+            self.store.db.execute("RELEASE message")
 
     def _dead_letter(self, role: str, message: Message, reason: Reason, detail: str, *, keep: bool = True) -> None:
         detail = detail[:1000]
