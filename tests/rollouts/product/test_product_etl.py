@@ -1,6 +1,7 @@
 """`source: product` against the real broker: ETL processes killed with SIGKILL (between the spill store's
-commit and Kafka's, and at a random moment) while completions wait for an hour-long horizon, compressed 240x;
-every served completion still ends exactly once, in a committed batch or the ledger."""
+commit and Kafka's, and at a random moment) while completions wait for an hour-long horizon, compressed 240x,
+and shards moving between two live processes that share the state dir; every served completion still ends
+exactly once, in a committed batch or the ledger."""
 
 from __future__ import annotations
 
@@ -59,13 +60,18 @@ def test_kill_9_mid_window_with_spilled_state_loses_and_doubles_nothing(kafka, t
     publisher.start()
     assert crashed.proc.wait(timeout=120) == -signal.SIGKILL, crashed.output()[-3000:]
     crashed.kill()
-    second = EtlProcess(tmp_path / "etl.yaml", "0", tmp_path)
+    helper = EtlProcess(tmp_path / "etl.yaml", "1", tmp_path)  # takes every shard over, then shares them (and the state dir)
+    processes.append(helper)
+    wait_for_line(helper, "owns shards", 120)
+    second = EtlProcess(tmp_path / "etl.yaml", "0", tmp_path)  # joining, it takes a shard from the helper: a rebalance
     processes.append(second)
-    time.sleep(3.0)  # mid-window: completions shown, their hour not yet over
+    wait_for_line(second, "owns shards", 120)
+    time.sleep(1.0)
     second.kill()
     publisher.join(timeout=60)
     survivor = EtlProcess(tmp_path / "etl.yaml", "0", tmp_path)
     processes.append(survivor)
+    wait_for_line(survivor, "owns shards", 120)  # really running, not stopped while it starts
     deadline = time.monotonic() + 120
     while True:
         ends, batch_keys = _ends(topics)
@@ -73,7 +79,7 @@ def test_kill_9_mid_window_with_spilled_state_loses_and_doubles_nothing(kafka, t
             break
         assert survivor.proc.poll() is None, survivor.output()[-3000:]
         time.sleep(1.0)
-    finish([survivor])
+    finish([survivor, helper])
     ends, batch_keys = _ends(topics)
 
     assert set(ends) == served, f"{len(served - set(ends))} served completions never ended"
@@ -81,7 +87,8 @@ def test_kill_9_mid_window_with_spilled_state_loses_and_doubles_nothing(kafka, t
     assert not [k for k, n in Counter(batch_keys).items() if n > 1], "a batch committed twice"
     reasons = Counter(e[0] for e in ends.values())
     assert reasons["trained"] and reasons["no_signal"], reasons
-    later = second.output() + survivor.output()
+    later = second.output() + helper.output() + survivor.output()
+    assert helper.output().count("owns shards") >= 2, "the helper's shards never moved"
     assert "sending its outputs again" in later, "the crash between the two commits left nothing to send again"
     rebuilt = [line for line in later.splitlines() if "pending to rebuild" in line]
     assert any(" 0 pending" not in line for line in rebuilt), "no restart found completions waiting in the spill store"
