@@ -38,8 +38,15 @@ log = logging.getLogger("ember.etl")
 class ProductShard:
     """The parts of `ShardEngine` the service uses, over a `ProductJoin`."""
 
-    groups: dict = {}  # no groups: the service's open-group gauges read 0
-    ready: list = []
+    @property
+    def groups(self) -> dict:
+        """No groups: the service's open-group gauges read 0."""
+        return {}
+
+    @property
+    def ready(self) -> list:
+        """Scored completions wait in the store, not here: the service's idle check asks `pending_count`."""
+        return []
 
     def __init__(self, join: ProductJoin, inputs: dict[str, str], opt_out: OptOutFile | None):
         self.join = join
