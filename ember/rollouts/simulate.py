@@ -90,6 +90,34 @@ def synthetic_rollout(
     )
 
 
+def synthetic_episode(
+    rng: np.random.Generator,
+    *,
+    episode_id: str,
+    segments: int,
+    num_tokens: int,
+    summary_tokens: int = 8,
+    turns: int = 5,
+    **rollout_kwargs,
+) -> list[Rollout]:
+    """A long-horizon agent episode over `segments` contexts of `num_tokens` each: segment 0 starts from the
+    prompt, each later one from the summary the model wrote at the end of the one before (there the closing
+    assistant turn, trained; here its first `summary_tokens`, context with no loss). Turns alternate assistant
+    and tool, odd `turns` so every context ends with the model's own tokens. The reward goes to `episode_id`."""
+    out: list[Rollout] = []
+    for index in range(segments):
+        rollout = synthetic_rollout(rng, num_tokens=num_tokens, turns=turns, rollout_id=f"{episode_id}-s{index}", **rollout_kwargs)
+        fields: dict = {"episode_id": episode_id, "segment_index": index}
+        if index == segments - 1:
+            fields["segments_total"] = segments
+        if index:
+            span = min(summary_tokens, rollout.prompt_tokens)
+            fields.update(summarises=out[-1].rollout_id, summary_start=0, summary_end=span)
+            fields["turns"] = [Turn("summary", 0, span), *([Turn("user", span, rollout.prompt_tokens)] if span < rollout.prompt_tokens else []), *rollout.turns[1:]]
+        out.append(replace(rollout, **fields))
+    return out
+
+
 def synthetic_reward(rng: np.random.Generator, rollout: Rollout, grader: str = "unit-tests") -> Reward:
     passed = float(rng.random() < 0.5)
     style = float(rng.uniform(0, 1))
