@@ -119,6 +119,7 @@ def train_batches(draw) -> TrainBatch:
         routed_experts=experts,
         created_at_us=draw(int64s),
         advantage_estimator=draw(st.sampled_from([None, "grpo", "dr_grpo", "rloo"])),
+        episode_ids=sorted(draw(st.lists(st.sampled_from("abc"), min_size=len(lengths), max_size=len(lengths)))) if draw(st.booleans()) else [],
     )
 
 
