@@ -459,6 +459,7 @@ TRAIN_BATCH_SCHEMA = versioned_schema(
         pa.field("routed_experts_dtype", pa.string()),
         pa.field("created_at", pa.timestamp("us", tz="UTC"), nullable=False),
         pa.field("advantage_estimator", pa.string()),
+        pa.field("episode_ids", pa.list_(pa.string())),
     ],
 )
 
