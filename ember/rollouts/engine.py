@@ -778,6 +778,7 @@ class ShardEngine:
                 "group_ids": group_ids,
                 "policy_versions": [int(versions.min()), int(versions.max())],
                 "latest_policy": latest_policy,
+                **({"episodes": len(set(batch.episode_ids))} if batch.episode_ids else {}),
             },
         )
 

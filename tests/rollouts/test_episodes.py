@@ -239,3 +239,38 @@ def test_any_interleaving_duplicates_and_crashes_batch_each_episode_whole_once_o
     total = sum(1 for m in messages if m.topic == TOPICS.rollouts)
     accounted = sum(len(v) for v in batched.values()) + sum(1 for o in durable.outcomes if o.kind in ("rollout_dropped", "dead_letter") and o.topic == TOPICS.rollouts)
     assert accounted == total
+
+
+def test_tail_and_stats_show_episodes():
+    """`rollouts tail` places a segment in its episode; `stats` counts episodes batched and dropped whole (once each,
+    not once per segment), from the ledger the engine writes."""
+    from rich.console import Console
+
+    from ember.rollouts import tail
+    from ember.rollouts.stats import EtlStats, _add, stats_tables
+
+    log = Log()
+    episodes = [episode("g", e, 3) for e in range(4)]
+    for e, ep in enumerate(episodes):
+        for segment in ep[: 2 if e == 0 else 3]:
+            log.add(segment, 0)
+        log.add(episode_reward(ep, SCORES[e]), 0)
+    done = run(config(groups={"quorum": 2}), log.messages, end_ms=10_000)
+    stats = EtlStats(window_s=0)
+    for outcome in done.outcomes:
+        _add(stats, outcome)
+    console = Console(record=True, width=200)
+    for table in stats_tables(stats):
+        console.print(table)
+    text = console.export_text()
+    assert "3 batched whole, 1 segmented dropped whole" in text
+    (row,) = [line for line in text.splitlines() if "episode: episode_incomplete" in line]
+    assert row.split("│")[2].strip() == "1", row
+
+    second = episodes[1][1]
+    assert "episode g-e1 segment 2/? from summary [0, 6) 2 tool turns" in tail._rollout(second)
+    assert "segment 3/3" in tail._rollout(episodes[1][2])
+    (batch,) = done.batches
+    assert "9 rollouts (3 episodes)" in tail._batch(batch)
+    dropped = next(o for o in done.outcomes if o.kind == "rollout_dropped")
+    assert "of episode g-e0" in tail._outcome(dropped)
