@@ -1,4 +1,5 @@
-"""Agent episodes through the real ETL against the real broker: `kill -9` mid-episode loses and doubles no segment.
+"""Agent episodes through the real ETL against the real broker: `kill -9` mid-episode loses and doubles no segment,
+and a replay of the log writes the live ledger.
 
 The count is independent of the ETL's own books: what the simulator published (segments by episode, rewards)
 against what the trainer's topic and the ledger hold."""
@@ -16,6 +17,7 @@ from ember.schemas import Reward, Rollout, decode_train_batch
 from tests.rollouts.etl_support import (
     Deployment,
     EtlProcess,
+    check_replay,
     finish,
     ledger_counts,
     publish_in_background,
@@ -30,7 +32,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_kill_9_mid_episode_loses_no_segment_and_doubles_none(kafka, tmp_path, processes):
-    prefix, _config, topics = setup_etl(tmp_path, Deployment.plaintext(), partitions=2, groups={"timeout_s": 8})
+    prefix, config, topics = setup_etl(tmp_path, Deployment.plaintext(), partitions=2, groups={"timeout_s": 8})
     work = workload(prefix, groups=12, group_interval_s=0.4, max_segments=4, p_missing_segment=0.05, p_malformed=0.0)
     first = EtlProcess(tmp_path / "etl.yaml", "0", tmp_path)
     processes.append(first)
@@ -74,3 +76,4 @@ def test_kill_9_mid_episode_loses_no_segment_and_doubles_none(kafka, tmp_path, p
     dropped_whole = {o.rollout_id.rsplit("-s", 1)[0] for o in outcomes if o.kind == "rollout_dropped" and o.reason not in ("duplicate", "late_rollout")}
     assert not dropped_whole & set(by_episode), "an episode both trained and dropped"
     assert np.all(np.isfinite([a for places in by_episode.values() for _, a in places]))
+    check_replay(config, topics, tmp_path / "replayed")  # `rollouts replay` of the log decides every segment alike
