@@ -499,8 +499,10 @@ class ShardEngine:
                 continue
             deadline = (group.first_rollout_ms or 0) + math.ceil(self.config.groups.timeout_s * 1000)
             waiting = [self._reward_deadline(m) for m in group.members.values() if not self._rewarded(m)]
-            incomplete = not all(m.complete for m in group.members.values())
-            if len(group.members) < size or incomplete or not waiting or max(waiting) >= deadline:
+            incomplete = sum(1 for m in group.members.values() if not m.complete)
+            if incomplete and len(group.members) == size:
+                times.append((deadline, f"group {group_id}, {incomplete} of its episodes missing segments (groups.timeout_s)"))
+            elif len(group.members) < size or not waiting or max(waiting) >= deadline:
                 times.append((deadline, f"group {group_id}, {len(group.members)} of its {size} rollouts in (groups.timeout_s)"))
             else:
                 times.append((max(waiting), f"the rewards of group {group_id} (rewards.timeout_s)"))

@@ -77,6 +77,10 @@ def test_a_missing_segment_or_reward_at_the_deadline_drops_the_whole_episode_wit
             log.add(episode_reward(ep, SCORES[e]), 0)
     cfg = config(groups={"quorum": 2})
     assert run(cfg, log.messages, end_ms=9_999).batches == [], "incomplete episodes wait for the group timeout"
+    engine = ShardEngine(cfg, 0, TOPICS)
+    for m in log.messages:
+        engine.ingest(m)
+    assert engine.waiting_on() == (10_000, "group g, 1 of its episodes missing segments (groups.timeout_s)")
     done = run(cfg, log.messages, end_ms=10_000)
     assert sorted(done.batched_ids) == sorted(s.rollout_id for ep in episodes[2:] for s in ep)
     dropped = {o.rollout_id: (o.reason, o.detail.get("episode_id")) for o in done.outcomes if o.kind == "rollout_dropped"}
