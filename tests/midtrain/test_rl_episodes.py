@@ -83,3 +83,14 @@ def test_a_batchs_episode_ids_number_its_sequences_and_ranks_never_split_an_epis
     plain = TrainBatch(**{**vars(batch), "episode_ids": []})
     assert rl_batch(plain).episodes is None
     assert episode_share_bounds(plain.cu_seqlens, [], 2).tolist() == [0, 2, 4]
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean", "constant"])
+def test_terms_of_shares_cut_between_episodes_add_up_to_the_batchs(mode):
+    """What data-parallel ranks rely on: a share of whole episodes has its part of the numerator and denominator."""
+    per_token = -ADVANTAGES * RATIO
+    whole = step_math.aggregate_terms(per_token, MASK, SEGMENT_CU, mode, max_tokens=MAX_TOKENS, episodes=EPISODES)
+    first = step_math.aggregate_terms(per_token[:12], MASK[:12], SEGMENT_CU[:4], mode, max_tokens=MAX_TOKENS, episodes=EPISODES[:3])
+    second = step_math.aggregate_terms(per_token[12:], MASK[12:], SEGMENT_CU[3:] - 12, mode, max_tokens=MAX_TOKENS, episodes=EPISODES[3:] - 1)
+    assert float(first[0] + second[0]) == pytest.approx(float(whole[0]), rel=1e-6)
+    assert float(first[1] + second[1]) == pytest.approx(float(whole[1]), rel=1e-6)
