@@ -5,7 +5,7 @@ a list in the tests and benchmarks) turns each schema `TrainBatch` into an `RLBa
 
 With several data-parallel ranks each rank trains a contiguous share of a batch's rollouts:
 `share_bounds` cuts the batch where its token count is closest to an equal split, from `cu_seqlens`
-alone, and `rl_batch_share` decodes only that share of an encoded message (the codec's arrays are
+alone (between episodes only, `episode_share_bounds`, when the batch holds segments), and `rl_batch_share` decodes only that share of an encoded message (the codec's arrays are
 zero-copy views, so the other ranks' tokens and routed experts are never copied or checked here). A
 by-reference batch (what the ETL writes) carries no tokens at all: each rank fetches only its share's
 rollouts (`fetch`, a `RolloutFetcher.rollouts` in `midtrain rl`), never the others'.
