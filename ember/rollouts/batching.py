@@ -84,7 +84,8 @@ def plan_batches(
 
 
 def split_by_budget(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """Next-fit over consecutive sequences, for the one group that exceeds the budget."""
+    """Next-fit over consecutive items (sequences, or whole episodes: `episodes.episode_chunks`), for the one group
+    that exceeds the budget."""
     chunks: list[list[int]] = []
     used = budget + 1
     for index, length in enumerate(lengths):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from ember.rollouts.batching import ScoredRollout
+from ember.rollouts.batching import ScoredRollout, split_by_budget
 from ember.rollouts.records import Reason
 from ember.schemas import Rollout
 
@@ -50,24 +50,14 @@ def refusal(segments: Mapping[int, Rollout], new: Rollout) -> tuple[Reason, str]
 
 
 def episode_chunks(sequences: Sequence[ScoredRollout], budget: int) -> list[list[int]]:
-    """Next-fit over consecutive episodes (an episode's segments are consecutive), for a group over the token
-    budget: every episode lies in one chunk, so in one training step. An episode alone over the budget never
-    reaches here: the engine drops it at its decision (Reason.EPISODE_OVER_BUDGET)."""
-    chunks: list[list[int]] = []
-    used = budget + 1
-    index = 0
-    while index < len(sequences):
-        key = sequences[index].rollout.episode_key
-        end = index
-        while end < len(sequences) and sequences[end].rollout.episode_key == key:
-            end += 1
-        tokens = sum(s.rollout.num_tokens for s in sequences[index:end])
-        if tokens > budget:
-            raise ValueError(f"episode {key} has {tokens} tokens, over the {budget}-token budget")
-        if used + tokens > budget:
-            chunks.append([])
-            used = 0
-        chunks[-1].extend(range(index, end))
-        used += tokens
-        index = end
-    return chunks
+    """`split_by_budget` over consecutive episodes (an episode's segments are consecutive), for a group over the
+    token budget: every episode lies in one chunk, so in one training step. An episode alone over the budget
+    never reaches here: the engine drops it at its decision (Reason.EPISODE_OVER_BUDGET)."""
+    spans: list[list[int]] = []  # each episode's sequence indices
+    for index, sequence in enumerate(sequences):
+        if spans and sequences[spans[-1][0]].rollout.episode_key == sequence.rollout.episode_key:
+            spans[-1].append(index)
+        else:
+            spans.append([index])
+    tokens = [sum(sequences[i].rollout.num_tokens for i in span) for span in spans]
+    return [[i for e in chunk for i in spans[e]] for chunk in split_by_budget(tokens, budget)]
