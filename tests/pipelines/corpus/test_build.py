@@ -9,13 +9,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from rich.console import Console
 from typer.testing import CliRunner
 
 from ember.configs import CorpusConfigError
 from ember.dev import services
 from tests.conftest import start
-from ember.demo import corpus_stage as demo_stage
 from ember.pipelines.cli import app
 from ember.pipelines.corpus.build import build_corpus
 from ember.pipelines.corpus.config import parse_config
@@ -140,22 +138,6 @@ def test_report_command_renders_a_finished_build(built: Path) -> None:
     assert result.exit_code == 0, result.output
     assert (built / "report.md").read_text().startswith("# Corpus build report")
     assert CliRunner().invoke(app, ["report", str(built / "nothing-here")]).exit_code == 2
-
-
-def test_demo_stage_builds_documents_and_a_verified_shard_set(tmp_path: Path) -> None:
-    summary, shards = demo_stage.run(Console(file=open("/dev/null", "w")), tmp_path)
-    values = dict(summary)
-    stats = read_stats(str(tmp_path / "corpus"))
-    assert values["corpus documents in"] == f"{stats['totals']['docs_in']:,}" and stats["totals"]["docs_in"] > 66
-    assert values["corpus accounted (in = kept + rejected)"] == "yes"
-    assert values["corpus near duplicates removed"] != "0" and values["verify"] == "OK"
-    assert values["tokenizer"].startswith("cl100k_base (vocab 100277")
-    assert {"stdlib tokens", "pages tokens", "stdlib fill ratio", "pages fill ratio"} <= set(values)
-    documents = tmp_path / "corpus" / "documents"
-    assert {"code", "web", "stdlib", "pages"} <= {p.name for p in documents.iterdir()}
-    assert all(pq.read_table(p).schema.equals(DOCUMENT_SCHEMA) for p in documents.rglob("*.parquet"))
-    assert shards == tmp_path / "corpus" / "shards"
-    assert "apache_beam" in (tmp_path / "corpus.log").read_text(), "Beam's logs go to the demo's log file, not the terminal"
 
 
 def with_tokenize(config: dict, tokenizer: Path) -> dict:
