@@ -225,6 +225,9 @@ def simulate(
     stale_lag: int = typer.Option(10, min=1, help="How many versions behind a stale rollout is."),
     time_scale: float = typer.Option(1.0, min=0.001, help="Simulated seconds per real second (inf: no waiting)."),
     seed: int = typer.Option(0, help="Random seed."),
+    max_segments: int = typer.Option(1, min=1, max=4096, help="Long-horizon episodes of 1..N segments (contexts joined by summaries, tool turns, one reward at the end); 1: plain rollouts."),
+    p_missing_segment: float = typer.Option(0.0, min=0, max=1, help="Fraction of episode segments never sent (the episode is dropped whole)."),
+    p_late_segment: float = typer.Option(0.0, min=0, max=1, help="Fraction of episode segments delayed by --late-delay."),
     product: bool = typer.Option(
         False, "--product", help="Product traffic instead (source: product): GROUPS x GROUP_SIZE served completions and "
         "long-tailed user events (most never acted on, accepts in seconds, reverts in minutes, 'kept' at an hour), "
@@ -269,6 +272,9 @@ def simulate(
         p_stale=p_stale,
         stale_lag=stale_lag,
         seed=seed,
+        max_segments=max_segments,
+        p_missing_segment=p_missing_segment,
+        p_late_segment=p_late_segment,
     )
     with _refusals():
         if create_topics:
