@@ -37,6 +37,7 @@ from ember import storage
 from ember.configs import CorpusConfigError
 from ember.pipelines.corpus import phases, pipeline, trees
 from ember.pipelines.corpus.config import CorpusConfig, CorpusSource, check_inputs
+from ember.pipelines.corpus.incremental import check_indexes
 from ember.pipelines.corpus.outputs import require_empty_output
 from ember.pipelines.corpus.report import (
     SourceWarning,
@@ -293,6 +294,7 @@ def build_corpus(config: CorpusConfig, beam_args: list[str], console: Console | 
     url_shards = config.shards_directory if config.shards_directory and storage.is_url(config.shards_directory) else None
     preflight_urls(config, url_shards)
     check_inputs(config)
+    check_indexes(config)
     tokenizer = None
     if config.tokenize is not None:
         from ember.tokenize.tokenizers import load_tokenizer
