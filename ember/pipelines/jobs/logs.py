@@ -50,6 +50,7 @@ def publish_log(log: JobLog, output: str) -> str | None:
     from ember import storage
 
     try:
+        storage.preflight(target)  # a bucket that is not there fails at once, not after an upload's retries
         storage.upload(log.path, target)
     except Exception as exc:  # noqa: BLE001 - a store that refuses the log must not hide the job's own outcome
         logging.getLogger(__name__).warning("the log stays at %s: copying it to %s failed (%s)", log.path, target, exc)
