@@ -186,11 +186,11 @@ cmd_start() {
     --expansion-port="$EXPANSION_PORT" --artifacts-dir="$ROOT/artifacts")
   start_component job-server "${cmd[@]}"
   # The pool starts each SDK harness as `python -c ...`: the venv's bin/ comes first on PATH.
-  local isolate=() boot=()
+  local isolate=()
   mapfile -d '' isolate < <(isolation)
-  # An isolated pool starts each harness as Beam's SDK container does, with the job's pipeline options (s3:// needs
-  # them in the workers; ember/dev/flink_boot.py).
-  [[ "$ISOLATED" == 1 ]] && boot=(--container_executable="$INFRA_DIR/flink-worker-boot.sh")
+  # Every pool starts each harness as Beam's SDK container does, with the job's pipeline options (s3:// needs them
+  # in the workers; ember/dev/flink_boot.py): a bare `python -c` harness has none, and every s3:// call fails.
+  local boot=(--container_executable="$INFRA_DIR/flink-worker-boot.sh")
   start_component worker-pool "${isolate[@]}" env PATH="$(dirname "$EMBER_PY"):$PATH" PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" \
     "$EMBER_PY" -m apache_beam.runners.worker.worker_pool_main --service_port="$POOL_PORT" "${boot[@]}"
   local deadline=$((SECONDS + READY_TIMEOUT)) n=0
