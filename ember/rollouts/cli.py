@@ -60,6 +60,9 @@ def _refusals() -> Iterator[None]:
         raise typer.Exit(2) from None
 
 
+REGION_ROLES = ("rollouts", "rewards")  # what a region produces; policy versions arrive mirrored from central
+
+
 def _topic_list() -> str:
     from ember.rollouts.topics import Topics
 
@@ -70,14 +73,28 @@ def _topic_list() -> str:
 def topics_create(
     prefix: str = PrefixOption,
     partitions: int = typer.Option(6, min=1, help="Partitions for the rollouts, rewards and etl-state topics."),
+    region: str = typer.Option(
+        None, "--region", help="Make a region's topics (rollouts, rewards) on its cluster (`ember dev up --regions`); "
+        "MirrorMaker 2 copies them into the central cluster as REGION.PREFIX.<name>.",
+    ),
 ) -> None:
+    from ember.dev import services
     from ember.rollouts.admin import ensure_topics
     from ember.rollouts.config import kafka_bootstrap
     from ember.rollouts.topics import Topics
 
     security = _env_security()
+    specs = Topics(prefix).specs(partitions)
+    bootstrap = kafka_bootstrap()
+    if region is not None:
+        try:
+            bootstrap = services.region_bootstrap(region)
+        except services.ServiceError as exc:
+            console.print(f"[red]{exc}[/red]", soft_wrap=True)
+            raise typer.Exit(2)
+        specs = {role: specs[role] for role in REGION_ROLES}
     with _refusals():
-        outcome = ensure_topics(kafka_bootstrap(), list(Topics(prefix).specs(partitions).values()), security)
+        outcome = ensure_topics(bootstrap, list(specs.values()), security)
     for name, state in outcome.items():
         console.print(f"{name}: {state}")
 
