@@ -111,7 +111,8 @@ def parse_regions(text: str) -> list[str]:
 
 def start_regions(regions: list[str]) -> str:
     """One KRaft cluster per region and the MirrorMaker 2 node that mirrors them into the central broker (which must be
-    up); idempotent. Regions are opt-in so that the default `dev up` and CI start nothing more."""
+    up); idempotent. Regions are opt-in so that the default `dev up` and CI start nothing more. EMBER_MM2_OUT_TOPICS
+    narrows what central sends out (see infra/regions.sh)."""
     return run_script("regions.sh", "start", ",".join(regions)).stdout
 
 
