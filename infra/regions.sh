@@ -12,7 +12,7 @@
 # exactly.once.source.support=enabled on every target and the intra-cluster REST of KIP-710; it copies each region's
 # *.rollouts and *.rewards into central as <region>.<topic>, and central's *.policy-versions into every region as
 # central.<topic>. A region's ports are given once and kept ($EMBER_HOME/regions/ports): slot n>=1 has client port
-# 19300+10n, controller +1, MM2 REST +2; central's MM2 REST is 19302.
+# 19300+10n, controller +1. MM2's internal REST server (one per node, every flow behind it) listens on 127.0.0.1:19302.
 # Env: EMBER_HOME, EMBER_REGION_HEAP (384m), EMBER_MM2_HEAP (512m), EMBER_MM2_START_TIMEOUT (180 seconds),
 #      EMBER_MM2_OUT_TOPICS (regex of central topics copied out to every region; .*\.policy-versions): a central
 #      cluster shared by many test prefixes narrows it, or every region holds a copy of every prefix's versions.
@@ -105,7 +105,8 @@ ensure_mm2_libs() {
 }
 
 # mm2_write_config R... -- one dedicated MM2 node driving every flow: region->central (rollouts, rewards) and
-# central->region (policy versions). Every cluster is a target, so each gets its own EOS worker and REST port.
+# central->region (policy versions). Every cluster is a target, so each gets its own EOS worker; the one REST server
+# is bound to 127.0.0.1 (its default, http://:8083, listens on every interface).
 mm2_write_config() {
   local region port a b
   ensure_dir "$MM2_DIR" "$MM2_DIR/logs"
@@ -114,13 +115,12 @@ mm2_write_config() {
     printf '# regions: %s\n' "$*"
     printf 'clusters = %s\n' "$(IFS=,; echo "$CENTRAL,$*")"
     printf '%s.bootstrap.servers = %s\n' "$CENTRAL" "$CENTRAL_BOOTSTRAP"
-    printf '%s.listeners = http://127.0.0.1:%s\n' "$CENTRAL" $((BASE_PORT + 2))
+    printf 'listeners = http://127.0.0.1:%s\n' $((BASE_PORT + 2))
     printf '%s.exactly.once.source.support = enabled\n' "$CENTRAL"
     printf '%s.consumer.isolation.level = read_committed\n' "$CENTRAL"
     for region in "$@"; do
       port="$(region_port "$region")"
       printf '%s.bootstrap.servers = 127.0.0.1:%s\n' "$region" "$port"
-      printf '%s.listeners = http://127.0.0.1:%s\n' "$region" $((port + 2))
       printf '%s.exactly.once.source.support = enabled\n' "$region"
       printf '%s.consumer.isolation.level = read_committed\n' "$region"
       printf '%s->%s.enabled = true\n' "$region" "$CENTRAL"
@@ -136,7 +136,7 @@ mm2_write_config() {
     cat <<CONF
 # KIP-618 (above, per target: a worker setting): each target's Connect worker writes records and source offsets in
 # one transaction.
-# KIP-710: followers reach the leader over an internal-only REST server (per target, on the listeners above).
+# KIP-710: followers reach the leader over an internal-only REST server (on the listeners above).
 dedicated.mode.enable.internal.rest = true
 rest.advertised.host.name = 127.0.0.1
 # Each cluster's <alias>.consumer.isolation.level (above) is what MM2's replication consumer reads with: its default

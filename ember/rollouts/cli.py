@@ -498,11 +498,17 @@ def stats(
     watch: bool = typer.Option(False, "--watch", "-w", help="Refresh until Ctrl-C."),
     interval: float = typer.Option(5.0, min=0.1, help="Seconds between refreshes with --watch."),
     count: int = typer.Option(None, min=1, hidden=True, help="With --watch, stop after this many refreshes (tests)."),
+    regions: list[str] = typer.Option(
+        None, "--region", help="Also show, per partition, how far MirrorMaker 2 is behind this region (repeatable)."
+    ),
 ) -> None:
-    """Is data flowing and how stale is it: input lag, batches, drops by reason, dead letters."""
+    """Is data flowing and how stale is it: input lag, batches, drops by reason, dead letters; with --region, the
+    region's committed rollouts and rewards not yet copied into the central cluster."""
     from ember.rollouts.stats import collect_stats, render_stats, watch_stats
 
     settings = _etl_config(config)
+    if regions:
+        _render_mirror_lag(settings, regions)
     with _refusals():
         if watch:
             try:
@@ -511,6 +517,25 @@ def stats(
                 console.print("stopped watching")
         else:
             render_stats(collect_stats(settings, window_s=window), console)
+
+
+def _render_mirror_lag(settings, regions: list[str]) -> None:
+    from rich.table import Table
+
+    from ember.dev import services
+    from ember.rollouts.mirror import mirror_lag
+
+    topics = settings.kafka.topics
+    table = Table("region", "topic", "partition", "copied up to", "region end", "records not mirrored")
+    for region in regions:
+        try:
+            bootstrap = services.region_bootstrap(region)
+        except services.ServiceError as exc:
+            console.print(f"[red]{exc}[/red]", soft_wrap=True)
+            raise typer.Exit(2)
+        for row in mirror_lag(settings.kafka.bootstrap, region, bootstrap, [topics.rollouts, topics.rewards]):
+            table.add_row(row.region, row.topic, str(row.partition), str(row.copied), str(row.end), str(row.behind))
+    console.print(table)
 
 
 @rollouts_app.command("replay")

@@ -18,6 +18,7 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from ember.dev import services
 from ember.rollouts.admin import ensure_topics
+from ember.rollouts.mirror import mirror_lag
 from ember.rollouts.topics import Topics
 
 REGIONS = ("us", "eu")
@@ -131,12 +132,17 @@ def test_mm2_killed_mid_stream_loses_and_doubles_nothing(kafka, regions, topic_p
     time.sleep(2)
     regions_script("mm2", "kill")
     time.sleep(2)  # the regions keep producing while nothing mirrors
+    for region, bootstrap in regions.items():
+        behind = sum(row.behind for row in mirror_lag(kafka, region, bootstrap, [topics.rollouts]))
+        assert behind > 0, f"{region}: 2 s of rollouts produced with MM2 dead, yet none reported as not mirrored"
     regions_script("mm2", "start")
     time.sleep(1)
     sent = {r: p.finish() for r, p in producers.items()}
     for region, ids in sent.items():
         assert len(ids) > 100, f"{region} produced only {len(ids)} rollouts: the kill did not land mid-stream"
         assert_exactly_once(mirrored(kafka, f"{region}.{topics.rollouts}", len(ids)), ids, f"{region} after an MM2 kill -9")
+        rows = mirror_lag(kafka, region, regions[region], [topics.rollouts])
+        assert [(r.copied, r.behind) for r in rows] == [(r.end, 0) for r in rows], rows
 
 
 def test_policy_versions_reach_every_region(kafka, regions, topic_prefix):
