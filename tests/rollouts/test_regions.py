@@ -15,7 +15,9 @@ from collections import Counter
 
 import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from typer.testing import CliRunner
 
+from ember.cli import app
 from ember.dev import services
 from ember.rollouts.admin import ensure_topics
 from ember.rollouts.mirror import mirror_lag
@@ -122,6 +124,14 @@ def test_dev_up_regions_refuses_bad_names_in_one_line():
         with pytest.raises(ValueError, match=why):
             services.parse_regions(bad)
     assert services.parse_regions("us, eu") == ["us", "eu"]
+    result = CliRunner().invoke(app, ["dev", "up", "--regions", "us,EU"])
+    assert result.exit_code == 2 and result.output.strip().count("\n") == 0 and "'EU'" in result.output, result.output
+
+
+def test_topics_create_for_a_region_never_started_is_one_line_exit_2():
+    result = CliRunner().invoke(app, ["rollouts", "topics", "create", "--prefix", "regions-none", "--region", "nowhere"])
+    assert result.exit_code == 2, result.output
+    assert "region 'nowhere' was never started here" in result.output and result.output.strip().count("\n") == 0
 
 
 def test_mm2_killed_mid_stream_loses_and_doubles_nothing(kafka, regions, topic_prefix):
