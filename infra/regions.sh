@@ -246,9 +246,16 @@ cmd_start() {
   for region in "${regions[@]}"; do
     check_region "$region"
   done
+  # The regions' brokers start side by side (each has its own lock); any that fails fails the start.
+  local pids=() rc=0 pid
   for region in "${regions[@]}"; do
-    broker "$region" start
+    broker "$region" start &
+    pids+=($!)
   done
+  for pid in "${pids[@]}"; do
+    wait "$pid" || rc=1
+  done
+  ((rc == 0)) || die "a regional cluster did not start (its error is above)"
   acquire_lock mm2
   mm2_start "${regions[@]}"
 }
