@@ -36,14 +36,25 @@ def dev_up(
     secure: bool = typer.Option(
         False, "--secure", help="Also start kafka-secure, the SASL_SSL/SCRAM broker (same as EMBER_KAFKA_SECURITY=sasl_ssl)."
     ),
+    regions: str = typer.Option(
+        None, "--regions", help="Also start one KRaft cluster per region (e.g. us,eu) and MirrorMaker 2 mirroring them into kafka."
+    ),
 ) -> None:
     """Start every local service (idempotent): Kafka KRaft broker, single-node Slurm, Flink job-server jar, and the
     object stores (fake-gcs-server for gs://, moto's S3 server for s3://; `infra/objectstores.sh env` prints the
     client settings).
 
-    With --secure (or EMBER_KAFKA_SECURITY=sasl_ssl) the secured broker kafka-secure starts as well.
+    With --secure (or EMBER_KAFKA_SECURITY=sasl_ssl) the secured broker kafka-secure starts as well. With --regions,
+    regional clusters and MirrorMaker 2 (exactly-once) start after kafka, the central cluster (infra/regions.sh).
     """
+    try:
+        region_list = services.parse_regions(regions) if regions is not None else []
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2)
     wanted = list(only or services.SERVICES)
+    if region_list and "kafka" not in wanted:
+        wanted.insert(0, "kafka")
     if (secure or services.secure_requested()) and "kafka-secure" not in wanted:
         wanted.append("kafka-secure")
     unknown = [s for s in wanted if s not in services.ALL_SERVICES]
@@ -59,12 +70,20 @@ def dev_up(
                     console.print(f"[red]{exc}[/red]")
                     raise typer.Exit(1)
                 console.print(f"[yellow]warning:[/yellow] {exc}")
+    if region_list:
+        with console.status(f"starting regions {', '.join(region_list)} and MirrorMaker 2..."):
+            try:
+                services.start_regions(region_list)
+            except services.ServiceError as exc:
+                console.print(f"[red]{exc}[/red]")
+                raise typer.Exit(1)
     _print_status()
 
 
 @dev_app.command("down")
 def dev_down() -> None:
-    """Stop every local service this checkout started (the secured broker too)."""
+    """Stop every local service this checkout started (the secured broker, regions and MirrorMaker 2 too)."""
+    services.stop("regions")
     for service in services.ALL_SERVICES:
         services.stop(service)
     _print_status()

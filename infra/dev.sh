@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # All local services at once.
 #
-#   infra/dev.sh up [--secure]  kafka start, slurm start, flink fetch (a flink failure is only a warning),
+#   infra/dev.sh up [--secure] [--regions us,eu]
+#                               kafka start, slurm start, flink fetch (a flink failure is only a warning),
 #                               objectstores start (gs:// and s3://);
-#                               --secure or EMBER_KAFKA_SECURITY=sasl_ssl: also kafka-secure start
-#   infra/dev.sh down           stop slurm, kafka, kafka-secure and the object stores
+#                               --secure or EMBER_KAFKA_SECURITY=sasl_ssl: also kafka-secure start;
+#                               --regions: also regions.sh start (regional clusters + MirrorMaker 2)
+#   infra/dev.sh down           stop MM2 and the regions, slurm, kafka, kafka-secure and the object stores
 #   infra/dev.sh status         table of every service's status line
 set -euo pipefail
 
@@ -13,23 +15,29 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 EMBER_LOG_TAG=dev
 
 usage() {
-  sed -n '2,8p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,10p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
   exit 2
 }
 
 cmd_up() {
-  local secure=0
-  case "${1:-}" in
-    --secure) secure=1 ;;
-    "") ;;
-    *) usage ;;
-  esac
+  local secure=0 regions=""
+  while (($#)); do
+    case "$1" in
+      --secure) secure=1 ;;
+      --regions) [[ -n "${2:-}" ]] || usage; regions="$2"; shift ;;
+      *) usage ;;
+    esac
+    shift
+  done
   if [[ "${EMBER_KAFKA_SECURITY:-}" == sasl_ssl ]]; then
     secure=1
   fi
   "$INFRA_DIR/kafka.sh" start
   if ((secure)); then
     "$INFRA_DIR/kafka-secure.sh" start
+  fi
+  if [[ -n "$regions" ]]; then
+    "$INFRA_DIR/regions.sh" start "$regions"
   fi
   "$INFRA_DIR/slurm.sh" start
   local rc=0
@@ -43,6 +51,7 @@ cmd_up() {
 
 cmd_down() {
   local rc=0
+  "$INFRA_DIR/regions.sh" stop || rc=1
   "$INFRA_DIR/slurm.sh" stop || rc=1
   "$INFRA_DIR/kafka.sh" stop || rc=1
   "$INFRA_DIR/kafka-secure.sh" stop || rc=1
@@ -55,6 +64,7 @@ cmd_status() {
     printf 'SERVICE\tSTATE\tENDPOINT\tDETAIL\n'
     "$INFRA_DIR/kafka.sh" status || status_line kafka error - "infra/kafka.sh status failed"
     "$INFRA_DIR/kafka-secure.sh" status || status_line kafka-secure error - "infra/kafka-secure.sh status failed"
+    "$INFRA_DIR/regions.sh" status || status_line regions error - "infra/regions.sh status failed"
     "$INFRA_DIR/slurm.sh" status || status_line slurm error - "infra/slurm.sh status failed"
     "$INFRA_DIR/flink.sh" status || status_line flink-job-server error - "infra/flink.sh status failed"
     "$INFRA_DIR/objectstores.sh" status || status_line objectstores error - "infra/objectstores.sh status failed"

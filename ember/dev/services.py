@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,9 @@ ALL_SERVICES = SERVICES + OPTIONAL_SERVICES
 # Kafka principals of the secured broker, one per role (infra/kafka-secure.sh creates them).
 ROLES = ("admin", "inference", "grader", "etl", "trainer")
 SECURITY_ENV = "EMBER_KAFKA_SECURITY"
+# A region names a cluster alias in MM2 and a topic prefix (`us.<prefix>.rollouts`): the rule of infra/regions.sh.
+REGION_NAME = re.compile(r"[a-z][a-z0-9]{0,15}")
+CENTRAL = "central"
 
 
 class ServiceError(RuntimeError):
@@ -75,18 +79,50 @@ def secure_broker() -> SecureBroker:
     return SecureBroker(bootstrap=bootstrap, credentials=credentials, cafile=credentials / "ca.pem")
 
 
-def run_script(script: str, action: str, *, check: bool = True, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+def run_script(
+    script: str, action: str, *args: str, check: bool = True, timeout: float = 900
+) -> subprocess.CompletedProcess[str]:
     path = INFRA_DIR / script
     if not path.exists():
         raise ServiceError(f"{path} is missing: is this an ember checkout?")
     result = subprocess.run(
-        ["bash", str(path), action], capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT
+        ["bash", str(path), action, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT
     )
     if check and result.returncode != 0:
+        command = " ".join([action, *args])
         raise ServiceError(
-            f"infra/{script} {action} failed (exit {result.returncode}):\n{result.stdout}\n{result.stderr}".rstrip()
+            f"infra/{script} {command} failed (exit {result.returncode}):\n{result.stdout}\n{result.stderr}".rstrip()
         )
     return result
+
+
+def parse_regions(text: str) -> list[str]:
+    """`us,eu` as a list; a ValueError names the bad region (the shell script refuses the same names)."""
+    regions = [r.strip() for r in text.split(",") if r.strip()]
+    if not regions:
+        raise ValueError("--regions needs at least one region, e.g. us,eu")
+    for region in regions:
+        if not REGION_NAME.fullmatch(region) or region == CENTRAL:
+            raise ValueError(f"region {region!r} must be 1-16 lowercase letters and digits, starting with a letter, and not {CENTRAL!r}")
+    if len(set(regions)) != len(regions):
+        raise ValueError(f"--regions names a region twice: {text}")
+    return regions
+
+
+def start_regions(regions: list[str]) -> str:
+    """One KRaft cluster per region and the MirrorMaker 2 node that mirrors them into the central broker (which must be
+    up); idempotent. Regions are opt-in so that the default `dev up` and CI start nothing more. EMBER_MM2_OUT_TOPICS
+    narrows what central sends out (see infra/regions.sh)."""
+    return run_script("regions.sh", "start", ",".join(regions)).stdout
+
+
+def region_bootstrap(region: str) -> str:
+    """host:port of a region's cluster (started before by `ember dev up --regions`); a ServiceError of one line else."""
+    result = run_script("regions.sh", "bootstrap", region, check=False)
+    if result.returncode != 0:
+        lines = result.stderr.strip().splitlines() or [f"infra/regions.sh bootstrap {region} failed (exit {result.returncode})"]
+        raise ServiceError(lines[-1].removeprefix("[regions] ERROR: "))
+    return result.stdout.strip()
 
 
 def start(service: str) -> str:
@@ -111,7 +147,7 @@ def objectstores_env() -> dict[str, str]:
 def status() -> list[ServiceStatus]:
     """One row per status line; a script may report several (objectstores.sh: gcs and s3)."""
     statuses = []
-    for script in [f"{s}.sh" for s in ALL_SERVICES] + ["flink-cluster.sh"]:
+    for script in [f"{s}.sh" for s in ALL_SERVICES] + ["flink-cluster.sh", "regions.sh"]:
         result = run_script(script, "status", check=False)
         lines = [line for line in result.stdout.strip().splitlines() if "\t" in line]
         for line in lines or [f"{script[:-3]}\tunknown\t-\t{result.stderr.strip()}"]:

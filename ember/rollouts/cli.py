@@ -60,6 +60,9 @@ def _refusals() -> Iterator[None]:
         raise typer.Exit(2) from None
 
 
+REGION_ROLES = ("rollouts", "rewards")  # what a region produces; policy versions arrive mirrored from central
+
+
 def _topic_list() -> str:
     from ember.rollouts.topics import Topics
 
@@ -70,14 +73,28 @@ def _topic_list() -> str:
 def topics_create(
     prefix: str = PrefixOption,
     partitions: int = typer.Option(6, min=1, help="Partitions for the rollouts, rewards and etl-state topics."),
+    region: str = typer.Option(
+        None, "--region", help="Make a region's topics (rollouts, rewards) on its cluster (`ember dev up --regions`); "
+        "MirrorMaker 2 copies them into the central cluster as REGION.PREFIX.<name>.",
+    ),
 ) -> None:
+    from ember.dev import services
     from ember.rollouts.admin import ensure_topics
     from ember.rollouts.config import kafka_bootstrap
     from ember.rollouts.topics import Topics
 
     security = _env_security()
+    specs = Topics(prefix).specs(partitions)
+    bootstrap = kafka_bootstrap()
+    if region is not None:
+        try:
+            bootstrap = services.region_bootstrap(region)
+        except services.ServiceError as exc:
+            console.print(f"[red]{exc}[/red]", soft_wrap=True)
+            raise typer.Exit(2)
+        specs = {role: specs[role] for role in REGION_ROLES}
     with _refusals():
-        outcome = ensure_topics(kafka_bootstrap(), list(Topics(prefix).specs(partitions).values()), security)
+        outcome = ensure_topics(bootstrap, list(specs.values()), security)
     for name, state in outcome.items():
         console.print(f"{name}: {state}")
 
@@ -509,11 +526,17 @@ def stats(
     watch: bool = typer.Option(False, "--watch", "-w", help="Refresh until Ctrl-C."),
     interval: float = typer.Option(5.0, min=0.1, help="Seconds between refreshes with --watch."),
     count: int = typer.Option(None, min=1, hidden=True, help="With --watch, stop after this many refreshes (tests)."),
+    regions: list[str] = typer.Option(
+        None, "--region", help="Also show, per partition, how far MirrorMaker 2 is behind this region (repeatable)."
+    ),
 ) -> None:
-    """Is data flowing and how stale is it: input lag, batches, drops by reason, dead letters."""
+    """Is data flowing and how stale is it: input lag, batches, drops by reason, dead letters; with --region, the
+    region's committed rollouts and rewards not yet copied into the central cluster."""
     from ember.rollouts.stats import collect_stats, render_stats, watch_stats
 
     settings = _etl_config(config)
+    if regions:
+        _render_mirror_lag(settings, regions)
     with _refusals():
         if watch:
             try:
@@ -522,6 +545,25 @@ def stats(
                 console.print("stopped watching")
         else:
             render_stats(collect_stats(settings, window_s=window), console)
+
+
+def _render_mirror_lag(settings, regions: list[str]) -> None:
+    from rich.table import Table
+
+    from ember.dev import services
+    from ember.rollouts.mirror import mirror_lag
+
+    topics = settings.kafka.topics
+    table = Table("region", "topic", "partition", "copied up to", "region end", "records not mirrored")
+    for region in regions:
+        try:
+            bootstrap = services.region_bootstrap(region)
+        except services.ServiceError as exc:
+            console.print(f"[red]{exc}[/red]", soft_wrap=True)
+            raise typer.Exit(2)
+        for row in mirror_lag(settings.kafka.bootstrap, region, bootstrap, [topics.rollouts, topics.rewards]):
+            table.add_row(row.region, row.topic, str(row.partition), str(row.copied), str(row.end), str(row.behind))
+    console.print(table)
 
 
 @rollouts_app.command("replay")

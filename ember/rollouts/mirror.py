@@ -1,0 +1,84 @@
+"""How far MirrorMaker 2 is behind each region, from Kafka alone (infra/regions.sh runs the mirror).
+
+MM2's exactly-once source tasks commit, in the same transaction as the records they copy, the next source offset to
+copy per region partition, into `mm2-offsets.<region>.internal` on the central cluster. Read committed, that is
+exactly what central holds; the region's committed records past it are what a trainer cannot see yet. Offsets alone
+would overcount (transaction markers take offsets too), so the records in between are counted, up to `COUNT_LIMIT`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from kafka import KafkaConsumer, TopicPartition
+
+COUNT_LIMIT = 10_000  # beyond this many offsets behind, the offset distance is reported (an upper bound)
+
+
+@dataclass(frozen=True)
+class MirrorLag:
+    region: str
+    topic: str  # the region's topic; central holds it as <region>.<topic>
+    partition: int
+    copied: int  # the next region offset MM2 will copy (committed with the copy)
+    end: int  # the region partition's last stable offset
+    behind: int  # committed region records not copied yet (offsets when more than COUNT_LIMIT)
+
+
+def copied_positions(central: str, region: str, timeout_s: float = 30.0) -> dict[tuple[str, int], int]:
+    """(topic, partition) -> next offset to copy, as MM2 committed it for `region` on the central cluster."""
+    consumer = KafkaConsumer(bootstrap_servers=central, isolation_level="read_committed", enable_auto_commit=False)
+    topic = f"mm2-offsets.{region}.internal"
+    positions: dict[tuple[str, int], int] = {}
+    try:
+        tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
+        if not tps:
+            return positions
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        ends = consumer.end_offsets(tps)
+        deadline = time.monotonic() + timeout_s
+        while any(consumer.position(tp) < ends[tp] for tp in tps):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"could not read {topic} on {central} to its end within {timeout_s:g}s")
+            for batch in consumer.poll(timeout_ms=200).values():
+                for record in batch:
+                    connector, source = json.loads(record.key)
+                    if connector == "MirrorSourceConnector" and source.get("cluster") == region and record.value:
+                        positions[(source["topic"], int(source["partition"]))] = int(json.loads(record.value)["offset"]) + 1
+        return positions
+    finally:
+        consumer.close()
+
+
+def mirror_lag(central: str, region: str, region_bootstrap: str, topics: list[str]) -> list[MirrorLag]:
+    """One row per partition of the region's `topics`: what MM2 copied into central against what the region committed."""
+    copied = copied_positions(central, region)
+    consumer = KafkaConsumer(bootstrap_servers=region_bootstrap, isolation_level="read_committed", enable_auto_commit=False)
+    rows = []
+    try:
+        for topic in topics:
+            tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+            for tp, end in sorted(consumer.end_offsets(tps).items(), key=lambda item: item[0].partition):
+                start = copied.get((topic, tp.partition), 0)
+                rows.append(MirrorLag(region, topic, tp.partition, start, end, _committed_between(consumer, tp, start, end)))
+        return rows
+    finally:
+        consumer.close()
+
+
+def _committed_between(consumer: KafkaConsumer, tp: TopicPartition, start: int, end: int) -> int:
+    if end - start > COUNT_LIMIT or end <= start:
+        return max(0, end - start)
+    consumer.assign([tp])
+    consumer.seek(tp, start)
+    count = 0
+    deadline = time.monotonic() + 30
+    while consumer.position(tp) < end:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"could not read {tp.topic}[{tp.partition}] from {start} to {end} within 30s")
+        for batch in consumer.poll(timeout_ms=200).values():
+            count += sum(1 for r in batch if r.offset < end)
+    return count

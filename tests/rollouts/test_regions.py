@@ -1,0 +1,207 @@
+"""Regions as real clusters mirrored by MirrorMaker 2 (infra/regions.sh), and the faults the mirror must survive.
+
+One pair of regional clusters and one MM2 node serve every test here (a session fixture, one xdist group): starting
+them costs most of this file's time. Each test counts, reading read_committed from the central cluster on its own,
+the rollouts that arrived from each region against the ones each region committed: 0 lost, 0 doubled.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from collections import Counter
+
+import pytest
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from typer.testing import CliRunner
+
+from ember.cli import app
+from ember.dev import services
+from ember.rollouts.admin import ensure_topics
+from ember.rollouts.mirror import mirror_lag
+from ember.rollouts.topics import Topics
+
+REGIONS = ("us", "eu")
+PREFIX = "regions-"
+pytestmark = pytest.mark.xdist_group("regions")
+
+
+@pytest.fixture(scope="session")
+def regions(kafka) -> dict[str, str]:
+    """Region -> bootstrap of its cluster, with MM2 mirroring every region into the central broker. Central is shared
+    with every other test, so MM2 sends out only this file's policy versions (EMBER_MM2_OUT_TOPICS)."""
+    os.environ["EMBER_MM2_OUT_TOPICS"] = PREFIX + r".*\.policy-versions"
+    try:
+        services.start_regions(list(REGIONS))
+    except services.ServiceError as exc:
+        pytest.fail(f"the regional clusters and MirrorMaker 2 could not be started:\n{exc}")
+    finally:
+        del os.environ["EMBER_MM2_OUT_TOPICS"]
+    return {region: services.region_bootstrap(region) for region in REGIONS}
+
+
+@pytest.fixture
+def topic_prefix() -> str:
+    return f"{PREFIX}{uuid.uuid4().hex[:10]}"
+
+
+def make_region_topics(regions: dict[str, str], prefix: str) -> Topics:
+    specs = Topics(prefix).specs(2)
+    for bootstrap in regions.values():
+        ensure_topics(bootstrap, [specs["rollouts"]])
+    return Topics(prefix)
+
+
+def mirrored(kafka: str, topic: str, expected: int, timeout_s: float = 90.0) -> Counter:
+    """Ids of the committed records of `topic` in central, read until `expected` arrived (or the time is up) and then
+    to the end offsets of that moment, so a doubled record that lands right after the last expected one is seen."""
+    consumer = KafkaConsumer(bootstrap_servers=kafka, isolation_level="read_committed", enable_auto_commit=False)
+    ids: Counter = Counter()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not consumer.partitions_for_topic(topic):
+            assert time.monotonic() < deadline, f"MM2 never created {topic} in the central cluster"
+            time.sleep(0.5)
+            consumer.close()
+            consumer = KafkaConsumer(bootstrap_servers=kafka, isolation_level="read_committed", enable_auto_commit=False)
+        tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        while sum(ids.values()) < expected and time.monotonic() < deadline:
+            for batch in consumer.poll(timeout_ms=500).values():
+                ids.update(r.key.decode() for r in batch)
+        ends = consumer.end_offsets(tps)
+        while any(consumer.position(tp) < ends[tp] for tp in tps) and time.monotonic() < deadline:
+            for batch in consumer.poll(timeout_ms=500).values():
+                ids.update(r.key.decode() for r in batch if r.offset < ends[TopicPartition(r.topic, r.partition)])
+        return ids
+    finally:
+        consumer.close()
+
+
+def assert_exactly_once(ids: Counter, sent: list[str], where: str) -> None:
+    doubled = {k: n for k, n in ids.items() if n > 1}
+    lost = set(sent) - set(ids)
+    extra = set(ids) - set(sent)
+    assert not lost and not doubled and not extra, (
+        f"{where}: {len(lost)} lost (e.g. {sorted(lost)[:3]}), {len(doubled)} doubled (e.g. {list(doubled.items())[:3]}), "
+        f"{len(extra)} never committed (e.g. {sorted(extra)[:3]})"
+    )
+
+
+class Producer(threading.Thread):
+    """Sends rollout ids to a region's topic until stopped: the stream a fault lands in the middle of."""
+
+    def __init__(self, bootstrap: str, topic: str, region: str):
+        super().__init__(daemon=True)
+        self.producer = KafkaProducer(bootstrap_servers=bootstrap, enable_idempotence=True, acks="all", linger_ms=5)
+        self.topic, self.region = topic, region
+        self.sent: list[str] = []
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            rid = f"{self.region}-{len(self.sent)}"
+            self.producer.send(self.topic, key=rid.encode(), value=b"x" * 256).get(timeout=30)
+            self.sent.append(rid)
+            time.sleep(0.01)
+
+    def finish(self) -> list[str]:
+        self.halt.set()
+        self.join(timeout=60)
+        self.producer.close()
+        return self.sent
+
+
+def regions_script(*args: str) -> None:
+    services.run_script("regions.sh", *args)
+
+
+def test_dev_up_regions_refuses_bad_names_in_one_line():
+    for bad, why in (("us,us", "twice"), ("central", "not 'central'"), ("US", "lowercase"), (",", "at least one")):
+        with pytest.raises(ValueError, match=why):
+            services.parse_regions(bad)
+    assert services.parse_regions("us, eu") == ["us", "eu"]
+    result = CliRunner().invoke(app, ["dev", "up", "--regions", "us,EU"])
+    assert result.exit_code == 2 and result.output.strip().count("\n") == 0 and "'EU'" in result.output, result.output
+
+
+def test_topics_create_for_a_region_never_started_is_one_line_exit_2():
+    result = CliRunner().invoke(app, ["rollouts", "topics", "create", "--prefix", "regions-none", "--region", "nowhere"])
+    assert result.exit_code == 2, result.output
+    assert "region 'nowhere' was never started here" in result.output and result.output.strip().count("\n") == 0
+
+
+def test_mm2_killed_mid_stream_loses_and_doubles_nothing(kafka, regions, topic_prefix):
+    topics = make_region_topics(regions, topic_prefix)
+    producers = {r: Producer(b, topics.rollouts, r) for r, b in regions.items()}
+    for p in producers.values():
+        p.start()
+    time.sleep(2)
+    regions_script("mm2", "kill")
+    time.sleep(2)  # the regions keep producing while nothing mirrors
+    for region, bootstrap in regions.items():
+        behind = sum(row.behind for row in mirror_lag(kafka, region, bootstrap, [topics.rollouts]))
+        assert behind > 0, f"{region}: 2 s of rollouts produced with MM2 dead, yet none reported as not mirrored"
+    regions_script("mm2", "start")
+    time.sleep(1)
+    sent = {r: p.finish() for r, p in producers.items()}
+    for region, ids in sent.items():
+        assert len(ids) > 100, f"{region} produced only {len(ids)} rollouts: the kill did not land mid-stream"
+        assert_exactly_once(mirrored(kafka, f"{region}.{topics.rollouts}", len(ids)), ids, f"{region} after an MM2 kill -9")
+        rows = mirror_lag(kafka, region, regions[region], [topics.rollouts])
+        assert [(r.copied, r.behind) for r in rows] == [(r.end, 0) for r in rows], rows
+
+
+def test_policy_versions_reach_every_region(kafka, regions, topic_prefix):
+    topics = Topics(topic_prefix)
+    ensure_topics(kafka, [topics.specs()["policy_versions"]])
+    producer = KafkaProducer(bootstrap_servers=kafka, enable_idempotence=True)
+    versions = [f"v{i}" for i in range(5)]
+    for v in versions:
+        producer.send(topics.policy_versions, key=v.encode(), value=b"{}")
+    producer.close()
+    for region, bootstrap in regions.items():
+        assert_exactly_once(mirrored(bootstrap, f"central.{topics.policy_versions}", len(versions)), versions, region)
+
+
+def test_region_down_others_flow_and_its_open_transaction_is_never_mirrored(kafka, regions, topic_prefix):
+    """A 15 s outage, not 60 s: MM2 reads a region with assign() (no group session to expire) and a refused connection
+    fails at once, so a longer outage only repeats the same reconnect; what matters is that eu flows while us is down
+    and that us's records, committed or open when it died, come through exactly as committed."""
+    topics = make_region_topics(regions, topic_prefix)
+    us = KafkaProducer(bootstrap_servers=regions["us"], transactional_id=f"{topic_prefix}-us")
+    us.init_transactions()
+    us.begin_transaction()
+    committed = [f"us-{i}" for i in range(50)]
+    for rid in committed:
+        us.send(topics.rollouts, key=rid.encode(), value=b"x")
+    us.commit_transaction()
+    us.begin_transaction()
+    for i in range(20):  # open when the broker dies: never committed
+        us.send(topics.rollouts, key=f"us-open-{i}".encode(), value=b"x")
+    us.flush()
+    eu = Producer(regions["eu"], topics.rollouts, "eu")
+    regions_script("broker", "us", "stop")
+    try:
+        eu.start()
+        down_at = time.monotonic()
+        during = mirrored(kafka, f"eu.{topics.rollouts}", 200, timeout_s=30)
+        assert sum(during.values()) >= 200, f"eu mirrored only {sum(during.values())} rollouts while us was down"
+        time.sleep(max(0.0, 15 - (time.monotonic() - down_at)))
+    finally:
+        regions_script("broker", "us", "start")
+    us.close(timeout=1)
+    again = KafkaProducer(bootstrap_servers=regions["us"], transactional_id=f"{topic_prefix}-us")
+    again.init_transactions()  # fences the dead transaction: it is aborted, its records stay unread by read_committed
+    again.begin_transaction()
+    after = [f"us-{i}" for i in range(50, 80)]
+    for rid in after:
+        again.send(topics.rollouts, key=rid.encode(), value=b"x")
+    again.commit_transaction()
+    again.close()
+    eu_sent = eu.finish()
+    assert_exactly_once(mirrored(kafka, f"us.{topics.rollouts}", len(committed + after)), committed + after, "us after an outage")
+    assert_exactly_once(mirrored(kafka, f"eu.{topics.rollouts}", len(eu_sent)), eu_sent, "eu while us was down")
