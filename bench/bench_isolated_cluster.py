@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,20 +33,11 @@ from ember.pipelines.tokenize_pipeline import run as tokenize  # noqa: E402
 from ember.schemas.shards import MANIFEST_FILENAME  # noqa: E402
 from ember.tokenize.config import TokenizeConfig  # noqa: E402
 from tests.conftest import _new_bucket  # noqa: E402
+from tests.ports import free_ports  # noqa: E402
 from tests.tokenize.support import mixed_documents, write_documents  # noqa: E402
 
 SCRIPT = ROOT / "infra" / "flink-cluster.sh"
 PORTS = ("RPC", "REST", "BLOB", "JOB", "ARTIFACT", "EXPANSION", "WORKER_POOL")
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 def harness_writes(pool_pid: int) -> dict[int, int]:

@@ -22,6 +22,7 @@ from kafka.errors import KafkaError
 
 from ember.dev import services
 from ember.dev.services import ROLES, SecureBroker
+from tests.ports import free_port
 
 from .infra_support import REPO, ember_home, require_ok, run_infra, status_fields
 
@@ -308,19 +309,13 @@ def test_no_password_in_logs_status_or_command_lines(secure_kafka: SecureBroker)
 
 # ------------------------------------------------------------------- cold start --
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_cold_start_in_a_fresh_home(tmp_path: Path, secure_kafka: SecureBroker) -> None:
     """First run end to end in an empty EMBER_HOME on other ports: CA, passwords, format with the admin
     SCRAM credential, start, role users; then stop. (The shared instance is usually warm.)"""
     home = tmp_path / "home"
     (home / "cache").mkdir(parents=True)
     (home / "cache" / "kafka-4.4.0").symlink_to(ember_home() / "cache" / "kafka-4.4.0")
-    port, cport = _free_port(), _free_port()
+    port, cport = free_port(), free_port()
     env = {**os.environ, "EMBER_HOME": str(home), "EMBER_KAFKA_SECURE_PORT": str(port),
            "EMBER_KAFKA_SECURE_CONTROLLER_PORT": str(cport), "EMBER_KAFKA_HEAP": "512m"}
 

@@ -12,15 +12,11 @@ from pathlib import Path
 import pytest
 
 from ember import storage
+from tests.ports import free_port, free_ports
+
 from .infra_support import REPO, ember_home
 
 pytestmark = pytest.mark.integration
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _script(env: dict[str, str], action: str) -> subprocess.CompletedProcess[str]:
@@ -43,7 +39,7 @@ def test_stores_start_from_nothing_idempotently_and_stop(tmp_path: Path, object_
     cached = ember_home() / "cache" / "fake-gcs-server"
     (home / "cache").mkdir(parents=True)
     (home / "cache" / "fake-gcs-server").symlink_to(cached)
-    gcs_port, s3_port = _free_port(), _free_port()
+    gcs_port, s3_port = free_ports(2)
     env = {**os.environ, "EMBER_HOME": str(home), "EMBER_GCS_PORT": str(gcs_port), "EMBER_S3_PORT": str(s3_port)}
     assert _status(env) == {"gcs": "stopped", "s3": "stopped"}
     try:
@@ -75,7 +71,7 @@ def test_start_refuses_a_port_taken_by_another_process(tmp_path: Path) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        env = {**os.environ, "EMBER_HOME": str(tmp_path), "EMBER_GCS_PORT": str(port), "EMBER_S3_PORT": str(_free_port())}
+        env = {**os.environ, "EMBER_HOME": str(tmp_path), "EMBER_GCS_PORT": str(port), "EMBER_S3_PORT": str(free_port())}
         (tmp_path / "cache").mkdir()
         (tmp_path / "cache" / "fake-gcs-server").symlink_to(ember_home() / "cache" / "fake-gcs-server")
         result = _script(env, "start")
@@ -172,7 +168,7 @@ def test_preflight_names_a_missing_bucket(scheme: str, object_stores) -> None:
 
 @pytest.mark.parametrize("scheme", ["gs", "s3"])
 def test_preflight_names_an_unreachable_endpoint(scheme: str, object_stores, monkeypatch) -> None:
-    closed = f"http://127.0.0.1:{_free_port()}"
+    closed = f"http://127.0.0.1:{free_port()}"
     monkeypatch.setenv("STORAGE_EMULATOR_HOST" if scheme == "gs" else "AWS_ENDPOINT_URL", closed)
     url = f"{scheme}://ember-any-bucket/out"
     with pytest.raises(storage.StorageError, match=re.escape(f"{url}: storage endpoint {closed}") + ".* unreachable"):

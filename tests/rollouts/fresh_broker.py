@@ -11,26 +11,16 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tests.ports import free_ports
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "infra" / "kafka.sh"
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def _script(action: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
@@ -43,7 +33,7 @@ def _script(action: str, env: dict[str, str], timeout: float) -> subprocess.Comp
 @contextmanager
 def fresh_broker() -> Iterator[str]:
     """Format and start a new single-node broker; yields its bootstrap; stops it and deletes its data."""
-    port, controller = _free_ports(2)
+    port, controller = free_ports(2)
     name = f"kafka-fresh-{uuid.uuid4().hex[:8]}"
     env = {
         **os.environ,

@@ -5,14 +5,13 @@ exit summary, and a Grafana dashboard that queries only metrics a running ETL ex
 from __future__ import annotations
 
 import json
-from collections import Counter
 import re
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from ember.rollouts.admin import delete_topics, list_topics
 from ember.rollouts.cli import rollouts_app
 from ember.rollouts.metrics import EtlMetrics
 from ember.rollouts.topics import Topics
+from tests.ports import free_port
 from tests.rollouts.etl_support import (
     REPO,
     EtlProcess,
@@ -40,12 +40,6 @@ pytestmark = pytest.mark.integration
 REWARD_TIMEOUT_S = 6.0
 DASHBOARD = REPO / "infra" / "grafana" / "ember-etl.json"
 runner = CliRunner()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _prefix_topics(kafka: str, prefix: str) -> set[str]:
@@ -68,7 +62,7 @@ def etl_run(kafka, tmp_path_factory):
     created = runner.invoke(rollouts_app, ["topics", "create", "--prefix", prefix, "--partitions", "2"])
     assert created.exit_code == 0, created.output
     assert created.output.count(": created") == len(Topics(prefix).specs())
-    port = _free_port()
+    port = free_port()
     settings = etl_settings(
         prefix,
         partitions=2,

@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -40,6 +39,7 @@ from ember.pipelines.tokenize_pipeline import run as tokenize
 from ember.tokenize.config import TokenizeConfig
 from tests.conftest import _new_bucket
 from tests.pipelines.corpus_support import build, file_digests
+from tests.ports import free_ports
 from tests.tokenize.support import mixed_documents, write_documents
 
 pytestmark = [pytest.mark.xdist_group("flink"), pytest.mark.integration]
@@ -66,17 +66,6 @@ class Cluster:
     def pool_pid(self) -> int:
         run_dir = Path(self.env["EMBER_HOME"]) / "run" / self.env["EMBER_FLINK_CLUSTER"]
         return int((run_dir / "worker-pool.pid").read_text().split()[0])
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+
+from tests.ports import free_port
 
 READY_TIMEOUT_S = 180.0
 """Importing torch and transformers on a loaded 2-core machine takes most of this; the model itself is tiny."""
@@ -42,12 +43,6 @@ def build_tiny_model(directory: Path) -> Path:
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(directory)
     return directory
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class JudgeServer:
