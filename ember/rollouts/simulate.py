@@ -301,13 +301,7 @@ def plan_workload(spec: WorkloadSpec) -> list[Event]:
                 region=region,
                 created_at_us=base_us + int(finished * 1e6),
             )
-            published = finished + spec.regions[region]
-            events.append(Event(published, "rollouts", key, rollout))
-            if rng.random() < spec.p_duplicate_rollout:
-                events.append(Event(published + 0.01, "rollouts", key, rollout, note="duplicate"))
-            if rng.random() < spec.p_malformed:
-                raw, why = _malformed(rng, encode(rollout))
-                events.append(Event(published + 0.005, "rollouts", key, raw=raw, note=why))
+            events += _rollout_events(rng, spec, finished + spec.regions[region], key, rollout)
             if rng.random() < spec.p_missing_reward:
                 continue
             for grader in spec.graders:
@@ -319,6 +313,17 @@ def plan_workload(spec: WorkloadSpec) -> list[Event]:
                 if rng.random() < spec.p_duplicate_reward:
                     events.append(Event(at + 0.01, "rewards", key, reward, note="duplicate"))
     events.sort(key=lambda e: e.at_s)
+    return events
+
+
+def _rollout_events(rng: np.random.Generator, spec: WorkloadSpec, published: float, key: bytes, rollout: Rollout) -> list[Event]:
+    """One rollout (or segment) as published: sometimes sent twice, sometimes followed by a malformed message."""
+    events = [Event(published, "rollouts", key, rollout)]
+    if rng.random() < spec.p_duplicate_rollout:
+        events.append(Event(published + 0.01, "rollouts", key, rollout, note="duplicate"))
+    if rng.random() < spec.p_malformed:
+        raw, why = _malformed(rng, encode(rollout))
+        events.append(Event(published + 0.005, "rollouts", key, raw=raw, note=why))
     return events
 
 
@@ -342,12 +347,7 @@ def _episode_events(
         published = ended + delay + (spec.late_delay_s if rng.random() < spec.p_late_segment else 0.0)
         if rng.random() < spec.p_missing_segment:
             continue
-        events.append(Event(published, "rollouts", key, segment))
-        if rng.random() < spec.p_duplicate_rollout:
-            events.append(Event(published + 0.01, "rollouts", key, segment, note="duplicate"))
-        if rng.random() < spec.p_malformed:
-            raw, why = _malformed(rng, encode(segment))
-            events.append(Event(published + 0.005, "rollouts", key, raw=raw, note=why))
+        events += _rollout_events(rng, spec, published, key, segment)
     if rng.random() < spec.p_missing_reward:
         return events
     for grader in spec.graders:
