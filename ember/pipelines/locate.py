@@ -5,6 +5,8 @@ The shard row names the document and the token's index in the document's tokens;
 document's row gives its source path/URL (metadata) and its text - redacted, as stored - and the
 token's character span is found by encoding prefixes of that text (a binary search: BPE pre-splits
 on whitespace and punctuation, so a prefix's token count matches the full encoding's up to the span).
+A FIM'd document (the manifest records `fim`) is laid out again from its seeded draws, so a token's
+place in the FIM'd order maps back to its place in the text.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 
 from ember.schemas.shards import MANIFEST_FILENAME, Manifest, read_manifest
+from ember.tokenize import fim
 from ember.tokenize.config import TokenizerConfig
 from ember.tokenize.tokenizers import Tokenizer, load_tokenizer
 
@@ -33,7 +36,7 @@ class Located:
     documents_file: str  # the Document Parquet file holding it
     origin: str  # url, or repo/path, or path, from the document's metadata
     span: tuple[int, int] | None  # the token's characters in the text; None for a BOS/EOS token
-    framing: str | None  # "BOS" / "EOS" when the token is the document's framing token
+    framing: str | None  # "BOS" / "EOS" when the token is the document's framing token, "FIM" for a FIM sentinel
     before: str
     token_text: str
     after: str
@@ -108,8 +111,18 @@ def locate_text(shard: Path, source: str, document_id: str, doc_token: int, wind
     if tokenizer.identity.hash != manifest.tokenizer.hash:
         raise LocateError(f"the tokenizer ({tokenizer.identity.source}) changed since the shard set was written")
     text = row["text"]
-    index = doc_token - (1 if tokenizer.bos_id is not None else 0)
     content = len(tokenizer.encode_ordinary([text])[0])
+    head = 1 if tokenizer.bos_id is not None else 0
+    settings = manifest.model_extra.get("fim")
+    if settings:  # the document was FIM'd (or not) by a seeded draw: redo it to map the token to its plain place
+        tail = 1 if tokenizer.eos_id is not None else 0
+        layout = fim.layout(document_id, head + content + tail, head, tail, settings["rate"], settings["spm_rate"],
+                            settings["seed"])
+        plain = fim.source_index(layout, doc_token)
+        if plain is None:
+            return Located(document_id, path, origin(row["metadata"]), None, "FIM", "", "", "")
+        doc_token = plain
+    index = doc_token - head
     if index < 0 or index >= content:
         framing = "BOS" if index < 0 else "EOS"
         at = 0 if index < 0 else len(text)

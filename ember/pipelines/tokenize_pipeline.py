@@ -53,7 +53,8 @@ from ember.pipelines.jobs.runners import run_pipeline, runs_locally
 from ember.schemas import SchemaValidationError
 from ember.schemas.documents import REJECTED_SCHEMA, reject_row
 from ember.schemas.shards import MANIFEST_FILENAME, Manifest, read_manifest, write_manifest
-from ember.tokenize.config import ShardSource, TokenizeConfig, TokenizerConfig
+from ember.tokenize import fim
+from ember.tokenize.config import FimSettings, ShardSource, TokenizeConfig, TokenizerConfig
 from ember.tokenize.packing import Segment, assemble, pack, window_count, window_of
 from ember.tokenize.shards import ShardRow, write_shard
 from ember.tokenize.shuffle import FeistelPermutation
@@ -87,8 +88,9 @@ class TokenizeDocuments(beam.DoFn):
     LENGTHS = "lengths"
 
     def __init__(self, tokenizer: TokenizerConfig, source: ShardSource, location: str, batch_documents: int,
-                 progress_dir: str | None = None, driver_tokenizer: str | None = None):
+                 progress_dir: str | None = None, driver_tokenizer: str | None = None, fim_settings: FimSettings | None = None):
         self._progress_dir = progress_dir
+        self._fim = fim_settings
         self._driver_tokenizer = driver_tokenizer
         self._tokenizer_config = tokenizer
         self._source = source
@@ -103,6 +105,8 @@ class TokenizeDocuments(beam.DoFn):
         self._tok = shared if shared is not None and shared.config == self._tokenizer_config else load_tokenizer(
             self._tokenizer_config)
         self._progress = ProgressWriter(self._progress_dir)
+        self._fim_ids = fim.resolve_ids(self._fim, self._tok) if self._fim is not None else None
+        self._framing = (int(self._tok.bos_id is not None), int(self._tok.eos_id is not None))
 
     def finish_bundle(self) -> None:
         self._progress.flush()
@@ -132,6 +136,8 @@ class TokenizeDocuments(beam.DoFn):
                 if content == 0:
                     yield self._reject(ids[i], "empty_after_tokenization", f"{len(texts[i])} characters")
                     continue
+                if self._fim_ids is not None:
+                    tokens = fim.framed(self._fim, tokens, ids[i], *self._framing, self._fim_ids)
                 self._documents.inc()
                 self._tokens.inc(len(tokens))
                 key = (name, ids[i])
@@ -317,6 +323,7 @@ def _finish(
         config_hash=config_hash,
         created_at=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         packing={"strategy": config.packing, "window_documents": config.window_documents, "seed": config.seed},
+        fim=config.fim.model_dump(mode="json") if config.fim is not None else None,  # `inspect --locate` undoes it
         framing=framing,
         sequences_per_shard=config.sequences_per_shard,
         rows_per_batch=config.rows_per_batch,
@@ -345,7 +352,7 @@ def build(pipeline: beam.Pipeline, config: TokenizeConfig, tokenizer: Tokenizer,
             | f"Tokenize {source.name}"
             >> beam.ParDo(
                 TokenizeDocuments(config.tokenizer, source, source_paths[source.name], config.encode_batch_documents,
-                                  progress_dir, driver_tokenizer)
+                                  progress_dir, driver_tokenizer, config.fim)
             ).with_outputs(TokenizeDocuments.LENGTHS, REJECTS, main="documents")
         )
         tokenized.append(outputs.documents)
@@ -596,6 +603,8 @@ def run(
     preflight_sources(config)
     previous = preflight_url_output(config, overwrite) if to_url else set()
     tokenizer = tokenizer or load_tokenizer(config.tokenizer)
+    if config.fim is not None:
+        fim.resolve_ids(config.fim, tokenizer)  # FIM tokens the tokenizer lacks: refused before any work
     check_sources(config)
     if to_url:
         return write_to_url(config, beam_args, tokenizer, recorded or config, console, previous)

@@ -101,6 +101,21 @@ class ShardSource(StrictModel):
     weight: float = Field(default=1.0, ge=0)
 
 
+class FimSettings(StrictModel):
+    """Fill-in-the-middle at tokenize time (ember/tokenize/fim.py): which documents, which order, which tokens.
+    The tokens must be special tokens of the tokenizer; a tokenizer without them is refused before any work."""
+
+    rate: float = Field(default=0.5, ge=0, le=1, description="share of documents FIM'd")
+    spm_rate: float = Field(default=0.5, ge=0, le=1, description="share of FIM'd documents in SPM order (the rest PSM)")
+    level: Literal["file", "repository"] = Field(
+        default="file", description="with repository documents: FIM each file's text, or the whole repository document"
+    )
+    prefix_token: str = Field(default="<fim_prefix>", min_length=1)
+    middle_token: str = Field(default="<fim_middle>", min_length=1)
+    suffix_token: str = Field(default="<fim_suffix>", min_length=1)
+    seed: int = Field(default=0, ge=0, lt=2**63)
+
+
 class PackSettings(StrictModel):
     """How documents become shards: everything but where they come from and where shards go.
 
@@ -124,6 +139,7 @@ class PackSettings(StrictModel):
         default=2048, ge=1, description="documents per tokenizer batch call"
     )
     seed: int = Field(default=0, ge=0, lt=2**63)
+    fim: FimSettings | None = Field(default=None, description="fill-in-the-middle; off when absent")
 
     @model_validator(mode="after")
     def _shards_fit(self) -> "PackSettings":

@@ -320,12 +320,20 @@ class Tokenizer:
         self.pad_id = self._special("pad_token", config.pad_token) if config.pad_token else self.eos_id
         self.dtype = resolve_dtype(config.dtype, identity.vocab_size)
 
+    def special_token_id(self, key: str, token: str) -> int:
+        """The id of special token `token`; `TokenizerLoadError` naming config key `key` when the tokenizer lacks it."""
+        token_id = self._backend.special_id(token)
+        if token_id is None:
+            raise TokenizerLoadError(f"{key}: '{token}' is not a token of {self.identity.name}; {self._choices(token, key)}")
+        return token_id
+
     def _special(self, key: str, token: str | None) -> int | None:
         if token is None:
             return None
         token_id = self._backend.special_id(token)
         if token_id is None:
-            raise TokenizerLoadError(f"tokenizer.{key}: '{token}' is not a token of {self.identity.name}; {self._choices(token, key)}")
+            raise TokenizerLoadError(f"tokenizer.{key}: '{token}' is not a token of {self.identity.name}; "
+                                     f"{self._choices(token, f'tokenizer.{key}')}")
         return token_id
 
     def _choices(self, token: str, key: str) -> str:
@@ -335,7 +343,7 @@ class Tokenizer:
         if not special:
             return f"{where} defines no special tokens"
         guess = closest(token, special)
-        return (f"{f'did you mean {guess!r}? ' if guess else ''}set tokenizer.{key} to one of the special tokens "
+        return (f"{f'did you mean {guess!r}? ' if guess else ''}set {key} to one of the special tokens "
                 f"{where} defines: {_listing([repr(t) for t in special])}")
 
     def encode_ordinary(self, texts: list[str]) -> list[list[int]]:

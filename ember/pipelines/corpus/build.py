@@ -289,6 +289,10 @@ def build_corpus(config: CorpusConfig, beam_args: list[str], console: Console | 
         from ember.tokenize.tokenizers import load_tokenizer
 
         tokenizer = load_tokenizer(config.tokenize.tokenizer)  # one that does not load fails before the long part
+        if config.tokenize.fim is not None:
+            from ember.tokenize.fim import resolve_ids
+
+            resolve_ids(config.tokenize.fim, tokenizer)  # so do FIM tokens it lacks
     need = free_space_needed(config) if min_free_bytes is None else min_free_bytes
     local = is_local(config.output.directory)
     target = Path(os.path.abspath(config.output.directory)) if local else None
