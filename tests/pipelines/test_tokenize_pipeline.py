@@ -253,3 +253,33 @@ def test_an_output_short_of_free_space_is_refused_before_the_pipeline(corpus, tm
     code, output = invoke("corpus", "tokenize", write_config(corpus, "full", output_dir=str(out)), "--min-free-mb", 10**12)
     assert code == 2 and "MiB free, the build needs at least" in output and "Traceback" not in output, output
     assert not out.exists() and staging_leftovers(out) == []
+
+
+def test_blend_export_is_read_by_megatron_in_the_weights_share(built, tmp_path):
+    """The --per-split-data-args-path JSON and the --data-path words, parsed by megatron-core's own reader and built by
+    its BlendedMegatronDatasetBuilder, draw each source in its weight's share."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.utils import get_blend_from_list
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    code, output = invoke("export", "megatron", "--blend", built, tmp_path / "mix")
+    assert code == 0, output
+    per_split = json.loads((tmp_path / "mix.per-split.json").read_text())
+    blend = get_blend_from_list(per_split["train"])  # what --per-split-data-args-path parses, split by split
+    assert blend == get_blend_from_list((tmp_path / "mix.data-path.txt").read_text().split())
+    assert [p.rsplit(".", 1)[1] for p in blend[0]] == ["code", "web"] and blend[1] == [0.7, 0.3]
+    manifest = read_manifest(built)
+    config = GPTDatasetConfig(
+        random_seed=1, sequence_length=SEQ_LEN - 1, blend_per_split=[blend, None, None], path_to_cache=str(tmp_path / "cache"),
+        tokenizer=NullTokenizer(manifest.tokenizer.vocab_size), reset_position_ids=False, reset_attention_mask=False,
+        eod_mask_loss=False,
+    )
+    samples = 2000
+    train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [samples, None, None], lambda: True, config).build()
+    drawn = np.bincount(train.dataset_index, minlength=2)
+    assert len(train) == samples
+    assert abs(drawn[0] / samples - 0.7) < 0.02, drawn  # BlendedDataset interleaves by error, not by chance
+    for i, source in enumerate(("code", "web")):  # each prefix holds its source's rows, in shard order
+        rows = train.datasets[i].dataset
+        assert [rows[j].tolist() for j in range(len(rows))] == [r["tokens"] for r in read_rows(built) if r["source"] == source]
