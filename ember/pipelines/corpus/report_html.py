@@ -29,6 +29,7 @@ from plotly.colors import qualitative
 from plotly.offline import get_plotlyjs
 
 from ember.pipelines.corpus.report import output_paths, read_stats, summary_rows
+from ember.pipelines.quality.classifier import SCORE_BIN_PREFIX, SCORE_BINS
 from ember.schemas.documents import REPORT_HTML_FILE, STATS_FILE
 from ember.schemas.shards import MANIFEST_FILENAME, read_manifest
 
@@ -97,6 +98,19 @@ def rejects_by_source(stats: dict[str, Any]) -> dict[str, dict[str, int]]:
         reason: {name: s["rejected"][reason] for name, s in stats["sources"].items() if s["rejected"].get(reason)}
         for reason, _ in sorted(totals.items(), key=lambda kv: (-kv[1], kv[0]))
     }
+
+
+def quality_scores(stats: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """Score bin ("0.35-0.40") -> source -> documents the quality classifier scored there, kept or rejected;
+    every bin between the lowest and highest reached is shown."""
+    counts: dict[int, dict[str, int]] = {}
+    for name, source in stats["sources"].items():
+        for metric, n in source["stages"].get("quality_classifier", {}).items():
+            if metric.startswith(SCORE_BIN_PREFIX):
+                counts.setdefault(int(metric.removeprefix(SCORE_BIN_PREFIX)), {})[name] = n
+    if not counts:
+        return {}
+    return {f"{b / SCORE_BINS:.2f}-{(b + 1) / SCORE_BINS:.2f}": counts.get(b, {}) for b in range(min(counts), max(counts) + 1)}
 
 
 def redactions_by_source(stats: dict[str, Any]) -> dict[str, dict[str, int]]:
@@ -313,6 +327,10 @@ def figures(data: ReportData) -> dict[str, go.Figure]:
                        for stage in sorted({stage for stage, _ in data.clusters})]),
             "Duplicate clusters by size", "members per cluster", "clusters", barmode="group", xaxis_type="category",
         )
+    scores = quality_scores(data.stats)
+    if scores:
+        charts["quality_scores"] = _stacked(scores, colors, "Quality classifier score (every scored document, kept or "
+                                            "rejected)", "probability of filters.classifier.label", "documents")
     redactions = redactions_by_source(data.stats)
     if redactions:
         charts["redactions"] = _stacked(redactions, colors, "Redactions by kind", "kind", "placeholders")
