@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 
 from ember.schemas.shards import MANIFEST_FILENAME, Manifest, read_manifest
-from ember.tokenize import fim
+from ember.tokenize import fim, mixtures
 from ember.tokenize.config import TokenizerConfig
 from ember.tokenize.tokenizers import Tokenizer, load_tokenizer
 
@@ -106,6 +106,8 @@ def locate_text(shard: Path, source: str, document_id: str, doc_token: int, wind
     pattern = (provenance.get("documents") or {}).get(source)
     if pattern is None or "tokenizer" not in provenance:
         raise LocateError("the manifest records no provenance for its sources (a shard set written before ember recorded it)")
+    if manifest.model_extra.get("mixture"):  # a repeated document's copies name it `<id>#copy<k>`
+        document_id = mixtures.base_id(document_id)
     path, row = find_document(pattern, document_id)
     tokenizer = load_tokenizer(TokenizerConfig.model_validate(provenance["tokenizer"]))
     if tokenizer.identity.hash != manifest.tokenizer.hash:

@@ -53,7 +53,7 @@ from ember.pipelines.jobs.runners import run_pipeline, runs_locally
 from ember.schemas import SchemaValidationError
 from ember.schemas.documents import REJECTED_SCHEMA, reject_row
 from ember.schemas.shards import MANIFEST_FILENAME, Manifest, read_manifest, write_manifest
-from ember.tokenize import fim
+from ember.tokenize import fim, mixtures
 from ember.tokenize.config import FimSettings, ShardSource, TokenizeConfig, TokenizerConfig
 from ember.tokenize.packing import Segment, assemble, pack, window_count, window_of
 from ember.tokenize.shards import ShardRow, write_shard
@@ -163,10 +163,11 @@ class PackWindow(beam.DoFn):
 
     WINDOWS = "windows"
 
-    def __init__(self, seq_len: int, strategy: str, sources: dict[str, str]):
+    def __init__(self, seq_len: int, strategy: str, sources: dict[str, str], repeated: bool = False):
         self._seq_len = seq_len
         self._strategy = strategy
         self._source_paths = sources
+        self._repeated = repeated  # documents may come as several copies (a mixture): joined on the base id
 
     def process(self, element):
         (source, window), lengths = element
@@ -179,20 +180,35 @@ class PackWindow(beam.DoFn):
         packing = pack([n for _, n in docs], self._seq_len, self._strategy)
         for bin_index, pieces in enumerate(packing.bins):
             for slot, piece in enumerate(pieces):
-                yield (source, docs[piece.doc][0]), (PLACEMENT, (window, bin_index, slot, piece.start, piece.end))
+                name = docs[piece.doc][0]
+                key = (source, mixtures.base_id(name) if self._repeated else name)
+                yield key, (PLACEMENT, (window, bin_index, slot, piece.start, piece.end, name))
         stats = WindowStats(len(docs), packing.tokens, len(packing.bins), packing.padding_tokens, packing.split_documents)
         yield beam.pvalue.TaggedOutput(self.WINDOWS, ((source, window), stats))
 
 
-def assign_window(element, counts: dict[str, int], window_documents: int, seed: int):
-    """((source, id), length) -> ((source, window), (id, length))."""
+def assign_window(element, counts: dict[str, int], window_documents: int, seed: int, plans: dict | None = None,
+                  mixture_seed: int = 0):
+    """((source, id), length) -> ((source, window), (id, length)), once per copy the mixture `plans` give it (the
+    copies go to windows of their own)."""
     (source, doc_id), length = element
-    return (source, window_of(doc_id, window_count(counts[source], window_documents), seed)), (doc_id, length)
+    n = mixtures.copies(plans[source], doc_id, mixture_seed) if plans is not None else 1
+    windows = window_count(counts[source], window_documents)
+    for k in range(n):
+        name = mixtures.copy_id(doc_id, k)
+        yield (source, window_of(name, windows, seed)), (name, length)
 
 
-def window_layout(windows: list[tuple[tuple[str, int], WindowStats]]) -> dict:
+def mixture_plans(token_sums: list[tuple[str, int]], config: TokenizeConfig) -> dict[str, mixtures.SourcePlan]:
+    assert config.mixture is not None
+    available = {s.name: 0 for s in config.sources} | dict(token_sums)
+    return mixtures.plan(available, {s.name: s.weight for s in config.sources}, config.mixture.budgets,
+                         config.mixture.total_tokens)
+
+
+def window_layout(windows: list[tuple[tuple[str, int], WindowStats]], sampled: bool = False) -> dict:
     """Dense global index of each window's first bin, in (source, window) order, the total, and the
-    stats summed per source."""
+    stats summed per source; `sampled` when a mixture may leave documents out."""
     offsets: dict[tuple[str, int], int] = {}
     stats: dict[str, WindowStats] = {}
     total = 0
@@ -200,7 +216,7 @@ def window_layout(windows: list[tuple[tuple[str, int], WindowStats]]) -> dict:
         offsets[key] = total
         total += window.sequences
         stats[key[0]] = stats.get(key[0], WindowStats()) + window
-    return {"offsets": offsets, "total": total, "stats": stats}
+    return {"offsets": offsets, "total": total, "stats": stats, "sampled": sampled}
 
 
 class RoutePieces(beam.DoFn):
@@ -218,15 +234,17 @@ class RoutePieces(beam.DoFn):
             values[kind].append(value)
         copies = sorted(values[TOKENS], key=lambda b: (len(b), b))
         placements = values[PLACEMENT]
+        if copies and not placements and layout.get("sampled"):
+            return  # a mixture drew no copy of this document
         if not copies or not placements:
             raise RuntimeError(f"document {doc_id} has {len(copies)} token copies and {len(placements)} placements")
         data = copies[0]
         if self._permutation is None or self._permutation.n != layout["total"]:
             self._permutation = FeistelPermutation(layout["total"], self._seed)
-        for window, bin_index, slot, start, end in placements:
+        for window, bin_index, slot, start, end, name in placements:
             position = self._permutation(layout["offsets"][(source, window)] + bin_index)
             shard, row = divmod(position, self._per_shard)
-            yield shard, (row, slot, source, doc_id, start, end, data[start * TOKEN_BYTES : end * TOKEN_BYTES])
+            yield shard, (row, slot, source, name, start, end, data[start * TOKEN_BYTES : end * TOKEN_BYTES])
 
 
 class WriteShard(beam.DoFn):
@@ -294,6 +312,7 @@ def _finish(
     shards: list[dict],
     layout: dict,
     rejected: list,
+    plans: dict | None = None,
 ) -> str:
     """The last step: gathers the accounting and writes the manifest atomically (and an empty
     rejected.parquet when nothing was rejected, so every set has one)."""
@@ -311,6 +330,10 @@ def _finish(
         s = by_source.get(source.name, WindowStats())
         realised = round(s.tokens / total_tokens, 6) if total_tokens else 0.0
         sources[source.name] = {**asdict(s), "mixture_weight": source.weight, "realised_weight": realised}
+        if plans is not None:  # target against realised: the report's mixture table
+            plan = plans[source.name]
+            sources[source.name].update(available_tokens=plan.available, target_tokens=plan.target,
+                                        repeats=plan.repeats, fraction=round(plan.fraction, 6))
         fill[source.name] = s.tokens / (s.sequences * config.seq_len) if s.sequences else None
     manifest = Manifest(
         tokenizer=tokenizer,
@@ -324,6 +347,7 @@ def _finish(
         created_at=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         packing={"strategy": config.packing, "window_documents": config.window_documents, "seed": config.seed},
         fim=config.fim.model_dump(mode="json") if config.fim is not None else None,  # `inspect --locate` undoes it
+        mixture=config.mixture.model_dump(mode="json") if config.mixture is not None else None,
         framing=framing,
         sequences_per_shard=config.sequences_per_shard,
         rows_per_batch=config.rows_per_batch,
@@ -365,19 +389,30 @@ def build(pipeline: beam.Pipeline, config: TokenizeConfig, tokenizer: Tokenizer,
         | "Per source" >> beam.MapTuple(lambda key, _n: (key[0], 1))
         | "Count documents" >> beam.CombinePerKey(sum)
     )
+    plans = None
+    if config.mixture is not None:
+        plans = (
+            lengths[0]
+            | "Tokens per source" >> beam.MapTuple(lambda key, n: (key[0], n))
+            | "Sum tokens" >> beam.CombinePerKey(sum)
+            | "All sums" >> beam.combiners.ToList()
+            | "Plan mixture" >> beam.Map(mixture_plans, config)
+        )
     packed = (
         lengths[0]
         | "Assign windows"
-        >> beam.Map(assign_window, counts=beam.pvalue.AsDict(counts), window_documents=config.window_documents,
-                    seed=config.seed)
+        >> beam.FlatMap(assign_window, counts=beam.pvalue.AsDict(counts), window_documents=config.window_documents,
+                        seed=config.seed, plans=beam.pvalue.AsSingleton(plans) if plans is not None else None,
+                        mixture_seed=config.mixture.seed if config.mixture else 0)
         | "Group windows" >> beam.GroupByKey()
         | "Pack windows"
-        >> beam.ParDo(PackWindow(config.seq_len, config.packing, source_paths)).with_outputs(
+        >> beam.ParDo(PackWindow(config.seq_len, config.packing, source_paths, config.mixture is not None)).with_outputs(
             PackWindow.WINDOWS, REJECTS, main="placements"
         )
     )
     rejects.append(packed[REJECTS])
-    layout = packed[PackWindow.WINDOWS] | "Windows" >> beam.combiners.ToList() | "Layout" >> beam.Map(window_layout)
+    layout = (packed[PackWindow.WINDOWS] | "Windows" >> beam.combiners.ToList()
+              | "Layout" >> beam.Map(window_layout, config.mixture is not None))
     entries = (
         [*tokenized, packed.placements]
         | "Tokens and placements" >> beam.Flatten()
@@ -415,6 +450,7 @@ def build(pipeline: beam.Pipeline, config: TokenizeConfig, tokenizer: Tokenizer,
             shards=beam.pvalue.AsList(entries),
             layout=beam.pvalue.AsSingleton(layout),
             rejected=beam.pvalue.AsList(reject_counts),
+            plans=beam.pvalue.AsSingleton(plans) if plans is not None else None,
         )
     )
 

@@ -116,6 +116,20 @@ class FimSettings(StrictModel):
     seed: int = Field(default=0, ge=0, lt=2**63)
 
 
+class MixtureSettings(StrictModel):
+    """Token budgets per source (ember/tokenize/mixtures.py): documents repeated or sampled, seeded by their ids."""
+
+    total_tokens: int | None = Field(default=None, ge=1, description="the sources' weights share what budgets leave of it")
+    budgets: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict, description="source name -> tokens")
+    seed: int = Field(default=0, ge=0, lt=2**63)
+
+    @model_validator(mode="after")
+    def _something_to_plan(self) -> "MixtureSettings":
+        if self.total_tokens is None and not self.budgets:
+            raise ValueError("set total_tokens, budgets or both (without either there is nothing to resample)")
+        return self
+
+
 class PackSettings(StrictModel):
     """How documents become shards: everything but where they come from and where shards go.
 
@@ -140,6 +154,7 @@ class PackSettings(StrictModel):
     )
     seed: int = Field(default=0, ge=0, lt=2**63)
     fim: FimSettings | None = Field(default=None, description="fill-in-the-middle; off when absent")
+    mixture: MixtureSettings | None = Field(default=None, description="token budgets per source; off when absent")
 
     @model_validator(mode="after")
     def _shards_fit(self) -> "PackSettings":

@@ -283,3 +283,39 @@ def test_blend_export_is_read_by_megatron_in_the_weights_share(built, tmp_path):
     for i, source in enumerate(("code", "web")):  # each prefix holds its source's rows, in shard order
         rows = train.datasets[i].dataset
         assert [rows[j].tolist() for j in range(len(rows))] == [r["tokens"] for r in read_rows(built) if r["source"] == source]
+
+
+def test_token_budgets_repeat_and_sample_documents_by_seeded_ids(built, corpus):
+    """code gets twice and a half its tokens (2 copies of each document, a third for about half), web a budget of a
+    third of its tokens; the manifest records target against realised, and every copy is the document's tokens."""
+    plain = read_manifest(built)
+    budgets = {"code": int(plain.sources["code"].tokens * 2.5), "web": plain.sources["web"].tokens // 3}
+    code, output = invoke("corpus", "tokenize", write_config(corpus, "mix", mixture={"budgets": budgets, "seed": 4}))
+    assert code == 0, output
+    out = corpus["root"] / "out-mix"
+    assert verify_shard_set(out) == []
+    manifest = read_manifest(out)
+    expected = reference_tokens(corpus)
+    seen: dict[str, dict[str, list[int]]] = {}
+    for row in read_rows(out):
+        for lo, hi, segment in zip(row["cu_seqlens"], row["cu_seqlens"][1:], row["segments"]):
+            seen.setdefault(segment["document_id"], {})[segment["doc_token_start"]] = row["tokens"][lo:hi]
+    copies: dict[str, int] = {}
+    for name, pieces in seen.items():
+        base = re.sub(r"#copy\d+$", "", name)
+        assert [t for _, part in sorted(pieces.items()) for t in part] == expected[base], name
+        copies[base] = copies.get(base, 0) + 1
+    code_docs = [d.id for d in corpus["docs"]["code"]]
+    assert all(copies[d] in (2, 3) for d in code_docs) and any(copies[d] == 3 for d in code_docs)
+    assert all(copies.get(d.id, 0) in (0, 1) for d in corpus["docs"]["web"])
+    for source, target in budgets.items():
+        stats = manifest.sources[source].model_dump()
+        assert stats["target_tokens"] == target
+        # planned before packing drops a repeated id (web holds one): its tokens are counted in what is available
+        assert stats["available_tokens"] - plain.sources[source].tokens == (0 if source == "code" else len(expected[corpus["docs"]["web"][3].id]))
+        assert abs(stats["tokens"] - target) < 0.35 * target, (source, stats["tokens"], target)  # a seeded draw
+    assert manifest.model_extra["mixture"]["budgets"] == budgets
+    assert manifest.sources["code"].model_dump()["repeats"] == 2
+    from ember.pipelines.corpus.report_html import mixture_rows
+
+    assert [r[:3] for r in mixture_rows(str(out))] == [[s, budgets[s], manifest.sources[s].tokens] for s in ("code", "web")]

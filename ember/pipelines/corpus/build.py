@@ -429,9 +429,12 @@ def _interrupted_state(target: Path, keys: tuple[str, str]) -> str:
 
 
 def shards_table(manifest: Manifest) -> Table:
-    table = Table("source", "documents", "tokens", "sequences", "fill", "split", title="shard set")
+    budgets = any(source.target_tokens is not None for source in manifest.sources.values())
+    table = Table("source", "documents", "tokens", *(["target"] if budgets else []), "sequences", "fill", "split",
+                  title="shard set")
     for name, source in manifest.sources.items():
         fill = source.tokens / max(1, source.sequences * manifest.seq_len)
-        table.add_row(name, f"{source.documents:,}", f"{source.tokens:,}", f"{source.sequences:,}", f"{fill:.2%}",
+        target = [f"{source.target_tokens:,}" if source.target_tokens is not None else "-"] if budgets else []
+        table.add_row(name, f"{source.documents:,}", f"{source.tokens:,}", *target, f"{source.sequences:,}", f"{fill:.2%}",
                       f"{source.split_documents:,}")
     return table
