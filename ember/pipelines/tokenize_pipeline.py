@@ -348,6 +348,7 @@ def _finish(
         packing={"strategy": config.packing, "window_documents": config.window_documents, "seed": config.seed},
         fim=config.fim.model_dump(mode="json") if config.fim is not None else None,  # `inspect --locate` undoes it
         mixture=config.mixture.model_dump(mode="json") if config.mixture is not None else None,
+        repositories=config.repositories.model_dump(mode="json") if config.repositories is not None else None,
         framing=framing,
         sequences_per_shard=config.sequences_per_shard,
         rows_per_batch=config.rows_per_batch,
@@ -370,9 +371,11 @@ def build(pipeline: beam.Pipeline, config: TokenizeConfig, tokenizer: Tokenizer,
     source_paths = {s.name: s.path for s in recorded.sources}
     tokenized, lengths, rejects = [], [], []
     for source in config.sources:
+        read = pipeline | f"Read {source.name}" >> beam.io.ReadFromParquetBatched(source.path, columns=read_columns(config, source.name))
+        if grouped_by_repository(config, source.name):
+            read = _repository_documents(read, config, source.name, tokenized, lengths)
         outputs = (
-            pipeline
-            | f"Read {source.name}" >> beam.io.ReadFromParquetBatched(source.path, columns=list(REQUIRED_COLUMNS))
+            read
             | f"Tokenize {source.name}"
             >> beam.ParDo(
                 TokenizeDocuments(config.tokenizer, source, source_paths[source.name], config.encode_batch_documents,
@@ -382,7 +385,7 @@ def build(pipeline: beam.Pipeline, config: TokenizeConfig, tokenizer: Tokenizer,
         tokenized.append(outputs.documents)
         lengths.append(outputs[TokenizeDocuments.LENGTHS])
         rejects.append(outputs[REJECTS])
-    if len(config.sources) > 1:
+    if len(lengths) > 1:
         lengths = [lengths | "All lengths" >> beam.Flatten()]
     counts = (
         lengths[0]
@@ -455,6 +458,36 @@ def build(pipeline: beam.Pipeline, config: TokenizeConfig, tokenizer: Tokenizer,
     )
 
 
+def grouped_by_repository(config: TokenizeConfig, source: str) -> bool:
+    repositories = config.repositories
+    return repositories is not None and (repositories.sources is None or source in repositories.sources)
+
+
+def read_columns(config: TokenizeConfig, source: str) -> list[str]:
+    """The Document columns tokenize reads: metadata too when the source's files are grouped by repository."""
+    return [*REQUIRED_COLUMNS, "metadata"] if grouped_by_repository(config, source) else list(REQUIRED_COLUMNS)
+
+
+def _repository_documents(read, config: TokenizeConfig, source: str, tokenized: list, lengths: list):
+    """Files with a repository become one document per repository (their tokens and lengths appended to
+    `tokenized` and `lengths`); returns the other row groups, which are tokenized one document at a time."""
+    from ember.pipelines.code.documents import SplitRepositories, TokenizeRepositories
+
+    assert config.repositories is not None
+    split = read | f"Split repositories {source}" >> beam.ParDo(
+        SplitRepositories(source, config.repositories.field)).with_outputs(SplitRepositories.FILES, main="rest")
+    repos = (
+        split[SplitRepositories.FILES]
+        | f"Group repositories {source}" >> beam.GroupByKey()
+        | f"Tokenize repositories {source}" >> beam.ParDo(
+            TokenizeRepositories(config.tokenizer, config.repositories, config.fim)).with_outputs(
+                TokenizeRepositories.LENGTHS, main="documents")
+    )
+    tokenized.append(repos.documents | f"Repository tokens {source}" >> beam.MapTuple(lambda key, data: (key, (TOKENS, data))))
+    lengths.append(repos[TokenizeRepositories.LENGTHS])
+    return split.rest
+
+
 def check_sources(config: TokenizeConfig) -> None:
     """Fails before the pipeline starts when a source matches no file or lacks a required column."""
     problems = []
@@ -469,7 +502,7 @@ def check_sources(config: TokenizeConfig) -> None:
             except Exception as exc:  # pyarrow raises several types for a non-Parquet file
                 problems.append(f"sources.{i}.path: {path} is not readable Parquet ({exc})")
                 continue
-            missing = [c for c in REQUIRED_COLUMNS if c not in names]
+            missing = [c for c in read_columns(config, source.name) if c not in names]
             if missing:
                 problems.append(f"sources.{i}.path: {path} lacks Document columns {missing}")
     if problems:

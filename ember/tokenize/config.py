@@ -130,6 +130,18 @@ class MixtureSettings(StrictModel):
         return self
 
 
+class RepositorySettings(StrictModel):
+    """Repository-level documents (ember/pipelines/code/): a source's files grouped by a metadata field, ordered and
+    rendered as one document (StarCoder2's layout by default). Documents without the field stay as they are."""
+
+    field: Literal["repo"] = Field(default="repo", description="the metadata key naming a document's repository")
+    order: Literal["dependency", "random", "path"] = "dependency"
+    seed: int = Field(default=0, ge=0, lt=2**63, description="of the `random` order")
+    repo_header: str = Field(default="<repo_name>{repo}", description="once per repository; {repo} is its name")
+    file_header: str = Field(default="<file_sep>{path}\n", description="before each file; {path}, {repo}")
+    sources: list[str] | None = Field(default=None, description="the sources grouped; default every source")
+
+
 class PackSettings(StrictModel):
     """How documents become shards: everything but where they come from and where shards go.
 
@@ -155,6 +167,7 @@ class PackSettings(StrictModel):
     seed: int = Field(default=0, ge=0, lt=2**63)
     fim: FimSettings | None = Field(default=None, description="fill-in-the-middle; off when absent")
     mixture: MixtureSettings | None = Field(default=None, description="token budgets per source; off when absent")
+    repositories: RepositorySettings | None = Field(default=None, description="repository-level documents; off when absent")
 
     @model_validator(mode="after")
     def _shards_fit(self) -> "PackSettings":

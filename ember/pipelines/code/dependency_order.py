@@ -1,10 +1,10 @@
 """Order a repository's files so a file's dependencies come before it (DeepSeek-Coder's repository-level order).
 
 Imports are parsed per language: Python with `ast` (absolute and relative imports, resolved to the repository's own
-modules), JavaScript/TypeScript (`import ... from`, `require`, dynamic `import()` of relative paths), Go (import
+modules; a file that does not parse, Python 2 or a truncated file, by its import lines), JavaScript/TypeScript (`import ... from`, `require`, dynamic `import()` of relative paths), Go (import
 paths whose tail names a package directory), C/C++ (`#include "..."`) and Java (`import a.b.C;` and `a.b.*`). An
 import that names no file of the repository (the standard library, a third-party package) adds no edge. Files of
-other languages, or that do not parse, have no edges and so keep path order among the files that are ready.
+other languages have no edges and so keep path order among the files that are ready.
 
 The order is Kahn's algorithm with a deterministic choice: among the files whose dependencies are all placed, the
 smallest path; when none is (an import cycle), the file with the fewest unplaced dependencies, smallest path first,
@@ -30,6 +30,8 @@ _C_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"\n]+)"', re.MULTILINE)
 _GO_IMPORT_BLOCK = re.compile(r"^\s*import\s*\(([^)]*)\)", re.MULTILINE)
 _GO_IMPORT_LINE = re.compile(r'^\s*import\s+(?:[\w.]+\s+)?"([^"\n]+)"', re.MULTILINE)
 _GO_QUOTED = re.compile(r'"([^"\n]+)"')
+_PY_FROM = re.compile(r"^[ \t]*from[ \t]+(\.*)([\w.]*)[ \t]+import[ \t]+\(?([\w., \t]+)", re.MULTILINE)
+_PY_IMPORT = re.compile(r"^[ \t]*import[ \t]+([\w., \t]+)", re.MULTILINE)
 _JAVA_IMPORT = re.compile(r"^\s*import\s+(?:static\s+)?([\w.]+?)(\.\*)?\s*;", re.MULTILINE)
 
 
@@ -48,11 +50,30 @@ def _python_modules(paths: Sequence[str]) -> dict[str, str]:
     return names
 
 
-def _python_imports(path: str, text: str, modules: Mapping[str, str]) -> set[str]:
+def _names(listed: str) -> list[str]:
+    """`b, c as see` -> [b, c]."""
+    return [n.split()[0] for n in listed.split(",") if n.strip()]
+
+
+def _python_import_statements(text: str) -> list[tuple[int, str | None, list[str]]]:
+    """(level, module, names) of every import: from the syntax tree, or, for a file that does not parse (Python 2,
+    a truncated file), from the lines that look like import statements."""
     try:
         tree = ast.parse(text)
     except (SyntaxError, ValueError):
-        return set()
+        found: list[tuple[int, str | None, list[str]]] = [(0, None, _names(listed)) for listed in _PY_IMPORT.findall(text)]
+        found += [(len(dots), module or None, _names(listed)) for dots, module, listed in _PY_FROM.findall(text)]
+        return found
+    statements: list[tuple[int, str | None, list[str]]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            statements.append((0, None, [alias.name for alias in node.names]))
+        elif isinstance(node, ast.ImportFrom):
+            statements.append((node.level, node.module, [alias.name for alias in node.names]))
+    return statements
+
+
+def _python_imports(path: str, text: str, modules: Mapping[str, str]) -> set[str]:
     package = path.rsplit("/", 1)[0].split("/") if "/" in path else []
     found: set[str] = set()
 
@@ -63,21 +84,21 @@ def _python_imports(path: str, text: str, modules: Mapping[str, str]) -> set[str
                 return
             name = name.rpartition(".")[0]
 
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                add(alias.name)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package[: len(package) - node.level + 1] if node.level - 1 <= len(package) else []
-                prefix = ".".join([*base, node.module] if node.module else base)
-            else:
-                prefix = node.module or ""
-            for alias in node.names:
-                before = len(found)
-                add(f"{prefix}.{alias.name}" if prefix else alias.name)
-                if len(found) == before and prefix:
-                    add(prefix)
+    for level, module, names in _python_import_statements(text):
+        if module is None and not level:  # import a.b, c
+            for name in names:
+                add(name)
+            continue
+        if level:
+            base = package[: len(package) - level + 1] if level - 1 <= len(package) else []
+            prefix = ".".join([*base, module] if module else base)
+        else:
+            prefix = module or ""
+        for name in names:
+            before = len(found)
+            add(f"{prefix}.{name}" if prefix else name)
+            if len(found) == before and prefix:
+                add(prefix)
     return found
 
 

@@ -77,3 +77,8 @@ def test_cycle_breaks_at_the_file_with_fewest_unplaced_imports():
     # a imports b and c, b and c import a: a waits on two, b and c on one: b (smaller path of the two) goes first
     repo = {"a.py": "import b\nimport c\n", "b.py": "import a\n", "c.py": "import a\n"}
     assert dependency_order(repo) == ["b.py", "a.py", "c.py"]
+
+
+def test_a_python_file_that_does_not_parse_still_has_its_imports():
+    repo = {"a.py": "from pkg import b, c as see\nimport util\ndef broken(:\n", "pkg/b.py": "", "pkg/c.py": "", "util.py": "print 'py2'\n"}
+    assert dependencies(repo)["a.py"] == {"pkg/b.py", "pkg/c.py", "util.py"}
