@@ -23,6 +23,7 @@ staged locally and committed there shards first, manifest last (`write_to_url`).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import tempfile
@@ -77,6 +78,12 @@ worker) uses it instead of parsing the tokenizer file again; worker processes lo
 go when the driver drops its tokenizer."""
 
 
+def driver_or_loaded(driver_tokenizer: str | None, config: TokenizerConfig) -> Tokenizer:
+    """The driver's tokenizer when this worker runs in the driver's process, else one loaded here."""
+    shared = _DRIVER_TOKENIZERS.get(driver_tokenizer or "")
+    return shared if shared is not None and shared.config == config else load_tokenizer(config)
+
+
 def _keyed_reject(row: dict) -> beam.pvalue.TaggedOutput:
     return beam.pvalue.TaggedOutput(REJECTS, (REJECTS_KEY, row))
 
@@ -101,9 +108,7 @@ class TokenizeDocuments(beam.DoFn):
         self._rejected = Metrics.counter(STAGE, f"{source.name}.rejected")
 
     def setup(self) -> None:
-        shared = _DRIVER_TOKENIZERS.get(self._driver_tokenizer or "")
-        self._tok = shared if shared is not None and shared.config == self._tokenizer_config else load_tokenizer(
-            self._tokenizer_config)
+        self._tok = driver_or_loaded(self._driver_tokenizer, self._tokenizer_config)
         self._progress = ProgressWriter(self._progress_dir)
         self._fim_ids = fim.resolve_ids(self._fim, self._tok) if self._fim is not None else None
         self._framing = (int(self._tok.bos_id is not None), int(self._tok.eos_id is not None))
@@ -373,7 +378,7 @@ def build(pipeline: beam.Pipeline, config: TokenizeConfig, tokenizer: Tokenizer,
     for source in config.sources:
         read = pipeline | f"Read {source.name}" >> beam.io.ReadFromParquetBatched(source.path, columns=read_columns(config, source.name))
         if grouped_by_repository(config, source.name):
-            read = _repository_documents(read, config, source.name, tokenized, lengths)
+            read = _repository_documents(read, config, source.name, tokenized, lengths, driver_tokenizer)
         outputs = (
             read
             | f"Tokenize {source.name}"
@@ -468,7 +473,7 @@ def read_columns(config: TokenizeConfig, source: str) -> list[str]:
     return [*REQUIRED_COLUMNS, "metadata"] if grouped_by_repository(config, source) else list(REQUIRED_COLUMNS)
 
 
-def _repository_documents(read, config: TokenizeConfig, source: str, tokenized: list, lengths: list):
+def _repository_documents(read, config: TokenizeConfig, source: str, tokenized: list, lengths: list, driver_tokenizer: str):
     """Files with a repository become one document per repository (their tokens and lengths appended to
     `tokenized` and `lengths`); returns the other row groups, which are tokenized one document at a time."""
     from ember.pipelines.code.documents import SplitRepositories, TokenizeRepositories
@@ -480,7 +485,8 @@ def _repository_documents(read, config: TokenizeConfig, source: str, tokenized: 
         split[SplitRepositories.FILES]
         | f"Group repositories {source}" >> beam.GroupByKey()
         | f"Tokenize repositories {source}" >> beam.ParDo(
-            TokenizeRepositories(config.tokenizer, config.repositories, config.fim)).with_outputs(
+            TokenizeRepositories(config.tokenizer, config.repositories, config.fim,
+                                 functools.partial(driver_or_loaded, driver_tokenizer))).with_outputs(
                 TokenizeRepositories.LENGTHS, main="documents")
     )
     tokenized.append(repos.documents | f"Repository tokens {source}" >> beam.MapTuple(lambda key, data: (key, (TOKENS, data))))

@@ -1,9 +1,10 @@
 """Order a repository's files so a file's dependencies come before it (DeepSeek-Coder's repository-level order).
 
-Imports are parsed per language: Python with `ast` (absolute and relative imports, resolved to the repository's own
-modules; a file that does not parse, Python 2 or a truncated file, by its import lines), JavaScript/TypeScript (`import ... from`, `require`, dynamic `import()` of relative paths), Go (import
-paths whose tail names a package directory), C/C++ (`#include "..."`) and Java (`import a.b.C;` and `a.b.*`). An
-import that names no file of the repository (the standard library, a third-party package) adds no edge. Files of
+Imports are parsed per language: Python by its `import` / `from ... import` lines (absolute and relative, resolved
+to the repository's own modules; lines, not `ast`: parsing cost twice the tokenizer's time in bench/bench_code_data.py,
+and a line also reads Python 2 or a truncated file), JavaScript/TypeScript (`import ... from`, `require`, dynamic
+`import()` of relative paths), Go (import paths whose tail names a package directory), C/C++ (`#include "..."`) and
+Java (`import a.b.C;` and `a.b.*`). An import that names no file of the repository (the standard library, a third-party package) adds no edge. Files of
 other languages have no edges and so keep path order among the files that are ready.
 
 The order is Kahn's algorithm with a deterministic choice: among the files whose dependencies are all placed, the
@@ -13,7 +14,6 @@ as DeepSeek-Coder breaks cycles by the lowest in-degree. Every file appears exac
 
 from __future__ import annotations
 
-import ast
 import heapq
 import posixpath
 import re
@@ -30,7 +30,7 @@ _C_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"\n]+)"', re.MULTILINE)
 _GO_IMPORT_BLOCK = re.compile(r"^\s*import\s*\(([^)]*)\)", re.MULTILINE)
 _GO_IMPORT_LINE = re.compile(r'^\s*import\s+(?:[\w.]+\s+)?"([^"\n]+)"', re.MULTILINE)
 _GO_QUOTED = re.compile(r'"([^"\n]+)"')
-_PY_FROM = re.compile(r"^[ \t]*from[ \t]+(\.*)([\w.]*)[ \t]+import[ \t]+\(?([\w., \t]+)", re.MULTILINE)
+_PY_FROM = re.compile(r"^[ \t]*from[ \t]+(\.*)([\w.]*)[ \t]+import[ \t]+(\([^)]*\)|[\w., \t]+)", re.MULTILINE)
 _PY_IMPORT = re.compile(r"^[ \t]*import[ \t]+([\w., \t]+)", re.MULTILINE)
 _JAVA_IMPORT = re.compile(r"^\s*import\s+(?:static\s+)?([\w.]+?)(\.\*)?\s*;", re.MULTILINE)
 
@@ -51,26 +51,15 @@ def _python_modules(paths: Sequence[str]) -> dict[str, str]:
 
 
 def _names(listed: str) -> list[str]:
-    """`b, c as see` -> [b, c]."""
-    return [n.split()[0] for n in listed.split(",") if n.strip()]
+    """`b, c as see` or `(b,\n c)` -> [b, c]."""
+    return [n.split()[0] for n in listed.strip("()").replace("\\", " ").split(",") if n.split()]
 
 
 def _python_import_statements(text: str) -> list[tuple[int, str | None, list[str]]]:
-    """(level, module, names) of every import: from the syntax tree, or, for a file that does not parse (Python 2,
-    a truncated file), from the lines that look like import statements."""
-    try:
-        tree = ast.parse(text)
-    except (SyntaxError, ValueError):
-        found: list[tuple[int, str | None, list[str]]] = [(0, None, _names(listed)) for listed in _PY_IMPORT.findall(text)]
-        found += [(len(dots), module or None, _names(listed)) for dots, module, listed in _PY_FROM.findall(text)]
-        return found
-    statements: list[tuple[int, str | None, list[str]]] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            statements.append((0, None, [alias.name for alias in node.names]))
-        elif isinstance(node, ast.ImportFrom):
-            statements.append((node.level, node.module, [alias.name for alias in node.names]))
-    return statements
+    """(level, module, names) of every import statement, found by its line."""
+    found: list[tuple[int, str | None, list[str]]] = [(0, None, _names(listed)) for listed in _PY_IMPORT.findall(text)]
+    found += [(len(dots), module or None, _names(listed)) for dots, module, listed in _PY_FROM.findall(text)]
+    return found
 
 
 def _python_imports(path: str, text: str, modules: Mapping[str, str]) -> set[str]:

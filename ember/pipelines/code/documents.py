@@ -3,7 +3,7 @@ and the rest, then tokenize each repository as one document (ember/pipelines/cod
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import apache_beam as beam
@@ -14,7 +14,7 @@ from ember.pipelines.code.repo_tokens import repository_tokens
 from ember.pipelines.code.repos import RepoFile
 from ember.tokenize import fim
 from ember.tokenize.config import FimSettings, RepositorySettings, TokenizerConfig
-from ember.tokenize.tokenizers import load_tokenizer
+from ember.tokenize.tokenizers import Tokenizer, load_tokenizer
 
 
 class SplitRepositories(beam.DoFn):
@@ -48,13 +48,15 @@ class TokenizeRepositories(beam.DoFn):
 
     LENGTHS = "lengths"
 
-    def __init__(self, tokenizer: TokenizerConfig, settings: RepositorySettings, fim_settings: FimSettings | None):
+    def __init__(self, tokenizer: TokenizerConfig, settings: RepositorySettings, fim_settings: FimSettings | None,
+                 loader: Callable[[TokenizerConfig], Tokenizer] = load_tokenizer):
         self._tokenizer_config = tokenizer
         self._settings = settings
         self._fim = fim_settings
+        self._loader = loader  # the tokenize pipeline's: the driver's tokenizer where the worker runs in its process
 
     def setup(self) -> None:
-        self._tokenizer = load_tokenizer(self._tokenizer_config)
+        self._tokenizer = self._loader(self._tokenizer_config)
         self._fim_ids = fim.resolve_ids(self._fim, self._tokenizer) if self._fim is not None else None
 
     def process(self, element: tuple[tuple[str, str], Iterable[tuple[str, str, str]]]) -> Iterator[Any]:
