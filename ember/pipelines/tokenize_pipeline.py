@@ -13,6 +13,10 @@ Stages (each a Beam transform, so the same graph runs on FnApiRunner, Flink or D
      shard's tokens.
   4. write each shard atomically, then - last - the manifest with per-shard sha256 and exact
      per-source token/padding accounting.
+Code mid-training options (docs/guides/code-data.md), each recorded in the manifest: `repositories` turns a
+source's files into one document per repository before step 1 (ember/pipelines/code/documents.py); `fim`
+rearranges a document's tokens in step 1 (ember/tokenize/fim.py); `mixture` gives each document its seeded number
+of copies in step 2, each packed as a document of its own (ember/tokenize/mixtures.py).
 The graph is kept to few transforms: Beam's fixed cost (graph construction, bundle set-up) is paid per
 transform, and on a small build it is most of the run (bench/bench_tokenize_pack.py).
 `run` writes the set into a fresh staging directory next to `output_dir` and swaps it in once the
