@@ -205,6 +205,20 @@ class TokenizeConfig(PackSettings):
     def _unique_sources(cls, sources: list[ShardSource]) -> list[ShardSource]:
         return configs.unique_names(sources)
 
+    @model_validator(mode="after")
+    def _settings_name_sources(self) -> "TokenizeConfig":
+        """Budgets and repository grouping name sources: a typo would silently budget or group nothing."""
+        names = {s.name for s in self.sources}
+        problems = []
+        if self.mixture is not None:
+            problems += [(f"mixture.budgets.{name}", f"no source is named {name!r} (sources: {sorted(names)})")
+                         for name in self.mixture.budgets if name not in names]
+        if self.repositories is not None and self.repositories.sources is not None:
+            problems += [("repositories.sources", f"no source is named {name!r} (sources: {sorted(names)})")
+                         for name in self.repositories.sources if name not in names]
+        configs.check(problems)
+        return self
+
     def config_hash(self, tokenizer_hash: str) -> str:
         """Hash of what determines the output bytes; the output directory itself is left out."""
         payload = self.model_dump(mode="json", exclude={"output_dir"})
