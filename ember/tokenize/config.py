@@ -53,6 +53,10 @@ class TokenizerConfig(StrictModel):
     )
     pad_token: str | None = Field(default=None, description="fills the tail of a sequence; defaults to eos_token")
     dtype: Literal["auto", "uint16", "uint32"] = "auto"
+    add_special_tokens: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=list,
+        description="special tokens a Hugging Face tokenizer lacks (FIM's), added after its vocabulary: new ids, new identity",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -103,7 +107,8 @@ class ShardSource(StrictModel):
 
 class FimSettings(StrictModel):
     """Fill-in-the-middle at tokenize time (ember/tokenize/fim.py): which documents, which order, which tokens.
-    The tokens must be special tokens of the tokenizer; a tokenizer without them is refused before any work."""
+    The tokens must be special tokens of the tokenizer; a tokenizer without them is refused before any work, unless
+    `tokenizer.add_special_tokens` lists them (a Hugging Face tokenizer gets them as new ids)."""
 
     rate: float = Field(default=0.5, ge=0, le=1, description="share of documents FIM'd")
     spm_rate: float = Field(default=0.5, ge=0, le=1, description="share of FIM'd documents in SPM order (the rest PSM)")
