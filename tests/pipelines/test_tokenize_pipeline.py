@@ -292,6 +292,7 @@ def test_token_budgets_repeat_and_sample_documents_by_seeded_ids(built, corpus):
     budgets = {"code": int(plain.sources["code"].tokens * 2.5), "web": plain.sources["web"].tokens // 3}
     code, output = invoke("corpus", "tokenize", write_config(corpus, "mix", mixture={"budgets": budgets, "seed": 4}))
     assert code == 0, output
+    assert "target" in output and str(budgets["code"]) in output  # the summary: target against realised
     out = corpus["root"] / "out-mix"
     assert verify_shard_set(out) == []
     manifest = read_manifest(out)
