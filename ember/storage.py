@@ -122,16 +122,20 @@ def _check(location: str | Path) -> str:
     return location
 
 
-def read_bytes(location: str | Path) -> bytes:
+def read_bytes(location: str | Path, limit: int | None = None) -> bytes:
+    """The stored bytes; with `limit`, at most `limit` + 1 of them, so that an object over the limit shows as
+    longer without being fetched whole (a manifest is small; a hostile or wrong object need not be)."""
     location = _check(location)
+    size = -1 if limit is None else limit + 1
     if not is_url(location):
-        return Path(location).read_bytes()
+        with Path(location).open("rb") as handle:
+            return handle.read(size)
     if location.startswith("s3://"):
         io = _s3()
         if not io.exists(location):
             raise FileNotFoundError(f"{location} does not exist")
         with io.open(location, "rb") as handle:
-            return handle.read()
+            return handle.read(size)
     from apache_beam.io.filesystem import CompressionTypes
 
     fs = _filesystems()
@@ -139,7 +143,7 @@ def read_bytes(location: str | Path) -> bytes:
         raise FileNotFoundError(f"{location} does not exist")
     # the stored bytes, as written: Beam would otherwise decompress by the name's extension (.gz, .zst, ...)
     with fs.open(location, compression_type=CompressionTypes.UNCOMPRESSED) as handle:
-        return handle.read()
+        return handle.read(size)
 
 
 def write_bytes(location: str | Path, data: bytes) -> str:

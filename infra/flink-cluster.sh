@@ -15,11 +15,21 @@
 #   infra/flink-cluster.sh tm-pid N the JVM pid of TaskManager N (for failure tests)
 #
 # EMBER_FLINK_TASKMANAGERS (2) TaskManagers with EMBER_FLINK_SLOTS (1) slots each.
+# EMBER_FLINK_CLUSTER (flink-cluster) names a second cluster's state, logs and lock (with its own ports).
+# EMBER_FLINK_ISOLATED=1 runs the worker pool - every Python SDK harness, so every byte the job reads or
+# writes - in a mount namespace of its own (bubblewrap): a private /tmp, and each directory of the colon-separated
+# EMBER_FLINK_HIDE hidden under an empty tmpfs. Its workers share no disk with a driver working there; the pool
+# listens on 127.0.0.2, an address ember does not take for this machine's (runners.runs_locally).
 set -euo pipefail
 
 # shellcheck source=infra/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
-EMBER_LOG_TAG=flink-cluster
+NAME="${EMBER_FLINK_CLUSTER:-flink-cluster}"
+[[ "$NAME" =~ ^[a-z][a-z0-9-]*$ ]] || die "EMBER_FLINK_CLUSTER='$NAME': lower-case letters, digits and hyphens"
+EMBER_LOG_TAG="$NAME"
+ISOLATED="${EMBER_FLINK_ISOLATED:-0}"
+POOL_HOST=127.0.0.1
+[[ "$ISOLATED" == 1 ]] && POOL_HOST=127.0.0.2
 
 RPC_PORT="${EMBER_FLINK_RPC_PORT:-16123}"
 REST_PORT="${EMBER_FLINK_REST_PORT:-18081}"
@@ -32,9 +42,9 @@ TASKMANAGERS="${EMBER_FLINK_TASKMANAGERS:-2}"
 SLOTS="${EMBER_FLINK_SLOTS:-1}"
 READY_TIMEOUT="${EMBER_FLINK_READY_TIMEOUT:-120}"
 FLINK_VERSION="${EMBER_FLINK_VERSION:-1.19}"
-ROOT="$EMBER_HOME/flink-cluster"
+ROOT="$EMBER_HOME/$NAME"
 CONF_DIR="$ROOT/conf"
-RUN="$EMBER_RUN_DIR/flink-cluster"
+RUN="$EMBER_RUN_DIR/$NAME"
 LOGS="$ROOT/logs"
 REST_URL="http://127.0.0.1:$REST_PORT"
 # Flink 1.19 on Java 17 needs these (the flink-dist scripts pass the same list via env.java.opts.all).
@@ -47,7 +57,7 @@ JAVA_OPENS=(--add-exports=java.base/sun.net.util=ALL-UNNAMED --add-exports=java.
   --add-opens=java.base/java.util.concurrent.atomic=ALL-UNNAMED --add-opens=java.base/java.util.concurrent.locks=ALL-UNNAMED)
 
 usage() {
-  sed -n '2,19p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
   exit 2
 }
 
@@ -131,6 +141,18 @@ while true; do
   sleep 1
 done'
 
+# The command prefix that runs the worker pool in its own mount namespace (EMBER_FLINK_ISOLATED=1), else nothing.
+isolation() {
+  [[ "$ISOLATED" == 1 ]] || return 0
+  need_cmd bwrap "EMBER_FLINK_ISOLATED=1 runs the worker pool under bubblewrap (Debian: apt-get install -y bubblewrap)."
+  local args=(bwrap --dev-bind / / --tmpfs /tmp) dir hide
+  IFS=: read -r -a hide <<<"${EMBER_FLINK_HIDE:-}"
+  for dir in "${hide[@]}"; do
+    [[ -d "$dir" ]] && args+=(--tmpfs "$dir")
+  done
+  printf '%s\0' "${args[@]}" --chdir / --
+}
+
 start_component() {
   # start_component NAME CMD...   (runs detached in its own process group)
   local name="$1" pid
@@ -164,19 +186,24 @@ cmd_start() {
     --expansion-port="$EXPANSION_PORT" --artifacts-dir="$ROOT/artifacts")
   start_component job-server "${cmd[@]}"
   # The pool starts each SDK harness as `python -c ...`: the venv's bin/ comes first on PATH.
-  start_component worker-pool env PATH="$(dirname "$EMBER_PY"):$PATH" PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" \
-    "$EMBER_PY" -m apache_beam.runners.worker.worker_pool_main --service_port="$POOL_PORT"
+  local isolate=()
+  mapfile -d '' isolate < <(isolation)
+  # Every pool starts each harness as Beam's SDK container does, with the job's pipeline options (s3:// needs them
+  # in the workers; ember/dev/flink_boot.py): a bare `python -c` harness has none, and every s3:// call fails.
+  local boot=(--container_executable="$INFRA_DIR/flink-worker-boot.sh")
+  start_component worker-pool "${isolate[@]}" env PATH="$(dirname "$EMBER_PY"):$PATH" PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" \
+    "$EMBER_PY" -m apache_beam.runners.worker.worker_pool_main --service_port="$POOL_PORT" "${boot[@]}"
   local deadline=$((SECONDS + READY_TIMEOUT)) n=0
   while ((SECONDS < deadline)); do
     n="$(registered_taskmanagers)"
-    if ((n >= TASKMANAGERS)) && port_open 127.0.0.1 "$JOB_PORT" && port_open 127.0.0.1 "$POOL_PORT"; then
-      log_info "ready: $n TaskManagers registered at $REST_URL, job server 127.0.0.1:$JOB_PORT, worker pool 127.0.0.1:$POOL_PORT"
+    if ((n >= TASKMANAGERS)) && port_open 127.0.0.1 "$JOB_PORT" && port_open "$POOL_HOST" "$POOL_PORT"; then
+      log_info "ready: $n TaskManagers registered at $REST_URL, job server 127.0.0.1:$JOB_PORT, worker pool $POOL_HOST:$POOL_PORT"
       return 0
     fi
     sleep 1
   done
   tail_log "$LOGS/jobmanager.log" 20
-  die "not ready after ${READY_TIMEOUT}s: $n of $TASKMANAGERS TaskManagers registered at $REST_URL/overview, job server port $JOB_PORT $(port_open 127.0.0.1 "$JOB_PORT" && echo open || echo closed), worker pool port $POOL_PORT $(port_open 127.0.0.1 "$POOL_PORT" && echo open || echo closed) (logs in $LOGS)"
+  die "not ready after ${READY_TIMEOUT}s: $n of $TASKMANAGERS TaskManagers registered at $REST_URL/overview, job server port $JOB_PORT $(port_open 127.0.0.1 "$JOB_PORT" && echo open || echo closed), worker pool port $POOL_PORT $(port_open "$POOL_HOST" "$POOL_PORT" && echo open || echo closed) (logs in $LOGS)"
 }
 
 stop_group() {
@@ -207,21 +234,21 @@ cmd_status() {
   for name in jobmanager job-server worker-pool; do pid_running "$RUN/$name.pid" || missing+=("$name"); done
   for ((i = 1; i <= TASKMANAGERS; i++)); do pid_running "$RUN/tm-$i.pid" || missing+=("tm-$i"); done
   if ((${#missing[@]} == TASKMANAGERS + 3)); then
-    status_line flink-cluster stopped - "not started (infra/flink-cluster.sh start)"
+    status_line "$NAME" stopped - "not started (infra/flink-cluster.sh start)"
     return 0
   fi
   n="$(registered_taskmanagers)"
   if ((${#missing[@]} == 0)) && ((n >= TASKMANAGERS)); then
-    status_line flink-cluster running "$REST_URL" "$n TaskManagers; job server 127.0.0.1:$JOB_PORT; worker pool 127.0.0.1:$POOL_PORT"
+    status_line "$NAME" running "$REST_URL" "$n TaskManagers; job server 127.0.0.1:$JOB_PORT; worker pool $POOL_HOST:$POOL_PORT"
   else
-    status_line flink-cluster degraded "$REST_URL" "$n of $TASKMANAGERS TaskManagers registered; not running: ${missing[*]:-none}"
+    status_line "$NAME" degraded "$REST_URL" "$n of $TASKMANAGERS TaskManagers registered; not running: ${missing[*]:-none}"
   fi
 }
 
 cmd_args() {
   printf '%s\n' --runner=PortableRunner "--job_endpoint=127.0.0.1:$JOB_PORT" \
     "--artifact_endpoint=127.0.0.1:$ARTIFACT_PORT" --environment_type=EXTERNAL \
-    "--environment_config=127.0.0.1:$POOL_PORT" "--parallelism=$((TASKMANAGERS * SLOTS))" \
+    "--environment_config=$POOL_HOST:$POOL_PORT" "--parallelism=$((TASKMANAGERS * SLOTS))" \
     "--flink_master=127.0.0.1:$REST_PORT" --environment_cache_millis=600000
 }
 
@@ -231,8 +258,8 @@ cmd_tm_pid() {
 }
 
 case "${1:-}" in
-  start) acquire_lock flink-cluster 300; cmd_start ;;
-  stop) acquire_lock flink-cluster 300; cmd_stop ;;
+  start) acquire_lock "$NAME" 300; cmd_start ;;
+  stop) acquire_lock "$NAME" 300; cmd_stop ;;
   status) cmd_status ;;
   args) cmd_args ;;
   tm-pid) cmd_tm_pid "${2:-}" ;;

@@ -9,14 +9,36 @@ one worker, while everything else runs beside them.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import sys
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
 from ember.dev import services
+
+
+def run_shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The directory this test run's xdist workers share (their base temp dirs' parent, unique to the run); without
+    xdist, the session's own base temp dir. For work a session fixture does once for every worker."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path` across processes: the first worker does the shared work, the others wait for it."""
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def start(service: str, what: str) -> None:

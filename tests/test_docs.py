@@ -12,6 +12,7 @@ scratch root; `<!-- docs-test: services slurm -->` starts the named services (co
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -21,6 +22,8 @@ from pathlib import Path
 
 import pytest
 from markdown_it import MarkdownIt
+
+from tests.conftest import locked, run_shared_dir
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTARTS = REPO / "docs" / "quickstart"
@@ -103,27 +106,38 @@ def run_page(page: Page, root: Path) -> list[str]:
 
 
 class Site:
-    """One scratch root per test session; each page runs at most once in it, its `after` pages first."""
+    """One scratch root per test run, shared by its xdist workers; each page runs at most once in it, its `after`
+    pages first. Why shared: the Slurm page runs on the slurm group's worker, and a root of its own would run its
+    `after` page (corpus.md, ~50 s) a second time. A page's outcome is a file, written under the page's lock."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, outcomes: Path):
         self.root = root
-        self.outcomes: dict[str, list[str]] = {}
+        self.outcomes = outcomes
 
     def run(self, name: str, request: pytest.FixtureRequest) -> list[str]:
-        if name not in self.outcomes:
-            page = parse_page(QUICKSTARTS / name)
-            for before in page.after:
-                if problems := self.run(before, request):
-                    return [f"{name} needs {before}, which failed:", *problems]
-            for service in page.services:
-                request.getfixturevalue(service)
-            self.outcomes[name] = run_page(page, self.root)
-        return self.outcomes[name]
+        outcome = self.outcomes / f"{name}.json"
+        with locked(self.outcomes / f"{name}.lock"):
+            if not outcome.exists():
+                page = parse_page(QUICKSTARTS / name)
+                for before in page.after:
+                    if problems := self.run(before, request):
+                        return [f"{name} needs {before}, which failed:", *problems]
+                for service in page.services:
+                    request.getfixturevalue(service)
+                outcome.write_text(json.dumps(run_page(page, self.root)))
+            return json.loads(outcome.read_text())
 
 
 @pytest.fixture(scope="session")
-def site(tmp_path_factory) -> Site:
-    return Site(scratch_root(tmp_path_factory.mktemp("docs-root")))
+def site(tmp_path_factory: pytest.TempPathFactory) -> Site:
+    shared = run_shared_dir(tmp_path_factory)
+    root, outcomes = shared / "docs-root", shared / "docs-outcomes"
+    with locked(shared / "docs-site.lock"):
+        if not root.exists():
+            outcomes.mkdir()
+            root.mkdir()
+            scratch_root(root)
+    return Site(root, outcomes)
 
 
 def pages(on_slurm: bool) -> list[str]:

@@ -1,8 +1,10 @@
 """The rollout stage of `ember demo`: simulate a fleet -> run the ETL -> read batches as the trainer.
 
-Publishes a small simulated run with every kind of fault, runs one ETL process in-process until it has
+Publishes a small simulated run with every kind of fault, and one group of long-horizon agent episodes (1-3
+segments joined by summaries, tool turns, one reward each), runs one ETL process in-process until it has
 decided everything, reads the committed batches with `RolloutBatchReader`, and checks the books: every
-published rollout is either in exactly one batch or in the ledger with the reason it was dropped.
+published rollout is either in exactly one batch or in the ledger with the reason it was dropped, and every
+episode is trained whole, in one batch with one advantage, or dropped whole.
 
 It is a newcomer's first contact with Kafka, often on a broker formatted seconds before: it first waits,
 bounded and saying so, for the topics' leaders and the group and transaction coordinators.
@@ -13,6 +15,9 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
+from dataclasses import replace
+
+import numpy as np
 
 from kafka import KafkaConsumer, TopicPartition
 from rich.console import Console
@@ -47,6 +52,19 @@ def _outcomes_since(topic: str, start: int, timeout_s: float = 60.0) -> list[Out
 
 def _counts(counter: Counter) -> str:
     return ", ".join(f"{reason}: {n}" for reason, n in counter.most_common()) or "none"
+
+
+def _episodes_whole(batch, seen: dict[str, str]) -> bool:
+    """Each episode of `batch` has one advantage on all its trained tokens and is in no other batch (`seen`)."""
+    whole = True
+    for episode in dict.fromkeys(batch.episode_ids):
+        rows = [i for i, e in enumerate(batch.episode_ids) if e == episode]
+        trained = np.concatenate([
+            batch.advantages[batch.cu_seqlens[i] : batch.cu_seqlens[i + 1]][batch.loss_mask[batch.cu_seqlens[i] : batch.cu_seqlens[i + 1]] == 1]
+            for i in rows
+        ])
+        whole = whole and len(np.unique(trained)) <= 1 and seen.setdefault(episode, batch.batch_id) == batch.batch_id
+    return whole
 
 
 def run(console: Console, prefix: str, rollouts: int, group_size: int, tokens: int) -> list[tuple[str, str]]:
@@ -94,8 +112,10 @@ def run(console: Console, prefix: str, rollouts: int, group_size: int, tokens: i
         seed=int(time.time()),
         group_prefix=f"demo-{time.time_ns()}",
     )
-    with console.status(f"simulating {spec.groups} groups x {group_size} rollouts across 3 regions..."):
-        published = publish_workload(plan_workload(spec), topics)
+    agents = replace(spec, groups=1, max_segments=3, p_missing_segment=0.1, group_prefix=f"{spec.group_prefix}-agents")
+    events = plan_workload(spec) + [e for e in plan_workload(agents) if e.role != "policy_versions"]
+    with console.status(f"simulating {spec.groups} groups x {group_size} rollouts and {group_size} agent episodes across 3 regions..."):
+        published = publish_workload(sorted(events, key=lambda e: e.at_s), topics)
     started = time.perf_counter()
     with console.status("running the ETL until every group is decided..."):
         service.run(until_idle_s=1.5)
@@ -111,15 +131,22 @@ def run(console: Console, prefix: str, rollouts: int, group_size: int, tokens: i
     read_ids: Counter = Counter()
     read_tokens = 0
     shapes = ""
+    trained_episodes: dict[str, str] = {}
+    episodes_whole = True
     with RolloutBatchReader(topics.train_batches, group_id=f"{prefix}-trainer", state=state, idle_timeout_s=3) as reader:
         for item in reader:
+            episodes_whole = _episodes_whole(item.batch, trained_episodes) and episodes_whole
             read_ids.update(item.batch.rollout_ids)
             read_tokens += len(item.batch.tokens)
             shapes = ", ".join(f"{k} {getattr(item.batch, k).shape}" for k in ("tokens", "loss_mask", "advantages"))
             reader.commit()
     rollout_messages = published.counts.get("rollouts", 0)
     accounted = sum(read_ids.values()) + sum(dropped.values())
-    balanced = read_ids == ledger_ids and max(read_ids.values(), default=1) == 1 and accounted == rollout_messages
+    dropped_episodes = {o.detail["episode_id"] for o in outcomes if o.kind == "rollout_dropped" and "episode_id" in o.detail}
+    episodes_whole = episodes_whole and not dropped_episodes & set(trained_episodes)
+    trained_agents = [e for e in trained_episodes if e.startswith(agents.group_prefix)]  # a batch may hold plain rollouts too
+    segments = sum(1 for e in events if e.role == "rollouts" and e.record is not None and e.record.episode_id and not e.note)
+    balanced = read_ids == ledger_ids and max(read_ids.values(), default=1) == 1 and accounted == rollout_messages and episodes_whole
     return [
         ("rollouts simulated", f"{rollout_messages} messages ({published.counts.get('rewards', 0)} rewards, "
          f"{published.counts.get('malformed', 0)} malformed, {published.counts.get('policy_versions', 0)} policy versions)"),
@@ -129,5 +156,7 @@ def run(console: Console, prefix: str, rollouts: int, group_size: int, tokens: i
         ("rewards dropped", _counts(rewards_dropped)),
         ("dead letters", _counts(dead)),
         ("trainer read", f"{sum(read_ids.values())} rollouts, {read_tokens} tokens; {shapes}"),
+        ("agent episodes", f"{group_size} sent as {segments} segments; {len(trained_agents)} trained whole (one batch, one "
+         f"advantage each: {'yes' if episodes_whole else 'NO'}), {len(dropped_episodes)} dropped whole"),
         ("books balance", f"{'yes' if balanced else 'NO'}: {accounted} batched + dropped of {rollout_messages} published"),
     ]

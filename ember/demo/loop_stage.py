@@ -1,4 +1,4 @@
-"""The closed-loop stage of `ember demo` (and of tests/inference/test_loop.py): the RL loop with no simulator.
+"""The closed-loop stage of `ember demo` (its run checked by tests/test_demo.py): the RL loop with no simulator.
 
 Five real processes on one fresh topic prefix, each the CLI a deployment runs: `midtrain rl` (2 ranks, router
 replay; it exports and announces its starting weights, then every step's) -> `rollouts sample` (transformers,
@@ -270,14 +270,21 @@ def run_loop(workdir: Path, prefix: str, tokenizer: Path, *, steps: int = 3, gro
                 raise RuntimeError(f"rollouts {name} exited {code}:\n{services.log(name)[-3000:]}")
     finally:
         services.kill_all()
+    return read_records(workdir, time.perf_counter() - started)
+
+
+def read_records(workdir: Path, seconds: float = 0.0) -> LoopRecords:
+    """What a finished loop in `workdir` left: its topics (the prefix its configs name) and the sampler's log.
+    Public so a test can check the loop `ember demo` ran, rather than running another."""
+    topics = Topics(yaml.safe_load((workdir / "sample.yaml").read_text())["kafka"]["topic_prefix"])
     return LoopRecords(
         announced=_read_all(topics.policy_versions, PolicyVersion.decode),
         rollouts=_read_all(topics.rollouts, decode),
         rewards=_read_all(topics.rewards, decode),
         outcomes=_read_all(topics.outcomes, Outcome.decode),
-        loaded=[(int(v), d) for v, d in _LOADED.findall(services.log("sampler"))],
+        loaded=[(int(v), d) for v, d in _LOADED.findall((workdir / "sampler.log").read_text(errors="replace"))],
         versions_dir=workdir / "rl" / "versions",
-        seconds=time.perf_counter() - started,
+        seconds=seconds,
     )
 
 

@@ -14,6 +14,7 @@ fails when a stage raises or a stage's own check (records equal, books balance, 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -52,6 +53,13 @@ def _healthy(rows: Rows) -> bool:
     return all(check(value) for key, value in rows for name, check in VERDICTS.items() if key == name)
 
 
+def _write_summary(path: Path, sections: list[tuple[str, float, Rows]], ok: bool) -> None:
+    """The summary table as JSON next to the stages' outputs: a reader (or the demo's test) gets each stage's rows
+    and seconds without parsing a table that the terminal's width wraps."""
+    stages = [{"stage": title, "seconds": round(seconds, 1), "rows": dict(rows)} for title, seconds, rows in sections]
+    path.write_text(json.dumps({"ok": ok, "stages": stages}, indent=1) + "\n")
+
+
 def run_demo(console: Console, *, rollouts: int, group_size: int, tokens: int, layers: int) -> int:
     for service in services.SERVICES:
         with console.status(f"bringing up {service}..."):
@@ -74,7 +82,7 @@ def run_demo(console: Console, *, rollouts: int, group_size: int, tokens: int, l
     from ember.demo import etl_stage as rollouts_demo
     from ember.demo import loop_stage as loop_demo
 
-    sections: list[tuple[str, Rows]] = []
+    sections: list[tuple[str, float, Rows]] = []
     context: dict[str, Path] = {}
 
     def corpus() -> Rows:
@@ -101,13 +109,14 @@ def run_demo(console: Console, *, rollouts: int, group_size: int, tokens: int, l
             rows = [("FAILED", f"{type(exc).__name__}: {str(exc)[:500]}")]
             ok = False
         ok = ok and _healthy(rows)
-        sections.append((f"{title} ({time.perf_counter() - started:.0f}s)", rows))
+        sections.append((title, time.perf_counter() - started, rows))
         if not ok:
             break
+    _write_summary(workdir / "summary.json", sections, ok)
 
     table = Table("stage", "result", title="ember demo", show_lines=False)
-    for title, rows in sections:
-        table.add_row(f"[bold]{title}[/bold]", "")
+    for title, seconds, rows in sections:
+        table.add_row(f"[bold]{title} ({seconds:.0f}s)[/bold]", "")
         for key, value in rows:
             table.add_row(f"  {key}", value)
     console.print(table)

@@ -43,3 +43,9 @@ class Backend(Protocol):
     raises instead."""
 
     def generate(self, prompts: list[list[int]], texts: list[str], sampling: Sampling) -> list[Completion | str]: ...
+
+    def follow(self) -> int | None:
+        """Before a batch: take up a newer announced policy version where this backend follows them, and say which
+        version the batch will start under (the worker's per-version budget counts against it). None: the engine
+        holds weights its operator loads, so no budget applies."""
+        ...

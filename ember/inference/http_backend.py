@@ -69,6 +69,10 @@ class OpenAIBackend:
     def where(self) -> str:
         return f"{self.settings.base_url} ({self.settings.model})"
 
+    def follow(self) -> None:
+        """The server's operator swaps its weights, not ember: no version to follow or budget."""
+        return None
+
     def generate(self, prompts: list[list[int]], texts: list[str], sampling: Sampling) -> list[Completion | str]:
         first, self.requests = self.requests, self.requests + len(prompts)
         return asyncio.run(self._all(prompts, texts, sampling, first))

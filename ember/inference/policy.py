@@ -19,7 +19,7 @@ import torch
 
 from ember import storage
 from ember.midtrain.export_format import (
-    MANIFEST_FILE, BaseRef, ExportFiles, PolicyConfig, PolicyFetchError, listed_files, read_export,
+    MANIFEST_FILE, MAX_MANIFEST_BYTES, BaseRef, ExportFiles, PolicyConfig, PolicyFetchError, listed_files, read_export,
 )
 from ember.midtrain.hf_policy import local_path
 
@@ -44,9 +44,9 @@ def mixtral_config(config: PolicyConfig):
     return MixtralConfig(**values, dtype=config.torch_dtype, architectures=list(config.architectures))
 
 
-def _fetch(location: str) -> bytes:
+def _fetch(location: str, limit: int | None = None) -> bytes:
     try:
-        return storage.read_bytes(location)
+        return storage.read_bytes(location, limit)
     except Exception as exc:  # noqa: BLE001 - each store's client raises its own types; any of them means no export
         raise PolicyFetchError(f"{location}: cannot be fetched ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
 
@@ -76,7 +76,9 @@ def read_announced(uri: str, sha256: str, known: ExportFiles | None = None) -> E
     if urlparse(uri).scheme not in storage.SCHEMES:
         return read_export(local_path(uri), sha256, _bases(uri, known))
     with tempfile.TemporaryDirectory(prefix="ember-policy-") as tmp:
-        manifest = _fetch(storage.join(uri, MANIFEST_FILE))
+        manifest = _fetch(storage.join(uri, MANIFEST_FILE), MAX_MANIFEST_BYTES)
+        if len(manifest) > MAX_MANIFEST_BYTES:
+            raise PolicyFetchError(f"{storage.join(uri, MANIFEST_FILE)}: over {MAX_MANIFEST_BYTES:,} bytes, not a manifest ember wrote")
         if (digest := hashlib.sha256(manifest).hexdigest()) != sha256:
             raise PolicyFetchError(f"{storage.join(uri, MANIFEST_FILE)} hashes to {digest}, the announcement says {sha256}: not the announced export")
         (Path(tmp) / MANIFEST_FILE).write_bytes(manifest)

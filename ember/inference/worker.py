@@ -128,6 +128,10 @@ class Sampler:
         return list(generate(self.policy, prompts, sampling, self.generator,
                              refresh=self.refresh if self.swap_every else None, refresh_every=self.swap_every))
 
+    def follow(self) -> int:
+        self.refresh()
+        return self.policy.version
+
     def refresh(self) -> LoadedPolicy | None:
         """The newer announced policy, verified and loaded, now in use; None when there is none (or it was refused)."""
         if self.follower is None:
@@ -207,11 +211,12 @@ def run(config: SamplerConfig, prompts: list[tuple[Task, list[int]]], sampling: 
             if stop.is_set():
                 return stats
             chunk = prompts[start : start + per_batch]
-            if isinstance(backend, Sampler):  # the in-process sampler follows announced versions; an engine holds its own
-                backend.refresh()
-                if not _within_version_budget(config, backend, per_version, stats, stop):
+            version = backend.follow()
+            if version is not None:
+                version = _within_version_budget(config, backend, version, per_version, stats, stop)
+                if version is None:
                     return stats
-                per_version[backend.policy.version] = per_version.get(backend.policy.version, 0) + len(chunk)
+                per_version[version] = per_version.get(version, 0) + len(chunk)
             began = time.perf_counter()
             completions = backend.generate([ids for _, ids in chunk for _ in range(g.group_size)],
                                            [task.prompt for task, _ in chunk for _ in range(g.group_size)], sampling)
@@ -237,15 +242,15 @@ def run(config: SamplerConfig, prompts: list[tuple[Task, list[int]]], sampling: 
     return stats
 
 
-def _within_version_budget(config: SamplerConfig, sampler: Sampler, per_version: dict[int, int], stats: SampleStats,
-                           stop: threading.Event) -> bool:
-    """Waits while the version in use has its `max_groups_per_version` groups, until a newer one is loaded (True)
-    or `stop` is set (False): the trainer's pace bounds how many groups one version samples."""
+def _within_version_budget(config: SamplerConfig, backend: Backend, version: int, per_version: dict[int, int],
+                           stats: SampleStats, stop: threading.Event) -> int | None:
+    """Waits while `version` (the one in use) has its `max_groups_per_version` groups, until the backend takes up
+    a newer one (returned) or `stop` is set (None): the trainer's pace bounds how many groups one version samples."""
     limit = config.policy.max_groups_per_version
     began = time.perf_counter()
-    while limit is not None and per_version.get(sampler.policy.version, 0) >= limit:
+    while limit is not None and per_version.get(version, 0) >= limit:
         if stop.wait(_VERSION_POLL_S):
-            return False
-        sampler.refresh()
+            return None
+        version = backend.follow()
     stats.waited_s += time.perf_counter() - began
-    return True
+    return version

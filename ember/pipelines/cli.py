@@ -84,11 +84,10 @@ def tokenize(
         settings = _tokenize_config(config)
     except TokenizeConfigError as exc:
         fail(exc)
-    from ember.pipelines.jobs.logs import job_logs, log_path_for
+    from ember.pipelines.jobs.logs import logs_for
     from ember.pipelines.jobs.process import Interrupted, stop_on_signals
 
-    with job_logs(verbose) as logs:
-        console.print(f"log: {logs.write_to(log_path_for(str(settings.output_dir)))}", highlight=False, soft_wrap=True)
+    with logs_for(str(settings.output_dir), verbose, lambda line: console.print(line, highlight=False, soft_wrap=True)) as logs:
         from ember.pipelines.jobs.output_guard import OutputUnusable
         from ember.pipelines.tokenize_pipeline import run
         from ember.tokenize.tokenizers import TokenizerLoadError
@@ -287,11 +286,10 @@ def build(
     from ember.configs import CorpusConfigError, TokenizeConfigError
 
     settings = _corpus_config(config)
-    from ember.pipelines.jobs.logs import job_logs, log_path_for
+    from ember.pipelines.jobs.logs import logs_for
     from ember.pipelines.jobs.process import Interrupted, stop_on_signals
 
-    with job_logs(verbose) as logs:
-        console.print(f"log: {logs.write_to(log_path_for(settings.output.directory))}", highlight=False, soft_wrap=True)
+    with logs_for(settings.output.directory, verbose, lambda line: console.print(line, highlight=False, soft_wrap=True)) as logs:
         from ember.pipelines.corpus.build import BuildFailed, build_corpus
         from ember.pipelines.jobs.output_guard import OutputUnusable
         from ember.tokenize.tokenizers import TokenizerLoadError

@@ -11,7 +11,7 @@ Stages (each a Beam transform, so the same graph runs on FnApiRunner, Flink or D
      tagged) and send each piece to the shard its sequence lands in: global index from the per-window
      bin counts, then a seeded Feistel permutation -> (shard, row). No worker ever holds more than one
      shard's tokens.
-  4. write each shard atomically, then - last - the manifest with per-shard sha256 and exact
+  4. each shard written by its worker, atomically, then - last - the manifest with per-shard sha256 and exact
      per-source token/padding accounting.
 Code mid-training options (docs/guides/code-data.md), each recorded in the manifest: `repositories` turns a
 source's files into one document per repository before step 1 (ember/pipelines/code/documents.py); `fim`
@@ -21,14 +21,17 @@ The graph is kept to few transforms: Beam's fixed cost (graph construction, bund
 transform, and on a small build it is most of the run (bench/bench_tokenize_pack.py).
 `run` writes the set into a fresh staging directory next to `output_dir` and swaps it in once the
 manifest is written (ember/pipelines/jobs/output_guard.py): a failed run leaves the previous set intact,
-and files the previous manifest does not list are never deleted. A gs:// or s3:// `output_dir` gets the set
-staged locally and committed there shards first, manifest last (`write_to_url`).
+and files the previous manifest does not list are never deleted. For a gs:// or s3:// `output_dir` the workers
+write every file there themselves, the manifest last, and a replaced set is switched in one write
+(`write_to_url`, ember/pipelines/jobs/set_commit.py); a local `output_dir` with workers that do not share this
+machine's disk is refused before any work.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import json
 import os
 import tempfile
 import threading
@@ -54,14 +57,15 @@ from ember.files import write_atomically
 from ember.pipelines.jobs.process import isolating, run_job
 from ember.pipelines.jobs.output_guard import MIN_FREE_BYTES, OutputUnusable, check_room, refuse_foreign, staged
 from ember.pipelines.jobs.progress import ProgressWriter, watch
+from ember.pipelines.jobs import set_commit
 from ember.pipelines.jobs.runners import run_pipeline, runs_locally
 from ember.schemas import SchemaValidationError
 from ember.schemas.documents import REJECTED_SCHEMA, reject_row
-from ember.schemas.shards import MANIFEST_FILENAME, Manifest, read_manifest, write_manifest
+from ember.schemas.shards import MANIFEST_FILENAME, Manifest, parse_manifest, read_manifest
 from ember.tokenize import fim, mixtures
 from ember.tokenize.config import FimSettings, ShardSource, TokenizeConfig, TokenizerConfig
 from ember.tokenize.packing import Segment, assemble, pack, window_count, window_of
-from ember.tokenize.shards import ShardRow, write_shard
+from ember.tokenize.shards import ShardRow, encode_shard, shard_name
 from ember.tokenize.shuffle import FeistelPermutation
 from ember.tokenize.tokenizers import Tokenizer, load_tokenizer
 
@@ -257,10 +261,12 @@ class RoutePieces(beam.DoFn):
 
 
 class WriteShard(beam.DoFn):
-    """All pieces of one shard in; the shard file written atomically; its `ShardEntry` out."""
+    """All pieces of one shard in; the shard file written by this worker straight to the set's location, under the
+    shard's own name (a retried bundle overwrites it); its `ShardEntry`, sha256 of the bytes written, out."""
 
-    def __init__(self, output_dir: str, seq_len: int, pad_id: int, rows_per_batch: int, per_shard: int):
-        self._output_dir = Path(output_dir)
+    def __init__(self, output_dir: str, seq_len: int, pad_id: int, rows_per_batch: int, per_shard: int, prefix: str = ""):
+        self._output_dir = output_dir
+        self._prefix = prefix
         self._seq_len = seq_len
         self._pad_id = pad_id
         self._rows_per_batch = rows_per_batch
@@ -278,13 +284,14 @@ class WriteShard(beam.DoFn):
             parts = sorted(by_row[index], key=lambda p: p[1])
             segments = [Segment(p[3], p[4], p[5], np.frombuffer(p[6], dtype="<u4")) for p in parts]
             rows.append(ShardRow(assemble(segments, self._seq_len, self._pad_id), parts[0][2]))
-        entry = write_shard(self._output_dir, shard, rows, self._rows_per_batch)
-        yield {"index": shard, **entry.model_dump()}
+        data = encode_shard(rows, self._rows_per_batch)
+        written = set_commit.write_file(self._output_dir, set_commit.relative(self._prefix, shard_name(shard)), data)
+        yield {"index": shard, "rows": len(rows), **written}
 
 
-def write_rejects(path: Path, rows: Iterable[dict]) -> dict[tuple[str, str], int]:
-    """rejected.parquet (atomically, row groups as the rows stream in; empty when there are none) and the
-    count per (source, reason)."""
+def encode_rejects(rows: Iterable[dict]) -> tuple[bytes, dict[tuple[str, str], int]]:
+    """rejected.parquet's bytes (row groups as the rows stream in; an empty table when there are none) and the count
+    per (source, reason)."""
     counts: dict[tuple[str, str], int] = {}
     buffer = pa.BufferOutputStream()
     with pq.ParquetWriter(buffer, REJECTED_SCHEMA) as writer:
@@ -293,19 +300,29 @@ def write_rejects(path: Path, rows: Iterable[dict]) -> dict[tuple[str, str], int
             for row in group:
                 key = (row["source"], row["reason"])
                 counts[key] = counts.get(key, 0) + 1
-    write_atomically(path, buffer.getvalue().to_pybytes())
+    return buffer.getvalue().to_pybytes(), counts
+
+
+def write_rejects(path: Path, rows: Iterable[dict]) -> dict[tuple[str, str], int]:
+    """rejected.parquet at a local `path`, atomically, and the count per (source, reason)."""
+    data, counts = encode_rejects(rows)
+    write_atomically(path, data)
     return counts
 
 
 class WriteRejects(beam.DoFn):
-    """Every reject row in (one key); rejected.parquet written; ((source, reason), count) out."""
+    """Every reject row in (one key); rejected.parquet written by this worker to the set's location;
+    ((source, reason), count) out."""
 
-    def __init__(self, output_dir: str):
-        self._path = Path(output_dir) / REJECTED_FILE
+    def __init__(self, output_dir: str, prefix: str = ""):
+        self._output_dir = output_dir
+        self._name = set_commit.relative(prefix, REJECTED_FILE)
 
     def process(self, element):
         _, rows = element
-        yield from write_rejects(self._path, rows).items()
+        data, counts = encode_rejects(rows)
+        set_commit.write_file(self._output_dir, self._name, data)
+        yield from counts.items()
 
 
 def _finish(
@@ -321,14 +338,19 @@ def _finish(
     shards: list[dict],
     layout: dict,
     rejected: list,
+    prefix: str = "",
     plans: dict | None = None,
 ) -> str:
-    """The last step: gathers the accounting and writes the manifest atomically (and an empty
-    rejected.parquet when nothing was rejected, so every set has one)."""
+    """The last step: gathers the accounting, checks that every shard the workers reported is at the set's location
+    at its size, and writes the manifest atomically (and an empty rejected.parquet when nothing was rejected, so
+    every set has one)."""
+    output_dir = str(config.output_dir)
+    rejected_file = set_commit.relative(prefix, REJECTED_FILE)
     if not rejected:
-        write_rejects(Path(config.output_dir) / REJECTED_FILE, [])
+        set_commit.write_file(output_dir, rejected_file, encode_rejects([])[0])
     if not shards:
         raise ValueError("no document survived tokenization; there is nothing to write (see rejected.parquet)")
+    set_commit.check_written(output_dir, {e["path"]: e["bytes"] for e in shards})
     by_source = layout["stats"]
     rejects: dict[str, dict[str, int]] = {}
     for (source, reason), count in sorted(rejected):
@@ -363,17 +385,19 @@ def _finish(
         rows_per_batch=config.rows_per_batch,
         fill_ratio=fill,
         rejected=rejects,
-        rejected_file=REJECTED_FILE,
+        rejected_file=rejected_file,
         provenance=provenance,  # where each source's documents and the tokenizer are: `ember corpus inspect --locate`
     )
-    return str(write_manifest(config.output_dir, manifest))
+    set_commit.write_file(output_dir, MANIFEST_FILENAME, manifest.model_dump_json(indent=2).encode("utf-8"))
+    return storage.join(output_dir, MANIFEST_FILENAME)
 
 
 def build(pipeline: beam.Pipeline, config: TokenizeConfig, tokenizer: Tokenizer, recorded: TokenizeConfig | None = None,
-          progress_dir: str | None = None) -> None:
+          progress_dir: str | None = None, prefix: str = "") -> None:
     """Adds the whole tokenize-and-pack graph to `pipeline`. `recorded`, when `config` reads from or writes
     to a staging directory, is the final config: rejects name its source paths, the manifest its hash.
-    With `progress_dir`, the tokenize step counts its documents there (ember/pipelines/jobs/progress.py)."""
+    With `progress_dir`, the tokenize step counts its documents there (ember/pipelines/jobs/progress.py).
+    `prefix` is the directory under `config.output_dir` the shards and rejects go to (`set_commit.fresh_prefix`)."""
     recorded = recorded or config
     driver_tokenizer = uuid.uuid4().hex
     _DRIVER_TOKENIZERS[driver_tokenizer] = tokenizer
@@ -435,7 +459,8 @@ def build(pipeline: beam.Pipeline, config: TokenizeConfig, tokenizer: Tokenizer,
         | "Write shards"
         >> beam.ParDo(
             WriteShard(
-                str(config.output_dir), config.seq_len, tokenizer.pad_id, config.rows_per_batch, config.sequences_per_shard
+                str(config.output_dir), config.seq_len, tokenizer.pad_id, config.rows_per_batch, config.sequences_per_shard,
+                prefix,
             )
         )
     )
@@ -443,7 +468,7 @@ def build(pipeline: beam.Pipeline, config: TokenizeConfig, tokenizer: Tokenizer,
         rejects
         | "All rejects" >> beam.Flatten()
         | "Group rejects" >> beam.GroupByKey()
-        | "Write rejects" >> beam.ParDo(WriteRejects(str(config.output_dir)))
+        | "Write rejects" >> beam.ParDo(WriteRejects(str(config.output_dir), prefix))
     )
     provenance = {"documents": source_paths, "tokenizer": recorded.tokenizer.model_dump(mode="json")}
     _ = (
@@ -462,6 +487,7 @@ def build(pipeline: beam.Pipeline, config: TokenizeConfig, tokenizer: Tokenizer,
             shards=beam.pvalue.AsList(entries),
             layout=beam.pvalue.AsSingleton(layout),
             rejected=beam.pvalue.AsList(reject_counts),
+            prefix=prefix,
             plans=beam.pvalue.AsSingleton(plans) if plans is not None else None,
         )
     )
@@ -563,12 +589,12 @@ def source_documents(config: TokenizeConfig) -> int:
 
 
 def write_shard_set(config: TokenizeConfig, beam_args: list[str], tokenizer: Tokenizer, recorded: TokenizeConfig | None = None,
-                    console: Console | None = None) -> None:
-    """Runs the pipeline into `config.output_dir`, which must be new or empty (see `build` for `recorded`);
-    with a console, a local run shows documents/s and an ETA while it tokenizes."""
+                    console: Console | None = None, prefix: str = "") -> None:
+    """Runs the pipeline into `config.output_dir`, which must be new or empty (see `build` for `recorded` and
+    `prefix`); with a console, a local run shows documents/s and an ETA while it tokenizes."""
     options = pipeline_options(beam_args)
     if console is None or not runs_locally(options):
-        _run_pipeline(config, beam_args, tokenizer, recorded, None)
+        _run_pipeline(config, beam_args, tokenizer, recorded, None, prefix)
         return
     with tempfile.TemporaryDirectory(prefix="ember-progress-") as progress_dir:
         done = threading.Event()
@@ -579,28 +605,28 @@ def write_shard_set(config: TokenizeConfig, beam_args: list[str], tokenizer: Tok
         )
         watcher.start()
         try:
-            _run_pipeline(config, beam_args, tokenizer, recorded, progress_dir)
+            _run_pipeline(config, beam_args, tokenizer, recorded, progress_dir, prefix)
         finally:
             done.set()
             watcher.join()
 
 
 def _run_pipeline(config: TokenizeConfig, beam_args: list[str], tokenizer: Tokenizer, recorded: TokenizeConfig | None,
-                  progress_dir: str | None) -> None:
+                  progress_dir: str | None, prefix: str = "") -> None:
     """The Beam job; under `stop_on_signals()` in a job process that a stop signal ends whole (the tokenizer is
     loaded there)."""
     if isolating():
-        run_job(_pipeline_in_job_process, config, list(beam_args), recorded, progress_dir)
+        run_job(_pipeline_in_job_process, config, list(beam_args), recorded, progress_dir, prefix)
         return
     options = pipeline_options(beam_args)
     pipeline = beam.Pipeline(options=options)
-    build(pipeline, config, tokenizer, recorded, progress_dir)
+    build(pipeline, config, tokenizer, recorded, progress_dir, prefix)
     run_pipeline(pipeline, options, STAGE)
 
 
 def _pipeline_in_job_process(config: TokenizeConfig, beam_args: list[str], recorded: TokenizeConfig | None,
-                             progress_dir: str | None) -> None:
-    _run_pipeline(config, beam_args, load_tokenizer(config.tokenizer), recorded, progress_dir)
+                             progress_dir: str | None, prefix: str) -> None:
+    _run_pipeline(config, beam_args, load_tokenizer(config.tokenizer), recorded, progress_dir, prefix)
 
 
 def preflight_sources(config: TokenizeConfig) -> None:
@@ -629,7 +655,7 @@ def preflight_url_output(config: TokenizeConfig, overwrite: bool) -> set[str]:
     if not (overwrite and state.finished):
         hint = "pass --overwrite to replace it" if state.finished else "delete them or choose a new output_dir"
         raise OutputUnusable(f"output_dir: {state.describe()}; {hint}")
-    owned = remote_set_files(location)
+    owned = remote_set_files(location) | set_commit.unlisted_attempts(state.files)
     foreign = sorted(set(state.files) - owned)
     if foreign:
         raise OutputUnusable(
@@ -648,20 +674,20 @@ def remote_set_files(location: str) -> set[str]:
 
 def write_to_url(config: TokenizeConfig, beam_args: list[str], tokenizer: Tokenizer | None, recorded: TokenizeConfig,
                  console: Console | None = None, previous: Iterable[str] = ()) -> Manifest:
-    """A shard set for a gs:// or s3:// `config.output_dir`: written in a local staging directory, then committed
-    there shards first and manifest last (ember.storage.commit_files), so a reader never finds half a set. `previous`,
-    the files of the set being replaced (`preflight_url_output`), are deleted once the new set is written locally:
-    its manifest first, so no reader takes a mix of old and new."""
+    """A shard set for a gs:// or s3:// `config.output_dir`, written there by the workers themselves and committed by
+    its manifest, written last (ember/pipelines/jobs/set_commit.py). `previous`, the files of the set being replaced
+    (`preflight_url_output`), stay readable until the new manifest replaces the old one in one write: the new set goes
+    under a fresh prefix beside them, and they are deleted only after the switch."""
     location = str(config.output_dir)
-    with tempfile.TemporaryDirectory(prefix="ember-shards-") as staging:
-        write_shard_set(config.model_copy(update={"output_dir": Path(staging)}), beam_args,
-                        tokenizer or load_tokenizer(config.tokenizer), recorded, console=console)
-        previous = set(previous)
-        if previous:
-            storage.delete([storage.join(location, MANIFEST_FILENAME)])
-            storage.delete([storage.join(location, name) for name in sorted(previous - {MANIFEST_FILENAME})])
-        storage.commit_files(Path(staging), location)
-        return read_manifest(staging)
+    previous = set(previous)
+    prefix = set_commit.fresh_prefix(previous)
+    write_shard_set(config, beam_args, tokenizer or load_tokenizer(config.tokenizer), recorded, console=console,
+                    prefix=prefix)
+    manifest_url = storage.join(location, MANIFEST_FILENAME)
+    manifest = parse_manifest(json.loads(storage.read_bytes(manifest_url)), manifest_url)
+    listed = {MANIFEST_FILENAME, *(e.path for e in manifest.shards), manifest.model_extra["rejected_file"]}
+    set_commit.retire(location, prefix, listed, previous)
+    return manifest
 
 
 def run(
@@ -679,6 +705,12 @@ def run(
     `recorded` is the config the manifest describes when `config`'s sources are themselves staged (see `build`);
     with a console, a local run shows its progress."""
     to_url = storage.is_url(config.output_dir)
+    options = pipeline_options(beam_args)
+    set_commit.refuse_unshared_disk(config.output_dir, options, "output_dir")
+    for i, source in enumerate(config.sources):
+        set_commit.refuse_unshared_disk(source.path, options, f"sources.{i}.path")
+    if config.tokenizer.path is not None:
+        set_commit.refuse_unshared_disk(config.tokenizer.path, options, "tokenizer.path", set_commit.NAMED_TOKENIZER)
     preflight_sources(config)
     previous = preflight_url_output(config, overwrite) if to_url else set()
     tokenizer = tokenizer or load_tokenizer(config.tokenizer)

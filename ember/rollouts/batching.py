@@ -84,7 +84,8 @@ def plan_batches(
 
 
 def split_by_budget(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """Next-fit over consecutive sequences, for the one group that exceeds the budget."""
+    """Next-fit over consecutive items (sequences, or whole episodes: `episodes.episode_chunks`), for the one group
+    that exceeds the budget."""
     chunks: list[list[int]] = []
     used = budget + 1
     for index, length in enumerate(lengths):
@@ -102,6 +103,13 @@ def batch_id_for(rollout_ids: Sequence[str]) -> str:
     """Content-derived id: the same rollouts always get the same id, so a duplicate batch is visible."""
     digest = hashlib.blake2b("\x1f".join(rollout_ids).encode("utf-8"), digest_size=12).hexdigest()
     return f"b-{digest}"
+
+
+def episode_ids(rollouts: Sequence[Rollout]) -> list[str]:
+    """A batch's `episode_ids`: each rollout's episode, or [] when none is a segment (the pre-episode form)."""
+    if all(r.episode_id is None for r in rollouts):
+        return []
+    return [r.episode_key for r in rollouts]
 
 
 def build_train_batch(
@@ -134,6 +142,7 @@ def build_train_batch(
         source_offsets=source_offsets,
         created_at_us=created_at_us,
         advantage_estimator=advantage_estimator,
+        episode_ids=episode_ids(rollouts),
     )
     if all(ref is not None for ref in refs):
         return TrainBatch(
@@ -180,6 +189,7 @@ def reference_share(batch: TrainBatch, first: int, last: int) -> TrainBatch:
         advantage_estimator=batch.advantage_estimator,
         rollout_refs=batch.rollout_refs[first:last],
         sequence_advantages=batch.sequence_advantages[first:last],
+        episode_ids=batch.episode_ids[first:last],
     )
 
 
@@ -249,6 +259,7 @@ def resolve_train_batch(batch: TrainBatch, rollouts: Sequence[Rollout]) -> Train
         routed_experts=None if signatures == {None} else np.concatenate([r.routed_experts for r in rollouts]),
         created_at_us=batch.created_at_us,
         advantage_estimator=batch.advantage_estimator,
+        episode_ids=list(batch.episode_ids),
     )
 
 

@@ -182,6 +182,17 @@ def _regions(text: str) -> dict[str, float]:
     return regions
 
 
+def _simulate_product(topics, security, *, time_scale: float, **traffic) -> None:
+    from ember.rollouts.product.simulate import ProductTraffic, plan_traffic
+    from ember.rollouts.product_etl import publish_traffic
+
+    scale = 1e9 if time_scale == float("inf") else time_scale
+    plan = plan_traffic(ProductTraffic(time_scale=scale, **traffic))
+    sent = publish_traffic(plan, topics, security=security, paced=time_scale != float("inf"))
+    served = sum(1 for p in plan if p.role == "served")
+    console.print(f"published {served} served completions and {sent - served} events to {topics.rollouts} / {topics.rewards}")
+
+
 @rollouts_app.command("simulate")
 def simulate(
     prefix: str = typer.Option(None, "--prefix", help=PREFIX_HELP + " Default: --config's topic prefix; one of them is required."),
@@ -214,6 +225,13 @@ def simulate(
     stale_lag: int = typer.Option(10, min=1, help="How many versions behind a stale rollout is."),
     time_scale: float = typer.Option(1.0, min=0.001, help="Simulated seconds per real second (inf: no waiting)."),
     seed: int = typer.Option(0, help="Random seed."),
+    max_segments: int = typer.Option(1, min=1, max=4096, help="Long-horizon episodes of 1..N segments (contexts joined by summaries, tool turns, one reward at the end); 1: plain rollouts."),
+    p_missing_segment: float = typer.Option(0.0, min=0, max=1, help="Fraction of episode segments never sent (the episode is dropped whole)."),
+    p_late_segment: float = typer.Option(0.0, min=0, max=1, help="Fraction of episode segments delayed by --late-delay."),
+    product: bool = typer.Option(
+        False, "--product", help="Product traffic instead (source: product): GROUPS x GROUP_SIZE served completions and "
+        "long-tailed user events (most never acted on, accepts in seconds, reverts in minutes, 'kept' at an hour), "
+        "their delays divided by --time-scale."),
 ) -> None:
     """Publish a simulated fleet: rollouts from several regions, rewards, policy versions and faults."""
     from ember.rollouts.admin import ensure_topics
@@ -254,12 +272,19 @@ def simulate(
         p_stale=p_stale,
         stale_lag=stale_lag,
         seed=seed,
+        max_segments=max_segments,
+        p_missing_segment=p_missing_segment,
+        p_late_segment=p_late_segment,
     )
     with _refusals():
         if create_topics:
             ensure_topics(kafka_bootstrap(), list(topics.specs(partitions).values()), security)
         else:
             _require_topics(prefix, [topics.rollouts, topics.rewards, topics.policy_versions], security)
+        if product:
+            _simulate_product(topics, security, completions=groups * group_size, tokens=tokens, vocab_size=shape.vocab_size,
+                              policy_versions=policy_versions, time_scale=time_scale, seed=seed)
+            return
         latest = latest_policy_version(topics.policy_versions, security)
         if latest is not None:
             console.print(f"{topics.policy_versions} is at version {latest}: this run announces {latest + 1} onwards")
@@ -388,7 +413,10 @@ def etl(
     with _service_process(log_level, stop):
         try:
             with _refusals():
-                EtlService(settings, instance, metrics).run(stop, until_idle_s=until_idle)
+                service = EtlService
+                if settings.source == "product":
+                    from ember.rollouts.product_etl import ProductEtlService as service
+                service(settings, instance, metrics).run(stop, until_idle_s=until_idle)
         except (TopologyError, BrokerNotReady) as exc:
             console.print(f"[red]{exc}[/red]", soft_wrap=True)
             raise typer.Exit(2) from None
@@ -523,6 +551,9 @@ def replay(
     if advantage:
         sections.setdefault("advantages", {})["estimator"] = advantage
     settings = _overridden(settings, sections)
+    if settings.source == "product":
+        console.print(f"[red]{config}: source: product has no replay yet (its decisions live in the spill store)[/red]", soft_wrap=True)
+        raise typer.Exit(2)
     try:
         begin = parse_start(start)
     except ValueError as exc:

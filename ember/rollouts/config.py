@@ -10,13 +10,14 @@ from __future__ import annotations
 import os
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, IPvAnyAddress, model_validator
 
 from ember import configs
 from ember.configs import StrictModel
 from ember.rollouts.advantages import Estimator
+from ember.rollouts.product.config import ProductSettings
 from ember.rollouts.security import KafkaSecurity
 from ember.rollouts.topics import Topics
 
@@ -157,6 +158,10 @@ class DeadLetterSettings(StrictModel):
 
 
 class EtlConfig(StrictModel):
+    source: Literal["groups", "product"] = Field(
+        "groups", description="groups: simulated RL (rollouts + rewards); product: served completions + user events (issue 34)"
+    )
+    product: ProductSettings = Field(default_factory=ProductSettings, description="used when source: product")
     kafka: KafkaSettings
     groups: GroupSettings = Field(default_factory=GroupSettings)
     rewards: RewardSettings = Field(default_factory=RewardSettings)

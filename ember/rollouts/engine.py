@@ -36,9 +36,9 @@ from ember.rollouts.batching import (
     build_train_batch,
     expert_signature,
     plan_batches,
-    split_by_budget,
 )
 from ember.rollouts.config import EtlConfig, TruncatedPolicy
+from ember.rollouts.episodes import episode_chunks, known_total, refusal
 from ember.rollouts.records import ClosedGroup, Outcome, Reason, ShardSnapshot, offsets_to_ranges, ranges_to_offsets
 from ember.rollouts.topics import Topics
 from ember.schemas import DecodeError, Reward, Rollout, RolloutRef, SourceOffset, TrainBatch, decode
@@ -96,12 +96,37 @@ class _RewardHold:
 
 
 @dataclass
-class _Member:
+class _Segment:
     rollout: Rollout
     offset: int
     timestamp_ms: int
     ref: RolloutRef  # where its batch will say it lives (the trainer reads it there)
+
+
+@dataclass
+class _Member:
+    """One sample of a group: an episode, whose segments (a plain rollout is its only one) share its rewards."""
+
+    segments: dict[int, _Segment]
     rewards: dict[str, _RewardHold] = field(default_factory=dict)
+
+    @property
+    def ordered(self) -> list[_Segment]:
+        return [self.segments[i] for i in sorted(self.segments)]
+
+    @property
+    def rollout(self) -> Rollout:
+        """The first segment's rollout: what names the episode in the ledger."""
+        return self.segments[min(self.segments)].rollout
+
+    @property
+    def timestamp_ms(self) -> int:
+        """When its latest segment arrived: the reward of an episode comes after its last segment."""
+        return max(s.timestamp_ms for s in self.segments.values())
+
+    @property
+    def complete(self) -> bool:
+        return known_total({i: s.rollout for i, s in self.segments.items()}) == len(self.segments)
 
 
 @dataclass
@@ -363,20 +388,34 @@ class ShardEngine:
             )
             return
         group = self._open_group(rollout.group_id)
-        if rollout.rollout_id in group.members:
-            self._out.outcomes.append(self._rollout_outcome(Reason.DUPLICATE, rollout, message.offset, now_ms))
+        member = group.members.get(rollout.episode_key)
+        refused = refusal({} if member is None else {i: s.rollout for i, s in member.segments.items()}, rollout)
+        if refused is not None and refused[0] is Reason.SEGMENT_OUT_OF_RANGE:
+            self._dead_letter(message, refused[0], refused[1], keep=True)
             return
-        if len(group.members) >= self.config.groups.size:
+        if refused is not None:
+            detail = {} if refused[0] is Reason.DUPLICATE else {"error": refused[1]}
+            self._out.outcomes.append(self._rollout_outcome(refused[0], rollout, message.offset, now_ms, **detail))
+            return
+        if member is None and len(group.members) >= self.config.groups.size:
             self._out.outcomes.append(
                 self._rollout_outcome(Reason.GROUP_OVERFLOW, rollout, message.offset, now_ms, size=self.config.groups.size)
             )
             return
         digest = hashlib.sha256(message.value or b"").digest()
-        member = _Member(rollout, message.offset, message.timestamp_ms, RolloutRef(message.topic, message.partition, message.offset, digest))
-        group.members[rollout.rollout_id] = member
+        segment = _Segment(rollout, message.offset, message.timestamp_ms, RolloutRef(message.topic, message.partition, message.offset, digest))
         self._owners[rollout.rollout_id] = rollout.group_id
         self.held[ROLLOUTS].add(message.offset)
-        for grader, hold in group.early.pop(rollout.rollout_id, {}).items():
+        self._schedule(message.timestamp_ms + self.config.rewards.timeout_s * 1000, group.group_id)
+        self._dirty.add(group.group_id)
+        if group.first_rollout_ms is None or message.timestamp_ms < group.first_rollout_ms:
+            group.first_rollout_ms = message.timestamp_ms
+            self._schedule(group.first_rollout_ms + self.config.groups.timeout_s * 1000, group.group_id)
+        if member is not None:
+            member.segments[rollout.segment_index] = segment
+            return
+        member = group.members[rollout.episode_key] = _Member({rollout.segment_index: segment})
+        for grader, hold in group.early.pop(rollout.episode_key, {}).items():
             if hold.timestamp_ms >= self._reward_deadline(member):
                 self.held[REWARDS].discard(hold.offset)
                 self._out.outcomes.append(self._reward_outcome(Reason.LATE_REWARD, hold.reward, hold.offset, now_ms))
@@ -384,11 +423,6 @@ class ShardEngine:
                 member.rewards[grader] = hold
         for hold in member.rewards.values():
             self._out.observations.append(("reward_join_latency_s", max(0, hold.timestamp_ms - message.timestamp_ms) / 1e3))
-        if group.first_rollout_ms is None or message.timestamp_ms < group.first_rollout_ms:
-            group.first_rollout_ms = message.timestamp_ms
-            self._schedule(group.first_rollout_ms + self.config.groups.timeout_s * 1000, group.group_id)
-        self._schedule(message.timestamp_ms + self.config.rewards.timeout_s * 1000, group.group_id)
-        self._dirty.add(group.group_id)
 
     def _ingest_reward(self, message: InputMessage, reward: Reward, now_ms: int) -> None:
         graders = self.config.rewards.graders
@@ -465,7 +499,10 @@ class ShardEngine:
                 continue
             deadline = (group.first_rollout_ms or 0) + math.ceil(self.config.groups.timeout_s * 1000)
             waiting = [self._reward_deadline(m) for m in group.members.values() if not self._rewarded(m)]
-            if len(group.members) < size or not waiting or max(waiting) >= deadline:
+            incomplete = sum(1 for m in group.members.values() if not m.complete)
+            if incomplete and len(group.members) == size:
+                times.append((deadline, f"group {group_id}, {incomplete} of its episodes missing segments (groups.timeout_s)"))
+            elif len(group.members) < size or not waiting or max(waiting) >= deadline:
                 times.append((deadline, f"group {group_id}, {len(group.members)} of its {size} rollouts in (groups.timeout_s)"))
             else:
                 times.append((max(waiting), f"the rewards of group {group_id} (rewards.timeout_s)"))
@@ -488,16 +525,36 @@ class ShardEngine:
                 self._finalize(group, now_ms, latest_policy)
             return
         complete = len(group.members) == self.config.groups.size and all(
-            self._rewarded(m) or now_ms >= self._reward_deadline(m) for m in group.members.values()
+            m.complete and (self._rewarded(m) or now_ms >= self._reward_deadline(m)) for m in group.members.values()
         )
         deadline = group.first_rollout_ms + self.config.groups.timeout_s * 1000
         if complete or now_ms >= deadline:
             self._finalize(group, now_ms, latest_policy)
 
     def _filter(self, member: _Member, now_ms: int, latest_policy: int | None) -> tuple[Reason | None, dict]:
-        rollout, filters = member.rollout, self.config.filters
-        if filters.drop_empty and not rollout.loss_mask.any():
+        """Why the episode is dropped whole (a reason of one segment drops every segment), or (None, {})."""
+        if not member.complete:
+            total = known_total({i: s.rollout for i, s in member.segments.items()})
+            return Reason.EPISODE_INCOMPLETE, {"segments": sorted(member.segments), "segments_total": total}
+        filters = self.config.filters
+        if filters.drop_empty and not any(s.rollout.loss_mask.any() for s in member.segments.values()):
             return Reason.EMPTY, {}
+        for segment in member.ordered:
+            reason, detail = self._segment_filter(segment.rollout, now_ms, latest_policy)
+            if reason is not None:
+                return reason, {**detail, "segment_index": segment.rollout.segment_index} if len(member.segments) > 1 else detail
+        tokens = sum(s.rollout.num_tokens for s in member.segments.values())
+        if tokens > self.config.batches.token_budget:  # never split across steps, never sent over budget
+            return Reason.EPISODE_OVER_BUDGET, {"tokens": tokens, "token_budget": self.config.batches.token_budget}
+        if not self._rewarded(member):
+            return Reason.UNREWARDED, {"graders": sorted(member.rewards)}
+        unjudged = {g: h.reward.verdict for g, h in sorted(member.rewards.items()) if not h.reward.judged}
+        if unjudged:  # a placeholder score is not a reward: the rollout is dropped, never trained on as a 0
+            return Reason.UNGRADED, {"verdicts": unjudged}
+        return None, {}
+
+    def _segment_filter(self, rollout: Rollout, now_ms: int, latest_policy: int | None) -> tuple[Reason | None, dict]:
+        filters = self.config.filters
         if rollout.finish_reason in filters.drop_finish_reasons:
             return Reason.finish(rollout.finish_reason), {}
         if rollout.num_tokens > filters.max_tokens:
@@ -507,11 +564,6 @@ class ShardEngine:
         lag, age_s = staleness(rollout.policy_version, latest_policy, rollout.created_at_us, now_ms * 1000)
         if filters.max_policy_lag is not None and lag > filters.max_policy_lag:
             return Reason.STALE, {"lag_versions": lag, "age_s": round(age_s, 3), "max_policy_lag": filters.max_policy_lag}
-        if not self._rewarded(member):
-            return Reason.UNREWARDED, {"graders": sorted(member.rewards)}
-        unjudged = {g: h.reward.verdict for g, h in sorted(member.rewards.items()) if not h.reward.judged}
-        if unjudged:  # a placeholder score is not a reward: the rollout is dropped, never trained on as a 0
-            return Reason.UNGRADED, {"verdicts": unjudged}
         return None, {}
 
     def _reward_value(self, member: _Member) -> float:
@@ -521,12 +573,13 @@ class ShardEngine:
             value = combine_reward(_weighable(holds, weights), weights)
         else:
             value = float(sum(h.reward.score for h in holds))
-        rollout = member.rollout
-        if rollout.truncated and self.config.filters.truncated is TruncatedPolicy.PENALIZE:
+        rollouts = [s.rollout for s in member.segments.values()]
+        if any(r.truncated for r in rollouts) and self.config.filters.truncated is TruncatedPolicy.PENALIZE:
             value += self.config.filters.truncated_penalty
         penalty = self.config.advantages.length_penalty
-        if penalty is not None:
-            value += penalty.coefficient * overlong_penalty(rollout.num_tokens, penalty.max_tokens, penalty.cache_tokens)
+        if penalty is not None:  # on the longest context: each segment is one generation under the budget
+            longest = max(r.num_tokens for r in rollouts)
+            value += penalty.coefficient * overlong_penalty(longest, penalty.max_tokens, penalty.cache_tokens)
         return value
 
     def _finalize(self, group: _Group, now_ms: int, latest_policy: int | None) -> None:
@@ -541,13 +594,14 @@ class ShardEngine:
             group_id=group.group_id,
             sequences=sequences,
             positions={
-                m.rollout.rollout_id: (m.offset, tuple(h.offset for h in m.rewards.values()))
+                s.rollout.rollout_id: (s.offset, tuple(h.offset for h in m.rewards.values()))
                 for m in group.members.values()
-                if m.rollout.rollout_id in kept
+                for s in m.segments.values()
+                if s.rollout.rollout_id in kept
             },
             outcomes=outcomes,
             held=held,
-            rollout_ids=tuple(group.members),
+            rollout_ids=tuple(s.rollout.rollout_id for m in group.members.values() for s in m.ordered),
             finished_at_ms=now_ms,
             last_reward_ms=max(reward_times, default=now_ms),
             tokens=sum(s.rollout.num_tokens for s in sequences),
@@ -566,7 +620,7 @@ class ShardEngine:
         valid: list[tuple[_Member, float]] = []
         signature: tuple | None | str = "unset"
         for member in group.members.values():
-            held[ROLLOUTS].append(member.offset)
+            held[ROLLOUTS].extend(s.offset for s in member.segments.values())
             held[REWARDS].extend(h.offset for h in member.rewards.values())
             reason, detail = self._filter(member, now_ms, latest_policy)
             value = 0.0
@@ -578,16 +632,17 @@ class ShardEngine:
                 else:
                     if not math.isfinite(value):
                         reason, detail = Reason.REWARD_NOT_FINITE, {"reward": str(value)}
-            if reason is None:
-                mine = expert_signature(member.rollout)
+            for segment in member.ordered if reason is None else ():
+                mine = expert_signature(segment.rollout)
                 if signature == "unset":
                     signature = mine
                 elif mine != signature:
                     reason, detail = Reason.ROUTED_EXPERTS_MISMATCH, {"expected": str(signature), "got": str(mine)}
+                    break
             if reason is None:
                 valid.append((member, value))
             else:
-                outcomes.append(self._rollout_outcome(reason, member.rollout, member.offset, now_ms, **detail))
+                outcomes += self._episode_outcomes(reason, member, now_ms, **detail)
         for holds in group.early.values():
             for hold in holds.values():
                 held[REWARDS].append(hold.offset)
@@ -602,11 +657,8 @@ class ShardEngine:
             return []
         if len(valid) < self.config.groups.min_samples:
             for member, _ in valid:
-                outcomes.append(
-                    self._rollout_outcome(
-                        Reason.BELOW_QUORUM, member.rollout, member.offset, now_ms,
-                        usable=len(valid), quorum=self.config.groups.min_samples,
-                    )
+                outcomes += self._episode_outcomes(
+                    Reason.BELOW_QUORUM, member, now_ms, usable=len(valid), quorum=self.config.groups.min_samples
                 )
             return []
         raw = np.array([v for _, v in valid], dtype=np.float64)
@@ -618,14 +670,12 @@ class ShardEngine:
         settings = self.config.advantages
         if settings.drop_zero_variance and is_zero_variance(rewards):
             for member, value in valid:
-                outcomes.append(self._rollout_outcome(Reason.ZERO_VARIANCE, member.rollout, member.offset, now_ms, reward=value))
+                outcomes += self._episode_outcomes(Reason.ZERO_VARIANCE, member, now_ms, reward=value)
             return []
         advantages = group_advantages(rewards, settings.estimator, settings.epsilon).astype(np.float32)
         if not np.all(np.isfinite(advantages)):
             for member, value in valid:
-                outcomes.append(
-                    self._rollout_outcome(Reason.ADVANTAGE_NOT_FINITE, member.rollout, member.offset, now_ms, reward=value)
-                )
+                outcomes += self._episode_outcomes(Reason.ADVANTAGE_NOT_FINITE, member, now_ms, reward=value)
             return []
         for (member, _), value, advantage in zip(valid, rewards.tolist(), advantages):
             lag, age_s = staleness(member.rollout.policy_version, latest_policy, member.rollout.created_at_us, now_ms * 1000)
@@ -635,7 +685,14 @@ class ShardEngine:
                 ("staleness_versions", float(lag)),
                 ("staleness_seconds", age_s),
             ]
-        return [ScoredRollout(m.rollout, float(a), m.ref) for (m, _), a in zip(valid, advantages)]
+        # the episode's advantage on every segment: one outcome, one advantage, whatever the contexts
+        return [ScoredRollout(s.rollout, float(a), s.ref) for (m, _), a in zip(valid, advantages) for s in m.ordered]
+
+    def _episode_outcomes(self, reason: Reason, member: _Member, now_ms: int, **detail: object) -> list[Outcome]:
+        """One ledger record per segment (each is a message to account for), all with the episode's reason."""
+        if member.rollout.episode_id is not None:
+            detail = {**detail, "episode_id": member.rollout.episode_id}
+        return [self._rollout_outcome(reason, s.rollout, s.offset, now_ms, **detail) for s in member.ordered]
 
     def _close(self, finished: _Finished, now_ms: int) -> None:
         self._out.outcomes.extend(finished.outcomes)
@@ -680,7 +737,7 @@ class ShardEngine:
             groups = [self.ready[i] for i in bin_]
             sequences = [s for g in groups for s in g.sequences]
             positions = {k: v for g in groups for k, v in g.positions.items()}
-            chunks = split_by_budget([s.rollout.num_tokens for s in sequences], settings.token_budget)
+            chunks = episode_chunks(sequences, settings.token_budget)
             for chunk in chunks:
                 chosen = [sequences[i] for i in chunk]
                 batch = build_train_batch(
@@ -723,6 +780,7 @@ class ShardEngine:
                 "group_ids": group_ids,
                 "policy_versions": [int(versions.min()), int(versions.max())],
                 "latest_policy": latest_policy,
+                **({"episodes": len(set(batch.episode_ids))} if batch.episode_ids else {}),
             },
         )
 

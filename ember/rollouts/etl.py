@@ -613,20 +613,20 @@ class EtlService:
             else:
                 clients.consumer.seek_to_beginning(tp)
                 starts[role] = clients.consumer.position(tp)
-        engine = ShardEngine(
-            self.config,
-            shard,
-            self.topics,
-            snapshot=snapshot,
-            committed=starts,
-            closed=closed,
-            now_ms=now_ms,
-        )
+        engine = self._make_engine(clients, shard, pair, snapshot=snapshot, committed=starts, closed=closed, now_ms=now_ms, meta=meta)
         self.engines[shard] = engine
         self._committed_marks[shard] = dict(offsets)
         self._clocks[shard] = LogClock(self.inputs, skew_ms=BROKER_CLOCK_LAG_MS)
         self._caught_up.discard(shard)
         log.info("ETL %s loaded shard %d from offsets %s (%d pending to rebuild)", self.member_id, shard, offsets, engine.pending_count())
+
+    def _make_engine(self, clients: _Clients, shard: int, pair: list[TopicPartition], *, meta: str, **restore) -> ShardEngine:
+        """The shard's engine, restored from its snapshot (a seam: the product path builds its own)."""
+        return ShardEngine(self.config, shard, self.topics, **restore)
+
+    def _pointer(self, shard: int, state_offset: int) -> str:
+        """The committed offsets' metadata: where the shard's state snapshot is."""
+        return json.dumps({"state_offset": state_offset, "etl": self.member_id})
 
     # ---- transactions ------------------------------------------------------------------------
 
@@ -662,7 +662,7 @@ class EtlService:
             producer.flush()
             offsets = {}
             for shard, _output, _snapshot, marks in prepared:
-                pointer = json.dumps({"state_offset": state_futures[shard].get(timeout=30).offset, "etl": self.member_id})
+                pointer = self._pointer(shard, state_futures[shard].get(timeout=30).offset)
                 for role, mark in marks.items():
                     offsets[TopicPartition(self.inputs[role], shard)] = OffsetAndMetadata(mark, pointer, -1)
             crash_point("etl.before_send_offsets")

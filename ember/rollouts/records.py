@@ -61,6 +61,13 @@ class Reason(str, Enum):
     ROUTED_EXPERTS_MISMATCH = "routed_experts_mismatch"
     BELOW_QUORUM = "below_quorum"
     ZERO_VARIANCE = "zero_variance"
+    SEGMENT_CONFLICT = "segment_conflict"
+    EPISODE_INCOMPLETE = "episode_incomplete"
+    EPISODE_OVER_BUDGET = "episode_over_budget"
+    # product path (issue 34): a served completion dropped before or at its horizon
+    OPT_OUT = "opt_out"
+    NO_SIGNAL = "no_signal"
+    BASELINE_WARMUP = "baseline_warmup"
     # reward_dropped
     UNKNOWN_GRADER = "unknown_grader"
     LATE_REWARD = "late_reward"
@@ -73,6 +80,7 @@ class Reason(str, Enum):
     WRONG_TOPIC = "wrong_topic"
     KEY_MISMATCH = "key_mismatch"
     TOKEN_OUT_OF_VOCAB = "token_out_of_vocab"
+    SEGMENT_OUT_OF_RANGE = "segment_out_of_range"
     INTERNAL_ERROR = "internal_error"
 
     @staticmethod

@@ -90,6 +90,34 @@ def synthetic_rollout(
     )
 
 
+def synthetic_episode(
+    rng: np.random.Generator,
+    *,
+    episode_id: str,
+    segments: int,
+    num_tokens: int,
+    summary_tokens: int = 8,
+    turns: int = 5,
+    **rollout_kwargs,
+) -> list[Rollout]:
+    """A long-horizon agent episode over `segments` contexts of `num_tokens` each: segment 0 starts from the
+    prompt, each later one from the summary the model wrote at the end of the one before (there the closing
+    assistant turn, trained; here its first `summary_tokens`, context with no loss). Turns alternate assistant
+    and tool, odd `turns` so every context ends with the model's own tokens. The reward goes to `episode_id`."""
+    out: list[Rollout] = []
+    for index in range(segments):
+        rollout = synthetic_rollout(rng, num_tokens=num_tokens, turns=turns, rollout_id=f"{episode_id}-s{index}", **rollout_kwargs)
+        fields: dict = {"episode_id": episode_id, "segment_index": index}
+        if index == segments - 1:
+            fields["segments_total"] = segments
+        if index:
+            span = min(summary_tokens, rollout.prompt_tokens)
+            fields.update(summarises=out[-1].rollout_id, summary_start=0, summary_end=span)
+            fields["turns"] = [Turn("summary", 0, span), *([Turn("user", span, rollout.prompt_tokens)] if span < rollout.prompt_tokens else []), *rollout.turns[1:]]
+        out.append(replace(rollout, **fields))
+    return out
+
+
 def synthetic_reward(rng: np.random.Generator, rollout: Rollout, grader: str = "unit-tests") -> Reward:
     passed = float(rng.random() < 0.5)
     style = float(rng.uniform(0, 1))
@@ -188,6 +216,11 @@ class WorkloadSpec:
     graders: tuple[str, ...] = ("unit-tests",)
     seed: int = 0
     group_prefix: str = "sim"
+    # Long-horizon agents: with max_segments > 1 every sample is an episode of 1..max_segments segments (contexts
+    # joined by the model's summaries, `synthetic_episode`), rewarded once at its end; 1 publishes plain rollouts.
+    max_segments: int = 1
+    p_missing_segment: float = 0.0
+    p_late_segment: float = 0.0  # delayed by late_delay_s
 
 
 @dataclass(frozen=True)
@@ -245,6 +278,10 @@ def plan_workload(spec: WorkloadSpec) -> list[Event]:
         version = first + (min(spec.policy_versions - 1, int(start / version_period)) if version_period > 0 else 0)
         for i, length in enumerate(_lengths(rng, spec)):
             region = regions[int(rng.integers(0, len(regions)))]
+            if spec.max_segments > 1:
+                sample = dict(group_id=group_id, prompt_id=f"prompt-{g}", policy_version=version, region=region)
+                events += _episode_events(rng, spec, f"{group_id}-{i}", int(length), start, base_us, sample)
+                continue
             finished = start + float(rng.exponential(spec.episode_s))
             lag = spec.stale_lag if rng.random() < spec.p_stale else 0
             truncated = rng.random() < spec.p_truncated
@@ -282,6 +319,43 @@ def plan_workload(spec: WorkloadSpec) -> list[Event]:
                 if rng.random() < spec.p_duplicate_reward:
                     events.append(Event(at + 0.01, "rewards", key, reward, note="duplicate"))
     events.sort(key=lambda e: e.at_s)
+    return events
+
+
+def _episode_events(
+    rng: np.random.Generator, spec: WorkloadSpec, episode_id: str, length: int, start: float, base_us: int, sample: dict
+) -> list[Event]:
+    """One episode's segments, each published as its context ends (some late, missing or sent twice, as
+    `spec` says), and its one reward after the last: the messages of a long-horizon agent."""
+    shape = spec.shape
+    segments = synthetic_episode(
+        rng, episode_id=episode_id, segments=int(rng.integers(1, spec.max_segments + 1)), num_tokens=length,
+        prompt_tokens=max(1, length // 4), summary_tokens=max(1, length // 8), vocab_size=shape.vocab_size,
+        layers=shape.layers, top_k=shape.top_k, num_experts=shape.num_experts, finish_reason="stop",
+        created_at_us=base_us + int(start * 1e6), **sample,
+    )
+    key = sample["group_id"].encode()
+    delay = spec.regions[sample["region"]]
+    events, ended = [], start
+    for segment in segments:
+        ended += float(rng.exponential(spec.episode_s))
+        published = ended + delay + (spec.late_delay_s if rng.random() < spec.p_late_segment else 0.0)
+        if rng.random() < spec.p_missing_segment:
+            continue
+        events.append(Event(published, "rollouts", key, segment))
+        if rng.random() < spec.p_duplicate_rollout:
+            events.append(Event(published + 0.01, "rollouts", key, segment, note="duplicate"))
+        if rng.random() < spec.p_malformed:
+            raw, why = _malformed(rng, encode(segment))
+            events.append(Event(published + 0.005, "rollouts", key, raw=raw, note=why))
+    if rng.random() < spec.p_missing_reward:
+        return events
+    for grader in spec.graders:
+        at = ended + float(rng.exponential(spec.reward_delay_s)) + (spec.late_delay_s if rng.random() < spec.p_late_reward else 0.0)
+        reward = replace(synthetic_reward(rng, segments[-1], grader=grader), rollout_id=episode_id)
+        events.append(Event(at, "rewards", key, reward))
+        if rng.random() < spec.p_duplicate_reward:
+            events.append(Event(at + 0.01, "rewards", key, reward, note="duplicate"))
     return events
 
 

@@ -46,6 +46,11 @@ class EtlStats:
     max_staleness: int | None = None
     oldest_version_batched: int | None = None
     unreadable: int = 0
+    # Episodes (a plain rollout is one of one segment) in batches that hold segments, and the segmented episodes
+    # dropped, by reason: each of their segments is a ledger record, the episode counts once.
+    episodes_batched: int = 0
+    episodes_dropped: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
+    versions: dict[int, Counter] = field(default_factory=lambda: defaultdict(Counter))  # product path: served/rewarded/trained
 
     @property
     def rollouts_per_s(self) -> float:
@@ -125,6 +130,7 @@ def _add(stats: EtlStats, outcome: Outcome) -> None:
         stats.batches += 1
         stats.batched_rollouts += len(outcome.detail.get("rollout_ids", []))
         stats.batched_tokens += outcome.tokens
+        stats.episodes_batched += outcome.detail.get("episodes", 0)
         low, _high = outcome.detail.get("policy_versions", [None, None])
         latest = outcome.detail.get("latest_policy")
         if low is not None:
@@ -132,9 +138,16 @@ def _add(stats: EtlStats, outcome: Outcome) -> None:
             if latest is not None:
                 lag = latest - low
                 stats.max_staleness = lag if stats.max_staleness is None else max(stats.max_staleness, lag)
+        for version, n in outcome.detail.get("versions", {}).items():  # product batches count their versions
+            stats.versions[int(version)].update({"served": n, "rewarded": n, "trained": n})
     elif outcome.kind == "rollout_dropped":
         stats.dropped[outcome.reason] += 1
         stats.dropped_tokens[outcome.reason] += outcome.tokens
+        if "episode_id" in outcome.detail:
+            stats.episodes_dropped[outcome.reason].add(f"{outcome.group_id}\x1f{outcome.detail['episode_id']}")
+        if "policy_version" in outcome.detail:  # a product completion: served, and rewarded if it earned one
+            counts = stats.versions[int(outcome.detail["policy_version"])]
+            counts.update({"served": 1, "rewarded": int("reward" in outcome.detail)})
     elif outcome.kind == "reward_dropped":
         stats.rewards_dropped[outcome.reason] += 1
     else:
@@ -186,6 +199,9 @@ def stats_tables(stats: EtlStats) -> list:
     flow.add_row("latest policy version", str(stats.latest_policy))
     flow.add_row("max staleness in batches", "-" if stats.max_staleness is None else f"{stats.max_staleness} versions")
     flow.add_row("dead letters", str(sum(stats.dead_letters.values())))
+    if stats.episodes_batched or stats.episodes_dropped:
+        dropped = sum(len(ids) for ids in stats.episodes_dropped.values())
+        flow.add_row("episodes", f"{stats.episodes_batched} batched whole, {dropped} segmented dropped whole")
     if stats.unreadable:
         flow.add_row("unreadable ledger records", str(stats.unreadable))
 
@@ -199,11 +215,19 @@ def stats_tables(stats: EtlStats) -> list:
     for reason, count in stats.dropped.most_common():
         tokens = stats.dropped_tokens[reason]
         drops.add_row(f"rollout: {reason}", str(count), str(tokens), f"{tokens / count:.0f}")
+    for reason, ids in sorted(stats.episodes_dropped.items()):
+        drops.add_row(f"episode: {reason}", str(len(ids)), "-", "-")
     for reason, count in stats.rewards_dropped.most_common():
         drops.add_row(f"reward: {reason}", str(count), "-", "-")
     for topic, count in stats.dead_letters.most_common():
         drops.add_row(f"dead letter from {topic}", str(count), "-", "-")
-    return [flow, lag, drops]
+    tables = [flow, lag, drops]
+    if stats.versions:
+        versions = Table("policy version", "served", "rewarded", "trained", title="product completions per policy version")
+        for version, counts in sorted(stats.versions.items()):
+            versions.add_row(str(version), str(counts["served"]), str(counts["rewarded"]), str(counts["trained"]))
+        tables.append(versions)
+    return tables
 
 
 def per_reason(outcomes: list[Outcome]) -> dict[str, dict[str, int]]:

@@ -50,9 +50,19 @@ def _rollout(r: Rollout) -> str:
     policy_tokens = int(np.count_nonzero(r.loss_mask))
     group = "" if r.rollout_id.startswith(r.group_id) else f" group {_short(r.group_id)}"
     return (
-        f"rollout {_short(r.rollout_id)}{group} v{r.policy_version} {r.num_tokens} tokens "
+        f"rollout {_short(r.rollout_id)}{group}{_segment(r)} v{r.policy_version} {r.num_tokens} tokens "
         f"({policy_tokens} policy) {r.finish_reason}{' truncated' if r.truncated else ''} {r.region}"
     )
+
+
+def _segment(r: Rollout) -> str:
+    """Where a segment sits in its episode: ' episode E segment 2/3', '2/?' before the last says the count."""
+    if r.episode_id is None:
+        return ""
+    total = r.segments_total if r.segments_total is not None else "?"
+    summary = f" from summary [{r.summary_start}, {r.summary_end})" if r.summarises is not None else ""
+    tools = sum(1 for t in r.turns if t.role == "tool")
+    return f" episode {_short(r.episode_id)} segment {r.segment_index + 1}/{total}{summary} {tools} tool turns"
 
 
 def _reward(r: Reward) -> str:
@@ -70,8 +80,9 @@ def _batch(b: TrainBatch) -> str:
     versions = np.asarray(b.policy_versions)
     low, high = (int(versions.min()), int(versions.max())) if versions.size else (0, 0)
     groups = len({rid.rsplit("-", 1)[0] for rid in b.rollout_ids})
+    episodes = f" ({len(set(b.episode_ids))} episodes)" if b.episode_ids else ""
     return (
-        f"batch {_short(b.batch_id, 20)} step {b.step} {b.num_sequences} rollouts ~{groups} groups {b.num_tokens} tokens "
+        f"batch {_short(b.batch_id, 20)} step {b.step} {b.num_sequences} rollouts{episodes} ~{groups} groups {b.num_tokens} tokens "
         f"v{low}-{high} adv {advantages.min():.2f}..{advantages.max():.2f}"
     )
 
@@ -82,6 +93,8 @@ def _outcome(o: Outcome) -> str:
         return f"ledger batch {len(o.detail.get('rollout_ids', []))} rollouts {o.tokens} tokens v{low}-{high} shard {o.shard}"
     source = f" from {o.topic}[{o.partition}]@{o.offset}" if o.topic else ""
     what = f"group {_short(o.group_id)}" + (f" rollout {_short(o.rollout_id)}" if o.rollout_id else "")
+    if "episode_id" in o.detail:
+        what += f" of episode {_short(o.detail['episode_id'])}"
     return f"ledger {o.kind} {o.reason} {what} {o.tokens} tokens{source}"
 
 

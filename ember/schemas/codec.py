@@ -312,6 +312,13 @@ _LAYOUTS: dict[str, _Layout] = {
                 Column("turn_ends", _Numbers(np.dtype("<i4")), get=lambda r: np.array([t.end for t in r.turns], np.int32)),
                 Column("routed_experts", _Experts(), default=None),
                 Column("policy_version_end", _INT64, default=None),
+                # Episode segments (Rollout schema 2); absent in version 1: a one-segment episode.
+                Column("episode_id", _STRING, default=None),
+                Column("segment_index", _INT64, default=0, get=lambda r: r.segment_index if r.episode_id is not None else None),
+                Column("segments_total", _INT64, default=None),
+                Column("summarises", _STRING, default=None),
+                Column("summary_start", _INT64, default=None),
+                Column("summary_end", _INT64, default=None),
             ),
             _rollout,
         ),
@@ -357,6 +364,7 @@ _LAYOUTS: dict[str, _Layout] = {
                 Column("advantage_estimator", _STRING, default=None),
                 Column("rollout_refs", _REFS, default=None, get=lambda b: b.rollout_refs or None),
                 Column("sequence_advantages", _Numbers(np.dtype("<f4")), default=None),
+                Column("episode_ids", _Strings(), default=[], get=lambda b: b.episode_ids or None),
             ),
             lambda values: TrainBatch(**{**values, "rollout_refs": values["rollout_refs"] or []}),
         ),
@@ -472,19 +480,33 @@ def _body_codec(message: pa.ipc.Message) -> str | None:
 _CACHED_SCHEMA_BYTES = 16 * 1024  # ember's schemas are ~1 KB; a larger one is read without the cache
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """How to read the batch of one schema: the record it declares, the read options that take only its declared
+    columns, and per declared column where it is in that batch (None: absent) and whether its type is the one
+    expected. All of it follows from the schema alone, so messages of one shape pay for it once."""
+
+    layout: _Layout
+    options: pa.ipc.IpcReadOptions
+    reads: tuple[tuple[Column, int | None, bool], ...]
+
+
 @functools.lru_cache(maxsize=256)
-def _plan(schema_message: bytes) -> tuple[_Layout, dict[str, int], pa.ipc.IpcReadOptions]:
-    """How to read the batch of a stream whose schema message is `schema_message`: the record it declares,
-    where its declared columns are in a batch read with the options returned, which read only those
-    (messages of one shape share a plan, as they share a schema on the encoding side)."""
-    layout, where = _layout_of(pa.ipc.read_schema(pa.py_buffer(schema_message)))
+def _plan(schema_message: bytes) -> _Plan:
+    """The `_Plan` of a stream whose schema message is `schema_message`."""
+    schema = pa.ipc.read_schema(pa.py_buffer(schema_message))
+    layout, where = _layout_of(schema)
     if not where:  # Arrow reads every column when none is named
         raise DecodeError(f"{layout.name} has none of its columns")
     ranks = {name: rank for rank, name in enumerate(sorted(where, key=where.get))}
-    return layout, ranks, pa.ipc.IpcReadOptions(included_fields=sorted(where.values()))
+    reads = tuple(
+        (column, ranks.get(column.name), column.name in where and column.kind.accepts(schema.field(where[column.name]).type))
+        for column in layout.columns
+    )
+    return _Plan(layout, pa.ipc.IpcReadOptions(included_fields=sorted(where.values())), reads)
 
 
-def _scan(buffer: pa.Buffer) -> tuple[tuple[_Layout, dict[str, int], pa.ipc.IpcReadOptions], int]:
+def _scan(buffer: pa.Buffer) -> tuple[_Plan, int]:
     """The stream's `_plan` and where its last message ends, from the headers alone: Arrow's own message
     reader frames the messages as slices of `buffer`, and no body is read."""
     source = pa.BufferReader(buffer)
@@ -508,9 +530,9 @@ def _scan(buffer: pa.Buffer) -> tuple[tuple[_Layout, dict[str, int], pa.ipc.IpcR
     return plan, source.tell()
 
 
-def _read(message: bytes | bytearray | memoryview) -> tuple[_Layout, dict[str, int], pa.RecordBatch]:
-    """The one record batch of a message, read without copying its buffers; `where` indexes its
-    columns, which are only the declared ones."""
+def _read(message: bytes | bytearray | memoryview) -> tuple[_Plan, pa.RecordBatch]:
+    """The one record batch of a message, read without copying its buffers, and the plan that says where its
+    columns (only the declared ones) are."""
     buffer = pa.py_buffer(message)
     view = memoryview(buffer).cast("B")
     if len(view) < len(END_OF_STREAM) or view[:4] != CONTINUATION:
@@ -519,8 +541,8 @@ def _read(message: bytes | bytearray | memoryview) -> tuple[_Layout, dict[str, i
             raise DecodeError("bad magic b'EMBR': a message in ember's old hand-written layout; this ember reads Arrow IPC")
         raise DecodeError(f"bad magic {head!r}: not an Arrow IPC stream (expected {CONTINUATION!r})")
     try:
-        (layout, where, options), end = _scan(buffer)
-        batch = pa.ipc.open_stream(pa.BufferReader(buffer), options=options).read_next_batch()
+        plan, end = _scan(buffer)
+        batch = pa.ipc.open_stream(pa.BufferReader(buffer), options=plan.options).read_next_batch()
     except (pa.ArrowException, OSError) as exc:  # Arrow reports a short read as OSError
         raise DecodeError(f"not a well-formed Arrow IPC stream: {exc}") from None
     except UnicodeDecodeError:  # Arrow does not check that column names are UTF-8; pyarrow decodes them
@@ -528,8 +550,8 @@ def _read(message: bytes | bytearray | memoryview) -> tuple[_Layout, dict[str, i
     if end != len(view) or view[-len(END_OF_STREAM) :] != END_OF_STREAM:
         raise DecodeError(f"truncated: the stream ends at byte {end} of {len(view)} without its end-of-stream marker")
     if batch.num_rows != 1:
-        raise DecodeError(f"a {layout.name} message holds one row, this one {batch.num_rows}")
-    return layout, where, batch
+        raise DecodeError(f"a {plan.layout.name} message holds one row, this one {batch.num_rows}")
+    return plan, batch
 
 
 def _describe(arrow_type: pa.DataType) -> str:
@@ -539,19 +561,26 @@ def _describe(arrow_type: pa.DataType) -> str:
         return f"a {arrow_type.id}-type with a field name that is not valid UTF-8"
 
 
-def _values(layout: _Layout, where: dict[str, int], batch: pa.RecordBatch) -> dict[str, Any]:
+def _values(plan: _Plan, batch: pa.RecordBatch) -> dict[str, Any]:
+    layout, columns = plan.layout, batch.columns
+    try:
+        batch.validate(full=True)  # one call for every column; only a failure pays for naming the column
+        valid = True
+    except pa.ArrowException:
+        valid = False
     values: dict[str, Any] = {}
-    for column in layout.columns:
-        array = batch.column(where[column.name]) if column.name in where else None
+    for column, rank, accepted in plan.reads:
+        array = None if rank is None else columns[rank]
         if array is None or (column.optional and array.null_count):
             if not column.optional:
                 raise DecodeError(f"{layout.name} has no column '{column.name}'")
             values[column.name] = column.default
             continue
-        if not column.kind.accepts(array.type):
+        if not accepted:
             raise DecodeError(f"{layout.name} column '{column.name}' is {_describe(array.type)}, expected {column.kind.expected}")
         try:
-            array.validate(full=True)
+            if not valid:
+                array.validate(full=True)
             _no_nulls(array, "the value")
             values[column.name] = column.kind.from_arrow(array)
         except (pa.ArrowException, DecodeError) as exc:
@@ -566,11 +595,11 @@ def decode(message: bytes | bytearray | memoryview, *, validate: bool = True) ->
     issues of a well-formed record. `validate=False` skips the schema checks: for re-reading data this
     process already validated, or for reading one rank's share of a batch (`rl_batch_share`).
     """
-    layout, where, batch = _read(message)
-    record = layout.build(_values(layout, where, batch))
+    plan, batch = _read(message)
+    record = plan.layout.build(_values(plan, batch))
     issues = record.issues() if validate else []
     if issues:
-        raise InvalidRecord(f"invalid {layout.name}: " + "; ".join(str(i) for i in issues))
+        raise InvalidRecord(f"invalid {plan.layout.name}: " + "; ".join(str(i) for i in issues))
     return record
 
 

@@ -14,7 +14,7 @@ import pyarrow as pa
 from ember.schemas.errors import FieldIssue, raise_if_issues
 from ember.schemas.versioning import versioned_schema
 
-ROLLOUT_SCHEMA_VERSION = 1
+ROLLOUT_SCHEMA_VERSION = 2  # 2: episode segments (episode_id ... summary_end); a version-1 rollout is a one-segment episode
 REWARD_SCHEMA_VERSION = 1
 TRAIN_BATCH_SCHEMA_VERSION = 1
 
@@ -23,6 +23,7 @@ FINISH_REASONS: tuple[str, ...] = ("stop", "length", "tool_error", "abort", "tim
 MAX_EXPERTS_UINT8 = 256
 MAX_ID_CHARS = 256  # ids and names become Kafka keys and ledger fields: bounded, so one record stays small
 INT64_MAX = 2**63 - 1
+MAX_SEGMENTS = 4096  # segments of one episode: bounded, so a hostile index cannot make the ETL wait for millions
 
 
 def routed_experts_dtype(num_experts: int) -> np.dtype:
@@ -93,10 +94,25 @@ class Rollout:
     # The policy version whose weights produced the last token (`policy_version`: the first). None: the record
     # predates the span (or its sampler never swaps mid-rollout), and it ended with the version it started with.
     policy_version_end: int | None = None
+    # Episode segments (schema 2): a long-horizon episode is several rollouts, one per context, that share one
+    # reward (sent with rollout_id = episode_id). `segments_total` is set on the last segment only (the sampler
+    # learns the count when the episode ends); a segment that starts from the model's summary of the one before
+    # names it (`summarises`) and where the summary lies in its tokens, [summary_start, summary_end).
+    episode_id: str | None = None
+    segment_index: int = 0
+    segments_total: int | None = None
+    summarises: str | None = None
+    summary_start: int | None = None
+    summary_end: int | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(len(self.tokens))
+
+    @property
+    def episode_key(self) -> str:
+        """The episode this rollout belongs to, and the rollout_id its reward is sent under."""
+        return self.episode_id if self.episode_id is not None else self.rollout_id
 
     @property
     def last_policy_version(self) -> int:
@@ -138,13 +154,49 @@ class Rollout:
             if turn.role not in TURN_ROLES:
                 found.append(FieldIssue(f"turns[{i}].role", f"'{turn.role}' not in {TURN_ROLES}"))
                 break
+            if turn.start < previous_end:
+                found.append(FieldIssue(f"turns[{i}]", f"[{turn.start}, {turn.end}) overlaps the turn ending at {previous_end}"))
+                break
             if turn.start != previous_end or turn.end <= turn.start:
                 found.append(FieldIssue(f"turns[{i}]", f"[{turn.start}, {turn.end}) must follow {previous_end}"))
+                break
+            if turn.role == "tool" and not found and self.loss_mask[turn.start : turn.end].any():
+                found.append(FieldIssue(f"turns[{i}]", f"loss mask set on tool output [{turn.start}, {turn.end}): the policy did not write it"))
                 break
             previous_end = turn.end
         else:
             if self.turns and previous_end != n:
                 found.append(FieldIssue("turns", f"cover {previous_end} tokens of {n}"))
+        return found + self._segment_issues()
+
+    def _segment_issues(self) -> list[FieldIssue]:
+        """A segment's place in its episode and its summary span (see the fields' comment)."""
+        found: list[FieldIssue] = []
+        index, total = self.segment_index, self.segments_total
+        if self.episode_id is None:
+            if index != 0 or total not in (None, 1) or self.summarises is not None:
+                found.append(FieldIssue("episode_id", "segment_index, segments_total and summarises need an episode_id"))
+            return found
+        found += _name_issues(self, ("episode_id",))
+        if not 0 <= index < MAX_SEGMENTS:
+            found.append(FieldIssue("segment_index", f"{index} out of range [0, {MAX_SEGMENTS})"))
+        elif total is not None and index >= total:
+            found.append(FieldIssue("segment_index", f"{index} out of range [0, segments_total={total})"))
+        elif total is not None and index != total - 1:
+            found.append(FieldIssue("segments_total", f"{total} set on segment {index}: only the last segment ({total - 1}) carries it"))
+        span = (self.summary_start, self.summary_end)
+        if self.summarises is None:
+            if span != (None, None):
+                found.append(FieldIssue("summary_start", "a summary span needs summarises (the segment it summarises)"))
+            return found
+        found += _name_issues(self, ("summarises",))
+        if index == 0:
+            found.append(FieldIssue("summarises", "segment 0 starts the episode: it has no segment before it to summarise"))
+        if None in span or not 0 <= span[0] < span[1] <= self.num_tokens:
+            found.append(FieldIssue("summary_start", f"summary span [{span[0]}, {span[1]}) must be [start, end) inside the {self.num_tokens} tokens"))
+        elif isinstance(self.loss_mask, np.ndarray) and len(self.loss_mask) == self.num_tokens and self.loss_mask[span[0] : span[1]].any():
+            # the summary was trained in the segment that wrote it; here it is context, or its tokens count twice
+            found.append(FieldIssue("loss_mask", f"set on the summary span [{span[0]}, {span[1]}): the summary is context in this segment"))
         return found
 
     def validate(self) -> "Rollout":
@@ -250,6 +302,9 @@ class TrainBatch:
     # By-reference form only: the rollouts in order, and each one's sequence advantage.
     rollout_refs: list[RolloutRef] = field(default_factory=list)
     sequence_advantages: np.ndarray | None = None
+    # Each sequence's episode (its rollout's `episode_key`), so the trainer normalises an episode's segments
+    # together; empty when every sequence is an episode of its own (what a batch without segments says).
+    episode_ids: list[str] = field(default_factory=list)
 
     @property
     def num_sequences(self) -> int:
@@ -311,6 +366,10 @@ class TrainBatch:
             found.append(FieldIssue("routed_experts", f"shape {self.routed_experts.shape} must be [{n}, layers, top_k]"))
         if len(set(self.rollout_ids)) != len(self.rollout_ids):
             found.append(FieldIssue("rollout_ids", "a rollout appears twice in one batch"))
+        if self.episode_ids and len(self.episode_ids) != self.num_sequences:
+            found.append(FieldIssue("episode_ids", f"{len(self.episode_ids)} episode ids for {self.num_sequences} sequences"))
+        elif self.episode_ids and len(set(self.episode_ids)) != sum(1 for i, e in enumerate(self.episode_ids) if i == 0 or e != self.episode_ids[i - 1]):
+            found.append(FieldIssue("episode_ids", "an episode's segments must be consecutive sequences"))
         if self.advantage_estimator is not None:
             found += _name_issues(self, ("advantage_estimator",))
         return found
@@ -344,6 +403,12 @@ ROLLOUT_SCHEMA = versioned_schema(
         pa.field("truncated", pa.bool_(), nullable=False),
         pa.field("prompt_tokens", pa.int32(), nullable=False),
         pa.field("policy_version_end", pa.int64()),
+        pa.field("episode_id", pa.string()),
+        pa.field("segment_index", pa.int64()),
+        pa.field("segments_total", pa.int64()),
+        pa.field("summarises", pa.string()),
+        pa.field("summary_start", pa.int64()),
+        pa.field("summary_end", pa.int64()),
     ],
 )
 
@@ -394,6 +459,7 @@ TRAIN_BATCH_SCHEMA = versioned_schema(
         pa.field("routed_experts_dtype", pa.string()),
         pa.field("created_at", pa.timestamp("us", tz="UTC"), nullable=False),
         pa.field("advantage_estimator", pa.string()),
+        pa.field("episode_ids", pa.list_(pa.string())),
     ],
 )
 
@@ -405,6 +471,9 @@ def _large_list(arrays: list[np.ndarray], dtype: np.dtype) -> pa.LargeListArray:
     np.cumsum(lengths, out=offsets[1:])
     values = np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
     return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))
+
+
+SEGMENT_FIELDS = ("episode_id", "segment_index", "segments_total", "summarises", "summary_start", "summary_end")
 
 
 def rollouts_to_table(rollouts: list[Rollout]) -> pa.Table:
@@ -430,6 +499,7 @@ def rollouts_to_table(rollouts: list[Rollout]) -> pa.Table:
         "truncated": pa.array([r.truncated for r in rollouts], pa.bool_()),
         "prompt_tokens": pa.array([r.prompt_tokens for r in rollouts], pa.int32()),
         "policy_version_end": pa.array([r.policy_version_end for r in rollouts], pa.int64()),
+        **{name: [getattr(r, name) for r in rollouts] for name in SEGMENT_FIELDS},
     }
     return pa.Table.from_pydict(columns, schema=ROLLOUT_SCHEMA)
 
@@ -477,6 +547,7 @@ def table_to_rollouts(table: pa.Table) -> list[Rollout]:
                 truncated=row["truncated"],
                 prompt_tokens=row["prompt_tokens"] or 0,
                 policy_version_end=row["policy_version_end"],
+                **{name: row[name] for name in SEGMENT_FIELDS if row[name] is not None},
             )
         )
     return rollouts

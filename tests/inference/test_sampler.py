@@ -232,10 +232,11 @@ def test_the_example_config_loads_and_bad_keys_are_named(tmp_path):
 
 
 @pytest.mark.parametrize("scheme", ["gs", "s3"])
-def test_an_export_on_an_object_store_is_fetched_verified_and_loaded(scheme, request, workspace):
+def test_an_export_on_an_object_store_is_fetched_verified_and_loaded(scheme, request, workspace, monkeypatch):
     """The local fake-gcs-server and moto S3: the announced export loads; one with a byte of config.json changed
-    is refused naming the object."""
+    is refused naming the object; an export.json over the manifest limit is refused having read only the limit."""
     from ember import storage
+    from ember.inference import policy as policy_module
 
     bucket = request.getfixturevalue(f"{scheme}_bucket")
     exported = workspace["v1"]
@@ -252,6 +253,11 @@ def test_an_export_on_an_object_store_is_fetched_verified_and_loaded(scheme, req
         load_policy(f"{bucket}/v1", exported.sha256, 1)
     with pytest.raises(PolicyFetchError, match=rf"^{bucket}/v2/export.json: cannot be fetched"):
         load_policy(f"{bucket}/v2", exported.sha256, 1)
+    monkeypatch.setattr(policy_module, "MAX_MANIFEST_BYTES", 1000)
+    storage.write_bytes(f"{bucket}/v3/export.json", b"{" + b" " * 5000 + b"}")
+    with pytest.raises(PolicyFetchError, match=rf"^{bucket}/v3/export.json: over 1,000 bytes, not a manifest ember wrote$"):
+        load_policy(f"{bucket}/v3", exported.sha256, 1)
+    assert len(storage.read_bytes(f"{bucket}/v3/export.json", limit=1000)) == 1001
 
 
 def test_a_tampered_version_mid_run_is_refused_and_counted_and_the_next_good_one_taken(kafka, topic_prefix, workspace, tmp_path):

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import subprocess
 import sys
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import SINGLE_JOB_SERVICES
+from tests.conftest import SINGLE_JOB_SERVICES, locked, run_shared_dir
 from tests.tokenize.support import hf_tokenizer_path  # noqa: F401  (a fixture)
 
 SHARED_RUNS = {"two_ranks", "ranked_runs", "batches", "run"}
@@ -77,16 +75,6 @@ class SampledPolicy:
         return directory
 
 
-@contextmanager
-def _locked(path: Path):
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 @pytest.fixture(scope="session")
 def sampled_policy(tmp_path_factory) -> SampledPolicy:
     """One sample of the tiny policy for every test that only reads it (initial weights, batches, records).
@@ -97,10 +85,9 @@ def sampled_policy(tmp_path_factory) -> SampledPolicy:
     """
     from .rl_support import rl_config
 
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    shared = run_shared_dir(tmp_path_factory)
     root = shared / "midtrain-sampled-policy"
-    with _locked(shared / "midtrain-sampled-policy.lock"):
+    with locked(shared / "midtrain-sampled-policy.lock"):
         if not (root / "complete").exists():
             shutil.rmtree(root, ignore_errors=True)
             root.mkdir()

@@ -136,3 +136,42 @@ def test_simulate_sized_by_the_rl_example_emits_what_its_policy_takes(kafka):
         assert {r.routed_experts.shape[1:] for r in rollouts} == {(2, 2)} and max(int(r.routed_experts.max()) for r in rollouts) < 4
     finally:
         delete_topics(kafka, [s.name for s in topics.specs().values()])
+
+
+def test_the_simulator_sends_agent_episodes_with_summaries_tool_turns_one_reward_and_lost_or_late_segments():
+    """`--max-segments`: episodes of 1..N valid segments, a reward per episode under its id; segments missing and
+    late as asked; the default (1) keeps plain rollouts. Through the engine, every episode is batched whole or dropped whole."""
+    from collections import defaultdict
+
+    from ember.rollouts.simulate import WorkloadSpec, plan_workload
+    from ember.schemas import Reward, Rollout, decode, encode
+    from tests.rollouts.helpers import Log, config, run
+
+    assert all(e.record.episode_id is None for e in plan_workload(WorkloadSpec(groups=2, group_size=2)) if isinstance(e.record, Rollout))
+    spec = WorkloadSpec(groups=4, group_size=4, max_segments=8, p_missing_segment=0.1, p_late_segment=0.1, late_delay_s=30, seed=3)
+    events = plan_workload(spec)
+    segments = defaultdict(list)
+    for e in events:
+        if isinstance(e.record, Rollout):
+            segments[e.record.episode_id].append(decode(encode(e.record)))  # every segment passes the boundary checks
+    rewards = [e.record for e in events if isinstance(e.record, Reward)]
+    assert len({r.rollout_id for r in rewards}) == len(rewards) == 16, "one reward per episode, under its id"
+    assert set(segments) <= {r.rollout_id for r in rewards}
+    counts = {max(s.segment_index for s in ep) + 1 for ep in segments.values()}
+    assert max(counts) > 4 and min(counts) < 3, counts
+    later = [s for ep in segments.values() for s in ep if s.segment_index > 0]
+    assert later and all(s.summarises == f"{s.episode_id}-s{s.segment_index - 1}" and s.turns[0].role == "summary" for s in later)
+    tools = [t for ep in segments.values() for s in ep for t in s.turns if t.role == "tool"]
+    assert tools and all(not s.loss_mask[t.start : t.end].any() for ep in segments.values() for s in ep for t in s.turns if t.role == "tool")
+    late = [e for e in events if isinstance(e.record, Rollout) and e.at_s > 30]
+    assert late, "some segments arrive late"
+
+    log = Log()
+    for e in events:
+        if e.role != "policy_versions":
+            log.add(e.record, int(e.at_s * 1000))
+    done = run(config(groups={"quorum": 2}, filters={"max_tokens": 64, "vocab_size": spec.shape.vocab_size}, batches={"token_budget": 1024}), log.messages, end_ms=200_000)
+    batched = {r.rsplit("-s", 1)[0] for r in done.batched_ids}
+    dropped = {o.rollout_id.rsplit("-s", 1)[0] for o in done.outcomes if o.kind == "rollout_dropped"}
+    assert batched and dropped and not batched & dropped
+    assert {o.reason for o in done.outcomes if o.kind == "rollout_dropped"} >= {"episode_incomplete"}

@@ -37,6 +37,10 @@ def rollouts(draw) -> Rollout:
         shape = (n, draw(st.integers(1, 4)), draw(st.integers(1, 8)))
         experts = draw(hnp.arrays(dtype, shape))
     version = draw(int64s)
+    turns = draw(turns_for(n))
+    for turn in turns:
+        if turn.role == "tool":
+            loss_mask[turn.start : turn.end] = 0  # tool output is never the policy's: a loss mask there is invalid
     return Rollout(
         rollout_id=draw(text),
         group_id=draw(text),
@@ -48,13 +52,32 @@ def rollouts(draw) -> Rollout:
         tokens=draw(hnp.arrays(np.uint32, n)),
         loss_mask=loss_mask,
         sampler_logprobs=logprobs,
-        turns=draw(turns_for(n)),
+        turns=turns,
         routed_experts=experts,
         finish_reason=draw(st.sampled_from(FINISH_REASONS)),
         truncated=draw(st.booleans()),
         prompt_tokens=draw(st.integers(0, n)),
         policy_version_end=draw(st.none() | st.integers(version, 2**63 - 1)),
+        **draw(segment_fields(loss_mask)),
     )
+
+
+@st.composite
+def segment_fields(draw, loss_mask: np.ndarray) -> dict:
+    """None (a plain rollout) or a valid segment: last or not, from a summary (context, no loss) or not."""
+    if draw(st.booleans()):
+        return {}
+    index = draw(st.integers(0, 7))
+    fields = {"episode_id": draw(text), "segment_index": index}
+    if draw(st.booleans()):
+        fields["segments_total"] = index + 1
+    n = len(loss_mask)
+    if index > 0 and n > 0 and draw(st.booleans()):
+        start = draw(st.integers(0, n - 1))
+        end = draw(st.integers(start + 1, n))
+        loss_mask[start:end] = 0
+        fields.update(summarises=draw(text), summary_start=start, summary_end=end)
+    return fields
 
 
 finite = st.floats(allow_nan=False, allow_infinity=False)
@@ -96,6 +119,7 @@ def train_batches(draw) -> TrainBatch:
         routed_experts=experts,
         created_at_us=draw(int64s),
         advantage_estimator=draw(st.sampled_from([None, "grpo", "dr_grpo", "rloo"])),
+        episode_ids=sorted(draw(st.lists(st.sampled_from("abc"), min_size=len(lengths), max_size=len(lengths)))) if draw(st.booleans()) else [],
     )
 
 

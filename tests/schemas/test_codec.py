@@ -42,7 +42,7 @@ def test_a_message_is_a_plain_arrow_ipc_stream_naming_its_schema():
     """Any Arrow library reads it: one record batch of one row, ember's schema name and version in the metadata."""
     reader = pa.ipc.open_stream(MESSAGE)
     assert reader.schema.metadata[SCHEMA_NAME_KEY] == b"Rollout"
-    assert reader.schema.metadata[SCHEMA_VERSION_KEY] == b"1"
+    assert reader.schema.metadata[SCHEMA_VERSION_KEY] == b"2"
     (batch,) = list(reader)
     assert batch.num_rows == 1
     assert batch.column("group_id")[0].as_py() == "g"
@@ -137,8 +137,8 @@ def test_a_message_with_two_rows_or_two_batches_is_refused():
 def test_schema_identity_is_checked():
     with pytest.raises(DecodeError, match="names no ember record"):
         decode(rewritten(MESSAGE, metadata={SCHEMA_NAME_KEY: b"Document"}))
-    with pytest.raises(DecodeError, match="Rollout schema version 2 is newer than this ember reads \\(1\\); upgrade ember"):
-        decode(rewritten(MESSAGE, metadata={SCHEMA_VERSION_KEY: b"2"}))
+    with pytest.raises(DecodeError, match="Rollout schema version 3 is newer than this ember reads \\(2\\); upgrade ember"):
+        decode(rewritten(MESSAGE, metadata={SCHEMA_VERSION_KEY: b"3"}))
     with pytest.raises(DecodeError, match="is not a number"):
         decode(rewritten(MESSAGE, metadata={SCHEMA_VERSION_KEY: b"9" * 4301}))
 

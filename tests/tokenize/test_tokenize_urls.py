@@ -30,8 +30,8 @@ VARIES_WITH_PLACE = ("created_at", "config_hash", "provenance")  # the hash cove
 
 @pytest.fixture(autouse=True)
 def cache(tmp_path, monkeypatch):
-    """Local copies of remote sets, and the log of a tokenize to a URL (written to the working directory), go to this
-    test's tmp dir."""
+    """Local copies of remote sets go to this test's tmp dir, which is also the working directory (a tokenize to a URL
+    must leave nothing there)."""
     monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
 
@@ -75,6 +75,9 @@ def test_s3_sources_to_gs_output_write_the_local_bytes_and_a_rerun_is_refused(tm
     code, output = invoke("corpus", "tokenize", remote_config)
     assert code == 0, output
     assert f"shards in {out}" in output and "tokenize: progress" in output
+    assert f"(copied to {out}.log when the job ends)" in output
+    assert b"beam job ended: tokenize" in storage.read_bytes(f"{out}.log"), "the job's log is beside its URL output"
+    assert not (tmp_path / "shards.log").exists(), "nothing of a URL output's job lands in the working directory"
 
     local = storage.list_files(tmp_path / "out")
     assert storage.list_files(out).keys() == local.keys()
@@ -91,17 +94,25 @@ def test_s3_sources_to_gs_output_write_the_local_bytes_and_a_rerun_is_refused(tm
 
     code, output = invoke("corpus", "tokenize", remote_config)
     assert code == 2 and f"output_dir: {out} holds a finished set" in output and "--overwrite" in output, output
-    before = storage.read_bytes(storage.join(out, "manifest.json"))
+    storage.write_bytes(f"{out}/set-0123456789ab/shard-000000.arrow", b"a failed replacement's leftover")
     code, output = invoke("corpus", "tokenize", remote_config, "--overwrite")
     assert code == 0, output
-    assert storage.list_files(out).keys() == local.keys()
-    assert storage.read_bytes(storage.join(out, "manifest.json")) != before  # a new set (created_at), same shards
+    # The new set went under a fresh prefix beside the old one and the manifest switched to it in one write; the old
+    # set's files and the failed replacement's leftover were deleted after the switch.
+    manifest = json.loads(storage.read_bytes(storage.join(out, "manifest.json")))
+    prefix = manifest["shards"][0]["path"].split("/")[0]
+    assert prefix.startswith("set-") and manifest["rejected_file"] == f"{prefix}/rejected.parquet"
+    replaced = storage.list_files(out)
+    assert replaced.keys() == {"manifest.json"} | {f"{prefix}/{name}" for name in local if name != "manifest.json"}
+    for name in local:
+        if name != "manifest.json":
+            assert storage.read_bytes(f"{out}/{prefix}/{name}") == (tmp_path / "out" / name).read_bytes(), name
     assert invoke("corpus", "verify", out)[0] == 0
 
     storage.delete([storage.join(out, "manifest.json")])  # what an interrupted commit leaves: shards, no manifest
     code, output = invoke("corpus", "tokenize", remote_config, "--overwrite")
     assert code == 2 and f"{out} holds {len(local) - 1} files and no manifest.json" in output, output
-    assert storage.list_files(out).keys() == local.keys() - {"manifest.json"}  # nothing deleted
+    assert storage.list_files(out).keys() == replaced.keys() - {"manifest.json"}  # nothing deleted
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ a list in the tests and benchmarks) turns each schema `TrainBatch` into an `RLBa
 
 With several data-parallel ranks each rank trains a contiguous share of a batch's rollouts:
 `share_bounds` cuts the batch where its token count is closest to an equal split, from `cu_seqlens`
-alone, and `rl_batch_share` decodes only that share of an encoded message (the codec's arrays are
+alone (between episodes only, `episode_share_bounds`, when the batch holds segments), and `rl_batch_share` decodes only that share of an encoded message (the codec's arrays are
 zero-copy views, so the other ranks' tokens and routed experts are never copied or checked here). A
 by-reference batch (what the ETL writes) carries no tokens at all: each rank fetches only its share's
 rollouts (`fetch`, a `RolloutFetcher.rollouts` in `midtrain rl`), never the others'.
@@ -49,6 +49,9 @@ class RLBatch:
     position_ids: Tensor  # [T] int64, restarting at 0 in every sequence
     policy_versions: Tensor  # [S] int64
     routed_experts: Tensor | None  # [T, layers, top_k] uint8 (int32 for wider ids), or None
+    # [S] int64 numbering each sequence's episode from 0 (an episode's segments share a number and are
+    # consecutive), so the loss normalises them together; None: every sequence is an episode of its own.
+    episodes: Tensor | None = None
     advantage_estimator: str | None = None  # what computed `advantages`, as the ETL stamped it; None: not stated
     offset: int | None = None  # where the transport read it, for the metrics line
     # The transport's position once this batch is trained: checkpoints store it so a resume reads the next one.
@@ -98,6 +101,20 @@ def share_bounds(cu_seqlens: np.ndarray, ranks: int) -> np.ndarray:
     return np.array(bounds, dtype=np.int64)
 
 
+def episode_share_bounds(cu_seqlens: np.ndarray, episode_ids: Sequence[str], ranks: int) -> np.ndarray:
+    """`share_bounds` cutting between episodes only: an episode's segments are normalised together
+    (seq_mean), so its terms are additive only whole, on one rank."""
+    if not episode_ids:
+        return share_bounds(cu_seqlens, ranks)
+    starts = [i for i, e in enumerate(episode_ids) if i == 0 or e != episode_ids[i - 1]] + [len(episode_ids)]
+    cuts = np.asarray(starts, dtype=np.int64)
+    try:
+        bounds = share_bounds(np.asarray(cu_seqlens, dtype=np.int64)[cuts], ranks)
+    except ValueError:
+        raise ValueError(f"the batch has {len(starts) - 1} episodes for {ranks} data-parallel ranks: each rank trains at least one") from None
+    return cuts[bounds]
+
+
 def _header_problems(batch: TrainBatch) -> list[str]:
     """What a share cannot check about the whole batch: array lengths, cu_seqlens, unique rollout ids
     (sizes and the small per-sequence arrays only; no per-token contents are read)."""
@@ -115,6 +132,8 @@ def _header_problems(batch: TrainBatch) -> list[str]:
         problems.append(f"cu_seqlens must rise strictly from 0 to {n}")
     if len(set(batch.rollout_ids)) != batch.num_sequences:
         problems.append("a rollout appears twice in one batch")
+    if batch.episode_ids and len(batch.episode_ids) != batch.num_sequences:
+        problems.append(f"{len(batch.episode_ids)} episode ids for {batch.num_sequences} rollout ids")
     return problems
 
 
@@ -135,7 +154,7 @@ def rl_batch_share(
     problems = _header_problems(batch)
     if problems:
         raise DecodeError(f"invalid TrainBatch {batch.batch_id}: " + "; ".join(problems))
-    bounds = share_bounds(batch.cu_seqlens, ranks)
+    bounds = episode_share_bounds(batch.cu_seqlens, batch.episode_ids, ranks)
     first, last = int(bounds[rank]), int(bounds[rank + 1])
     if batch.by_reference:
         return rl_batch(_resolved_share(batch, first, last, fetch), offset=offset, position=position)
@@ -150,6 +169,7 @@ def rl_batch_share(
         source_offsets=batch.source_offsets,
         routed_experts=None if batch.routed_experts is None else batch.routed_experts[start:end],
         created_at_us=batch.created_at_us,
+        episode_ids=batch.episode_ids[first:last],
     )
     try:
         share.validate()
@@ -169,6 +189,14 @@ def _resolved_share(batch: TrainBatch, first: int, last: int, fetch: RolloutSour
     return resolve_train_batch(share, fetch(share.rollout_refs))
 
 
+def episode_numbers(episode_ids: Sequence[str]) -> Tensor | None:
+    """[S] episode numbers from a batch's `episode_ids` (consecutive ids alike share one), or None when it has none."""
+    if not episode_ids:
+        return None
+    starts = [i == 0 or e != episode_ids[i - 1] for i, e in enumerate(episode_ids)]
+    return torch.tensor(np.cumsum(starts) - 1, dtype=torch.int64)
+
+
 def rl_batch(batch: TrainBatch, *, offset: int | None = None, position: dict[str, Any] | None = None) -> RLBatch:
     """The trainer's view of a schema batch (uint16 expert ids widen to int32, which torch indexes with)."""
     experts = batch.routed_experts
@@ -186,6 +214,7 @@ def rl_batch(batch: TrainBatch, *, offset: int | None = None, position: dict[str
         position_ids=torch.from_numpy(position_ids(batch.cu_seqlens)),
         policy_versions=torch.from_numpy(np.array(batch.policy_versions, dtype=np.int64)),
         routed_experts=experts,
+        episodes=episode_numbers(batch.episode_ids),
         advantage_estimator=batch.advantage_estimator,
         offset=offset,
         position=position,

@@ -148,7 +148,8 @@ def ppo_clipped_loss(
 
 
 def aggregate_terms(
-    per_token: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor, mode: str, *, max_tokens: int | None = None
+    per_token: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor, mode: str, *, max_tokens: int | None = None,
+    episodes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch loss as (numerator, denominator), both additive over whole sequences: a batch split by
     sequence across ranks has the sums of its parts' terms, so the global loss is sum(num) / sum(den).
@@ -158,6 +159,12 @@ def aggregate_terms(
       count, so long and short rollouts weigh the same (GRPO's 1/|o_i|).
     constant: Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): sum over masked tokens /
       (max_tokens x sequences), a normaliser independent of every rollout's length, so no length bias.
+
+    Episodes: `episodes` [S] numbers each sequence's episode (an episode's segments are consecutive
+    sequences sharing a number; None: each sequence is its own). token_mean counts an episode's tokens once
+    each whatever its segments (a summary is trained where the model wrote it, context after); seq_mean takes
+    the token mean over the whole episode, so a 3-segment episode weighs as one sample, as it would written as
+    one long sequence; constant stays global, max_tokens per context (the generation budget each segment had).
     """
     mask = mask.to(per_token.dtype)
     masked = per_token * mask
@@ -166,6 +173,9 @@ def aggregate_terms(
     if mode == "seq_mean":
         seg = segment_ids(cu_seqlens)
         n = len(cu_seqlens) - 1
+        if episodes is not None:
+            seg = episodes.long().to(seg.device)[seg]
+            n = int(episodes.max()) + 1 if len(episodes) else 0
         sums = torch.zeros(n, dtype=per_token.dtype, device=per_token.device).index_add(0, seg, masked)
         counts = torch.zeros(n, dtype=per_token.dtype, device=per_token.device).index_add(0, seg, mask)
         present = counts > 0
@@ -179,10 +189,11 @@ def aggregate_terms(
 
 
 def aggregate(
-    per_token: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor, mode: str, *, max_tokens: int | None = None
+    per_token: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor, mode: str, *, max_tokens: int | None = None,
+    episodes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The batch loss under `mode` (see `aggregate_terms`); an empty batch (no masked token) is 0."""
-    numerator, denominator = aggregate_terms(per_token, mask, cu_seqlens, mode, max_tokens=max_tokens)
+    numerator, denominator = aggregate_terms(per_token, mask, cu_seqlens, mode, max_tokens=max_tokens, episodes=episodes)
     return numerator / denominator.clamp(min=1)
 
 

@@ -73,13 +73,16 @@ class _Inputs:
     advantages: torch.Tensor
     sampler_logp: torch.Tensor
     replay: list[torch.Tensor] | None  # per MoE layer [T, top_k] int64, layer order
+    episodes: torch.Tensor | None = None  # [S] each sequence's episode number (RLBatch.episodes)
 
 
-def _local_normaliser(mask: torch.Tensor, cu_seqlens: torch.Tensor, aggregation: str, max_tokens: int | None) -> float:
+def _local_normaliser(
+    mask: torch.Tensor, cu_seqlens: torch.Tensor, aggregation: str, max_tokens: int | None, episodes: torch.Tensor | None = None
+) -> float:
     """What `step_math.aggregate` divides this rank's sum by (the denominator of `step_math.aggregate_terms`):
     policy tokens (token_mean), sequences with a policy token (seq_mean), or the generation budget times
     the sequences (constant, Dr.GRPO)."""
-    return float(step_math.aggregate_terms(mask, mask, cu_seqlens, aggregation, max_tokens=max_tokens)[1])
+    return float(step_math.aggregate_terms(mask, mask, cu_seqlens, aggregation, max_tokens=max_tokens, episodes=episodes)[1])
 
 
 class _PolicyLoss:
@@ -115,7 +118,8 @@ class _PolicyLoss:
         if first:
             self.clip_frac = float((clipped * x.mask).sum() / x.mask.sum().clamp(min=1))
         loss = step_math.aggregate(
-            per_token * self.weights, x.mask, x.cu_seqlens, rl.aggregation, max_tokens=rl.max_generation_tokens
+            per_token * self.weights, x.mask, x.cu_seqlens, rl.aggregation, max_tokens=rl.max_generation_tokens,
+            episodes=x.episodes,
         ) * self.share
         self.losses.append(float(loss.detach()))
         return loss * self.dp_size
@@ -174,7 +178,9 @@ class RLTrainer:
 
     def _global_share(self, inputs: _Inputs) -> float:
         """This rank's normaliser over the whole batch's, for `_PolicyLoss`."""
-        local = _local_normaliser(inputs.mask, inputs.cu_seqlens, self.config.rl.aggregation, self.config.rl.max_generation_tokens)
+        local = _local_normaliser(
+            inputs.mask, inputs.cu_seqlens, self.config.rl.aggregation, self.config.rl.max_generation_tokens, inputs.episodes
+        )
         total = torch.tensor([local], dtype=torch.float64)
         dist.all_reduce(total, group=self.control)
         return local / max(float(total[0]), 1.0)
@@ -238,6 +244,7 @@ class RLTrainer:
             advantages=b.advantages.float(),
             sampler_logp=b.sampler_logprobs.float(),
             replay=replay,
+            episodes=b.episodes,
         )
 
     def _set_replay(self, action: Any, indices: list[torch.Tensor] | None = None) -> None:

@@ -37,6 +37,7 @@ from ember import storage
 from ember.configs import CorpusConfigError
 from ember.pipelines.corpus import phases, pipeline, trees
 from ember.pipelines.corpus.config import CorpusConfig, CorpusSource, check_inputs
+from ember.pipelines.corpus.incremental import check_indexes
 from ember.pipelines.corpus.outputs import require_empty_output
 from ember.pipelines.corpus.report import (
     SourceWarning,
@@ -54,6 +55,7 @@ from ember.pipelines.jobs.output_guard import (
     write_ownership,
 )
 from ember.pipelines.jobs.process import Interrupted, run_job, signals_deferred
+from ember.pipelines.jobs.set_commit import NAMED_TOKENIZER, refuse_unshared_disk
 from ember.pipelines.jobs.progress import watch
 from ember.pipelines.jobs.runners import (
     BuildFailed, dataflow_problems, is_small, runner_name, runs_locally, with_defaults,
@@ -281,9 +283,18 @@ def build_corpus(config: CorpusConfig, beam_args: list[str], console: Console | 
     build runs its phases (`Phases`)."""
     input_bytes = local_input_bytes(config)
     args, options = prepare_options(beam_args, input_bytes)
+    refuse_unshared_disk(config.output.directory, options, "output.directory")
+    for i, source in enumerate(config.sources):
+        for pattern in source.inputs:
+            refuse_unshared_disk(pattern, options, f"sources.{i}.inputs")
+    if config.tokenize is not None:
+        refuse_unshared_disk(config.shards_directory, options, "tokenize.output_dir")
+        if config.tokenize.tokenizer.path is not None:
+            refuse_unshared_disk(config.tokenize.tokenizer.path, options, "tokenize.tokenizer.path", NAMED_TOKENIZER)
     url_shards = config.shards_directory if config.shards_directory and storage.is_url(config.shards_directory) else None
     preflight_urls(config, url_shards)
     check_inputs(config)
+    check_indexes(config)
     tokenizer = None
     if config.tokenize is not None:
         from ember.tokenize.tokenizers import load_tokenizer

@@ -143,6 +143,16 @@ class Dedup(StrictModel):
         description="representative order within a cluster; the smallest document id breaks ties",
     )
     permissive_licenses: list[str] = Field(default_factory=lambda: list(PERMISSIVE_LICENSES))
+    index: str | None = Field(
+        default=None, min_length=1,
+        description="save this build's MinHash band keys here (a new or empty local path, gs:// or s3://) as an index "
+        "a later build's `against` dedups new documents with",
+    )
+    against: list[str] = Field(
+        default_factory=list,
+        description="indexes of earlier releases (their builds' `index`): a document that near-duplicates an indexed one "
+        "is removed and counted as a duplicate of an earlier release; indexed documents are never removed",
+    )
 
     @field_validator("prefer")
     @classmethod
@@ -150,6 +160,12 @@ class Dedup(StrictModel):
         if len(set(prefer)) != len(prefer):
             raise ValueError(f"each preference may appear once, got {prefer}")
         return prefer
+
+    @model_validator(mode="after")
+    def _index_needs_near_dedup(self) -> "Dedup":
+        if not self.near and (self.index or self.against):
+            raise ValueError("index and against are MinHash indexes of near dedup: set near: true or leave them out")
+        return self
 
     @model_validator(mode="after")
     def _signature_fits_a_worker(self) -> "Dedup":

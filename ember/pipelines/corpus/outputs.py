@@ -31,7 +31,7 @@ from apache_beam.pvalue import AsDict
 
 from ember.pipelines.corpus.config import CorpusConfig
 from ember.pipelines.corpus.formats import READ_STAGE, Row, write_parquet
-from ember.pipelines.corpus.stages import ALL_SOURCES, CorpusFn, Event, StageOutput, document_events
+from ember.pipelines.corpus.stages import ALL_SOURCES, EARLIER_RELEASE_REASON, CorpusFn, Event, StageOutput, document_events
 from ember.pipelines.jobs.output_guard import SHOWN_FOREIGN, OutputUnusable, is_local
 from ember.schemas.documents import CLUSTER_SCHEMA, DOCUMENT_SCHEMA, REJECTED_SCHEMA, STATS_FILE
 
@@ -119,6 +119,8 @@ def _empty_stats(config: CorpusConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     dedup = {stage: {"clusters": 0, "removed": 0, "cluster_sizes": {}} for stage in DEDUP_STAGES}
     dedup["near_dedup"].update(cc_max_rounds=config.dedup.max_cc_rounds, cc_unconverged_edges=0,
                                jaccard_threshold=round(config.dedup.threshold, 4))
+    if config.dedup.against:
+        dedup["near_dedup"]["earlier_release_removed"] = 0  # apart from `removed`, the duplicates within this build
     return sources, dedup
 
 
@@ -137,7 +139,7 @@ def _add_event(sources: dict[str, Any], dedup: dict[str, Any], key: tuple[str, s
         entry["rejected"][f"{stage}:{reason}"] = value
         entry["docs_in"] += value if stage == READ_STAGE else 0
         if stage in dedup:
-            dedup[stage]["removed"] += value
+            dedup[stage]["earlier_release_removed" if reason == EARLIER_RELEASE_REASON else "removed"] += value
     elif metric.startswith("redactions."):
         entry["redactions"][metric.split(".", 1)[1]] = value
     else:

@@ -14,9 +14,10 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from ember.pipelines.corpus.config import CorpusConfig
 from ember.pipelines.corpus.decontaminate import decontaminate_stage
+from ember.pipelines.corpus.incremental import near_dedup_stage
 from ember.pipelines.corpus.outputs import require_empty_output, write_outputs
 from ember.pipelines.corpus.stages import (
-    CLUSTER_TEXT_FIELDS, REJECT_TEXT_FIELDS, ClassifyDocuments, ExactDedup, FilterDocuments, NearDedup, PerDocument, ReadSources,
+    CLUSTER_TEXT_FIELDS, REJECT_TEXT_FIELDS, ClassifyDocuments, ExactDedup, FilterDocuments, PerDocument, ReadSources,
     RedactDocuments, RedactRows, StageOutput, UniqueIds,
 )
 from ember.pipelines.jobs.runners import run_pipeline
@@ -38,7 +39,7 @@ def corpus_stages(config: CorpusConfig, progress_dir: str | None = None) -> list
     if config.dedup.exact:
         stages.append(ExactDedup(config.dedup, progress_dir))
     if config.dedup.near:
-        stages.append(NearDedup(config.dedup, progress_dir))
+        stages.append(near_dedup_stage(config, progress_dir))
     return stages
 
 

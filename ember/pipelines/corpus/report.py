@@ -84,6 +84,9 @@ def summary_rows(stats: dict[str, Any]) -> list[tuple[str, str]]:
     for stage in ("exact_dedup", "near_dedup"):
         d = stats["dedup"][stage]
         rows.append((f"{stage} removed", f"{d['removed']:,} in {d['clusters']:,} clusters"))
+    earlier = stats["dedup"]["near_dedup"].get("earlier_release_removed")
+    if earlier is not None:
+        rows.append(("near_dedup duplicates of an earlier release", f"{earlier:,}"))
     redactions = sorted(totals["redactions"].items())
     rows.append(("redactions", f"{sum(n for _, n in redactions):,}"))
     rows += [(f"  redacted {kind}", f"{n:,}") for kind, n in redactions]
@@ -215,6 +218,8 @@ def _duplicates(stats: dict[str, Any], clusters: pl.DataFrame) -> list[str]:
         d = stats["dedup"][stage]
         rows.append([stage, d["clusters"], d["removed"], ", ".join(f"{k}: {v}" for k, v in d["cluster_sizes"].items())])
     out.append(_table(["stage", "clusters", "removed", "cluster sizes"], rows))
+    if "earlier_release_removed" in near:
+        out.append(f"\nDuplicates of an earlier release (`dedup.against`), not in the table: {near['earlier_release_removed']:,}.\n")
     if clusters.height:
         largest_clusters = (
             clusters.group_by("stage", "cluster_id").agg(pl.len().alias("members"))

@@ -541,6 +541,10 @@ def bucket_edges(element: tuple[bytes, Iterable[str]]) -> Iterator[tuple[str, st
             yield node, smallest
 
 
+EARLIER_RELEASE_REASON = "near_duplicate_of_earlier_release"
+"""A new document removed for near-duplicating one of an earlier release's (`dedup.against`), counted apart."""
+
+
 class ResolveNear(ResolveCluster):
     STAGE = "near_dedup"
     REASON = "near_duplicate"
@@ -559,7 +563,8 @@ class ResolveNear(ResolveCluster):
 
 
 class NearDedup(beam.PTransform):
-    """MinHash LSH buckets -> star edges -> distributed connected components -> keep each component's root."""
+    """MinHash LSH buckets -> star edges -> distributed connected components -> keep each component's root.
+    `bands` and `resolve` are the two places an incremental build (ember/pipelines/corpus/incremental.py) differs."""
 
     def __init__(self, dedup: Dedup, progress_dir: str | None):
         super().__init__()
@@ -570,8 +575,7 @@ class NearDedup(beam.PTransform):
         dedup = self._dedup
         keyed = docs | "ByNode" >> beam.Map(lambda r: (node_key(r, dedup), r))
         edges = (
-            docs
-            | "BandKeys" >> beam.ParDo(BandKeys(dedup))
+            self.bands(docs | "BandKeys" >> beam.ParDo(BandKeys(dedup)))
             | "GroupBuckets" >> beam.GroupByKey()
             | "BucketEdges" >> beam.FlatMap(bucket_edges)
         )
@@ -582,11 +586,18 @@ class NearDedup(beam.PTransform):
             | "UnconvergedStat" >> beam.Map(lambda n: ((ALL_SOURCES, ResolveNear.STAGE, "cc_unconverged_edges"), n))
         )
         members = labels | "CountMembers" >> beam.Map(lambda e: (e[1], 1)) | "SumMembers" >> beam.CombinePerKey(sum)
-        resolved = (
-            {"doc": keyed, "parent": labels, "members": members}
-            | "JoinLabels" >> beam.CoGroupByKey()
-            | "Resolve" >> beam.ParDo(ResolveNear(self._progress_dir)).with_outputs(REJECTS, CLUSTERS, STATS, main="docs")
-        )
+        joined = {"doc": keyed, "parent": labels, "members": members} | "JoinLabels" >> beam.CoGroupByKey()
+        resolved = self.resolve(joined, labels)
         return stage_output(
-            resolved.docs, rejects=[resolved[REJECTS]], clusters=[resolved[CLUSTERS]], stats=[resolved[STATS], unconverged]
+            resolved.documents, rejects=[resolved.rejects], clusters=[resolved.clusters], stats=[resolved.stats, unconverged]
         )
+
+    def bands(self, keys):
+        """This build's (LSH bucket key, node) pairs -> the pairs the buckets group."""
+        return keys
+
+    def resolve(self, joined, labels) -> StageOutput:
+        """Each document joined with its component's root (`parent`) or member count (`members`) -> the verdicts."""
+        resolved = joined | "Resolve" >> beam.ParDo(ResolveNear(self._progress_dir)).with_outputs(
+            REJECTS, CLUSTERS, STATS, main="docs")
+        return StageOutput(resolved.docs, resolved[REJECTS], resolved[CLUSTERS], resolved[STATS])

@@ -15,7 +15,7 @@ import os
 import tempfile
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -27,11 +27,38 @@ open is left behind rather than holding up the exit)."""
 
 def log_path_for(output: str) -> Path:
     """`<output>.log` beside a local output directory (outside it: the output is staged and swapped
-    whole, and holds only ember's own files); for a URL output, `<its last part>.log` here."""
+    whole, and holds only ember's own files); for a URL output, a private local file that `publish_log` copies
+    beside the output when the job ends (the current directory is not the job's)."""
     if "://" in output:
-        return Path.cwd() / f"{output.rstrip('/').rsplit('/', 1)[-1] or 'output'}.log"
+        folder = Path(tempfile.mkdtemp(prefix="ember-log-"))
+        return folder / f"{output.rstrip('/').rsplit('/', 1)[-1] or 'output'}.log"
     target = Path(os.path.abspath(output))
     return target.with_name(target.name + ".log")
+
+
+def url_log_for(output: str) -> str | None:
+    """Where the log of a job writing to URL `output` ends up: `<output>.log` beside it; None for a local output."""
+    return f"{output.rstrip('/')}.log" if "://" in output else None
+
+
+def publish_log(log: JobLog, output: str) -> str | None:
+    """Copy a finished job's local log to `url_log_for(output)` and remove the local copy; the URL, or None when
+    `output` is local, or the local path when the copy failed (so the operator still has the log)."""
+    target = url_log_for(output)
+    if target is None or log.path is None:
+        return None
+    from ember import storage
+
+    try:
+        storage.preflight(target)  # a bucket that is not there fails at once, not after an upload's retries
+        storage.upload(log.path, target)
+    except Exception as exc:  # noqa: BLE001 - a store that refuses the log must not hide the job's own outcome
+        logging.getLogger(__name__).warning("the log stays at %s: copying it to %s failed (%s)", log.path, target, exc)
+        return str(log.path)
+    log.path.unlink(missing_ok=True)
+    if log.path.parent.name.startswith("ember-log-"):
+        log.path.parent.rmdir()
+    return target
 
 
 class JobLog:
@@ -149,3 +176,19 @@ def job_logs(verbose: bool = False) -> Iterator[JobLog]:
         os.dup2(saved_stderr, 2)  # the driver's last reference to the pipe's write end: EOF once workers are gone
         if log.finish():
             os.close(saved_stderr)
+
+
+@contextmanager
+def logs_for(output: str, verbose: bool, say: Callable[[str], None]) -> Iterator[JobLog]:
+    """`job_logs` named for a job writing to `output` and announced with `say`; for a URL output the log is copied
+    beside it (`publish_log`) once the job has ended, however it ended."""
+    target = url_log_for(output)
+    log: JobLog | None = None
+    try:
+        with job_logs(verbose) as log:
+            path = log.write_to(log_path_for(output))
+            say(f"log: {path}" + (f" (copied to {target} when the job ends)" if target else ""))
+            yield log
+    finally:
+        if target is not None and log is not None:
+            publish_log(log, output)

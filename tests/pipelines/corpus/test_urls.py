@@ -103,7 +103,7 @@ def _build_cli(tmp_path: Path, config: dict):
 def test_a_bad_url_fails_before_any_work_naming_it(
     where, url, message, sample, stores, hf_tokenizer_path, tmp_path, monkeypatch
 ) -> None:
-    monkeypatch.chdir(tmp_path)  # the log of a build to a URL goes to the working directory
+    monkeypatch.chdir(tmp_path)  # a build to a URL leaves nothing in the working directory (its log goes beside the output)
     inputs, output = (url, str(tmp_path / "out")) if where == "input" else (stores["s3"], url)
     result = _build_cli(tmp_path, config_for(sample, hf_tokenizer_path, inputs, output))
     assert result.exit_code != 0

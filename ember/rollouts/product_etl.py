@@ -1,0 +1,187 @@
+"""`source: product` in the ETL service: each shard's `ProductJoin` behind the face of a `ShardEngine`, so the
+service keeps its consumer group, log-time clock, rebalances and transactions as they are.
+
+Served completions come on `<prefix>.rollouts` keyed by completion id, user events on `<prefix>.rewards`
+(the product's events topic) keyed by the same id, so both of a completion's streams share a shard. What is
+pending lives in the shard's SQLite spill store under `product.state_dir`; every Kafka transaction carries
+`product_txn` in its offsets' metadata, and a shard that is loaded squares its store with it (see
+`ember.rollouts.product.store`): the store's last outbox is sent again when the process died between the
+two commits. The state topic still gets a (tiny) snapshot per commit: the service's pointer machinery reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from kafka import KafkaProducer, TopicPartition
+from prometheus_client import Gauge
+
+from ember.rollouts.engine import REWARDS, ROLLOUTS, DeadLetter, EmittedBatch, InputMessage, ShardOutput
+from ember.rollouts.config import EtlConfig
+from ember.rollouts.etl import EtlService, _Clients
+from ember.rollouts.metrics import EtlMetrics
+from ember.rollouts.product.config import JoinLimits
+from ember.rollouts.product.join import EVENTS, SERVED, Message, ProductJoin
+from ember.rollouts.product.optout import OptOutFile
+from ember.rollouts.product.simulate import Planned
+from ember.rollouts.product.store import PendingStore
+from ember.rollouts.records import Reason, ShardSnapshot
+from ember.rollouts.security import KafkaSecurity
+from ember.rollouts.topics import Topics
+from ember.rollouts.transport import producer_config
+
+log = logging.getLogger("ember.etl")
+
+
+class ProductShard:
+    """The parts of `ShardEngine` the service uses, over a `ProductJoin`."""
+
+    @property
+    def groups(self) -> dict:
+        """No groups: the service's open-group gauges read 0."""
+        return {}
+
+    @property
+    def ready(self) -> list:
+        """Scored completions wait in the store, not here: the service's idle check asks `pending_count`."""
+        return []
+
+    def __init__(self, join: ProductJoin, inputs: dict[str, str], opt_out: OptOutFile | None):
+        self.join = join
+        self._roles = {topic: (SERVED if role == ROLLOUTS else EVENTS) for role, topic in inputs.items()}
+        self._opt_out = opt_out
+        self.txn = join.store.get("txn", 0)
+
+    @property
+    def positions(self) -> dict[str, int]:
+        store = self.join.store
+        return {role: pos for role, name in ((ROLLOUTS, SERVED), (REWARDS, EVENTS)) if (pos := store.get(f"pos.{name}")) is not None}
+
+    @property
+    def now_ms(self) -> int:
+        return self.join.now_ms
+
+    def _check_opt_out(self) -> None:
+        if self._opt_out is not None:
+            current = self._opt_out.current()
+            if current != self.join.opt_out:
+                self.join.set_opt_out(current)
+
+    def ingest(self, message: InputMessage, *, latest_policy: int | None = None) -> None:
+        self._check_opt_out()
+        role = self._roles[message.topic]
+        self.join.ingest(role, Message(message.offset, message.timestamp_ms, message.key, message.value or b""), latest_policy=latest_policy)
+
+    def advance(self, now_ms: int, latest_policy: int | None = None) -> None:
+        self._check_opt_out()
+        self.join.advance(now_ms, latest_policy)
+
+    def pending_count(self) -> int:
+        return self.join.pending_count()
+
+    def has_output(self) -> bool:
+        return self.join.has_output()
+
+    def has_batches(self) -> bool:
+        return self.join.has_batches()
+
+    def waiting_on(self) -> tuple[int, str] | None:
+        at = self.join.store.next_horizon_ms()
+        return None if at is None else (at, "a served completion's horizon")
+
+    def checkpoint(self, etl_instance: str = "") -> tuple[ShardOutput, ShardSnapshot, dict[str, int]]:
+        out = self.join.checkpoint()
+        self.txn = out.txn
+        batches = [EmittedBatch(b, tuple(b.rollout_ids), b.created_at_us // 1000) for b in out.batches]
+        marks = self.positions
+        snapshot = ShardSnapshot(self.join.shard, marks, {}, self.join.store.get("next_step", 0), (), etl_instance)
+        dead = [
+            DeadLetter(InputMessage(self.join.topics[r.role], self.join.shard, r.offset, r.timestamp_ms, r.key, r.value),
+                       Reason(r.reason), r.detail, r.value is not None)
+            for r in out.rejected
+        ]
+        return ShardOutput(batches=batches, outcomes=out.outcomes, dead_letters=dead), snapshot, marks
+
+
+class ProductEtlService(EtlService):
+    """The ETL service with `ProductShard`s; everything else is `EtlService`'s."""
+
+    def __init__(self, config: EtlConfig, instance: str = "0", metrics: EtlMetrics | None = None):
+        super().__init__(config, instance, metrics)
+        self.completions = Gauge(
+            "ember_etl_product_completions", "Served completions of this process's shards by policy version and state "
+            "(served, rewarded, trained, dropped), as committed in the spill stores", ["version", "state"],
+            registry=self.metrics.registry,
+        )
+
+    def _make_engine(self, clients: _Clients, shard: int, pair: list[TopicPartition], *, meta: str, **restore) -> ProductShard:
+        settings = self.config.product
+        kafka_txn = int(json.loads(meta).get("product_txn", 0)) if meta else 0
+        store = PendingStore(settings.state_dir / f"{self.topics.prefix}-{shard}.sqlite")
+        join = ProductJoin(settings, JoinLimits.of(self.config), store, shard=shard, topics=(pair[0].topic, pair[1].topic))
+        opt_out = OptOutFile(settings.opt_out_file) if settings.opt_out_file else None
+        if opt_out is not None:
+            join.opt_out = opt_out.current()
+        resent = join.recover(kafka_txn)
+        if resent is not None:
+            log.info("ETL %s shard %d: Kafka lacks spill-store txn %d; sending its outputs again", self.member_id, shard, resent.txn)
+        engine = ProductShard(join, self.inputs, opt_out)
+        for role, tp in zip((ROLLOUTS, REWARDS), pair):
+            position = engine.positions.get(role)
+            if position is not None:
+                clients.consumer.seek(tp, position)  # the store is the truth; Kafka's offsets may be a txn behind
+        return engine
+
+    def _pointer(self, shard: int, state_offset: int) -> str:
+        return json.dumps({"state_offset": state_offset, "etl": self.member_id, "product_txn": self.engines[shard].txn})
+
+    def _commit(self, force: bool = False) -> None:
+        super()._commit(force)
+        totals: dict[tuple[str, str], int] = {}
+        for engine in self.engines.values():
+            for version, counts in engine.join.store.counts().items():
+                for state, n in counts.items():
+                    totals[str(version), state] = totals.get((str(version), state), 0) + n
+        for (version, state), n in totals.items():
+            self.completions.labels(version, state).set(n)
+
+    def _apply_rebalance(self, clients: _Clients) -> set[int]:
+        for kind, shards in clients.listener.events:
+            for shard in shards if kind == "revoked" else ():
+                engine = self.engines.get(shard)
+                if engine is not None:
+                    engine.join.store.close()  # uncommitted work goes with the uncommitted Kafka offsets
+        return super()._apply_rebalance(clients)
+
+    def _disconnect(self) -> None:
+        for engine in self.engines.values():
+            engine.join.store.close()  # what was not committed rolls back, as a crash would
+        super()._disconnect()
+
+
+def publish_traffic(
+    plan: list[Planned], topics: Topics, *, security: KafkaSecurity | None = None, bootstrap: str | None = None, paced: bool = True
+) -> int:
+    """Send planned product traffic: served completions to the rollouts topic, events to the rewards topic, each
+    keyed by completion id. `paced`: at the plan's (already compressed) log times, since the broker stamps a record
+    when it is appended; else as fast as possible. Returns the records sent; a refused send is raised after flush."""
+    producer = KafkaProducer(**producer_config(security, **({"bootstrap_servers": bootstrap} if bootstrap else {})))
+    names = {"served": topics.rollouts, "events": topics.rewards}
+    futures = []
+    started = time.monotonic()
+    first_ms = plan[0].timestamp_ms if plan else 0
+    try:
+        for record in plan:
+            if paced:
+                delay = started + (record.timestamp_ms - first_ms) / 1000 - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+            futures.append(producer.send(names[record.role], key=record.key, value=record.value))
+        producer.flush()
+        for future in futures:
+            future.get(timeout=30)
+    finally:
+        producer.close(timeout=5)
+    return len(futures)
