@@ -87,7 +87,7 @@ def tokenize(
     from ember.pipelines.jobs.logs import logs_for
     from ember.pipelines.jobs.process import Interrupted, stop_on_signals
 
-    with logs_for(str(settings.output_dir), verbose, lambda line: console.print(line, highlight=False, soft_wrap=True)) as logs:
+    with logs_for(str(settings.output_dir), verbose, lambda line: console.print(line, highlight=False, soft_wrap=True)):
         from ember.pipelines.jobs.output_guard import OutputUnusable
         from ember.pipelines.tokenize_pipeline import run
         from ember.tokenize.tokenizers import TokenizerLoadError
@@ -105,13 +105,15 @@ def tokenize(
                 else f"output_dir {out} holds the previous shard set, unchanged" if out.exists()
                 else f"output_dir {out} was not created") + "; a rerun starts the tokenize job over"
             stopped(exc)
-    table = Table("source", "documents", "tokens", "sequences", "padding", "fill", "split docs", "rejected")
+    budgets = any(stats.target_tokens is not None for stats in manifest.sources.values())  # tokenize.mixture
+    table = Table("source", "documents", "tokens", *(["target tokens"] if budgets else []), "sequences", "padding", "fill",
+                  "split docs", "rejected")
     for name, stats in manifest.sources.items():
         rejected = sum((manifest.model_extra.get("rejected") or {}).get(name, {}).values())
         fill = stats.tokens / (stats.sequences * manifest.seq_len) if stats.sequences else 0.0
         table.add_row(
-            name, str(stats.documents), str(stats.tokens), str(stats.sequences), str(stats.padding_tokens),
-            f"{fill:.2%}", str(stats.split_documents), str(rejected),
+            name, str(stats.documents), str(stats.tokens), *([str(stats.target_tokens)] if budgets else []),
+            str(stats.sequences), str(stats.padding_tokens), f"{fill:.2%}", str(stats.split_documents), str(rejected),
         )
     console.print(table)
     console.print(f"[green]OK[/green] {len(manifest.shards)} shards in {settings.output_dir}")

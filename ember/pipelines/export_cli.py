@@ -27,6 +27,10 @@ def export_megatron(
     documents: bool = typer.Option(
         False, "--documents", help="One Megatron document per source document, padding dropped (as preprocess_data.py writes)."
     ),
+    blend: bool = typer.Option(
+        False, "--blend", help="One .bin/.idx per source (OUT_PREFIX.<source>) and the blend for Megatron's --data-path "
+        "(OUT_PREFIX.data-path.txt) and --per-split-data-args-path (OUT_PREFIX.per-split.json); local output only.",
+    ),
     strict: bool = typer.Option(False, "--strict", help="Exit 3 when a document had to be left out (the output is still written)."),
     verbose: bool = typer.Option(
         False, "--verbose", "-v", help="Also show third-party Python warnings and logs (megatron, Transformer Engine, Beam) on stderr."
@@ -43,6 +47,9 @@ def export_megatron(
         from ember.tokenize.megatron_export import export_megatron as export
         from ember.tokenize.remote_sets import RemoteSetError, local_shard_set
 
+        if blend:
+            _export_blend(shards_dir, out_prefix, documents)
+            return
         try:
             if storage.is_url(out_prefix):
                 storage.preflight(out_prefix.rsplit("/", 1)[0], write=True)
@@ -69,3 +76,25 @@ def export_megatron(
         )
         if strict:
             raise typer.Exit(3)
+
+
+def _export_blend(shards_dir: str, out_prefix: str, documents: bool) -> None:
+    from ember import storage
+    from ember.schemas import SchemaValidationError
+    from ember.tokenize.megatron_blend import export_blend
+    from ember.tokenize.megatron_export import ExportError
+    from ember.tokenize.remote_sets import RemoteSetError, local_shard_set
+
+    if documents or storage.is_url(out_prefix):
+        why = "--documents" if documents else f"a {out_prefix.split(':', 1)[0]}:// output"
+        console.print(f"[red]--blend writes sequences to a local prefix; it takes no {why}[/red]", soft_wrap=True)
+        raise typer.Exit(2)
+    try:
+        result = export_blend(local_shard_set(shards_dir), Path(out_prefix))
+    except (FileNotFoundError, SchemaValidationError, ExportError, storage.StorageError, RemoteSetError) as exc:
+        console.print(f"[red]{escape(str(exc))}[/red]", soft_wrap=True)
+        raise typer.Exit(2)
+    for name, prefix in result.prefixes.items():
+        console.print(f"[green]OK[/green] {name}: {result.sequences[name]} sequences, weight {result.weights[name]:.4g} -> "
+                      f"{prefix}.bin, {prefix}.idx", soft_wrap=True)
+    console.print(f"--data-path words: {result.data_path}; --per-split-data-args-path: {result.per_split}", soft_wrap=True)

@@ -5,6 +5,9 @@ The shard row names the document and the token's index in the document's tokens;
 document's row gives its source path/URL (metadata) and its text - redacted, as stored - and the
 token's character span is found by encoding prefixes of that text (a binary search: BPE pre-splits
 on whitespace and punctuation, so a prefix's token count matches the full encoding's up to the span).
+A FIM'd document (the manifest records `fim`) is laid out again from its seeded draws, so a token's
+place in the FIM'd order maps back to its place in the text. A repository document's token is traced to
+its file by rendering the repository again from its files' rows (ember/pipelines/code/repo_tokens.py).
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 
 from ember.schemas.shards import MANIFEST_FILENAME, Manifest, read_manifest
-from ember.tokenize.config import TokenizerConfig
+from ember.pipelines.code.repo_tokens import file_token, repository_tokens
+from ember.pipelines.code.repos import REPOSITORY_ID_PREFIX, RepoFile
+from ember.tokenize import fim, mixtures
+from ember.tokenize.config import FimSettings, RepositorySettings, TokenizerConfig
 from ember.tokenize.tokenizers import Tokenizer, load_tokenizer
 
 WINDOW_CHARS = 200
@@ -33,7 +39,7 @@ class Located:
     documents_file: str  # the Document Parquet file holding it
     origin: str  # url, or repo/path, or path, from the document's metadata
     span: tuple[int, int] | None  # the token's characters in the text; None for a BOS/EOS token
-    framing: str | None  # "BOS" / "EOS" when the token is the document's framing token
+    framing: str | None  # "BOS" / "EOS" when the token is the document's framing token, "FIM" for a FIM sentinel
     before: str
     token_text: str
     after: str
@@ -103,13 +109,27 @@ def locate_text(shard: Path, source: str, document_id: str, doc_token: int, wind
     pattern = (provenance.get("documents") or {}).get(source)
     if pattern is None or "tokenizer" not in provenance:
         raise LocateError("the manifest records no provenance for its sources (a shard set written before ember recorded it)")
-    path, row = find_document(pattern, document_id)
+    if manifest.model_extra.get("mixture"):  # a repeated document's copies name it `<id>#copy<k>`
+        document_id = mixtures.base_id(document_id)
     tokenizer = load_tokenizer(TokenizerConfig.model_validate(provenance["tokenizer"]))
     if tokenizer.identity.hash != manifest.tokenizer.hash:
         raise LocateError(f"the tokenizer ({tokenizer.identity.source}) changed since the shard set was written")
+    if document_id.startswith(REPOSITORY_ID_PREFIX) and manifest.model_extra.get("repositories"):
+        return _in_repository(pattern, manifest, tokenizer, document_id, doc_token, window)
+    path, row = find_document(pattern, document_id)
     text = row["text"]
-    index = doc_token - (1 if tokenizer.bos_id is not None else 0)
     content = len(tokenizer.encode_ordinary([text])[0])
+    head = 1 if tokenizer.bos_id is not None else 0
+    settings = manifest.model_extra.get("fim")
+    if settings:  # the document was FIM'd (or not) by a seeded draw: redo it to map the token to its plain place
+        tail = 1 if tokenizer.eos_id is not None else 0
+        layout = fim.layout(document_id, head + content + tail, head, tail, settings["rate"], settings["spm_rate"],
+                            settings["seed"])
+        plain = fim.source_index(layout, doc_token)
+        if plain is None:
+            return Located(document_id, path, origin(row["metadata"]), None, "FIM", "", "", "")
+        doc_token = plain
+    index = doc_token - head
     if index < 0 or index >= content:
         framing = "BOS" if index < 0 else "EOS"
         at = 0 if index < 0 else len(text)
@@ -117,4 +137,35 @@ def locate_text(shard: Path, source: str, document_id: str, doc_token: int, wind
                        text[max(0, at - window):at], "", text[at:at + window])
     start, end = char_span(tokenizer, text, index)
     return Located(document_id, path, origin(row["metadata"]), (start, end), None,
+                   text[max(0, start - window):start], text[start:end], text[end:end + window])
+
+
+def _in_repository(pattern: str, manifest, tokenizer: Tokenizer, document_id: str, doc_token: int, window: int) -> Located:
+    """A token of a repository document: the repository is rebuilt from its files' Document rows (the manifest records
+    how it was rendered, and FIM'd), which names the file and the token's index in the file's own tokens."""
+    source, _, repo = document_id.removeprefix(REPOSITORY_ID_PREFIX).partition("/")
+    settings = RepositorySettings.model_validate(manifest.model_extra["repositories"])
+    fim_settings = FimSettings.model_validate(manifest.model_extra["fim"]) if manifest.model_extra.get("fim") else None
+    files, rows = [], {}
+    for path in sorted(m.path for r in FileSystems.match([pattern]) for m in r.metadata_list):
+        with FileSystems.open(path) as handle:
+            table = pq.read_table(handle, columns=["id", "source", "text", "metadata"])
+        mine = table.filter(pc.and_(pc.equal(pc.struct_field(table["metadata"], settings.field), repo),
+                                    pc.equal(table["source"], source)))
+        for row in mine.to_pylist():
+            if row["id"] and row["text"] is not None:
+                files.append(RepoFile(row["id"], (row["metadata"] or {}).get("path") or row["id"], row["text"]))
+                rows[row["id"]] = (path, row)
+    if not files:
+        raise LocateError(f"no file of repository {repo} (source {source}) is in the files matching {pattern} any more")
+    ids = fim.resolve_ids(fim_settings, tokenizer) if fim_settings is not None else None
+    built = repository_tokens(source, repo, files, settings, tokenizer, fim_settings, ids)
+    found = file_token(built, doc_token, fim_settings, int(tokenizer.bos_id is not None), int(tokenizer.eos_id is not None))
+    if found is None:
+        return Located(document_id, pattern, f"repository {repo}", None, "repository header, BOS/EOS or FIM", "", "", "")
+    file_id, index = found
+    path, row = rows[file_id]
+    text = row["text"]
+    start, end = char_span(tokenizer, text, index)
+    return Located(file_id, path, origin(row["metadata"]), (start, end), None,
                    text[max(0, start - window):start], text[start:end], text[end:end + window])

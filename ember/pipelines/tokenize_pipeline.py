@@ -13,6 +13,10 @@ Stages (each a Beam transform, so the same graph runs on FnApiRunner, Flink or D
      shard's tokens.
   4. each shard written by its worker, atomically, then - last - the manifest with per-shard sha256 and exact
      per-source token/padding accounting.
+Code mid-training options (docs/guides/code-data.md), each recorded in the manifest: `repositories` turns a
+source's files into one document per repository before step 1 (ember/pipelines/code/documents.py); `fim`
+rearranges a document's tokens in step 1 (ember/tokenize/fim.py); `mixture` gives each document its seeded number
+of copies in step 2, each packed as a document of its own (ember/tokenize/mixtures.py).
 The graph is kept to few transforms: Beam's fixed cost (graph construction, bundle set-up) is paid per
 transform, and on a small build it is most of the run (bench/bench_tokenize_pack.py).
 `run` writes the set into a fresh staging directory next to `output_dir` and swaps it in once the
@@ -25,6 +29,7 @@ machine's disk is refused before any work.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -57,7 +62,8 @@ from ember.pipelines.jobs.runners import run_pipeline, runs_locally
 from ember.schemas import SchemaValidationError
 from ember.schemas.documents import REJECTED_SCHEMA, reject_row
 from ember.schemas.shards import MANIFEST_FILENAME, Manifest, parse_manifest, read_manifest
-from ember.tokenize.config import ShardSource, TokenizeConfig, TokenizerConfig
+from ember.tokenize import fim, mixtures
+from ember.tokenize.config import FimSettings, ShardSource, TokenizeConfig, TokenizerConfig
 from ember.tokenize.packing import Segment, assemble, pack, window_count, window_of
 from ember.tokenize.shards import ShardRow, encode_shard, shard_name
 from ember.tokenize.shuffle import FeistelPermutation
@@ -80,6 +86,12 @@ worker) uses it instead of parsing the tokenizer file again; worker processes lo
 go when the driver drops its tokenizer."""
 
 
+def driver_or_loaded(driver_tokenizer: str | None, config: TokenizerConfig) -> Tokenizer:
+    """The driver's tokenizer when this worker runs in the driver's process, else one loaded here."""
+    shared = _DRIVER_TOKENIZERS.get(driver_tokenizer or "")
+    return shared if shared is not None and shared.config == config else load_tokenizer(config)
+
+
 def _keyed_reject(row: dict) -> beam.pvalue.TaggedOutput:
     return beam.pvalue.TaggedOutput(REJECTS, (REJECTS_KEY, row))
 
@@ -91,8 +103,9 @@ class TokenizeDocuments(beam.DoFn):
     LENGTHS = "lengths"
 
     def __init__(self, tokenizer: TokenizerConfig, source: ShardSource, location: str, batch_documents: int,
-                 progress_dir: str | None = None, driver_tokenizer: str | None = None):
+                 progress_dir: str | None = None, driver_tokenizer: str | None = None, fim_settings: FimSettings | None = None):
         self._progress_dir = progress_dir
+        self._fim = fim_settings
         self._driver_tokenizer = driver_tokenizer
         self._tokenizer_config = tokenizer
         self._source = source
@@ -103,10 +116,10 @@ class TokenizeDocuments(beam.DoFn):
         self._rejected = Metrics.counter(STAGE, f"{source.name}.rejected")
 
     def setup(self) -> None:
-        shared = _DRIVER_TOKENIZERS.get(self._driver_tokenizer or "")
-        self._tok = shared if shared is not None and shared.config == self._tokenizer_config else load_tokenizer(
-            self._tokenizer_config)
+        self._tok = driver_or_loaded(self._driver_tokenizer, self._tokenizer_config)
         self._progress = ProgressWriter(self._progress_dir)
+        self._fim_ids = fim.resolve_ids(self._fim, self._tok) if self._fim is not None else None
+        self._framing = (int(self._tok.bos_id is not None), int(self._tok.eos_id is not None))
 
     def finish_bundle(self) -> None:
         self._progress.flush()
@@ -136,6 +149,8 @@ class TokenizeDocuments(beam.DoFn):
                 if content == 0:
                     yield self._reject(ids[i], "empty_after_tokenization", f"{len(texts[i])} characters")
                     continue
+                if self._fim_ids is not None:
+                    tokens = fim.framed(self._fim, tokens, ids[i], *self._framing, self._fim_ids)
                 self._documents.inc()
                 self._tokens.inc(len(tokens))
                 key = (name, ids[i])
@@ -161,10 +176,11 @@ class PackWindow(beam.DoFn):
 
     WINDOWS = "windows"
 
-    def __init__(self, seq_len: int, strategy: str, sources: dict[str, str]):
+    def __init__(self, seq_len: int, strategy: str, sources: dict[str, str], repeated: bool = False):
         self._seq_len = seq_len
         self._strategy = strategy
         self._source_paths = sources
+        self._repeated = repeated  # documents may come as several copies (a mixture): joined on the base id
 
     def process(self, element):
         (source, window), lengths = element
@@ -177,20 +193,35 @@ class PackWindow(beam.DoFn):
         packing = pack([n for _, n in docs], self._seq_len, self._strategy)
         for bin_index, pieces in enumerate(packing.bins):
             for slot, piece in enumerate(pieces):
-                yield (source, docs[piece.doc][0]), (PLACEMENT, (window, bin_index, slot, piece.start, piece.end))
+                name = docs[piece.doc][0]
+                key = (source, mixtures.base_id(name) if self._repeated else name)
+                yield key, (PLACEMENT, (window, bin_index, slot, piece.start, piece.end, name))
         stats = WindowStats(len(docs), packing.tokens, len(packing.bins), packing.padding_tokens, packing.split_documents)
         yield beam.pvalue.TaggedOutput(self.WINDOWS, ((source, window), stats))
 
 
-def assign_window(element, counts: dict[str, int], window_documents: int, seed: int):
-    """((source, id), length) -> ((source, window), (id, length))."""
+def assign_window(element, counts: dict[str, int], window_documents: int, seed: int, plans: dict | None = None,
+                  mixture_seed: int = 0):
+    """((source, id), length) -> ((source, window), (id, length)), once per copy the mixture `plans` give it (the
+    copies go to windows of their own)."""
     (source, doc_id), length = element
-    return (source, window_of(doc_id, window_count(counts[source], window_documents), seed)), (doc_id, length)
+    n = mixtures.copies(plans[source], doc_id, mixture_seed) if plans is not None else 1
+    windows = window_count(counts[source], window_documents)
+    for k in range(n):
+        name = mixtures.copy_id(doc_id, k)
+        yield (source, window_of(name, windows, seed)), (name, length)
 
 
-def window_layout(windows: list[tuple[tuple[str, int], WindowStats]]) -> dict:
+def mixture_plans(token_sums: list[tuple[str, int]], config: TokenizeConfig) -> dict[str, mixtures.SourcePlan]:
+    assert config.mixture is not None
+    available = {s.name: 0 for s in config.sources} | dict(token_sums)
+    return mixtures.plan(available, {s.name: s.weight for s in config.sources}, config.mixture.budgets,
+                         config.mixture.total_tokens)
+
+
+def window_layout(windows: list[tuple[tuple[str, int], WindowStats]], sampled: bool = False) -> dict:
     """Dense global index of each window's first bin, in (source, window) order, the total, and the
-    stats summed per source."""
+    stats summed per source; `sampled` when a mixture may leave documents out."""
     offsets: dict[tuple[str, int], int] = {}
     stats: dict[str, WindowStats] = {}
     total = 0
@@ -198,7 +229,7 @@ def window_layout(windows: list[tuple[tuple[str, int], WindowStats]]) -> dict:
         offsets[key] = total
         total += window.sequences
         stats[key[0]] = stats.get(key[0], WindowStats()) + window
-    return {"offsets": offsets, "total": total, "stats": stats}
+    return {"offsets": offsets, "total": total, "stats": stats, "sampled": sampled}
 
 
 class RoutePieces(beam.DoFn):
@@ -216,15 +247,17 @@ class RoutePieces(beam.DoFn):
             values[kind].append(value)
         copies = sorted(values[TOKENS], key=lambda b: (len(b), b))
         placements = values[PLACEMENT]
+        if copies and not placements and layout.get("sampled"):
+            return  # a mixture drew no copy of this document
         if not copies or not placements:
             raise RuntimeError(f"document {doc_id} has {len(copies)} token copies and {len(placements)} placements")
         data = copies[0]
         if self._permutation is None or self._permutation.n != layout["total"]:
             self._permutation = FeistelPermutation(layout["total"], self._seed)
-        for window, bin_index, slot, start, end in placements:
+        for window, bin_index, slot, start, end, name in placements:
             position = self._permutation(layout["offsets"][(source, window)] + bin_index)
             shard, row = divmod(position, self._per_shard)
-            yield shard, (row, slot, source, doc_id, start, end, data[start * TOKEN_BYTES : end * TOKEN_BYTES])
+            yield shard, (row, slot, source, name, start, end, data[start * TOKEN_BYTES : end * TOKEN_BYTES])
 
 
 class WriteShard(beam.DoFn):
@@ -306,6 +339,7 @@ def _finish(
     layout: dict,
     rejected: list,
     prefix: str = "",
+    plans: dict | None = None,
 ) -> str:
     """The last step: gathers the accounting, checks that every shard the workers reported is at the set's location
     at its size, and writes the manifest atomically (and an empty rejected.parquet when nothing was rejected, so
@@ -327,6 +361,10 @@ def _finish(
         s = by_source.get(source.name, WindowStats())
         realised = round(s.tokens / total_tokens, 6) if total_tokens else 0.0
         sources[source.name] = {**asdict(s), "mixture_weight": source.weight, "realised_weight": realised}
+        if plans is not None:  # target against realised: the report's mixture table
+            plan = plans[source.name]
+            sources[source.name].update(available_tokens=plan.available, target_tokens=plan.target,
+                                        repeats=plan.repeats, fraction=round(plan.fraction, 6))
         fill[source.name] = s.tokens / (s.sequences * config.seq_len) if s.sequences else None
     manifest = Manifest(
         tokenizer=tokenizer,
@@ -339,6 +377,9 @@ def _finish(
         config_hash=config_hash,
         created_at=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         packing={"strategy": config.packing, "window_documents": config.window_documents, "seed": config.seed},
+        fim=config.fim.model_dump(mode="json") if config.fim is not None else None,  # `inspect --locate` undoes it
+        mixture=config.mixture.model_dump(mode="json") if config.mixture is not None else None,
+        repositories=config.repositories.model_dump(mode="json") if config.repositories is not None else None,
         framing=framing,
         sequences_per_shard=config.sequences_per_shard,
         rows_per_batch=config.rows_per_batch,
@@ -363,38 +404,51 @@ def build(pipeline: beam.Pipeline, config: TokenizeConfig, tokenizer: Tokenizer,
     source_paths = {s.name: s.path for s in recorded.sources}
     tokenized, lengths, rejects = [], [], []
     for source in config.sources:
+        read = pipeline | f"Read {source.name}" >> beam.io.ReadFromParquetBatched(source.path, columns=read_columns(config, source.name))
+        if grouped_by_repository(config, source.name):
+            read = _repository_documents(read, config, source.name, tokenized, lengths, driver_tokenizer)
         outputs = (
-            pipeline
-            | f"Read {source.name}" >> beam.io.ReadFromParquetBatched(source.path, columns=list(REQUIRED_COLUMNS))
+            read
             | f"Tokenize {source.name}"
             >> beam.ParDo(
                 TokenizeDocuments(config.tokenizer, source, source_paths[source.name], config.encode_batch_documents,
-                                  progress_dir, driver_tokenizer)
+                                  progress_dir, driver_tokenizer, config.fim)
             ).with_outputs(TokenizeDocuments.LENGTHS, REJECTS, main="documents")
         )
         tokenized.append(outputs.documents)
         lengths.append(outputs[TokenizeDocuments.LENGTHS])
         rejects.append(outputs[REJECTS])
-    if len(config.sources) > 1:
+    if len(lengths) > 1:
         lengths = [lengths | "All lengths" >> beam.Flatten()]
     counts = (
         lengths[0]
         | "Per source" >> beam.MapTuple(lambda key, _n: (key[0], 1))
         | "Count documents" >> beam.CombinePerKey(sum)
     )
+    plans = None
+    if config.mixture is not None:
+        plans = (
+            lengths[0]
+            | "Tokens per source" >> beam.MapTuple(lambda key, n: (key[0], n))
+            | "Sum tokens" >> beam.CombinePerKey(sum)
+            | "All sums" >> beam.combiners.ToList()
+            | "Plan mixture" >> beam.Map(mixture_plans, config)
+        )
     packed = (
         lengths[0]
         | "Assign windows"
-        >> beam.Map(assign_window, counts=beam.pvalue.AsDict(counts), window_documents=config.window_documents,
-                    seed=config.seed)
+        >> beam.FlatMap(assign_window, counts=beam.pvalue.AsDict(counts), window_documents=config.window_documents,
+                        seed=config.seed, plans=beam.pvalue.AsSingleton(plans) if plans is not None else None,
+                        mixture_seed=config.mixture.seed if config.mixture else 0)
         | "Group windows" >> beam.GroupByKey()
         | "Pack windows"
-        >> beam.ParDo(PackWindow(config.seq_len, config.packing, source_paths)).with_outputs(
+        >> beam.ParDo(PackWindow(config.seq_len, config.packing, source_paths, config.mixture is not None)).with_outputs(
             PackWindow.WINDOWS, REJECTS, main="placements"
         )
     )
     rejects.append(packed[REJECTS])
-    layout = packed[PackWindow.WINDOWS] | "Windows" >> beam.combiners.ToList() | "Layout" >> beam.Map(window_layout)
+    layout = (packed[PackWindow.WINDOWS] | "Windows" >> beam.combiners.ToList()
+              | "Layout" >> beam.Map(window_layout, config.mixture is not None))
     entries = (
         [*tokenized, packed.placements]
         | "Tokens and placements" >> beam.Flatten()
@@ -434,8 +488,40 @@ def build(pipeline: beam.Pipeline, config: TokenizeConfig, tokenizer: Tokenizer,
             layout=beam.pvalue.AsSingleton(layout),
             rejected=beam.pvalue.AsList(reject_counts),
             prefix=prefix,
+            plans=beam.pvalue.AsSingleton(plans) if plans is not None else None,
         )
     )
+
+
+def grouped_by_repository(config: TokenizeConfig, source: str) -> bool:
+    repositories = config.repositories
+    return repositories is not None and (repositories.sources is None or source in repositories.sources)
+
+
+def read_columns(config: TokenizeConfig, source: str) -> list[str]:
+    """The Document columns tokenize reads: metadata too when the source's files are grouped by repository."""
+    return [*REQUIRED_COLUMNS, "metadata"] if grouped_by_repository(config, source) else list(REQUIRED_COLUMNS)
+
+
+def _repository_documents(read, config: TokenizeConfig, source: str, tokenized: list, lengths: list, driver_tokenizer: str):
+    """Files with a repository become one document per repository (their tokens and lengths appended to
+    `tokenized` and `lengths`); returns the other row groups, which are tokenized one document at a time."""
+    from ember.pipelines.code.documents import SplitRepositories, TokenizeRepositories
+
+    assert config.repositories is not None
+    split = read | f"Split repositories {source}" >> beam.ParDo(
+        SplitRepositories(source, config.repositories.field)).with_outputs(SplitRepositories.FILES, main="rest")
+    repos = (
+        split[SplitRepositories.FILES]
+        | f"Group repositories {source}" >> beam.GroupByKey()
+        | f"Tokenize repositories {source}" >> beam.ParDo(
+            TokenizeRepositories(config.tokenizer, config.repositories, config.fim,
+                                 functools.partial(driver_or_loaded, driver_tokenizer))).with_outputs(
+                TokenizeRepositories.LENGTHS, main="documents")
+    )
+    tokenized.append(repos.documents | f"Repository tokens {source}" >> beam.MapTuple(lambda key, data: (key, (TOKENS, data))))
+    lengths.append(repos[TokenizeRepositories.LENGTHS])
+    return split.rest
 
 
 def check_sources(config: TokenizeConfig) -> None:
@@ -452,7 +538,7 @@ def check_sources(config: TokenizeConfig) -> None:
             except Exception as exc:  # pyarrow raises several types for a non-Parquet file
                 problems.append(f"sources.{i}.path: {path} is not readable Parquet ({exc})")
                 continue
-            missing = [c for c in REQUIRED_COLUMNS if c not in names]
+            missing = [c for c in read_columns(config, source.name) if c not in names]
             if missing:
                 problems.append(f"sources.{i}.path: {path} lacks Document columns {missing}")
     if problems:
@@ -628,6 +714,8 @@ def run(
     preflight_sources(config)
     previous = preflight_url_output(config, overwrite) if to_url else set()
     tokenizer = tokenizer or load_tokenizer(config.tokenizer)
+    if config.fim is not None:
+        fim.resolve_ids(config.fim, tokenizer)  # FIM tokens the tokenizer lacks: refused before any work
     check_sources(config)
     if to_url:
         return write_to_url(config, beam_args, tokenizer, recorded or config, console, previous)

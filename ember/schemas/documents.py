@@ -14,7 +14,7 @@ import pyarrow as pa
 from ember.schemas.errors import FieldIssue, raise_if_issues
 from ember.schemas.versioning import versioned_schema
 
-DOCUMENT_SCHEMA_VERSION = 2  # 2: metadata.fetch_date, content_type, language_score (web input)
+DOCUMENT_SCHEMA_VERSION = 3  # 2: metadata.fetch_date, content_type, language_score (web input); 3: quality_score
 REJECTED_SCHEMA_VERSION = 1
 CLUSTER_SCHEMA_VERSION = 1
 
@@ -32,10 +32,11 @@ METADATA_TYPE = pa.struct(
         pa.field("fetch_date", pa.string()),  # WARC-Date of a crawled page
         pa.field("content_type", pa.string()),  # its HTTP media type
         pa.field("language_score", pa.float64()),  # language ID's confidence in `language` (web documents)
+        pa.field("quality_score", pa.float64()),  # the quality classifier's probability of its label
     ]
 )
 METADATA_KEYS: tuple[str, ...] = tuple(f.name for f in METADATA_TYPE)
-DERIVED_METADATA_KEYS: tuple[str, ...] = ("language_score",)
+DERIVED_METADATA_KEYS: tuple[str, ...] = ("language_score", "quality_score")
 """Set by the build itself, never mapped from a record field."""
 
 DOCUMENT_SCHEMA = versioned_schema(
@@ -131,9 +132,10 @@ class Document:
         stars = self.metadata.get("stars")
         if stars is not None and not isinstance(stars, int):
             found.append(FieldIssue("metadata.stars", f"must be an integer, got {stars!r}"))
-        score = self.metadata.get("language_score")
-        if score is not None and not isinstance(score, (int, float)):
-            found.append(FieldIssue("metadata.language_score", f"must be a number, got {score!r}"))
+        for key in DERIVED_METADATA_KEYS:
+            score = self.metadata.get(key)
+            if score is not None and not isinstance(score, (int, float)):
+                found.append(FieldIssue(f"metadata.{key}", f"must be a number, got {score!r}"))
         return found
 
     def validate(self) -> "Document":

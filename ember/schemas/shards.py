@@ -90,6 +90,11 @@ class SourceStats(BaseModel):
     realised_weight: float | None = Field(
         default=None, ge=0, le=1, description="this source's share of the set's document tokens: what the weight became"
     )
+    # With a token-budget mixture (ember/tokenize/mixtures.py): the plan `tokens` realised.
+    available_tokens: int | None = Field(default=None, ge=0, description="the source's tokens taken once")
+    target_tokens: int | None = Field(default=None, ge=0)
+    repeats: int | None = Field(default=None, ge=0, description="copies every document gets")
+    fraction: float | None = Field(default=None, ge=0, lt=1, description="share of documents given one more copy")
 
 
 class ShardEntry(BaseModel):

@@ -53,6 +53,10 @@ class TokenizerConfig(StrictModel):
     )
     pad_token: str | None = Field(default=None, description="fills the tail of a sequence; defaults to eos_token")
     dtype: Literal["auto", "uint16", "uint32"] = "auto"
+    add_special_tokens: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=list,
+        description="special tokens a Hugging Face tokenizer lacks (FIM's), added after its vocabulary: new ids, new identity",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -101,6 +105,48 @@ class ShardSource(StrictModel):
     weight: float = Field(default=1.0, ge=0)
 
 
+class FimSettings(StrictModel):
+    """Fill-in-the-middle at tokenize time (ember/tokenize/fim.py): which documents, which order, which tokens.
+    The tokens must be special tokens of the tokenizer; a tokenizer without them is refused before any work, unless
+    `tokenizer.add_special_tokens` lists them (a Hugging Face tokenizer gets them as new ids)."""
+
+    rate: float = Field(default=0.5, ge=0, le=1, description="share of documents FIM'd")
+    spm_rate: float = Field(default=0.5, ge=0, le=1, description="share of FIM'd documents in SPM order (the rest PSM)")
+    level: Literal["file", "repository"] = Field(
+        default="file", description="with repository documents: FIM each file's text, or the whole repository document"
+    )
+    prefix_token: str = Field(default="<fim_prefix>", min_length=1)
+    middle_token: str = Field(default="<fim_middle>", min_length=1)
+    suffix_token: str = Field(default="<fim_suffix>", min_length=1)
+    seed: int = Field(default=0, ge=0, lt=2**63)
+
+
+class MixtureSettings(StrictModel):
+    """Token budgets per source (ember/tokenize/mixtures.py): documents repeated or sampled, seeded by their ids."""
+
+    total_tokens: int | None = Field(default=None, ge=1, description="the sources' weights share what budgets leave of it")
+    budgets: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict, description="source name -> tokens")
+    seed: int = Field(default=0, ge=0, lt=2**63)
+
+    @model_validator(mode="after")
+    def _something_to_plan(self) -> "MixtureSettings":
+        if self.total_tokens is None and not self.budgets:
+            raise ValueError("set total_tokens, budgets or both (without either there is nothing to resample)")
+        return self
+
+
+class RepositorySettings(StrictModel):
+    """Repository-level documents (ember/pipelines/code/): a source's files grouped by a metadata field, ordered and
+    rendered as one document (StarCoder2's layout by default). Documents without the field stay as they are."""
+
+    field: Literal["repo"] = Field(default="repo", description="the metadata key naming a document's repository")
+    order: Literal["dependency", "random", "path"] = "dependency"
+    seed: int = Field(default=0, ge=0, lt=2**63, description="of the `random` order")
+    repo_header: str = Field(default="<repo_name>{repo}", description="once per repository; {repo} is its name")
+    file_header: str = Field(default="<file_sep>{path}\n", description="before each file; {path}, {repo}")
+    sources: list[str] | None = Field(default=None, description="the sources grouped; default every source")
+
+
 class PackSettings(StrictModel):
     """How documents become shards: everything but where they come from and where shards go.
 
@@ -124,6 +170,9 @@ class PackSettings(StrictModel):
         default=2048, ge=1, description="documents per tokenizer batch call"
     )
     seed: int = Field(default=0, ge=0, lt=2**63)
+    fim: FimSettings | None = Field(default=None, description="fill-in-the-middle; off when absent")
+    mixture: MixtureSettings | None = Field(default=None, description="token budgets per source; off when absent")
+    repositories: RepositorySettings | None = Field(default=None, description="repository-level documents; off when absent")
 
     @model_validator(mode="after")
     def _shards_fit(self) -> "PackSettings":
@@ -160,6 +209,20 @@ class TokenizeConfig(PackSettings):
     @classmethod
     def _unique_sources(cls, sources: list[ShardSource]) -> list[ShardSource]:
         return configs.unique_names(sources)
+
+    @model_validator(mode="after")
+    def _settings_name_sources(self) -> "TokenizeConfig":
+        """Budgets and repository grouping name sources: a typo would silently budget or group nothing."""
+        names = {s.name for s in self.sources}
+        problems = []
+        if self.mixture is not None:
+            problems += [(f"mixture.budgets.{name}", f"no source is named {name!r} (sources: {sorted(names)})")
+                         for name in self.mixture.budgets if name not in names]
+        if self.repositories is not None and self.repositories.sources is not None:
+            problems += [("repositories.sources", f"no source is named {name!r} (sources: {sorted(names)})")
+                         for name in self.repositories.sources if name not in names]
+        configs.check(problems)
+        return self
 
     def config_hash(self, tokenizer_hash: str) -> str:
         """Hash of what determines the output bytes; the output directory itself is left out."""

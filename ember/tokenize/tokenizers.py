@@ -86,6 +86,14 @@ class _HuggingFaceBackend:
     def special_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)
 
+    def add_special(self, tokens: list[str]) -> list[str]:
+        """Adds the tokens the vocabulary lacks, as special tokens after its last id; returns those added."""
+        from tokenizers import AddedToken
+
+        missing = [t for t in tokens if self._tokenizer.token_to_id(t) is None]
+        self._tokenizer.add_special_tokens([AddedToken(t, special=True) for t in missing])
+        return missing
+
     def special_tokens(self) -> list[str]:
         return [t.content for _, t in sorted(self._tokenizer.get_added_tokens_decoder().items()) if t.special]
 
@@ -320,12 +328,21 @@ class Tokenizer:
         self.pad_id = self._special("pad_token", config.pad_token) if config.pad_token else self.eos_id
         self.dtype = resolve_dtype(config.dtype, identity.vocab_size)
 
+    def special_token_id(self, key: str, token: str) -> int:
+        """The id of special token `token`; `TokenizerLoadError` naming config key `key` when the tokenizer lacks it."""
+        token_id = self._backend.special_id(token)
+        if token_id is None:
+            raise TokenizerLoadError(f"{key}: '{token}' is not a token of {self.identity.name}; {self._choices(token, key)}; "
+                                     "or list it in tokenizer.add_special_tokens (a Hugging Face tokenizer)")
+        return token_id
+
     def _special(self, key: str, token: str | None) -> int | None:
         if token is None:
             return None
         token_id = self._backend.special_id(token)
         if token_id is None:
-            raise TokenizerLoadError(f"tokenizer.{key}: '{token}' is not a token of {self.identity.name}; {self._choices(token, key)}")
+            raise TokenizerLoadError(f"tokenizer.{key}: '{token}' is not a token of {self.identity.name}; "
+                                     f"{self._choices(token, f'tokenizer.{key}')}")
         return token_id
 
     def _choices(self, token: str, key: str) -> str:
@@ -335,7 +352,7 @@ class Tokenizer:
         if not special:
             return f"{where} defines no special tokens"
         guess = closest(token, special)
-        return (f"{f'did you mean {guess!r}? ' if guess else ''}set tokenizer.{key} to one of the special tokens "
+        return (f"{f'did you mean {guess!r}? ' if guess else ''}set {key} to one of the special tokens "
                 f"{where} defines: {_listing([repr(t) for t in special])}")
 
     def encode_ordinary(self, texts: list[str]) -> list[list[int]]:
@@ -380,8 +397,16 @@ def resolve_dtype(requested: str, vocab_size: int) -> str:
 def load_tokenizer(config: TokenizerConfig) -> Tokenizer:
     """The configured tokenizer, found offline (see the module docstring for the order names are tried in)."""
     found = _find(config)
+    digest = found.digest
+    if config.add_special_tokens:
+        if not isinstance(found.backend, _HuggingFaceBackend):
+            raise TokenizerLoadError(f"tokenizer.add_special_tokens: {found.name} is a tiktoken encoding, which takes no new "
+                                     "tokens; use a Hugging Face tokenizer.json, or name tokens the encoding has")
+        added = found.backend.add_special(list(config.add_special_tokens))
+        if added:  # new ids: a tokenizer with them is not the file's tokenizer any more
+            digest = hashlib.sha256(json.dumps([found.digest, added]).encode()).hexdigest()
     identity = TokenizerIdentity(
-        name=found.name, hash=found.digest[:32], vocab_size=found.backend.vocab_size, source=found.source,
+        name=found.name, hash=digest[:32], vocab_size=found.backend.vocab_size, source=found.source,
         file_sha256=found.file_sha256,
     )
     return Tokenizer(config, found.backend, identity, found.default_eos, found.why_no_eos)

@@ -253,3 +253,70 @@ def test_an_output_short_of_free_space_is_refused_before_the_pipeline(corpus, tm
     code, output = invoke("corpus", "tokenize", write_config(corpus, "full", output_dir=str(out)), "--min-free-mb", 10**12)
     assert code == 2 and "MiB free, the build needs at least" in output and "Traceback" not in output, output
     assert not out.exists() and staging_leftovers(out) == []
+
+
+def test_blend_export_is_read_by_megatron_in_the_weights_share(built, tmp_path):
+    """The --per-split-data-args-path JSON and the --data-path words, parsed by megatron-core's own reader and built by
+    its BlendedMegatronDatasetBuilder, draw each source in its weight's share."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.utils import get_blend_from_list
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    code, output = invoke("export", "megatron", "--blend", built, tmp_path / "mix")
+    assert code == 0, output
+    per_split = json.loads((tmp_path / "mix.per-split.json").read_text())
+    blend = get_blend_from_list(per_split["train"])  # what --per-split-data-args-path parses, split by split
+    assert blend == get_blend_from_list((tmp_path / "mix.data-path.txt").read_text().split())
+    assert [p.rsplit(".", 1)[1] for p in blend[0]] == ["code", "web"] and blend[1] == [0.7, 0.3]
+    manifest = read_manifest(built)
+    config = GPTDatasetConfig(
+        random_seed=1, sequence_length=SEQ_LEN - 1, blend_per_split=[blend, None, None], path_to_cache=str(tmp_path / "cache"),
+        tokenizer=NullTokenizer(manifest.tokenizer.vocab_size), reset_position_ids=False, reset_attention_mask=False,
+        eod_mask_loss=False,
+    )
+    samples = 2000
+    train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [samples, None, None], lambda: True, config).build()
+    drawn = np.bincount(train.dataset_index, minlength=2)
+    assert len(train) == samples
+    assert abs(drawn[0] / samples - 0.7) < 0.02, drawn  # BlendedDataset interleaves by error, not by chance
+    for i, source in enumerate(("code", "web")):  # each prefix holds its source's rows, in shard order
+        rows = train.datasets[i].dataset
+        assert [rows[j].tolist() for j in range(len(rows))] == [r["tokens"] for r in read_rows(built) if r["source"] == source]
+
+
+def test_token_budgets_repeat_and_sample_documents_by_seeded_ids(built, corpus):
+    """code gets twice and a half its tokens (2 copies of each document, a third for about half), web a budget of a
+    third of its tokens; the manifest records target against realised, and every copy is the document's tokens."""
+    plain = read_manifest(built)
+    budgets = {"code": int(plain.sources["code"].tokens * 2.5), "web": plain.sources["web"].tokens // 3}
+    code, output = invoke("corpus", "tokenize", write_config(corpus, "mix", mixture={"budgets": budgets, "seed": 4}))
+    assert code == 0, output
+    assert "target" in output and str(budgets["code"]) in output  # the summary: target against realised
+    out = corpus["root"] / "out-mix"
+    assert verify_shard_set(out) == []
+    manifest = read_manifest(out)
+    expected = reference_tokens(corpus)
+    seen: dict[str, dict[str, list[int]]] = {}
+    for row in read_rows(out):
+        for lo, hi, segment in zip(row["cu_seqlens"], row["cu_seqlens"][1:], row["segments"]):
+            seen.setdefault(segment["document_id"], {})[segment["doc_token_start"]] = row["tokens"][lo:hi]
+    copies: dict[str, int] = {}
+    for name, pieces in seen.items():
+        base = re.sub(r"#copy\d+$", "", name)
+        assert [t for _, part in sorted(pieces.items()) for t in part] == expected[base], name
+        copies[base] = copies.get(base, 0) + 1
+    code_docs = [d.id for d in corpus["docs"]["code"]]
+    assert all(copies[d] in (2, 3) for d in code_docs) and any(copies[d] == 3 for d in code_docs)
+    assert all(copies.get(d.id, 0) in (0, 1) for d in corpus["docs"]["web"])
+    for source, target in budgets.items():
+        stats = manifest.sources[source].model_dump()
+        assert stats["target_tokens"] == target
+        # planned before packing drops a repeated id (web holds one): its tokens are counted in what is available
+        assert stats["available_tokens"] - plain.sources[source].tokens == (0 if source == "code" else len(expected[corpus["docs"]["web"][3].id]))
+        assert abs(stats["tokens"] - target) < 0.35 * target, (source, stats["tokens"], target)  # a seeded draw
+    assert manifest.model_extra["mixture"]["budgets"] == budgets
+    assert manifest.sources["code"].model_dump()["repeats"] == 2
+    from ember.pipelines.corpus.report_html import mixture_rows
+
+    assert [r[:3] for r in mixture_rows(str(out))] == [[s, budgets[s], manifest.sources[s].tokens] for s in ("code", "web")]

@@ -31,7 +31,7 @@ def test_rollout_table_round_trip(rollout):
 
 def test_tables_carry_schema_name_and_version():
     table = documents_to_table([Document("stack", "code", "print(1)")])
-    assert schema_identity(table.schema) == ("Document", 2)
+    assert schema_identity(table.schema) == ("Document", 3)
     assert table.schema.equals(DOCUMENT_SCHEMA, check_metadata=True)
 
 

@@ -34,13 +34,13 @@ def exactness_corpus() -> list[str]:
     return [*code_documents(), *WEB, long_line, "a", " ", "\n\n\n", "<|endoftext|>"]
 
 
-def train_tokenizer(path: Path, vocab_size: int = 600) -> Path:
+def train_tokenizer(path: Path, vocab_size: int = 600, extra_special: list[str] = ()) -> Path:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=[*SPECIAL_TOKENS, *extra_special],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

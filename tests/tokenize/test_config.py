@@ -27,6 +27,10 @@ def with_(**changes):
         (with_(tokenizer={"eos_token": "e"}), "tokenizer.name: set tokenizer.name (a tiktoken encoding such as cl100k_base"),
         (with_(tokenizer={"name": "cl100k_base", "revision": ""}), "tokenizer.revision: String should have at least 1 character"),
         (with_(tokenizer={**VALID["tokenizer"], "dtype": "int8"}), "tokenizer.dtype"),
+        (with_(mixture={"budgets": {"cod": 10}}), "mixture.budgets.cod: no source is named 'cod'"),
+        (with_(mixture={"seed": 1}), "mixture: set total_tokens, budgets or both"),
+        (with_(repositories={"sources": ["webb"]}), "repositories.sources: no source is named 'webb'"),
+        (with_(fim={"rate": 1.5}), "fim.rate: Input should be less than or equal to 1"),
     ],
 )
 def test_bad_keys_are_named(data, named):

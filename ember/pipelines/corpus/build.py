@@ -300,6 +300,10 @@ def build_corpus(config: CorpusConfig, beam_args: list[str], console: Console | 
         from ember.tokenize.tokenizers import load_tokenizer
 
         tokenizer = load_tokenizer(config.tokenize.tokenizer)  # one that does not load fails before the long part
+        if config.tokenize.fim is not None:
+            from ember.tokenize.fim import resolve_ids
+
+            resolve_ids(config.tokenize.fim, tokenizer)  # so do FIM tokens it lacks
     need = free_space_needed(config) if min_free_bytes is None else min_free_bytes
     local = is_local(config.output.directory)
     target = Path(os.path.abspath(config.output.directory)) if local else None
@@ -436,9 +440,12 @@ def _interrupted_state(target: Path, keys: tuple[str, str]) -> str:
 
 
 def shards_table(manifest: Manifest) -> Table:
-    table = Table("source", "documents", "tokens", "sequences", "fill", "split", title="shard set")
+    budgets = any(source.target_tokens is not None for source in manifest.sources.values())
+    table = Table("source", "documents", "tokens", *(["target"] if budgets else []), "sequences", "fill", "split",
+                  title="shard set")
     for name, source in manifest.sources.items():
         fill = source.tokens / max(1, source.sequences * manifest.seq_len)
-        table.add_row(name, f"{source.documents:,}", f"{source.tokens:,}", f"{source.sequences:,}", f"{fill:.2%}",
+        target = [f"{source.target_tokens:,}" if source.target_tokens is not None else "-"] if budgets else []
+        table.add_row(name, f"{source.documents:,}", f"{source.tokens:,}", *target, f"{source.sequences:,}", f"{fill:.2%}",
                       f"{source.split_documents:,}")
     return table

@@ -48,7 +48,7 @@ class FieldMapping(StrictModel):
             raise ValueError(f"unknown metadata keys {unknown}; Document metadata has {list(METADATA_KEYS)}")
         derived = sorted(set(mapping) & set(DERIVED_METADATA_KEYS))
         if derived:
-            raise ValueError(f"metadata keys {derived} are set by the build (language ID), not mapped from a field")
+            raise ValueError(f"metadata keys {derived} are set by the build (language ID, quality classifier), not mapped from a field")
         return mapping
 
 
@@ -372,6 +372,10 @@ def load_config(path: str) -> CorpusConfig:
     if blocklist.file is not None:
         web = config.filters.web.model_copy(update={"url_blocklist": blocklist.model_copy(update={"file": _resolve(base, blocklist.file)})})
         config = config.model_copy(update={"filters": config.filters.model_copy(update={"web": web})})
+    classifier = config.filters.classifier
+    if classifier is not None:
+        classifier = classifier.model_copy(update={"model": _resolve(base, classifier.model)})
+        config = config.model_copy(update={"filters": config.filters.model_copy(update={"classifier": classifier})})
     return config.model_copy(
         update={
             "sources": [s.model_copy(update={"inputs": [_resolve(base, g) for g in s.inputs]}) for s in config.sources],
@@ -427,5 +431,13 @@ def check_inputs(config: CorpusConfig) -> None:
     blocklist = config.filters.web.url_blocklist.file
     if blocklist is not None and not FileSystems.exists(blocklist):
         problems.append(f"filters.web.url_blocklist.file: '{blocklist}' does not exist")
+    classifier = config.filters.classifier
+    if classifier is not None:  # loaded here once, so a bad file or label fails before any work
+        from ember.pipelines.quality.classifier import ClassifierError, FastTextScorer
+
+        try:
+            FastTextScorer(classifier.model, classifier.label, classifier.max_chars)
+        except ClassifierError as exc:
+            problems.append(f"filters.classifier.model: {exc}")
     if problems:
         raise CorpusConfigError(configs.conceal("inputs are unusable:\n  " + "\n  ".join(problems), config._expanded))

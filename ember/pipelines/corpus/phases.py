@@ -47,7 +47,7 @@ from ember.pipelines.jobs.runners import run_pipeline
 from ember.files import write_atomically
 from ember.schemas.documents import DOCUMENT_SCHEMA, REJECTED_SCHEMA
 
-PHASE_VERSION = 2  # bump when a phase's graph or cache layout changes: old entries then never match
+PHASE_VERSION = 3  # bump when a phase's graph or cache layout changes: old entries then never match
 COMPLETE_FILE = ".complete.json"
 COMPLETE_SCHEMA = "ember.phase_cache"
 EVENTS_FILE = "events.json"
@@ -86,7 +86,14 @@ def documents_key(config: CorpusConfig) -> str:
         "filters": config.filters.model_dump(mode="json"),
         "redaction": config.redaction.model_dump(mode="json"),
         "inputs": input_listing(config),
+        "classifier_model": _file_identity(config.filters.classifier.model) if config.filters.classifier else None,
     })
+
+
+def _file_identity(path: str) -> list[Any]:
+    """A local file as [size, mtime_ns]: a retrained model at the same path makes the phase run again."""
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns]
 
 
 def output_key(config: CorpusConfig, documents: str) -> str:

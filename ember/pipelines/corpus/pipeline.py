@@ -1,5 +1,6 @@
-"""`ember corpus build` as one Beam graph: read -> unique ids -> filter -> redact -> decontaminate -> exact dedup
--> near dedup -> write (decontamination only with a `decontamination:` section).
+"""`ember corpus build` as one Beam graph: read -> unique ids -> filter -> quality classifier -> redact -> decontaminate
+-> exact dedup -> near dedup -> write (the classifier only with `filters.classifier`, decontamination only with a
+`decontamination:` section).
 
 The graph is a list of stages folded in order: each stage (ember/pipelines/corpus/stages.py) takes
 the previous one's documents and returns a `StageOutput`; the rejects, clusters and stats events of
@@ -16,7 +17,7 @@ from ember.pipelines.corpus.decontaminate import decontaminate_stage
 from ember.pipelines.corpus.incremental import near_dedup_stage
 from ember.pipelines.corpus.outputs import require_empty_output, write_outputs
 from ember.pipelines.corpus.stages import (
-    CLUSTER_TEXT_FIELDS, REJECT_TEXT_FIELDS, ExactDedup, FilterDocuments, PerDocument, ReadSources,
+    CLUSTER_TEXT_FIELDS, REJECT_TEXT_FIELDS, ClassifyDocuments, ExactDedup, FilterDocuments, PerDocument, ReadSources,
     RedactDocuments, RedactRows, StageOutput, UniqueIds,
 )
 from ember.pipelines.jobs.runners import run_pipeline
@@ -29,10 +30,10 @@ def corpus_stages(config: CorpusConfig, progress_dir: str | None = None) -> list
     id_sources = frozenset(s.name for s in config.sources if s.fields.id is not None or s.format == "files")
     if id_sources:
         stages.append(UniqueIds(id_sources))
-    stages += [
-        PerDocument(FilterDocuments(config.filters, progress_dir), counted=True),
-        PerDocument(RedactDocuments(config.redaction, progress_dir), counted=False),
-    ]
+    stages.append(PerDocument(FilterDocuments(config.filters, progress_dir), counted=True))
+    if config.filters.classifier is not None:
+        stages.append(PerDocument(ClassifyDocuments(config.filters.classifier, progress_dir), counted=True))
+    stages.append(PerDocument(RedactDocuments(config.redaction, progress_dir), counted=False))
     if config.decontamination is not None:
         stages.append(decontaminate_stage(config.decontamination, progress_dir))
     if config.dedup.exact:

@@ -29,6 +29,7 @@ from plotly.colors import qualitative
 from plotly.offline import get_plotlyjs
 
 from ember.pipelines.corpus.report import output_paths, read_stats, summary_rows
+from ember.pipelines.quality.classifier import SCORE_BIN_PREFIX, SCORE_BINS
 from ember.schemas.documents import REPORT_HTML_FILE, STATS_FILE
 from ember.schemas.shards import MANIFEST_FILENAME, read_manifest
 
@@ -97,6 +98,19 @@ def rejects_by_source(stats: dict[str, Any]) -> dict[str, dict[str, int]]:
         reason: {name: s["rejected"][reason] for name, s in stats["sources"].items() if s["rejected"].get(reason)}
         for reason, _ in sorted(totals.items(), key=lambda kv: (-kv[1], kv[0]))
     }
+
+
+def quality_scores(stats: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """Score bin ("0.35-0.40") -> source -> documents the quality classifier scored there, kept or rejected;
+    every bin between the lowest and highest reached is shown."""
+    counts: dict[int, dict[str, int]] = {}
+    for name, source in stats["sources"].items():
+        for metric, n in source["stages"].get("quality_classifier", {}).items():
+            if metric.startswith(SCORE_BIN_PREFIX):
+                counts.setdefault(int(metric.removeprefix(SCORE_BIN_PREFIX)), {})[name] = n
+    if not counts:
+        return {}
+    return {f"{b / SCORE_BINS:.2f}-{(b + 1) / SCORE_BINS:.2f}": counts.get(b, {}) for b in range(min(counts), max(counts) + 1)}
 
 
 def redactions_by_source(stats: dict[str, Any]) -> dict[str, dict[str, int]]:
@@ -196,6 +210,14 @@ class ReportData:
     clusters: Counter[tuple[str, int]]
     tokens: Counter[tuple[str, int]] | None
     tokens_note: str
+    mixture: list[list[Any]] = field(default_factory=list)  # [source, target, realised, realised / target] by budget
+
+
+def mixture_rows(shards_directory: str) -> list[list[Any]]:
+    """Target against realised tokens per source, when the shard set was built to token budgets."""
+    sources = read_manifest(shards_directory).sources
+    return [[name, s.target_tokens, s.tokens, f"{s.tokens / s.target_tokens:.1%}" if s.target_tokens else "-"]
+            for name, s in sources.items() if s.target_tokens is not None]
 
 
 def _modified(path: str) -> datetime | None:
@@ -210,14 +232,16 @@ def collect(directory: str, shards_directory: str | None = None, shown_as: tuple
     shown, shards_shown = shown_as or (directory, shards_directory)
     stats = read_stats(directory)
     tokens, note = None, "This build has no token counts: its config has no tokenize section, so no shard set was written."
+    mixture: list[list[Any]] = []
     if shards_directory is not None:
         if (Path(shards_directory) / MANIFEST_FILENAME).exists():
             tokens = token_lengths(shards_directory)
+            mixture = mixture_rows(shards_directory)
             note = f"Token lengths of the documents in the shard set {shards_shown}."
         else:
             note = f"No token counts: {shards_shown} holds no finished shard set (no {MANIFEST_FILENAME})."
     return ReportData(shown, stats, _modified(f"{directory}/{STATS_FILE}"), document_mix(directory),
-                      cluster_sizes(directory), tokens, note)
+                      cluster_sizes(directory), tokens, note, mixture)
 
 
 def _layout(fig: go.Figure, title: str, x: str, y: str, **extra: Any) -> go.Figure:
@@ -313,6 +337,10 @@ def figures(data: ReportData) -> dict[str, go.Figure]:
                        for stage in sorted({stage for stage, _ in data.clusters})]),
             "Duplicate clusters by size", "members per cluster", "clusters", barmode="group", xaxis_type="category",
         )
+    scores = quality_scores(data.stats)
+    if scores:
+        charts["quality_scores"] = _stacked(scores, colors, "Quality classifier score (every scored document, kept or "
+                                            "rejected)", "probability of filters.classifier.label", "documents")
     redactions = redactions_by_source(data.stats)
     if redactions:
         charts["redactions"] = _stacked(redactions, colors, "Redactions by kind", "kind", "placeholders")
@@ -386,6 +414,11 @@ def render_html(data: ReportData, config: str | None = None) -> str:
         _html_table(["kind", "language", "documents"], [
             [kind, language, n] for (kind, language), n in sorted(data.mix.kind_languages.items(), key=lambda kv: (kv[0][0], -kv[1], kv[0][1]))
         ]),
+    ]
+    if data.mixture:
+        parts += ["<h2>Mixture</h2>", "<p>Tokens per source in the shard set against its budget (tokenize.mixture).</p>",
+                  _html_table(["source", "target tokens", "realised tokens", "realised / target"], data.mixture)]
+    parts += [
         "<h2>Charts</h2>",
     ]
     parts += [f"<p>{html.escape(note)}</p>" for note in _notes(data, charts)]

@@ -18,11 +18,12 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.pvalue import PCollection, TaggedOutput
 
 from ember.pipelines.quality import minhash
+from ember.pipelines.quality.classifier import QUALITY_REJECT, FastTextScorer, score_bin_metric
 from ember.pipelines.quality.code_filters import check_code
 from ember.pipelines.quality.components import ConnectedComponents, Unconverged
 from ember.pipelines.corpus import trees
 from ember.pipelines.corpus.config import CorpusSource, Dedup
-from ember.pipelines.quality.settings import Filters, Redaction, UrlBlocklistSettings
+from ember.pipelines.quality.settings import Filters, QualityClassifier, Redaction, UrlBlocklistSettings
 from ember.pipelines.corpus.formats import READ_STAGE, UNREADABLE, Row, read_file
 from ember.pipelines.quality.language_id import identifier, language_verdict
 from ember.pipelines.jobs.progress import ProgressWriter
@@ -298,6 +299,36 @@ class FilterDocuments(CorpusFn):
         else:
             reason, detail = check_code(row["text"], row["metadata"] or {}, self._filters.code)
         yield self.reject(row, reason, detail) if reason else row
+
+
+class ClassifyDocuments(CorpusFn):
+    """The quality classifier's score of each document of the kinds it applies to, into metadata.quality_score;
+    under the threshold, a `quality_classifier` reject. The model loads once per DoFn instance (setup)."""
+
+    STAGE = "quality_classifier"
+
+    def __init__(self, settings: QualityClassifier, progress_dir: str | None):
+        super().__init__(progress_dir)
+        self._settings = settings
+
+    def setup(self) -> None:
+        super().setup()
+        s = self._settings
+        self._scorer = FastTextScorer(s.model, s.label, s.max_chars)
+
+    def process(self, row: Row) -> Iterator[Any]:
+        self.advance()
+        s = self._settings
+        if row["kind"] not in s.applies_to:
+            yield row
+            return
+        score = self._scorer.score(row["text"])
+        row = {**row, "metadata": {**(row["metadata"] or {}), "quality_score": score}}
+        yield self.stat(row["source"], score_bin_metric(score))  # kept and rejected alike: the report's histogram
+        if score < s.threshold:
+            yield self.reject(row, QUALITY_REJECT, f"{s.label} probability {score:.3f} < filters.classifier.threshold {s.threshold}")
+        else:
+            yield row
 
 
 REDACTION_TIMEOUT = "redaction_timeout"

@@ -186,9 +186,21 @@ class CodeFilters(StrictModel):
         return self
 
 
+class QualityClassifier(StrictModel):
+    """A fastText classifier from a local file scoring documents (DCLM's recipe): the probability of `label` goes to
+    metadata.quality_score, and a document scoring under `threshold` is a `quality_classifier` reject."""
+
+    model: str = Field(min_length=1, description="a local fastText .bin model; relative paths resolve against the config")
+    label: str = Field(default="__label__hq", min_length=1, description="the label whose probability is the score")
+    threshold: float = Field(default=0.5, ge=0, le=1, description="keep documents whose score is at least this")
+    applies_to: list[Literal["code", "web"]] = Field(default_factory=lambda: ["code", "web"], min_length=1)
+    max_chars: int = Field(default=100_000, ge=1, description="characters of a document scored (its head)")
+
+
 class Filters(StrictModel):
     web: WebFilters = Field(default_factory=WebFilters)
     code: CodeFilters = Field(default_factory=CodeFilters)
+    classifier: QualityClassifier | None = Field(default=None, description="model-based quality scoring; off when absent")
 
 
 REDACTION_TYPES = (

@@ -76,7 +76,7 @@ def test_compressed_and_parquet_inputs_with_nested_field_mapping(tmp_path: Path)
         assert [d["text"] for d in docs] == [f"def f{i}(): pass" for i in range(3)], name
         assert docs[0]["metadata"] == {"url": None, "repo": None, "path": "src/f0.rs", "license": "mit",
                                        "language": "rust", "stars": 3, "fetch_date": None, "content_type": None,
-                                       "language_score": None}
+                                       "language_score": None, "quality_score": None}
         assert docs[0]["id"] == make_document_id("s", "def f0(): pass")
         assert docs[0]["content_hash"] == content_hash("def f0(): pass")
 

@@ -1,0 +1,1 @@
+"""Code documents at repository level: dependency order and rendering (StarCoder2 / DeepSeek-Coder style)."""
