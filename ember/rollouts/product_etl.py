@@ -1,8 +1,8 @@
 """`source: product` in the ETL service: each shard's `ProductJoin` behind the face of a `ShardEngine`, so the
 service keeps its consumer group, log-time clock, rebalances and transactions as they are.
 
-Served completions come on `<prefix>.rollouts` keyed by completion id, user events on `<prefix>.rewards`
-(the product's events topic) keyed by the same id, so both of a completion's streams share a shard. What is
+Served completions come on `<prefix>.rollouts` keyed by completion id, user events on `<prefix>.events`
+keyed by the same id, so both of a completion's streams share a shard. What is
 pending lives in the shard's SQLite spill store under `product.state_dir`; every Kafka transaction carries
 `product_txn` in its offsets' metadata, and a shard that is loaded squares its store with it (see
 `ember.rollouts.product.store`): the store's last outbox is sent again when the process died between the
@@ -164,11 +164,11 @@ class ProductEtlService(EtlService):
 def publish_traffic(
     plan: list[Planned], topics: Topics, *, security: KafkaSecurity | None = None, bootstrap: str | None = None, paced: bool = True
 ) -> int:
-    """Send planned product traffic: served completions to the rollouts topic, events to the rewards topic, each
+    """Send planned product traffic: served completions to the rollouts topic, events to the events topic, each
     keyed by completion id. `paced`: at the plan's (already compressed) log times, since the broker stamps a record
     when it is appended; else as fast as possible. Returns the records sent; a refused send is raised after flush."""
     producer = KafkaProducer(**producer_config(security, **({"bootstrap_servers": bootstrap} if bootstrap else {})))
-    names = {"served": topics.rollouts, "events": topics.rewards}
+    names = {"served": topics.rollouts, "events": topics.events}
     futures = []
     started = time.monotonic()
     first_ms = plan[0].timestamp_ms if plan else 0

@@ -96,7 +96,7 @@ def test_kill_9_mid_window_with_spilled_state_loses_and_doubles_nothing(kafka, t
 
 def test_simulate_product_publishes_served_completions_and_their_events(kafka):
     """`rollouts simulate --product`: GROUPS x GROUP_SIZE served completions on the rollouts topic, their events on
-    the rewards topic, every record keyed by its completion id and readable by the product records' decoders."""
+    the events topic, every record keyed by its completion id and readable by the product records' decoders."""
     from typer.testing import CliRunner
 
     from ember.rollouts.cli import rollouts_app
@@ -112,6 +112,6 @@ def test_simulate_product_publishes_served_completions_and_their_events(kafka):
     served = [ServedCompletion.decode(r.value) for r in read_topic(topics.rollouts)]
     assert len(served) == 20 and all(s.rollout.tokens.max() < 1000 for s in served)
     ids = {s.completion_id for s in served}
-    events = [(r.key.decode(), ProductEvent.decode(r.value)) for r in read_topic(topics.rewards)]
+    events = [(r.key.decode(), ProductEvent.decode(r.value)) for r in read_topic(topics.events)]
     assert events and all(key == e.completion_id and key in ids for key, e in events)
     assert f"published 20 served completions and {len(events)} events" in " ".join(result.output.split())
