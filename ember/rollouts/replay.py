@@ -104,6 +104,7 @@ def train_batches_to_table(batches: list[TrainBatch]) -> pa.Table:
             "created_at": pa.array([b.created_at_us for b in batches], pa.int64()).cast(pa.timestamp("us", tz="UTC")),
             "advantage_estimator": [b.advantage_estimator for b in batches],
             "episode_ids": [list(b.episode_ids) or None for b in batches],
+            "advantage_estimators": [list(b.advantage_estimators) or None for b in batches],
         },
         schema=TRAIN_BATCH_SCHEMA,
     )
