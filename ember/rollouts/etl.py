@@ -70,6 +70,8 @@ def prepare_topics(config: EtlConfig, *, create: bool | None = None) -> Topics:
     topics = kafka.topics
     specs = topics.specs(kafka.partitions)
     specs.pop("rewards" if config.source == "product" else "events")
+    if not (config.source == "product" and config.product.opt_out_topic):
+        specs.pop("opt_out")
     inputs = input_topics(topics, config.source)
     if not (kafka.create_topics if create is None else create):
         existing = set(list_topics(kafka.bootstrap, kafka.security))

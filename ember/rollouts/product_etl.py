@@ -15,22 +15,22 @@ import json
 import logging
 import time
 
-from kafka import KafkaProducer, TopicPartition
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from prometheus_client import Gauge
 
 from ember.rollouts.engine import REWARDS, ROLLOUTS, DeadLetter, EmittedBatch, InputMessage, ShardOutput
 from ember.rollouts.config import EtlConfig
-from ember.rollouts.etl import EtlService, _Clients
+from ember.rollouts.etl import EtlService, TopologyError, _Clients
 from ember.rollouts.metrics import EtlMetrics
 from ember.rollouts.product.config import JoinLimits
 from ember.rollouts.product.join import EVENTS, SERVED, Message, ProductJoin
-from ember.rollouts.product.optout import OptOutFile
+from ember.rollouts.product.optout import OptOutError, OptOutFile, OptOutList, OptOutLog, OptOutSources
 from ember.rollouts.product.simulate import Planned
 from ember.rollouts.product.store import PendingStore
 from ember.rollouts.records import Reason, ShardSnapshot
 from ember.rollouts.security import KafkaSecurity
 from ember.rollouts.topics import Topics
-from ember.rollouts.transport import producer_config
+from ember.rollouts.transport import consumer_config, producer_config
 
 log = logging.getLogger("ember.etl")
 
@@ -48,7 +48,7 @@ class ProductShard:
         """Scored completions wait in the store, not here: the service's idle check asks `pending_count`."""
         return []
 
-    def __init__(self, join: ProductJoin, inputs: dict[str, str], opt_out: OptOutFile | None):
+    def __init__(self, join: ProductJoin, inputs: dict[str, str], opt_out: OptOutSources | None):
         self.join = join
         self._roles = {topic: (SERVED if role == ROLLOUTS else EVENTS) for role, topic in inputs.items()}
         self._opt_out = opt_out
@@ -105,6 +105,44 @@ class ProductShard:
         return ShardOutput(batches=batches, outcomes=out.outcomes, dead_letters=dead), snapshot, marks
 
 
+class OptOutTopic:
+    """Follows the compacted `<prefix>.opt-out` topic (see `ember.rollouts.product.optout`): read to its end
+    before any shard decides, so a restart never trains on an id the topic already opted out, then polled once
+    per service step. A record whose key is no id is logged, counted in `invalid` and skipped."""
+
+    def __init__(self, bootstrap: str, topic: str, security: KafkaSecurity | None = None, timeout_s: float = 30.0):
+        self.consumer = KafkaConsumer(**consumer_config(security, bootstrap_servers=bootstrap, group_id=None))
+        self.tps = [TopicPartition(topic, p) for p in sorted(self.consumer.partitions_for_topic(topic) or ())]
+        if not self.tps:
+            self.consumer.close()
+            raise TopologyError(f"product.opt_out_topic is set but {topic} does not exist: create it with `ember rollouts topics create`")
+        self.consumer.assign(self.tps)
+        self.consumer.seek_to_beginning(*self.tps)
+        self.ids = OptOutLog()
+        self.invalid = 0
+        ends = self.consumer.end_offsets(self.tps)
+        deadline = time.monotonic() + timeout_s
+        while any(self.consumer.position(tp) < ends[tp] for tp in self.tps):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"could not read {topic} to its end within {timeout_s}s")
+            self.poll(timeout_ms=200)
+
+    def poll(self, timeout_ms: int = 0) -> None:
+        for messages in self.consumer.poll(timeout_ms=timeout_ms).values():
+            for m in messages:
+                try:
+                    self.ids.apply(m.key, m.value is not None, f"{m.topic}@{m.offset}")
+                except OptOutError as exc:
+                    self.invalid += 1
+                    log.warning("ignoring opt-out record: %s", exc)
+
+    def current(self) -> OptOutList:
+        return self.ids.current()
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
 class ProductEtlService(EtlService):
     """The ETL service with `ProductShard`s; everything else is `EtlService`'s."""
 
@@ -115,13 +153,20 @@ class ProductEtlService(EtlService):
             "(served, rewarded, trained, dropped), as committed in the spill stores", ["version", "state"],
             registry=self.metrics.registry,
         )
+        self._opt_out_topic: OptOutTopic | None = None
 
     def _make_engine(self, clients: _Clients, shard: int, pair: list[TopicPartition], *, meta: str, **restore) -> ProductShard:
         settings = self.config.product
         kafka_txn = int(json.loads(meta).get("product_txn", 0)) if meta else 0
         store = PendingStore(settings.state_dir / f"{self.topics.prefix}-{shard}.sqlite")
         join = ProductJoin(settings, JoinLimits.of(self.config), store, shard=shard, topics=(pair[0].topic, pair[1].topic))
-        opt_out = OptOutFile(settings.opt_out_file) if settings.opt_out_file else None
+        sources: list = [OptOutFile(settings.opt_out_file)] if settings.opt_out_file else []
+        if settings.opt_out_topic:
+            if self._opt_out_topic is None:
+                kafka = self.config.kafka
+                self._opt_out_topic = OptOutTopic(kafka.bootstrap, self.topics.opt_out, kafka.security)
+            sources.append(self._opt_out_topic)
+        opt_out = OptOutSources(sources) if sources else None
         if opt_out is not None:
             join.opt_out = opt_out.current()
         resent = join.recover(kafka_txn)
@@ -155,9 +200,17 @@ class ProductEtlService(EtlService):
                     engine.join.store.close()  # uncommitted work goes with the uncommitted Kafka offsets
         return super()._apply_rebalance(clients)
 
+    def _step(self) -> None:
+        if self._opt_out_topic is not None:
+            self._opt_out_topic.poll()
+        super()._step()
+
     def _disconnect(self) -> None:
         for engine in self.engines.values():
             engine.join.store.close()  # what was not committed rolls back, as a crash would
+        if self._opt_out_topic is not None:
+            self._opt_out_topic.close()
+            self._opt_out_topic = None
         super()._disconnect()
 
 

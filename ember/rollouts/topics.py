@@ -21,9 +21,11 @@ class TopicSpec:
     min_insync_replicas: int = 1
     replication_factor: int = 1
     timestamp_type: str = "CreateTime"
+    cleanup_policy: str = "delete"
 
     def configs(self) -> dict[str, str]:
         return {
+            **({"cleanup.policy": self.cleanup_policy} if self.cleanup_policy != "delete" else {}),
             "retention.ms": str(self.retention_ms),
             "compression.type": self.compression,
             "min.insync.replicas": str(self.min_insync_replicas),
@@ -91,6 +93,11 @@ class Topics:
         return f"{self.prefix}.events"
 
     @property
+    def opt_out(self) -> str:
+        """Opted-out user / org ids (compacted, keyed by id): the `source: product` ETL follows it while running."""
+        return f"{self.prefix}.opt-out"
+
+    @property
     def policy_versions(self) -> str:
         return f"{self.prefix}.policy-versions"
 
@@ -131,4 +138,5 @@ class Topics:
             "dead_letter": TopicSpec(self.dead_letter, 1, retention_ms=month),
             "outcomes": TopicSpec(self.outcomes, 1, retention_ms=month),
             "etl_state": TopicSpec(self.etl_state, partitions),
+            "opt_out": TopicSpec(self.opt_out, 1, retention_ms=-1, cleanup_policy="compact"),
         }

@@ -12,10 +12,13 @@ import uuid
 from collections import Counter
 
 import pytest
+from kafka import KafkaProducer
 
+from ember.rollouts.product.events import ServedCompletion
 from ember.rollouts.product.simulate import ProductTraffic, plan_traffic
 from ember.rollouts.product_etl import publish_traffic
 from ember.rollouts.records import Outcome
+from ember.rollouts.transport import producer_config
 from tests.rollouts.etl_support import Deployment, EtlProcess, etl_settings, finish, read_topic, wait_for_line, write_config
 
 pytestmark = pytest.mark.integration
@@ -48,11 +51,16 @@ def test_kill_9_mid_window_with_spilled_state_loses_and_doubles_nothing(kafka, t
     settings["product"] = {
         "state_dir": str(tmp_path / "state"),
         "reward": {"horizon_s": 3660 / SCALE, "unshown_horizon_s": 600 / SCALE},
+        "opt_out_topic": True,
     }
     config = write_config(tmp_path / "etl.yaml", settings)
     topics = deployment.prepare(prefix, config)
+    producer = KafkaProducer(**producer_config(None, bootstrap_servers=kafka))
+    producer.send(topics.opt_out, key=b"user:u3", value=b"1").get(timeout=30)  # what the ETL reads before deciding
+    producer.close(timeout=5)
     plan = plan_traffic(ProductTraffic(completions=80, users=8, tokens=32, vocab_size=1000, acted=0.7, rate_per_s=2, time_scale=SCALE, seed=5))
     served = {p.key.decode() for p in plan if p.role == "served"}
+    opted_out = {p.key.decode() for p in plan if p.role == "served" and ServedCompletion.decode(p.value).user_id == "u3"}
     publisher = threading.Thread(target=publish_traffic, args=(plan, topics), daemon=True)
     crashed = EtlProcess(tmp_path / "etl.yaml", "0", tmp_path, fault="etl.before_commit:3")  # store committed, Kafka not
     processes.append(crashed)
@@ -85,6 +93,7 @@ def test_kill_9_mid_window_with_spilled_state_loses_and_doubles_nothing(kafka, t
     assert set(ends) == served, f"{len(served - set(ends))} served completions never ended"
     assert {cid: e for cid, e in ends.items() if len(e) != 1} == {}
     assert not [k for k, n in Counter(batch_keys).items() if n > 1], "a batch committed twice"
+    assert opted_out and {cid for cid, e in ends.items() if e == ["opt_out"]} == opted_out
     reasons = Counter(e[0] for e in ends.values())
     assert reasons["trained"] and reasons["no_signal"], reasons
     later = second.output() + helper.output() + survivor.output()
