@@ -593,9 +593,6 @@ def replay(
     if advantage:
         sections.setdefault("advantages", {})["estimator"] = advantage
     settings = _overridden(settings, sections)
-    if settings.source == "product":
-        console.print(f"[red]{config}: source: product has no replay yet (its decisions live in the spill store)[/red]", soft_wrap=True)
-        raise typer.Exit(2)
     try:
         begin = parse_start(start)
     except ValueError as exc:

@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import json
 import logging
+import tempfile
 import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from prometheus_client import Gauge
@@ -21,6 +25,7 @@ from prometheus_client import Gauge
 from ember.rollouts.engine import REWARDS, ROLLOUTS, DeadLetter, EmittedBatch, InputMessage, ShardOutput
 from ember.rollouts.config import EtlConfig
 from ember.rollouts.etl import EtlService, TopologyError, _Clients
+from ember.rollouts.log_clock import END_OF_TIME_MS
 from ember.rollouts.metrics import EtlMetrics
 from ember.rollouts.product.config import JoinLimits
 from ember.rollouts.product.join import EVENTS, SERVED, Message, ProductJoin
@@ -91,6 +96,10 @@ class ProductShard:
         at = self.join.store.next_horizon_ms()
         return None if at is None else (at, "a served completion's horizon")
 
+    def finish(self, latest_policy: int | None) -> None:
+        """The end of a replay's range: time runs on past every horizon and batch flush."""
+        self.advance(END_OF_TIME_MS, latest_policy)
+
     def checkpoint(self, etl_instance: str = "") -> tuple[ShardOutput, ShardSnapshot, dict[str, int]]:
         out = self.join.checkpoint()
         self.txn = out.txn
@@ -141,6 +150,34 @@ class OptOutTopic:
 
     def close(self) -> None:
         self.consumer.close()
+
+
+@contextmanager
+def replay_shards(config: EtlConfig) -> Iterator[Callable[[int, dict[str, str]], ProductShard]]:
+    """Shards for `rollouts replay`: the live join over fresh spill stores in a temporary directory (the
+    replay's own, never the live ETL's), fed the same log-ordered messages, so each decides what the live ETL
+    decided; today's opt-out file and topic apply (a replay must not bring back an opted-out user)."""
+    settings, kafka = config.product, config.kafka
+    topic = OptOutTopic(kafka.bootstrap, kafka.topics.opt_out, kafka.security) if settings.opt_out_topic else None
+    sources = [OptOutFile(settings.opt_out_file)] if settings.opt_out_file else []
+    opt_out = OptOutSources(sources + ([topic] if topic else [])) if sources or topic else None
+    stores: list[PendingStore] = []
+
+    def make(shard: int, inputs: dict[str, str]) -> ProductShard:
+        stores.append(PendingStore(Path(state) / f"replay-{shard}.sqlite", durable=False))
+        join = ProductJoin(settings, JoinLimits.of(config), stores[-1], shard=shard, topics=(inputs[ROLLOUTS], inputs[REWARDS]))
+        if opt_out is not None:
+            join.opt_out = opt_out.current()
+        return ProductShard(join, inputs, opt_out)
+
+    with tempfile.TemporaryDirectory(prefix="ember-replay-") as state:
+        try:
+            yield make
+        finally:
+            for store in stores:
+                store.close()
+            if topic is not None:
+                topic.close()
 
 
 class ProductEtlService(EtlService):

@@ -18,6 +18,7 @@ from ember.rollouts.product.events import ServedCompletion
 from ember.rollouts.product.simulate import ProductTraffic, plan_traffic
 from ember.rollouts.product_etl import publish_traffic
 from ember.rollouts.records import Outcome
+from ember.rollouts.replay import ReplayStart, replay
 from ember.rollouts.transport import producer_config
 from tests.rollouts.etl_support import Deployment, EtlProcess, etl_settings, finish, read_topic, wait_for_line, write_config
 
@@ -28,15 +29,18 @@ SCALE = 240  # an hour of product time in 15 s of log time: longer than two proc
 
 def _ends(topics) -> tuple[dict[str, list[str]], list[str]]:
     """Each completion id's ends in the ledger (trained, or its drop reason), and the committed batch keys."""
+    return _ends_of(Outcome.decode(record.value) for record in read_topic(topics.outcomes)), [r.key.decode() for r in read_topic(topics.train_batches)]
+
+
+def _ends_of(outcomes) -> dict[str, list[str]]:
     ends: dict[str, list[str]] = {}
-    for record in read_topic(topics.outcomes):
-        outcome = Outcome.decode(record.value)
+    for outcome in outcomes:
         if outcome.kind == "batch":
             for cid in outcome.detail["rollout_ids"]:
                 ends.setdefault(cid, []).append("trained")
         elif outcome.kind == "rollout_dropped":
             ends.setdefault(outcome.rollout_id, []).append(outcome.reason)
-    return ends, [r.key.decode() for r in read_topic(topics.train_batches)]
+    return ends
 
 
 def test_kill_9_mid_window_with_spilled_state_loses_and_doubles_nothing(kafka, tmp_path, processes):
@@ -101,6 +105,12 @@ def test_kill_9_mid_window_with_spilled_state_loses_and_doubles_nothing(kafka, t
     assert "sending its outputs again" in later, "the crash between the two commits left nothing to send again"
     rebuilt = [line for line in later.splitlines() if "pending to rebuild" in line]
     assert any(" 0 pending" not in line for line in rebuilt), "no restart found completions waiting in the spill store"
+
+    # `rollouts replay` of the same log, with no crash, decides every completion as the live run did
+    summary = replay(config, ReplayStart(earliest=True), to_dir=tmp_path / "replay")
+    lines = (tmp_path / "replay" / "outcomes.jsonl").read_text().splitlines()
+    assert _ends_of(Outcome.decode(line.encode()) for line in lines) == ends
+    assert summary.rollouts == reasons["trained"]
 
 
 def test_simulate_product_publishes_served_completions_and_their_events(kafka):
