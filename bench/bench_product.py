@@ -95,7 +95,7 @@ def publish(source: str, topics, n: int, seed: int, *, name: str = "c", per_s: f
             served = ServedCompletion(rollout(rng, cid, cid), session_id="s", context_key=f"ctx{i % 4}", user_id=f"u{i % 50}")
             producer.send(topics.rollouts, key=cid.encode(), value=served.encode())
             for kind in (EventKind.SHOWN, EventKind.ACCEPTED):
-                producer.send(topics.rewards, key=cid.encode(), value=ProductEvent(cid, kind).encode())
+                producer.send(topics.events, key=cid.encode(), value=ProductEvent(cid, kind).encode())
         else:
             producer.send(topics.rollouts, key=group.encode(), value=encode(rollout(rng, cid, group)))
             reward = Reward(cid, group, "g", float(rng.random()), 0)
@@ -145,7 +145,7 @@ def throughput_once(source: str, n: int, seed: int, workdir: Path) -> dict[str, 
 
 def horizon_to_batch(topics, name: str) -> dict[str, float]:
     shown = {}
-    for record in read_topic(topics.rewards):
+    for record in read_topic(topics.events):
         event = ProductEvent.decode(record.value)
         if event.kind is EventKind.SHOWN:
             shown[event.completion_id] = record.timestamp

@@ -5,10 +5,10 @@ Pure data, no Kafka client: `role_bindings(prefix)` is what `ember rollouts acls
 Kafka's authorizer lets READ and WRITE imply DESCRIBE, and WRITE on a topic imply IDEMPOTENT_WRITE,
 so those are not listed. No role gets CREATE: topics are created by the admin (a super user).
 
-- inference: writes rollouts.
+- inference: writes rollouts, and with `source: product` the product's user events (the serving side logs both).
 - grader: reads rollouts with its own consumer group; writes rewards and dead-letter (rollouts it cannot
   grade); owns the transactional ids `<group>-<instance>` it commits rewards and offsets with.
-- etl: reads rollouts, rewards, policy-versions; writes train-batches, dead-letter, outcomes (its
+- etl: reads rollouts, rewards, events, opt-out (written by the admin or a privacy service), policy-versions; writes train-batches, dead-letter, outcomes (its
   ledger, which it also reads for `ember rollouts stats`) and etl-state (which it reads back on
   recovery); owns its consumer group and the transactional ids `<group>-<instance>` it commits with.
 - trainer: reads train-batches with its group, and rollouts (by assign, no group: the batches are by
@@ -59,13 +59,14 @@ def role_bindings(
     names = {role: (users or {}).get(role, default_user(role)) for role in ROLES}
     rules: list[tuple[str, str, str, str, str]] = [
         ("inference", "WRITE", "TOPIC", topics.rollouts, "LITERAL"),
+        ("inference", "WRITE", "TOPIC", topics.events, "LITERAL"),
         ("grader", "WRITE", "TOPIC", topics.rewards, "LITERAL"),
         ("grader", "WRITE", "TOPIC", topics.dead_letter, "LITERAL"),
         ("grader", "READ", "TOPIC", topics.rollouts, "LITERAL"),
         ("grader", "READ", "GROUP", grader_group, "LITERAL"),
         ("grader", "WRITE", "TRANSACTIONAL_ID", f"{grader_group}-", "PREFIXED"),
         ("grader", "DESCRIBE", "TRANSACTIONAL_ID", f"{grader_group}-", "PREFIXED"),
-        *[("etl", "READ", "TOPIC", name, "LITERAL") for name in (topics.rollouts, topics.rewards, topics.policy_versions)],
+        *[("etl", "READ", "TOPIC", name, "LITERAL") for name in (topics.rollouts, topics.rewards, topics.events, topics.opt_out, topics.policy_versions)],
         *[
             ("etl", "WRITE", "TOPIC", name, "LITERAL")
             for name in (topics.train_batches, topics.dead_letter, topics.outcomes, topics.etl_state)

@@ -119,9 +119,11 @@ def build_train_batch(
     source_offsets: list[SourceOffset],
     created_at_us: int,
     advantage_estimator: str | None = None,
+    advantage_estimators: Sequence[str] = (),
 ) -> TrainBatch:
     """Concatenate sequences into one packed batch with cu_seqlens boundaries, stamped with the
-    estimator that computed the advantages."""
+    estimator that computed the advantages: `advantage_estimator` for all, or `advantage_estimators` one per
+    sequence (a mixed batch; the batch-level one is then theirs when they agree, else None)."""
     if not sequences:
         raise ValueError("a batch needs at least one sequence")
     rollouts = [s.rollout for s in sequences]
@@ -133,6 +135,11 @@ def build_train_batch(
     np.cumsum(lengths, out=cu_seqlens[1:])
     ids = [r.rollout_id for r in rollouts]
     refs = [s.ref for s in sequences]
+    estimators = list(advantage_estimators)
+    if estimators:
+        if len(estimators) != len(sequences):
+            raise ValueError(f"{len(estimators)} estimators for {len(sequences)} sequences")
+        advantage_estimator = estimators[0] if len(set(estimators)) == 1 else None
     common = dict(
         batch_id=batch_id_for(ids),
         step=step,
@@ -143,6 +150,7 @@ def build_train_batch(
         created_at_us=created_at_us,
         advantage_estimator=advantage_estimator,
         episode_ids=episode_ids(rollouts),
+        advantage_estimators=estimators,
     )
     if all(ref is not None for ref in refs):
         return TrainBatch(
@@ -190,6 +198,7 @@ def reference_share(batch: TrainBatch, first: int, last: int) -> TrainBatch:
         rollout_refs=batch.rollout_refs[first:last],
         sequence_advantages=batch.sequence_advantages[first:last],
         episode_ids=batch.episode_ids[first:last],
+        advantage_estimators=batch.advantage_estimators[first:last],
     )
 
 
@@ -260,6 +269,7 @@ def resolve_train_batch(batch: TrainBatch, rollouts: Sequence[Rollout]) -> Train
         created_at_us=batch.created_at_us,
         advantage_estimator=batch.advantage_estimator,
         episode_ids=list(batch.episode_ids),
+        advantage_estimators=list(batch.advantage_estimators),
     )
 
 

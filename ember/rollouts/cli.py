@@ -207,7 +207,7 @@ def _simulate_product(topics, security, *, time_scale: float, **traffic) -> None
     plan = plan_traffic(ProductTraffic(time_scale=scale, **traffic))
     sent = publish_traffic(plan, topics, security=security, paced=time_scale != float("inf"))
     served = sum(1 for p in plan if p.role == "served")
-    console.print(f"published {served} served completions and {sent - served} events to {topics.rollouts} / {topics.rewards}")
+    console.print(f"published {served} served completions and {sent - served} events to {topics.rollouts} / {topics.events}")
 
 
 @rollouts_app.command("simulate")
@@ -297,7 +297,7 @@ def simulate(
         if create_topics:
             ensure_topics(kafka_bootstrap(), list(topics.specs(partitions).values()), security)
         else:
-            _require_topics(prefix, [topics.rollouts, topics.rewards, topics.policy_versions], security)
+            _require_topics(prefix, [topics.rollouts, topics.events if product else topics.rewards, topics.policy_versions], security)
         if product:
             _simulate_product(topics, security, completions=groups * group_size, tokens=tokens, vocab_size=shape.vocab_size,
                               policy_versions=policy_versions, time_scale=time_scale, seed=seed)
@@ -593,9 +593,6 @@ def replay(
     if advantage:
         sections.setdefault("advantages", {})["estimator"] = advantage
     settings = _overridden(settings, sections)
-    if settings.source == "product":
-        console.print(f"[red]{config}: source: product has no replay yet (its decisions live in the spill store)[/red]", soft_wrap=True)
-        raise typer.Exit(2)
     try:
         begin = parse_start(start)
     except ValueError as exc:

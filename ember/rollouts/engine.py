@@ -50,9 +50,10 @@ MAX_DETAIL_CHARS = 1000  # free text from a message (decoder errors, keys) is cu
 log = logging.getLogger("ember.etl")
 
 
-def input_topics(topics: Topics) -> dict[str, str]:
-    """A shard's two input topics by role; the roles key its positions, committed marks and snapshots."""
-    return {ROLLOUTS: topics.rollouts, REWARDS: topics.rewards}
+def input_topics(topics: Topics, source: str = "groups") -> dict[str, str]:
+    """A shard's two input topics by role; the roles key its positions, committed marks and snapshots. With
+    `source: product` the second input is the events topic (user events keyed by completion id)."""
+    return {ROLLOUTS: topics.rollouts, REWARDS: topics.events if source == "product" else topics.rewards}
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,10 @@ def prepare_topics(config: EtlConfig, *, create: bool | None = None) -> Topics:
     kafka = config.kafka
     topics = kafka.topics
     specs = topics.specs(kafka.partitions)
+    specs.pop("rewards" if config.source == "product" else "events")
+    if not (config.source == "product" and config.product.opt_out_topic):
+        specs.pop("opt_out")
+    inputs = input_topics(topics, config.source)
     if not (kafka.create_topics if create is None else create):
         existing = set(list_topics(kafka.bootstrap, kafka.security))
         missing = [s.name for s in specs.values() if s.name not in existing]
@@ -83,12 +87,12 @@ def prepare_topics(config: EtlConfig, *, create: bool | None = None) -> Topics:
     ensure_topics(kafka.bootstrap, list(specs.values()), kafka.security)
     counts = {
         row["name"]: int(row["partitions"])
-        for row in describe_topics(kafka.bootstrap, [topics.rollouts, topics.rewards], kafka.security)
+        for row in describe_topics(kafka.bootstrap, list(inputs.values()), kafka.security)
     }
-    rollouts, rewards = counts[topics.rollouts], counts[topics.rewards]
+    rollouts, rewards = counts[inputs[ROLLOUTS]], counts[inputs[REWARDS]]
     if rollouts != rewards:
         raise TopologyError(
-            f"{topics.rollouts} has {rollouts} partitions but {topics.rewards} has {rewards}: a group's rollouts "
+            f"{inputs[ROLLOUTS]} has {rollouts} partitions but {inputs[REWARDS]} has {rewards}: a group's rollouts "
             "and rewards must share a partition index; give both topics the same partition count"
         )
     _check_topic_configs(config)
@@ -107,7 +111,8 @@ def _check_topic_configs(config: EtlConfig) -> None:
     they reference; warn when this principal may not read the topics' configs (DESCRIBE_CONFIGS), so the checks
     are the operator's."""
     kafka, topics = config.kafka, config.kafka.topics
-    names = [topics.rollouts, topics.rewards, topics.train_batches]
+    inputs = list(input_topics(topics, config.source).values())
+    names = [*inputs, topics.train_batches]
     try:
         configs = topic_configs(kafka.bootstrap, names, kafka.security)
         unread = [name for name in names if not configs.get(name)]  # without DESCRIBE_CONFIGS a topic's come back empty
@@ -117,13 +122,13 @@ def _check_topic_configs(config: EtlConfig) -> None:
         log.warning(
             "cannot read the configs of %s as %s (%r): make sure %s and %s use message.timestamp.type=LogAppendTime and "
             "the rollouts topic is retained at least as long as train-batches, whose batches reference it",
-            ", ".join(names), kafka.security.describe(), exc, topics.rollouts, topics.rewards,
+            ", ".join(names), kafka.security.describe(), exc, *inputs,
         )
         return
     problem = reference_retention_problem(configs[topics.rollouts], configs[topics.train_batches])
     if problem:
         raise TopologyError(f"{topics.rollouts}: {problem}")
-    for name in (topics.rollouts, topics.rewards):
+    for name in inputs:
         problem = timestamp_problem(name, configs[name], kafka.bootstrap)
         if problem:
             raise TopologyError(problem)
@@ -303,7 +308,7 @@ class EtlService:
         self.instance = instance
         self.metrics = metrics or EtlMetrics()
         self.topics = config.kafka.topics
-        self.inputs = input_topics(self.topics)
+        self.inputs = input_topics(self.topics, config.source)
         self.engines: dict[int, ShardEngine] = {}
         self._clients: _Clients | None = None
         self._touched: set[int] = set()
@@ -421,7 +426,7 @@ class EtlService:
                     max_poll_records=kafka.max_poll_records,
                 )
             )
-            consumer.subscribe([self.topics.rollouts, self.topics.rewards], listener=listener)
+            consumer.subscribe(list(self.inputs.values()), listener=listener)
             state_reader = KafkaConsumer(**consumer_config(kafka.security, bootstrap_servers=kafka.bootstrap, group_id=None))
             policy = PolicyWatcher(kafka.bootstrap, self.topics.policy_versions, kafka.security)
         except BaseException:

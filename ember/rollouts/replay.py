@@ -104,6 +104,7 @@ def train_batches_to_table(batches: list[TrainBatch]) -> pa.Table:
             "created_at": pa.array([b.created_at_us for b in batches], pa.int64()).cast(pa.timestamp("us", tz="UTC")),
             "advantage_estimator": [b.advantage_estimator for b in batches],
             "episode_ids": [list(b.episode_ids) or None for b in batches],
+            "advantage_estimators": [list(b.advantage_estimators) or None for b in batches],
         },
         schema=TRAIN_BATCH_SCHEMA,
     )
@@ -161,8 +162,19 @@ def _read_range(consumer: KafkaConsumer, starts: dict[TopicPartition, int], ends
 
 
 def replay(config: EtlConfig, start: ReplayStart, *, to_topic: str | None = None, to_dir: Path | None = None) -> ReplaySummary:
+    """With `source: product`, each shard is a `ProductShard` over a temporary spill store
+    (`ember.rollouts.product_etl.replay_shards`)."""
     if (to_topic is None) == (to_dir is None):
         raise ValueError("give exactly one of to_topic or to_dir")
+    if config.source == "product":
+        from ember.rollouts.product_etl import replay_shards
+
+        with replay_shards(config) as make_engine:
+            return _replay(config, start, make_engine, to_topic, to_dir)
+    return _replay(config, start, lambda shard, _inputs: ShardEngine(config, shard, config.kafka.topics), to_topic, to_dir)
+
+
+def _replay(config: EtlConfig, start: ReplayStart, make_engine, to_topic: str | None, to_dir: Path | None) -> ReplaySummary:
     kafka = config.kafka
     topics = kafka.topics
     consumer = KafkaConsumer(**consumer_config(kafka.security, bootstrap_servers=kafka.bootstrap, group_id=None))
@@ -184,7 +196,8 @@ def replay(config: EtlConfig, start: ReplayStart, *, to_topic: str | None = None
         policy = _Policy(policy_records)
         shards = sorted(consumer.partitions_for_topic(topics.rollouts) or [])
         for shard in shards:
-            tps = {role: TopicPartition(topic, shard) for role, topic in input_topics(topics).items()}
+            inputs = input_topics(topics, config.source)
+            tps = {role: TopicPartition(topic, shard) for role, topic in inputs.items()}
             ends = consumer.end_offsets(list(tps.values()))
             starts = _start_offsets(consumer, start, tps)
             messages = _read_range(consumer, starts, ends)
@@ -196,7 +209,7 @@ def replay(config: EtlConfig, start: ReplayStart, *, to_topic: str | None = None
                 clock.read(role_of[message.topic], timestamp, item)
             for role, tp in tps.items():  # read to its end, which is all there will be
                 clock.end_offset(role, position=ends[tp], end=ends[tp], asked_at_ms=END_OF_TIME_MS)
-            engine = ShardEngine(config, shard, topics)
+            engine = make_engine(shard, inputs)
             for _role, item in clock.release():
                 engine.ingest(item, latest_policy=policy.at(item.timestamp_ms))
             engine.finish(policy.at(engine.now_ms))

@@ -21,9 +21,11 @@ class TopicSpec:
     min_insync_replicas: int = 1
     replication_factor: int = 1
     timestamp_type: str = "CreateTime"
+    cleanup_policy: str = "delete"
 
     def configs(self) -> dict[str, str]:
         return {
+            **({"cleanup.policy": self.cleanup_policy} if self.cleanup_policy != "delete" else {}),
             "retention.ms": str(self.retention_ms),
             "compression.type": self.compression,
             "min.insync.replicas": str(self.min_insync_replicas),
@@ -86,6 +88,16 @@ class Topics:
         return f"{self.prefix}.rewards"
 
     @property
+    def events(self) -> str:
+        """Product events (shown, accepted, ...) keyed by completion id: the `source: product` ETL's second input."""
+        return f"{self.prefix}.events"
+
+    @property
+    def opt_out(self) -> str:
+        """Opted-out user / org ids (compacted, keyed by id): the `source: product` ETL follows it while running."""
+        return f"{self.prefix}.opt-out"
+
+    @property
     def policy_versions(self) -> str:
         return f"{self.prefix}.policy-versions"
 
@@ -108,20 +120,23 @@ class Topics:
     def specs(self, partitions: int = DEFAULT_PARTITIONS) -> dict[str, TopicSpec]:
         """Every topic's settings by role.
 
-        Rollouts and rewards share a partition count so a group's rollouts and rewards co-partition.
+        Rollouts, rewards and events share a partition count so a group's rollouts and rewards, or a served
+        completion and its product events, co-partition.
         `etl-state` has one partition per rollouts partition (the ETL's crash-recovery snapshots) and
         `outcomes` is the ETL's ledger: one record per batch, per dropped rollout or reward, per dead letter.
         Batches reference their rollouts, so the rollouts topic is kept at least as long as train-batches
-        (`reference_retention_problem`). Rollouts and rewards are stamped by the broker (LogAppendTime), the clock
+        (`reference_retention_problem`). Rollouts, rewards and events are stamped by the broker (LogAppendTime), the clock
         the ETL's deadlines run on (`timestamp_problem`).
         """
         month = 30 * 24 * 3600 * 1000
         return {
             "rollouts": TopicSpec(self.rollouts, partitions, timestamp_type="LogAppendTime"),
             "rewards": TopicSpec(self.rewards, partitions, timestamp_type="LogAppendTime"),
+            "events": TopicSpec(self.events, partitions, timestamp_type="LogAppendTime"),
             "policy_versions": TopicSpec(self.policy_versions, 1, retention_ms=-1),
             "train_batches": TopicSpec(self.train_batches, 1),
             "dead_letter": TopicSpec(self.dead_letter, 1, retention_ms=month),
             "outcomes": TopicSpec(self.outcomes, 1, retention_ms=month),
             "etl_state": TopicSpec(self.etl_state, partitions),
+            "opt_out": TopicSpec(self.opt_out, 1, retention_ms=-1, cleanup_policy="compact"),
         }

@@ -365,6 +365,7 @@ _LAYOUTS: dict[str, _Layout] = {
                 Column("rollout_refs", _REFS, default=None, get=lambda b: b.rollout_refs or None),
                 Column("sequence_advantages", _Numbers(np.dtype("<f4")), default=None),
                 Column("episode_ids", _Strings(), default=[], get=lambda b: b.episode_ids or None),
+                Column("advantage_estimators", _Strings(), default=[], get=lambda b: b.advantage_estimators or None),
             ),
             lambda values: TrainBatch(**{**values, "rollout_refs": values["rollout_refs"] or []}),
         ),

@@ -57,6 +57,11 @@ def _array_issues(name: str, array: object, dtype: np.dtype, length: int | None)
     return issues
 
 
+# Estimators of single-sample baselines (product completions): no group normalisation, so every loss normaliser
+# may train their advantages, next to a group estimator's in one batch.
+SINGLE_SAMPLE_ESTIMATOR_PREFIX = "product_"
+
+
 def _name_issues(record: object, names: tuple[str, ...], *, required: bool = True) -> list[FieldIssue]:
     found = []
     for name in names:
@@ -305,6 +310,9 @@ class TrainBatch:
     # Each sequence's episode (its rollout's `episode_key`), so the trainer normalises an episode's segments
     # together; empty when every sequence is an episode of its own (what a batch without segments says).
     episode_ids: list[str] = field(default_factory=list)
+    # Each sequence's estimator, so a batch can mix group advantages (grpo, ...) with product singles'
+    # baselines (product_ema, ...); empty in batches written before it: every sequence's is `advantage_estimator`.
+    advantage_estimators: list[str] = field(default_factory=list)
 
     @property
     def num_sequences(self) -> int:
@@ -313,6 +321,11 @@ class TrainBatch:
     @property
     def by_reference(self) -> bool:
         return bool(self.rollout_refs)
+
+    @property
+    def sequence_estimators(self) -> list[str | None]:
+        """Which estimator produced each sequence's advantage (the batch's one for batches without the column)."""
+        return list(self.advantage_estimators) or [self.advantage_estimator] * self.num_sequences
 
     @property
     def num_tokens(self) -> int:
@@ -372,6 +385,10 @@ class TrainBatch:
             found.append(FieldIssue("episode_ids", "an episode's segments must be consecutive sequences"))
         if self.advantage_estimator is not None:
             found += _name_issues(self, ("advantage_estimator",))
+        if self.advantage_estimators and len(self.advantage_estimators) != self.num_sequences:
+            found.append(FieldIssue("advantage_estimators", f"{len(self.advantage_estimators)} estimators for {self.num_sequences} sequences"))
+        elif any(not name or len(name) > MAX_ID_CHARS for name in self.advantage_estimators):
+            found.append(FieldIssue("advantage_estimators", f"each must be non-empty, at most {MAX_ID_CHARS} characters"))
         return found
 
     def validate(self) -> "TrainBatch":
@@ -460,6 +477,7 @@ TRAIN_BATCH_SCHEMA = versioned_schema(
         pa.field("created_at", pa.timestamp("us", tz="UTC"), nullable=False),
         pa.field("advantage_estimator", pa.string()),
         pa.field("episode_ids", pa.list_(pa.string())),
+        pa.field("advantage_estimators", pa.list_(pa.string())),
     ],
 )
 

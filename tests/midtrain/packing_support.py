@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 LENGTHS = (7, 9, 6)
 
 
-def packed_row(tokens: np.ndarray, lengths: tuple[int, ...] = LENGTHS, estimator: str | None = None) -> RLBatch:
+def packed_row(tokens: np.ndarray, lengths: tuple[int, ...] = LENGTHS, estimator: str | None = None,
+               estimators: tuple[str, ...] = ()) -> RLBatch:
     from ember.midtrain.rl.batch import rl_batch
 
     cu = np.zeros(len(lengths) + 1, dtype=np.int32)
@@ -40,7 +41,7 @@ def packed_row(tokens: np.ndarray, lengths: tuple[int, ...] = LENGTHS, estimator
             batch_id="packed", step=0, tokens=tokens.astype(np.uint32), loss_mask=np.ones(n, np.uint8),
             advantages=np.zeros(n, np.float32), sampler_logprobs=np.zeros(n, np.float32), cu_seqlens=cu,
             policy_versions=np.zeros(len(lengths), np.int64), rollout_ids=[f"r{i}" for i in range(len(lengths))],
-            advantage_estimator=estimator,
+            advantage_estimator=estimator, advantage_estimators=list(estimators),
         ).validate()
     )
 
@@ -81,6 +82,13 @@ def main(config_path: str, out: str) -> None:
     except ValueError as exc:
         result["estimator_error"] = str(exc)
     result["logp_same_estimator"] = trainer.logprobs(packed_row(tokens, estimator=config.rl.estimator)).tolist()
+    mixed = (config.rl.estimator, "product_ema", config.rl.estimator)  # group samples and a product single
+    result["logp_mixed"] = trainer.logprobs(packed_row(tokens, estimators=mixed)).tolist()
+    try:
+        trainer.logprobs(packed_row(tokens, estimators=("product_ema", "grpo", "product_loo")))
+        result["mixed_error"] = None
+    except ValueError as exc:
+        result["mixed_error"] = str(exc)
     tconfig = transformer_config(config, bf16=True)
     tconfig.masked_softmax_fusion = True
     try:

@@ -67,5 +67,7 @@ def test_one_rollouts_tokens_do_not_move_the_other_rollouts_logprobs(tmp_path):
     assert "rollout r1 has more policy tokens than rl.max_generation_tokens 8" in out["budget_error"]
     assert "advantages are grpo's, rl.estimator is dr_grpo" in out["estimator_error"]
     assert out["logp_same_estimator"] == out["logp"], "a batch stamped with the configured estimator trains"
+    assert out["logp_mixed"] == out["logp"], "product singles' baselines train next to the configured group estimator"
+    assert "advantages are grpo's, rl.estimator is dr_grpo" in out["mixed_error"], "a foreign group estimator, per sample"
     assert "fused causal softmax" in out["fused_softmax_attention"] and "attend to each other" in out["fused_softmax_attention"]
 

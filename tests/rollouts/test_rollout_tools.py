@@ -210,14 +210,15 @@ def test_etl_refuses_a_prefix_without_topics_unless_told_to_create_them(kafka, t
     assert refused.returncode == 2, out
     assert f"\n  ember rollouts topics create --prefix {prefix} --partitions 2\n" in out, "the command on a line of its own"
     out = " ".join(out.split())
-    for spec in Topics(prefix).specs().values():
-        assert spec.name in out, out
+    needed = {s.name for role, s in Topics(prefix).specs().items() if role not in ("events", "opt_out")}  # product-only
+    for name in needed:
+        assert name in out, out
     assert "--create-topics" in out, out
     assert not _prefix_topics(kafka, prefix), "a refused prefix must leave no topics behind"
     try:
         created = _etl(config, "--create-topics", "--until-idle", "1")
         assert created.returncode == 0, created.stdout + created.stderr
-        assert _prefix_topics(kafka, prefix) == {s.name for s in Topics(prefix).specs().values()}
+        assert _prefix_topics(kafka, prefix) == needed
     finally:
         delete_topics(kafka, sorted(_prefix_topics(kafka, prefix)))
 
@@ -242,7 +243,7 @@ def test_topics_delete_lists_asks_and_deletes(kafka):
 
 def test_help_and_readme_name_every_topic_of_a_prefix():
     suffixes = [s.name.removeprefix("P.") for s in Topics("P").specs().values()]
-    assert len(suffixes) == 7
+    assert len(suffixes) == 9
     help_text = " ".join(runner.invoke(rollouts_app, ["topics", "create", "--help"], terminal_width=200).output.split())
     readme = (REPO / "README.md").read_text()
     row = next(line for line in readme.splitlines() if "`ember rollouts topics create" in line)

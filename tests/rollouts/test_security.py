@@ -145,7 +145,7 @@ def test_acls_give_each_role_only_its_own_topics_and_nobody_create():
     topics = Topics("p")
     bindings = role_bindings("p")
     by_role = {role: {(b.operation, b.resource, b.name, b.pattern) for b in bindings if b.role == role} for role in ROLES}
-    assert by_role["inference"] == {("WRITE", "TOPIC", topics.rollouts, "LITERAL")}
+    assert by_role["inference"] == {("WRITE", "TOPIC", topics.rollouts, "LITERAL"), ("WRITE", "TOPIC", topics.events, "LITERAL")}
     assert by_role["grader"] == {
         ("WRITE", "TOPIC", topics.rewards, "LITERAL"),
         ("WRITE", "TOPIC", topics.dead_letter, "LITERAL"),  # rollouts it cannot grade
@@ -162,7 +162,7 @@ def test_acls_give_each_role_only_its_own_topics_and_nobody_create():
     }
     etl_reads = {name for op, kind, name, _ in by_role["etl"] if (op, kind) == ("READ", "TOPIC")}
     etl_writes = {name for op, kind, name, _ in by_role["etl"] if (op, kind) == ("WRITE", "TOPIC")}
-    assert etl_reads == {topics.rollouts, topics.rewards, topics.policy_versions, topics.etl_state, topics.outcomes}
+    assert etl_reads == {topics.rollouts, topics.rewards, topics.events, topics.opt_out, topics.policy_versions, topics.etl_state, topics.outcomes}
     assert etl_writes == {topics.train_batches, topics.dead_letter, topics.outcomes, topics.etl_state}
     # the ETL's transactional ids are `<group_id>-<instance>` (EtlService.member_id)
     assert ("WRITE", "TRANSACTIONAL_ID", "p-etl-", "PREFIXED") in by_role["etl"]
@@ -196,8 +196,8 @@ def test_second_process_takes_over_over_sasl_ssl(secured, tmp_path, processes):
 def _ends(deployment: Deployment, topics: Topics) -> dict:
     consumer = deployment.consumer("admin", group_id=None)
     try:
-        names = [s.name for s in topics.specs().values()]
-        return consumer.end_offsets([TopicPartition(n, p) for n in names for p in sorted(consumer.partitions_for_topic(n))])
+        names = [s.name for s in topics.specs().values()]  # the product-only ones do not exist on a groups deployment
+        return consumer.end_offsets([TopicPartition(n, p) for n in names for p in sorted(consumer.partitions_for_topic(n) or ())])
     finally:
         consumer.close()
 

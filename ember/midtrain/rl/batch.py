@@ -53,6 +53,8 @@ class RLBatch:
     # consecutive), so the loss normalises them together; None: every sequence is an episode of its own.
     episodes: Tensor | None = None
     advantage_estimator: str | None = None  # what computed `advantages`, as the ETL stamped it; None: not stated
+    # [S] what computed each sequence's advantage (a batch may mix group and product estimators); None: not stated.
+    advantage_estimators: tuple[str | None, ...] = ()
     offset: int | None = None  # where the transport read it, for the metrics line
     # The transport's position once this batch is trained: checkpoints store it so a resume reads the next one.
     position: dict[str, Any] | None = None
@@ -169,7 +171,9 @@ def rl_batch_share(
         source_offsets=batch.source_offsets,
         routed_experts=None if batch.routed_experts is None else batch.routed_experts[start:end],
         created_at_us=batch.created_at_us,
+        advantage_estimator=batch.advantage_estimator,
         episode_ids=batch.episode_ids[first:last],
+        advantage_estimators=batch.advantage_estimators[first:last],
     )
     try:
         share.validate()
@@ -216,6 +220,7 @@ def rl_batch(batch: TrainBatch, *, offset: int | None = None, position: dict[str
         routed_experts=experts,
         episodes=episode_numbers(batch.episode_ids),
         advantage_estimator=batch.advantage_estimator,
+        advantage_estimators=tuple(batch.sequence_estimators),
         offset=offset,
         position=position,
         decoded_bytes=sum(getattr(batch, name).nbytes for name in _TOKEN_ARRAYS) + (0 if experts is None else batch.routed_experts.nbytes),

@@ -42,6 +42,7 @@ from ember.midtrain.rl.ranks import BatchMessage, RankBatches
 from ember.midtrain.runtime import MetricsLog, StopRequest
 from ember.rollouts.faults import crash_point
 from ember.rollouts.records import PolicyVersion
+from ember.schemas.rollouts import SINGLE_SAMPLE_ESTIMATOR_PREFIX
 
 _EXTREMES = ("max_abs_delta_logp", "rho_max", "rho_min")
 """Mismatch metrics reduced over ranks by max (min), not averaged by token."""
@@ -212,9 +213,11 @@ class RLTrainer:
 
     def _inputs(self, batch: RLBatch) -> _Inputs:
         estimator = self.config.rl.estimator
-        if batch.advantage_estimator is not None and batch.advantage_estimator != estimator:
+        stated = batch.advantage_estimators or (batch.advantage_estimator,)
+        foreign = sorted({e for e in stated if e is not None and e != estimator and not e.startswith(SINGLE_SAMPLE_ESTIMATOR_PREFIX)})
+        if foreign:
             raise ValueError(
-                f"batch {batch.batch_id}: its advantages are {batch.advantage_estimator}'s, rl.estimator is {estimator} "
+                f"batch {batch.batch_id}: its advantages are {' and '.join(foreign)}'s, rl.estimator is {estimator} "
                 f"(loss normaliser {self.config.rl.aggregation}): set the ETL's advantages.estimator and rl.estimator alike"
             )
         b = batch.to(self.device)

@@ -22,6 +22,7 @@ from enum import Enum
 from pydantic import Field
 
 from ember.configs import StrictModel
+from ember.schemas.rollouts import SINGLE_SAMPLE_ESTIMATOR_PREFIX
 
 
 class BaselineKind(str, Enum):
@@ -38,7 +39,7 @@ class BaselineSettings(StrictModel):
     @property
     def estimator(self) -> str:
         """What a `TrainBatch` says computed its advantages."""
-        return f"product_{self.kind.value}"
+        return f"{SINGLE_SAMPLE_ESTIMATOR_PREFIX}{self.kind.value}"
 
 
 def ema_step(baseline: float, count: int, reward: float, alpha: float) -> tuple[float, int]:

@@ -18,6 +18,9 @@ class ProductSettings(StrictModel):
     baseline: BaselineSettings = Field(default_factory=BaselineSettings)
     state_dir: Path = Field(Path(".ember/product-state"), description="one SQLite spill store per shard lives here")
     opt_out_file: Path | None = Field(None, description="user:<id> / org:<id> lines, re-read when the file changes")
+    opt_out_topic: bool = Field(
+        False, description="also follow <prefix>.opt-out (compacted; key user:<id> / org:<id>, a tombstone opts back in)"
+    )
     orphan_timeout_s: float = Field(7200.0, gt=0, description="events whose completion never arrives are dropped after this")
     dedup_window_s: float = Field(86400.0, gt=0, description="how long decided completion ids are remembered (duplicates, late events)")
 

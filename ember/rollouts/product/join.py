@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -396,7 +396,7 @@ class ProductJoin:
             return
         rows = self.store.ready_rows()
         emit, _ = plan_batches([r[1] for r in rows], self.limits.token_budget, min_fill=self.limits.min_fill, flush=flush,
-                               keys=[(r[3], r[4]) for r in rows])
+                               keys=[r[4] for r in rows])
         for members in emit:
             chosen = [rows[i] for i in members]
             scored = [ScoredRollout(decode(r[5]), float(np.float32(r[2]))) for r in chosen]
@@ -408,7 +408,7 @@ class ProductJoin:
             step = self.store.get("next_step", 0)
             self.store.set("next_step", step + 1)
             batch = build_train_batch(scored, step=step, source_offsets=spans, created_at_us=self.now_ms * 1000,
-                                      advantage_estimator=chosen[0][3])
+                                      advantage_estimators=[r[3] for r in chosen])
             self._batches.append(batch)
             for r, s in zip(chosen, scored):
                 self.store.drop_ready(r[0])
@@ -417,7 +417,7 @@ class ProductJoin:
             self._outcomes.append(
                 Outcome("batch", Reason.BATCHED, self.shard, self.now_ms, tokens=batch.num_tokens,
                         detail={"batch_id": batch.batch_id, "step": step, "rollout_ids": list(batch.rollout_ids),
-                                "estimator": chosen[0][3], "versions": _version_counts(batch)})
+                                "estimators": dict(Counter(r[3] for r in chosen)), "versions": _version_counts(batch)})
             )
 
     # ---- checkpoint ----

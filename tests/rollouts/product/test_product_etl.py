@@ -12,10 +12,14 @@ import uuid
 from collections import Counter
 
 import pytest
+from kafka import KafkaProducer
 
+from ember.rollouts.product.events import ServedCompletion
 from ember.rollouts.product.simulate import ProductTraffic, plan_traffic
 from ember.rollouts.product_etl import publish_traffic
 from ember.rollouts.records import Outcome
+from ember.rollouts.replay import ReplayStart, replay
+from ember.rollouts.transport import producer_config
 from tests.rollouts.etl_support import Deployment, EtlProcess, etl_settings, finish, read_topic, wait_for_line, write_config
 
 pytestmark = pytest.mark.integration
@@ -25,15 +29,18 @@ SCALE = 240  # an hour of product time in 15 s of log time: longer than two proc
 
 def _ends(topics) -> tuple[dict[str, list[str]], list[str]]:
     """Each completion id's ends in the ledger (trained, or its drop reason), and the committed batch keys."""
+    return _ends_of(Outcome.decode(record.value) for record in read_topic(topics.outcomes)), [r.key.decode() for r in read_topic(topics.train_batches)]
+
+
+def _ends_of(outcomes) -> dict[str, list[str]]:
     ends: dict[str, list[str]] = {}
-    for record in read_topic(topics.outcomes):
-        outcome = Outcome.decode(record.value)
+    for outcome in outcomes:
         if outcome.kind == "batch":
             for cid in outcome.detail["rollout_ids"]:
                 ends.setdefault(cid, []).append("trained")
         elif outcome.kind == "rollout_dropped":
             ends.setdefault(outcome.rollout_id, []).append(outcome.reason)
-    return ends, [r.key.decode() for r in read_topic(topics.train_batches)]
+    return ends
 
 
 def test_kill_9_mid_window_with_spilled_state_loses_and_doubles_nothing(kafka, tmp_path, processes):
@@ -48,11 +55,16 @@ def test_kill_9_mid_window_with_spilled_state_loses_and_doubles_nothing(kafka, t
     settings["product"] = {
         "state_dir": str(tmp_path / "state"),
         "reward": {"horizon_s": 3660 / SCALE, "unshown_horizon_s": 600 / SCALE},
+        "opt_out_topic": True,
     }
     config = write_config(tmp_path / "etl.yaml", settings)
     topics = deployment.prepare(prefix, config)
+    producer = KafkaProducer(**producer_config(None, bootstrap_servers=kafka))
+    producer.send(topics.opt_out, key=b"user:u3", value=b"1").get(timeout=30)  # what the ETL reads before deciding
+    producer.close(timeout=5)
     plan = plan_traffic(ProductTraffic(completions=80, users=8, tokens=32, vocab_size=1000, acted=0.7, rate_per_s=2, time_scale=SCALE, seed=5))
     served = {p.key.decode() for p in plan if p.role == "served"}
+    opted_out = {p.key.decode() for p in plan if p.role == "served" and ServedCompletion.decode(p.value).user_id == "u3"}
     publisher = threading.Thread(target=publish_traffic, args=(plan, topics), daemon=True)
     crashed = EtlProcess(tmp_path / "etl.yaml", "0", tmp_path, fault="etl.before_commit:3")  # store committed, Kafka not
     processes.append(crashed)
@@ -85,6 +97,7 @@ def test_kill_9_mid_window_with_spilled_state_loses_and_doubles_nothing(kafka, t
     assert set(ends) == served, f"{len(served - set(ends))} served completions never ended"
     assert {cid: e for cid, e in ends.items() if len(e) != 1} == {}
     assert not [k for k, n in Counter(batch_keys).items() if n > 1], "a batch committed twice"
+    assert opted_out and {cid for cid, e in ends.items() if e == ["opt_out"]} == opted_out
     reasons = Counter(e[0] for e in ends.values())
     assert reasons["trained"] and reasons["no_signal"], reasons
     later = second.output() + helper.output() + survivor.output()
@@ -93,10 +106,16 @@ def test_kill_9_mid_window_with_spilled_state_loses_and_doubles_nothing(kafka, t
     rebuilt = [line for line in later.splitlines() if "pending to rebuild" in line]
     assert any(" 0 pending" not in line for line in rebuilt), "no restart found completions waiting in the spill store"
 
+    # `rollouts replay` of the same log, with no crash, decides every completion as the live run did
+    summary = replay(config, ReplayStart(earliest=True), to_dir=tmp_path / "replay")
+    lines = (tmp_path / "replay" / "outcomes.jsonl").read_text().splitlines()
+    assert _ends_of(Outcome.decode(line.encode()) for line in lines) == ends
+    assert summary.rollouts == reasons["trained"]
+
 
 def test_simulate_product_publishes_served_completions_and_their_events(kafka):
     """`rollouts simulate --product`: GROUPS x GROUP_SIZE served completions on the rollouts topic, their events on
-    the rewards topic, every record keyed by its completion id and readable by the product records' decoders."""
+    the events topic, every record keyed by its completion id and readable by the product records' decoders."""
     from typer.testing import CliRunner
 
     from ember.rollouts.cli import rollouts_app
@@ -112,6 +131,6 @@ def test_simulate_product_publishes_served_completions_and_their_events(kafka):
     served = [ServedCompletion.decode(r.value) for r in read_topic(topics.rollouts)]
     assert len(served) == 20 and all(s.rollout.tokens.max() < 1000 for s in served)
     ids = {s.completion_id for s in served}
-    events = [(r.key.decode(), ProductEvent.decode(r.value)) for r in read_topic(topics.rewards)]
+    events = [(r.key.decode(), ProductEvent.decode(r.value)) for r in read_topic(topics.events)]
     assert events and all(key == e.completion_id and key in ids for key, e in events)
     assert f"published 20 served completions and {len(events)} events" in " ".join(result.output.split())
