@@ -184,7 +184,7 @@ def replay(config: EtlConfig, start: ReplayStart, *, to_topic: str | None = None
         policy = _Policy(policy_records)
         shards = sorted(consumer.partitions_for_topic(topics.rollouts) or [])
         for shard in shards:
-            tps = {role: TopicPartition(topic, shard) for role, topic in input_topics(topics).items()}
+            tps = {role: TopicPartition(topic, shard) for role, topic in input_topics(topics, config.kafka.regions).items()}
             ends = consumer.end_offsets(list(tps.values()))
             starts = _start_offsets(consumer, start, tps)
             messages = _read_range(consumer, starts, ends)
