@@ -18,7 +18,7 @@ import hashlib
 import heapq
 import logging
 import math
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -779,7 +779,8 @@ class ShardEngine:
                 self._out.batches.append(
                     EmittedBatch(batch, tuple(sorted(ids)), max(g.last_reward_ms for g in groups if g.group_id in ids))
                 )
-                self._out.outcomes.append(self._batch_outcome(batch, sorted(ids), now_ms, latest_policy))
+                sources = Counter(positions[s.rollout.rollout_id][0][0] for s in chosen)
+                self._out.outcomes.append(self._batch_outcome(batch, sorted(ids), now_ms, latest_policy, sources))
             for group in groups:
                 self._close(group, now_ms)
         self.ready = [self.ready[i] for i in waiting]
@@ -795,7 +796,10 @@ class ShardEngine:
             for source, topic in self.inputs.items() if source in offsets
         ]
 
-    def _batch_outcome(self, batch: TrainBatch, group_ids: list[str], now_ms: int, latest_policy: int | None) -> Outcome:
+    def _batch_outcome(
+        self, batch: TrainBatch, group_ids: list[str], now_ms: int, latest_policy: int | None, sources: Counter
+    ) -> Outcome:
+        """The ledger's batch record; with regions, how many of its rollouts each source sent (`stats` per region)."""
         versions = batch.policy_versions
         return Outcome(
             "batch",
@@ -811,6 +815,7 @@ class ShardEngine:
                 "policy_versions": [int(versions.min()), int(versions.max())],
                 "latest_policy": latest_policy,
                 **({"episodes": len(set(batch.episode_ids))} if batch.episode_ids else {}),
+                **({"sources": dict(sorted(sources.items()))} if self.config.kafka.regions else {}),
             },
         )
 

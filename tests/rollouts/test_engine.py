@@ -501,6 +501,8 @@ def test_a_rollout_sampled_in_one_region_joins_its_reward_graded_in_another():
     assert sorted(batch.rollout_ids) == ["g-0", "g-1"]
     assert [(o.topic, o.start, o.end) for o in batch.source_offsets] == [("us.t.rollouts", 0, 2), ("eu.t.rewards", 0, 2)]
     assert done.marks == {"us.rollouts": 2, "eu.rewards": 3}
+    (ledger,) = [o for o in done.outcomes if o.kind == "batch"]
+    assert ledger.detail["sources"] == {"us.rollouts": 2}  # what `rollouts stats` counts per region
     (late,) = [o for o in done.outcomes if o.kind == "reward_dropped"]
     assert (late.topic, late.offset) == ("eu.t.rewards", 2)
     restored = ShardEngine(cfg, 0, TOPICS, snapshot=done.snapshot, committed=done.marks)

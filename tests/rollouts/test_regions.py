@@ -24,6 +24,7 @@ from ember.rollouts.config import parse_config
 from ember.rollouts.etl import EtlService
 from ember.rollouts.mirror import mirror_lag
 from ember.rollouts.records import Reason
+from ember.rollouts.stats import collect_stats
 from ember.rollouts.topics import Topics
 from ember.schemas import encode
 from tests.rollouts.etl_support import books, etl_settings
@@ -304,3 +305,6 @@ def test_etl_joins_regions_and_a_rebalance_while_a_region_is_cut_off_loses_nothi
     assert_exactly_once(ids, sent, "train batches after a rebalance with us cut off")
     late = [o for o in books(topics).rewards_dropped if Reason(o.reason) is Reason.LATE_REWARD]
     assert not late, f"{len(late)} in-time rewards judged late, e.g. {late[0]}"
+    stats = collect_stats(config, window_s=0)
+    assert stats.batched_by_source == {"us.rollouts": len(sent)}, stats.batched_by_source
+    assert {p.topic for p in stats.partitions} >= mirrored, stats.partitions  # lag per region's mirrored partition
