@@ -187,6 +187,8 @@ class EtlConfig(StrictModel):
     @model_validator(mode="after")
     def _estimator_needs_pairs(self) -> "EtlConfig":
         problems = []
+        if self.kafka.regions and self.source == "product":
+            problems.append("kafka.regions is read by source: groups only (served completions are not mirrored from regions)")
         if self.advantages.estimator is Estimator.RLOO and self.groups.min_samples < 2:
             problems.append("advantages.estimator=rloo needs groups.quorum (or size) >= 2")
         if self.filters.max_tokens > self.batches.token_budget:

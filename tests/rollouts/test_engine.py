@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from ember.rollouts.advantages import grpo_advantages, rloo_advantages
 from ember.rollouts.engine import REWARDS, ROLLOUTS, InputMessage, ShardEngine, StateMismatch
 from ember.configs import EtlConfigError
+from ember.rollouts.config import parse_config
 from ember.rollouts.records import ShardSnapshot
 from ember.schemas import Reward, encode
 from tests.rollouts.helpers import TOPICS, Committed, Log, config, reward, rollout, run
@@ -509,7 +510,11 @@ def test_a_rollout_sampled_in_one_region_joins_its_reward_graded_in_another():
     assert restored.pending_count() == 0 and set(restored.held) == {"rollouts", "rewards", "us.rollouts", "us.rewards", "eu.rollouts", "eu.rewards"}
 
 
-@pytest.mark.parametrize("regions, why", [({"US": "h:1"}, "kafka.regions"), ({"central": "h:1"}, "'central'")])
-def test_regions_are_refused_with_the_key_named(regions, why):
+@pytest.mark.parametrize("regions, source, why", [
+    ({"US": "h:1"}, "groups", "kafka.regions"), ({"central": "h:1"}, "groups", "'central'"), ({"us": "h:1"}, "product", "groups only"),
+])
+def test_regions_are_refused_with_the_key_named(regions, source, why):
+    data = config().model_dump(mode="json")
+    data["kafka"]["regions"], data["source"] = regions, source
     with pytest.raises(EtlConfigError, match=why):
-        config(kafka={"regions": regions})
+        parse_config(data)
