@@ -96,6 +96,7 @@ class RegionProofs:
     def __init__(self, central: str, regions: dict[str, str], topics: list[str], every_s: float = 1.0):
         self._central, self._regions, self._topics, self._every_s = central, dict(regions), list(topics), every_s
         self._proofs: dict[tuple[str, str, int], int] = {}
+        self._warned_at: dict[str, float] = {}  # region -> when its silence was last logged
         self._lock = threading.Lock()
         self._halt = threading.Event()
         self._thread = threading.Thread(target=self._run, name="region-proofs", daemon=True)
@@ -121,10 +122,18 @@ class RegionProofs:
                 try:
                     rows = mirror_lag(self._central, region, bootstrap, self._topics)
                 except Exception as exc:  # a region down or cut off proves nothing this time; the next round asks again
-                    log.debug("region %s gave no proof: %r", region, exc)
+                    self._say_silent(region, bootstrap, exc)
                     continue
                 with self._lock:
                     for row in rows:
                         if row.behind == 0:
                             self._proofs[(region, row.topic, row.partition)] = asked_at_ms
             self._halt.wait(self._every_s)
+
+    def _say_silent(self, region: str, bootstrap: str, exc: Exception, every_s: float = 30.0) -> None:
+        """A region that cannot be asked holds the shards' decisions: say so, at most every `every_s`, not per ask."""
+        now = time.monotonic()
+        if now - self._warned_at.get(region, float("-inf")) >= every_s:
+            self._warned_at[region] = now
+            log.warning("region %s (%s) cannot be asked what MM2 has not copied (%r): its mirrored topics hold the ETL's "
+                        "decisions until it answers", region, bootstrap, exc)
