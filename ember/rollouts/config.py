@@ -12,7 +12,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, IPvAnyAddress, model_validator
+from pydantic import BaseModel, ConfigDict, Field, IPvAnyAddress, StringConstraints, model_validator
 
 from ember import configs
 from ember.configs import StrictModel
@@ -45,6 +45,18 @@ class KafkaSettings(StrictModel):
     security: KafkaSecurity = Field(
         default_factory=KafkaSecurity, description="TLS / SASL settings; keys left out come from EMBER_KAFKA_* (see ember.rollouts.security)"
     )
+    regions: dict[Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9-]*$")], str] = Field(
+        default_factory=dict,
+        description="region -> host:port of its cluster, for regions MirrorMaker 2 copies into this one: also read "
+        "<region>.<prefix>.rollouts and .rewards, judged by the region's log time; the region's cluster is asked "
+        "what the mirror has not copied yet (docs/guides/regions.md)",
+    )
+
+    @model_validator(mode="after")
+    def _regions_not_central(self) -> "KafkaSettings":
+        if "central" in self.regions:
+            raise ValueError("regions: 'central' is the training cluster's alias in the regions, not a region")
+        return self
 
     @model_validator(mode="after")
     def _heartbeat_below_session(self) -> "KafkaSettings":
@@ -175,6 +187,8 @@ class EtlConfig(StrictModel):
     @model_validator(mode="after")
     def _estimator_needs_pairs(self) -> "EtlConfig":
         problems = []
+        if self.kafka.regions and self.source == "product":
+            problems.append("kafka.regions is read by source: groups only (served completions are not mirrored from regions)")
         if self.advantages.estimator is Estimator.RLOO and self.groups.min_samples < 2:
             problems.append("advantages.estimator=rloo needs groups.quorum (or size) >= 2")
         if self.filters.max_tokens > self.batches.token_budget:

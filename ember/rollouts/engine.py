@@ -18,8 +18,8 @@ import hashlib
 import heapq
 import logging
 import math
-from collections import OrderedDict
-from collections.abc import Mapping
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,10 +50,26 @@ MAX_DETAIL_CHARS = 1000  # free text from a message (decoder errors, keys) is cu
 log = logging.getLogger("ember.etl")
 
 
-def input_topics(topics: Topics, source: str = "groups") -> dict[str, str]:
-    """A shard's two input topics by role; the roles key its positions, committed marks and snapshots. With
-    `source: product` the second input is the events topic (user events keyed by completion id)."""
-    return {ROLLOUTS: topics.rollouts, REWARDS: topics.events if source == "product" else topics.rewards}
+def input_topics(topics: Topics, source: str = "groups", regions: Iterable[str] = ()) -> dict[str, str]:
+    """A shard's input topics by source: the local rollouts and rewards (with `source: product` the events topic,
+    user events keyed by completion id, in the rewards' role), then each region's copies that MirrorMaker 2 makes in
+    central (`<region>.<prefix>.rollouts`, source `<region>.rollouts`). Sources key positions, committed marks and
+    snapshots; MM2 keeps partition numbers, so partition p of every source is shard p."""
+    sources = {ROLLOUTS: topics.rollouts, REWARDS: topics.events if source == "product" else topics.rewards}
+    for region in regions:
+        sources[f"{region}.{ROLLOUTS}"] = f"{region}.{topics.rollouts}"
+        sources[f"{region}.{REWARDS}"] = f"{region}.{topics.rewards}"
+    return sources
+
+
+def source_kind(source: str) -> str:
+    """ROLLOUTS or REWARDS: what a source's records are (`us.rewards` -> rewards)."""
+    return source.rsplit(".", 1)[-1]
+
+
+def mirrored_sources(sources: Iterable[str]) -> list[str]:
+    """The sources a region sends through the mirror: judged by their region's log time (see `LogClock`)."""
+    return [s for s in sources if "." in s]
 
 
 @dataclass(frozen=True)
@@ -92,6 +108,7 @@ class _Refused(Exception):
 @dataclass
 class _RewardHold:
     reward: Reward
+    source: str
     offset: int
     timestamp_ms: int
 
@@ -99,6 +116,7 @@ class _RewardHold:
 @dataclass
 class _Segment:
     rollout: Rollout
+    source: str
     offset: int
     timestamp_ms: int
     ref: RolloutRef  # where its batch will say it lives (the trainer reads it there)
@@ -145,7 +163,7 @@ class _Finished:
 
     group_id: str
     sequences: list[ScoredRollout]
-    positions: dict[str, tuple[int, tuple[int, ...]]]
+    positions: dict[str, tuple[tuple[str, int], tuple[tuple[str, int], ...]]]  # rollout id -> (source, offset) of it, its rewards
     outcomes: list[Outcome]
     held: dict[str, list[int]]
     rollout_ids: tuple[str, ...]
@@ -217,7 +235,8 @@ class ShardEngine:
         self.config = config
         self.shard = shard
         self.topics = topics
-        self._roles = {name: role for role, name in input_topics(topics).items()}
+        self.inputs = input_topics(topics, config.source, config.kafka.regions)
+        self._roles = {name: source for source, name in self.inputs.items()}
         self.positions: dict[str, int] = {}
         self._replay: dict[str, tuple[int, set[int]]] = {}
         self.next_step = 0
@@ -226,7 +245,7 @@ class ShardEngine:
         self.ready: list[_Finished] = []
         self.closed: OrderedDict[str, ClosedGroup] = OrderedDict()
         self._closed_delta: list[ClosedGroup] = []
-        self.held: dict[str, set[int]] = {ROLLOUTS: set(), REWARDS: set()}
+        self.held: dict[str, set[int]] = {source: set() for source in self.inputs}
         self._owners: dict[str, str] = {}  # rollout_id -> group of every open or finishing group's members
         self._deadlines: list[tuple[int, str]] = []
         self._dirty: set[str] = set()
@@ -279,7 +298,7 @@ class ShardEngine:
                 self._out.observations.append(("replay_skipped", 1.0))
                 return
         try:
-            record = self._admit(message, role)
+            record = self._admit(message, source_kind(role))
         except _Refused as refused:
             self._dead_letter(message, refused.reason, refused.detail, keep=refused.keep)
             return
@@ -287,7 +306,7 @@ class ShardEngine:
             log.exception("shard %d: %s@%d could not be admitted", self.shard, message.topic, message.offset)
             self._dead_letter(message, Reason.INTERNAL_ERROR, repr(exc), keep=True)
             return
-        if role == ROLLOUTS:
+        if source_kind(role) == ROLLOUTS:
             self._ingest_rollout(message, record, now_ms)
         else:
             self._ingest_reward(message, record, now_ms)
@@ -346,7 +365,8 @@ class ShardEngine:
             group = self.groups[group_id] = _Group(group_id)
         return group
 
-    def _rollout_outcome(self, reason: Reason, rollout: Rollout, offset: int, at_ms: int, **detail: object) -> Outcome:
+    def _rollout_outcome(self, reason: Reason, rollout: Rollout, at: tuple[str, int], at_ms: int, **detail: object) -> Outcome:
+        """`at`: the (topic, offset) the rollout was read at."""
         return Outcome(
             "rollout_dropped",
             reason,
@@ -354,14 +374,14 @@ class ShardEngine:
             at_ms,
             group_id=rollout.group_id,
             rollout_id=rollout.rollout_id,
-            topic=self.topics.rollouts,
+            topic=at[0],
             partition=self.shard,
-            offset=offset,
+            offset=at[1],
             tokens=rollout.num_tokens,
             detail=dict(detail),
         )
 
-    def _reward_outcome(self, reason: Reason, reward: Reward, offset: int, at_ms: int, **detail: object) -> Outcome:
+    def _reward_outcome(self, reason: Reason, reward: Reward, at: tuple[str, int], at_ms: int, **detail: object) -> Outcome:
         return Outcome(
             "reward_dropped",
             reason,
@@ -369,9 +389,9 @@ class ShardEngine:
             at_ms,
             group_id=reward.group_id,
             rollout_id=reward.rollout_id,
-            topic=self.topics.rewards,
+            topic=at[0],
             partition=self.shard,
-            offset=offset,
+            offset=at[1],
             detail={"grader": reward.grader, **detail},
         )
 
@@ -379,13 +399,13 @@ class ShardEngine:
         closed_ids = self._is_closed(rollout.group_id)
         if closed_ids is not None:
             reason = Reason.DUPLICATE if rollout.rollout_id in closed_ids else Reason.LATE_ROLLOUT
-            self._out.outcomes.append(self._rollout_outcome(reason, rollout, message.offset, now_ms))
+            self._out.outcomes.append(self._rollout_outcome(reason, rollout, (message.topic, message.offset), now_ms))
             return
         owner = self._owners.get(rollout.rollout_id)
         if owner is not None and owner != rollout.group_id:
             # two groups sharing a rollout id could meet in one batch: ids must be unique there
             self._out.outcomes.append(
-                self._rollout_outcome(Reason.ROLLOUT_ID_CONFLICT, rollout, message.offset, now_ms, other_group=owner)
+                self._rollout_outcome(Reason.ROLLOUT_ID_CONFLICT, rollout, (message.topic, message.offset), now_ms, other_group=owner)
             )
             return
         group = self._open_group(rollout.group_id)
@@ -396,17 +416,18 @@ class ShardEngine:
             return
         if refused is not None:
             detail = {} if refused[0] is Reason.DUPLICATE else {"error": refused[1]}
-            self._out.outcomes.append(self._rollout_outcome(refused[0], rollout, message.offset, now_ms, **detail))
+            self._out.outcomes.append(self._rollout_outcome(refused[0], rollout, (message.topic, message.offset), now_ms, **detail))
             return
         if member is None and len(group.members) >= self.config.groups.size:
             self._out.outcomes.append(
-                self._rollout_outcome(Reason.GROUP_OVERFLOW, rollout, message.offset, now_ms, size=self.config.groups.size)
+                self._rollout_outcome(Reason.GROUP_OVERFLOW, rollout, (message.topic, message.offset), now_ms, size=self.config.groups.size)
             )
             return
         digest = hashlib.sha256(message.value or b"").digest()
-        segment = _Segment(rollout, message.offset, message.timestamp_ms, RolloutRef(message.topic, message.partition, message.offset, digest))
+        source = self._roles[message.topic]
+        segment = _Segment(rollout, source, message.offset, message.timestamp_ms, RolloutRef(message.topic, message.partition, message.offset, digest))
         self._owners[rollout.rollout_id] = rollout.group_id
-        self.held[ROLLOUTS].add(message.offset)
+        self.held[source].add(message.offset)
         self._schedule(message.timestamp_ms + self.config.rewards.timeout_s * 1000, group.group_id)
         self._dirty.add(group.group_id)
         if group.first_rollout_ms is None or message.timestamp_ms < group.first_rollout_ms:
@@ -418,8 +439,8 @@ class ShardEngine:
         member = group.members[rollout.episode_key] = _Member({rollout.segment_index: segment})
         for grader, hold in group.early.pop(rollout.episode_key, {}).items():
             if hold.timestamp_ms >= self._reward_deadline(member):
-                self.held[REWARDS].discard(hold.offset)
-                self._out.outcomes.append(self._reward_outcome(Reason.LATE_REWARD, hold.reward, hold.offset, now_ms))
+                self.held[hold.source].discard(hold.offset)
+                self._out.outcomes.append(self._reward_outcome(Reason.LATE_REWARD, hold.reward, self._at(hold), now_ms))
             else:
                 member.rewards[grader] = hold
         for hold in member.rewards.values():
@@ -428,22 +449,23 @@ class ShardEngine:
     def _ingest_reward(self, message: InputMessage, reward: Reward, now_ms: int) -> None:
         graders = self.config.rewards.graders
         if graders and reward.grader not in graders:
-            self._out.outcomes.append(self._reward_outcome(Reason.UNKNOWN_GRADER, reward, message.offset, now_ms))
+            self._out.outcomes.append(self._reward_outcome(Reason.UNKNOWN_GRADER, reward, (message.topic, message.offset), now_ms))
             return
         if self._is_closed(reward.group_id) is not None:
-            self._out.outcomes.append(self._reward_outcome(Reason.LATE_REWARD, reward, message.offset, now_ms))
+            self._out.outcomes.append(self._reward_outcome(Reason.LATE_REWARD, reward, (message.topic, message.offset), now_ms))
             return
         group = self._open_group(reward.group_id)
         member = group.members.get(reward.rollout_id)
         target = member.rewards if member is not None else group.early.setdefault(reward.rollout_id, {})
         if reward.grader in target:
-            self._out.outcomes.append(self._reward_outcome(Reason.DUPLICATE_REWARD, reward, message.offset, now_ms))
+            self._out.outcomes.append(self._reward_outcome(Reason.DUPLICATE_REWARD, reward, (message.topic, message.offset), now_ms))
             return
         if member is not None and message.timestamp_ms >= self._reward_deadline(member):
-            self._out.outcomes.append(self._reward_outcome(Reason.LATE_REWARD, reward, message.offset, now_ms))
+            self._out.outcomes.append(self._reward_outcome(Reason.LATE_REWARD, reward, (message.topic, message.offset), now_ms))
             return
-        target[reward.grader] = _RewardHold(reward, message.offset, message.timestamp_ms)
-        self.held[REWARDS].add(message.offset)
+        source = self._roles[message.topic]
+        target[reward.grader] = _RewardHold(reward, source, message.offset, message.timestamp_ms)
+        self.held[source].add(message.offset)
         if member is not None:
             latency = max(0, message.timestamp_ms - member.timestamp_ms) / 1e3
             self._out.observations.append(("reward_join_latency_s", latency))
@@ -595,7 +617,7 @@ class ShardEngine:
             group_id=group.group_id,
             sequences=sequences,
             positions={
-                s.rollout.rollout_id: (s.offset, tuple(h.offset for h in m.rewards.values()))
+                s.rollout.rollout_id: ((s.source, s.offset), tuple((h.source, h.offset) for h in m.rewards.values()))
                 for m in group.members.values()
                 for s in m.segments.values()
                 if s.rollout.rollout_id in kept
@@ -617,12 +639,14 @@ class ShardEngine:
     def _judge_members(self, group: _Group, now_ms: int, latest_policy: int | None):
         """Each member kept (with its reward) or dropped with a reason; the offsets the group holds; its expert signature."""
         outcomes: list[Outcome] = []
-        held = {ROLLOUTS: [], REWARDS: []}
+        held: dict[str, list[int]] = {source: [] for source in self.inputs}
         valid: list[tuple[_Member, float]] = []
         signature: tuple | None | str = "unset"
         for member in group.members.values():
-            held[ROLLOUTS].extend(s.offset for s in member.segments.values())
-            held[REWARDS].extend(h.offset for h in member.rewards.values())
+            for segment in member.segments.values():
+                held[segment.source].append(segment.offset)
+            for hold in member.rewards.values():
+                held[hold.source].append(hold.offset)
             reason, detail = self._filter(member, now_ms, latest_policy)
             value = 0.0
             if reason is None:
@@ -646,8 +670,8 @@ class ShardEngine:
                 outcomes += self._episode_outcomes(reason, member, now_ms, **detail)
         for holds in group.early.values():
             for hold in holds.values():
-                held[REWARDS].append(hold.offset)
-                outcomes.append(self._reward_outcome(Reason.ORPHAN_REWARD, hold.reward, hold.offset, now_ms))
+                held[hold.source].append(hold.offset)
+                outcomes.append(self._reward_outcome(Reason.ORPHAN_REWARD, hold.reward, self._at(hold), now_ms))
         return valid, outcomes, held, signature
 
     def _score(
@@ -693,7 +717,10 @@ class ShardEngine:
         """One ledger record per segment (each is a message to account for), all with the episode's reason."""
         if member.rollout.episode_id is not None:
             detail = {**detail, "episode_id": member.rollout.episode_id}
-        return [self._rollout_outcome(reason, s.rollout, s.offset, now_ms, **detail) for s in member.ordered]
+        return [self._rollout_outcome(reason, s.rollout, self._at(s), now_ms, **detail) for s in member.ordered]
+
+    def _at(self, held: _Segment | _RewardHold) -> tuple[str, int]:
+        return self.inputs[held.source], held.offset
 
     def _close(self, finished: _Finished, now_ms: int) -> None:
         self._out.outcomes.extend(finished.outcomes)
@@ -753,20 +780,27 @@ class ShardEngine:
                 self._out.batches.append(
                     EmittedBatch(batch, tuple(sorted(ids)), max(g.last_reward_ms for g in groups if g.group_id in ids))
                 )
-                self._out.outcomes.append(self._batch_outcome(batch, sorted(ids), now_ms, latest_policy))
+                sources = Counter(positions[s.rollout.rollout_id][0][0] for s in chosen)
+                self._out.outcomes.append(self._batch_outcome(batch, sorted(ids), now_ms, latest_policy, sources))
             for group in groups:
                 self._close(group, now_ms)
         self.ready = [self.ready[i] for i in waiting]
 
-    def _source_offsets(self, positions: list[tuple[int, tuple[int, ...]]]) -> list[SourceOffset]:
-        rollouts = [p[0] for p in positions]
-        rewards = [o for p in positions for o in p[1]]
-        spans = [SourceOffset(self.topics.rollouts, self.shard, min(rollouts), max(rollouts) + 1)]
-        if rewards:
-            spans.append(SourceOffset(self.topics.rewards, self.shard, min(rewards), max(rewards) + 1))
-        return spans
+    def _source_offsets(self, positions: list[tuple[tuple[str, int], tuple[tuple[str, int], ...]]]) -> list[SourceOffset]:
+        """One span per source the batch read from, in the sources' order (rollouts, rewards, then each region's)."""
+        offsets: dict[str, list[int]] = {}
+        for rollout, rewards in positions:
+            for source, offset in (rollout, *rewards):
+                offsets.setdefault(source, []).append(offset)
+        return [
+            SourceOffset(topic, self.shard, min(offsets[source]), max(offsets[source]) + 1)
+            for source, topic in self.inputs.items() if source in offsets
+        ]
 
-    def _batch_outcome(self, batch: TrainBatch, group_ids: list[str], now_ms: int, latest_policy: int | None) -> Outcome:
+    def _batch_outcome(
+        self, batch: TrainBatch, group_ids: list[str], now_ms: int, latest_policy: int | None, sources: Counter
+    ) -> Outcome:
+        """The ledger's batch record; with regions, how many of its rollouts each source sent (`stats` per region)."""
         versions = batch.policy_versions
         return Outcome(
             "batch",
@@ -782,6 +816,7 @@ class ShardEngine:
                 "policy_versions": [int(versions.min()), int(versions.max())],
                 "latest_policy": latest_policy,
                 **({"episodes": len(set(batch.episode_ids))} if batch.episode_ids else {}),
+                **({"sources": dict(sorted(sources.items()))} if self.config.kafka.regions else {}),
             },
         )
 
@@ -810,7 +845,7 @@ class ShardEngine:
         return bool(self._out.batches)
 
     def pending_count(self) -> int:
-        return sum(len(self.pending_offsets(role)) for role in (ROLLOUTS, REWARDS))
+        return sum(len(self.pending_offsets(source)) for source in self.inputs)
 
     def checkpoint(self, etl_instance: str = "") -> tuple[ShardOutput, ShardSnapshot, dict[str, int]]:
         """Hand over the outputs since the last checkpoint with the snapshot and offsets that go with them."""

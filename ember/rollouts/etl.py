@@ -36,10 +36,13 @@ from kafka.structs import OffsetAndMetadata
 
 from ember.rollouts.assignor import CopartitionedCooperativeAssignor
 from ember.rollouts.config import EtlConfig
-from ember.rollouts.engine import REWARDS, ROLLOUTS, InputMessage, ShardEngine, ShardOutput, StateMismatch, input_topics
+from ember.rollouts.engine import (
+    ROLLOUTS, InputMessage, ShardEngine, ShardOutput, StateMismatch, input_topics, mirrored_sources, source_kind,
+)
 from ember.rollouts.faults import crash_point
 from ember.rollouts.log_clock import LogClock
 from ember.rollouts.metrics import EtlMetrics
+from ember.rollouts.mirror import RegionProofs
 from ember.rollouts.records import ClosedGroup, PolicyVersion, Reason, ShardSnapshot
 from ember.rollouts.security import KafkaSecurity
 from ember.rollouts.topics import Topics, reference_retention_problem, timestamp_problem
@@ -72,7 +75,7 @@ def prepare_topics(config: EtlConfig, *, create: bool | None = None) -> Topics:
     specs.pop("rewards" if config.source == "product" else "events")
     if not (config.source == "product" and config.product.opt_out_topic):
         specs.pop("opt_out")
-    inputs = input_topics(topics, config.source)
+    inputs = input_topics(topics, config.source, kafka.regions)
     if not (kafka.create_topics if create is None else create):
         existing = set(list_topics(kafka.bootstrap, kafka.security))
         missing = [s.name for s in specs.values() if s.name not in existing]
@@ -85,15 +88,20 @@ def prepare_topics(config: EtlConfig, *, create: bool | None = None) -> Topics:
             )
     state = specs.pop("etl_state")
     ensure_topics(kafka.bootstrap, list(specs.values()), kafka.security)
-    counts = {
-        row["name"]: int(row["partitions"])
-        for row in describe_topics(kafka.bootstrap, list(inputs.values()), kafka.security)
-    }
-    rollouts, rewards = counts[inputs[ROLLOUTS]], counts[inputs[REWARDS]]
-    if rollouts != rewards:
+    mirrored = [inputs[s] for s in mirrored_sources(inputs)]
+    absent = sorted(set(mirrored) - set(list_topics(kafka.bootstrap, kafka.security))) if mirrored else []
+    if absent:
+        raise MissingTopics(
+            f"{', '.join(absent)} do not exist in {kafka.bootstrap}: MirrorMaker 2 makes them once the region has "
+            f"its topics (ember rollouts topics create --prefix {topics.prefix} --region R, with the same partitions)"
+        )
+    counts = {row["name"]: int(row["partitions"]) for row in describe_topics(kafka.bootstrap, list(inputs.values()), kafka.security)}
+    rollouts = counts[inputs[ROLLOUTS]]
+    differ = [f"{name} has {n}" for name, n in counts.items() if n != rollouts]
+    if differ:
         raise TopologyError(
-            f"{inputs[ROLLOUTS]} has {rollouts} partitions but {inputs[REWARDS]} has {rewards}: a group's rollouts "
-            "and rewards must share a partition index; give both topics the same partition count"
+            f"{inputs[ROLLOUTS]} has {rollouts} partitions but {', '.join(differ)}: a group's rollouts and rewards, "
+            "from every region, must share a partition index; give every input topic the same partition count"
         )
     _check_topic_configs(config)
     ensure_topics(kafka.bootstrap, [replace(state, partitions=rollouts)], kafka.security)
@@ -107,9 +115,9 @@ def prepare_topics(config: EtlConfig, *, create: bool | None = None) -> Topics:
 
 
 def _check_topic_configs(config: EtlConfig) -> None:
-    """Refuse input topics stamped by producers (CreateTime) and topics where batches could outlive the rollouts
-    they reference; warn when this principal may not read the topics' configs (DESCRIBE_CONFIGS), so the checks
-    are the operator's."""
+    """Refuse local input topics stamped by producers (CreateTime) and topics where batches could outlive the rollouts
+    they reference (mirrored topics are CreateTime by design: see `_check_stamp`); warn when this principal may not
+    read the topics' configs (DESCRIBE_CONFIGS), so the checks are the operator's."""
     kafka, topics = config.kafka, config.kafka.topics
     inputs = list(input_topics(topics, config.source).values())
     names = [*inputs, topics.train_batches]
@@ -308,7 +316,7 @@ class EtlService:
         self.instance = instance
         self.metrics = metrics or EtlMetrics()
         self.topics = config.kafka.topics
-        self.inputs = input_topics(self.topics, config.source)
+        self.inputs = input_topics(self.topics, config.source, config.kafka.regions)
         self.engines: dict[int, ShardEngine] = {}
         self._clients: _Clients | None = None
         self._touched: set[int] = set()
@@ -321,6 +329,10 @@ class EtlService:
         self._caught_up: set[int] = set()  # shards read to end offsets asked for after the last records arrived
         self._quiet_since: float | None = None  # when the service last became assigned, caught up and without pending work
         self._clocks: dict[int, LogClock[InputMessage]] = {}
+        self._mirrored_topics = {self.inputs[s] for s in mirrored_sources(self.inputs)}
+        # mirrored source -> (region, the region's own topic), where `RegionProofs` asks what is not copied yet
+        self._mirror_of = {s: (s.split(".", 1)[0], self.inputs[source_kind(s)]) for s in mirrored_sources(self.inputs)}
+        self._region_proofs: RegionProofs | None = None
         self._create_time_seen: set[str] = set()  # input topics a producer-stamped record came from (warned once each)
         self.transactions = 0
         self.totals = RunTotals()
@@ -352,6 +364,8 @@ class EtlService:
         failures = 0
         started = time.monotonic()
         kafka = self.config.kafka
+        if kafka.regions:
+            self._region_proofs = RegionProofs(kafka.bootstrap, kafka.regions, [self.topics.rollouts, self.topics.rewards]).start()
         try:
             while not stop.is_set():
                 try:
@@ -394,6 +408,8 @@ class EtlService:
                     stop.wait(min(0.5 * 2**failures, 10.0))
         finally:
             self._disconnect()
+            if self._region_proofs is not None:
+                self._region_proofs.close()
             if prepared:
                 for line in summary_lines(self.totals, time.monotonic() - started, self._recoveries):
                     log.info("ETL %s %s", self.instance, line)
@@ -527,7 +543,7 @@ class EtlService:
                 timestamp = max(message.timestamp or 0, 0)  # the replay reads an unstamped record the same way
                 item = InputMessage(tp.topic, tp.partition, message.offset, timestamp, message.key, message.value)
                 clock.read(roles[tp.topic], timestamp, item)
-            self.metrics.messages.labels(tp.topic).inc(len(messages))
+            self.metrics.messages.labels(tp.topic, roles[tp.topic]).inc(len(messages))
             self.totals.messages += len(messages)
             self._touched.add(tp.partition)
             self._caught_up.discard(tp.partition)
@@ -550,7 +566,11 @@ class EtlService:
 
     def _check_stamp(self, topic: str, timestamp_type: int) -> None:
         """A producer-stamped record (the topic's config changed after the start-up check, or was unreadable) voids
-        the promise that a replay decides the same: say so once per topic, and go on as before."""
+        the promise that a replay decides the same: say so once per topic, and go on as before. A mirrored topic's
+        records are CreateTime by design and accepted: MM2 copies each record's timestamp, which on the regional
+        topic (LogAppendTime) is the region broker's append time, but not the topic's timestamp type."""
+        if topic in self._mirrored_topics:
+            return
         if timestamp_type != LOG_APPEND_TIME and topic not in self._create_time_seen:
             self._create_time_seen.add(topic)
             log.warning(
@@ -585,7 +605,7 @@ class EtlService:
                     to_load.add(shard)
         assignment = clients.consumer.assignment()
         for shard in sorted(to_load):
-            pair = [TopicPartition(self.inputs[r], shard) for r in (ROLLOUTS, REWARDS)]
+            pair = [TopicPartition(topic, shard) for topic in self.inputs.values()]
             if all(tp in assignment for tp in pair):
                 self._load_shard(clients, shard, pair)
         if events:
@@ -594,7 +614,7 @@ class EtlService:
         return to_load
 
     def _load_shard(self, clients: _Clients, shard: int, pair: list[TopicPartition]) -> None:
-        committed = {role: clients.consumer.committed(tp, metadata=True) for role, tp in zip((ROLLOUTS, REWARDS), pair)}
+        committed = {role: clients.consumer.committed(tp, metadata=True) for role, tp in zip(self.inputs, pair)}
         state_offset = None
         meta = committed[ROLLOUTS].metadata if committed[ROLLOUTS] is not None else ""
         if meta:
@@ -612,7 +632,7 @@ class EtlService:
         )
         offsets = {role: c.offset for role, c in committed.items() if c is not None and c.offset >= 0}
         starts = dict(offsets)
-        for role, tp in zip((ROLLOUTS, REWARDS), pair):
+        for role, tp in zip(self.inputs, pair):
             if role in offsets:
                 clients.consumer.seek(tp, offsets[role])
             else:
@@ -621,7 +641,7 @@ class EtlService:
         engine = self._make_engine(clients, shard, pair, snapshot=snapshot, committed=starts, closed=closed, now_ms=now_ms, meta=meta)
         self.engines[shard] = engine
         self._committed_marks[shard] = dict(offsets)
-        self._clocks[shard] = LogClock(self.inputs, skew_ms=BROKER_CLOCK_LAG_MS)
+        self._clocks[shard] = LogClock(self.inputs, skew_ms=BROKER_CLOCK_LAG_MS, mirrored=mirrored_sources(self.inputs))
         self._caught_up.discard(shard)
         log.info("ETL %s loaded shard %d from offsets %s (%d pending to rebuild)", self.member_id, shard, offsets, engine.pending_count())
 
@@ -755,6 +775,7 @@ class EtlService:
             TopicPartition(topic, s): (s, role)
             for s in self.engines for role, topic in self.inputs.items() if TopicPartition(topic, s) in assignment
         }
+        region_proofs = self._region_proofs.latest() if self._region_proofs is not None else {}  # before central is asked
         asked_at_ms = int(time.time() * 1000)
         try:
             # asked on the state reader's own connection: on the consumer's, the request would queue behind its
@@ -768,7 +789,15 @@ class EtlService:
         for tp, end in self._ends.items():
             shard, role = tps[tp]
             position = clients.consumer.position(tp)  # past control records too, which no message shows
-            if not self._clocks[shard].end_offset(role, position=position, end=end, asked_at_ms=asked_at_ms):
+            if role in self._mirror_of:
+                region, topic = self._mirror_of[role]
+                proof = region_proofs.get((region, topic, shard))
+                read_to_end = position >= end if proof is None else self._clocks[shard].mirror_end(
+                    role, position=position, copied_end=end, region_asked_at_ms=proof
+                )
+            else:
+                read_to_end = self._clocks[shard].end_offset(role, position=position, end=end, asked_at_ms=asked_at_ms)
+            if not read_to_end:
                 behind.add(shard)
         proven = Counter(tps[tp][0] for tp in self._ends)
         self._caught_up = {s for s in self.engines if proven[s] == len(self.inputs) and s not in behind}
@@ -779,4 +808,4 @@ class EtlService:
             position = max(committed, self.engines[shard].positions.get(role) or 0)
             self._unread += max(0, end - position)
             self._held += max(0, position - committed)
-            self.metrics.lag.labels(tp.topic, str(tp.partition)).set(max(0, end - committed))
+            self.metrics.lag.labels(tp.topic, role, str(tp.partition)).set(max(0, end - committed))

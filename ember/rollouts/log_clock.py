@@ -18,6 +18,20 @@ What a partition may still hold unread is bounded below only by evidence:
   unread (a rebalance, a broker outage, a slow or loaded consumer) holds the clock however long that lasts.
 
 A partition without evidence yet holds the merge and the clock. Pure logic: no Kafka client code.
+
+Mirrored partitions (`<region>.<prefix>.rollouts` in central, copied by MirrorMaker 2) are judged by their own
+source's log time, with one rule each way:
+
+- their timestamps are the regional broker's append times (the regional topics are LogAppendTime; MM2 copies the
+  timestamp but not the topic setting, so central shows them as CreateTime): read records are evidence as above;
+- central's end offsets say nothing about what the region has not sent yet (MM2 may be dead, the region cut off),
+  so `end_offset` never raises a mirrored partition's bound. Only `mirror_end` does: the region's own cluster,
+  asked at wall time t, held nothing the mirror had not copied, and the reader is at central's end of those copies.
+
+So a region that stops flowing never lets the others' clocks advance on its behalf (its partitions hold the merge),
+and a region that is merely idle does not hold anyone hostage: its own cluster proves it idle, as central does for
+a local partition. Only a region that cannot be asked (down, cut off) holds the clock, for as long as that lasts:
+deciding without it would judge its in-time rewards late. `holder` names the partition holding the clock.
 """
 
 from __future__ import annotations
@@ -45,10 +59,14 @@ class _Partition(Generic[Item]):
 class LogClock(Generic[Item]):
     """One shard's input partitions (named by role, in tie order: rollouts, rewards) merged into log order."""
 
-    def __init__(self, partitions: Iterable[str], *, skew_ms: int = 0):
+    def __init__(self, partitions: Iterable[str], *, skew_ms: int = 0, mirrored: Iterable[str] = ()):
         self._partitions = {name: _Partition[Item](rank) for rank, name in enumerate(partitions)}
         if not self._partitions:
             raise ValueError("a LogClock needs at least one input partition")
+        self._mirrored = set(mirrored)
+        unknown = self._mirrored - set(self._partitions)
+        if unknown:
+            raise ValueError(f"mirrored partitions {sorted(unknown)} are not input partitions of this clock")
         self._skew_ms = skew_ms
         self._now = 0
 
@@ -61,11 +79,25 @@ class LogClock(Generic[Item]):
     def end_offset(self, partition: str, *, position: int, end: int, asked_at_ms: int) -> bool:
         """The broker said `partition` ends at `end`, asked at wall time `asked_at_ms`, and the reader is at
         `position`: if that is at or past the end, nothing still unread can be stamped before
-        `asked_at_ms - skew_ms`. Returns whether the partition was read to its end."""
+        `asked_at_ms - skew_ms`. Returns whether the partition was read to its end. A mirrored partition's bound does
+        not move: central's end says nothing about what its region has not sent (see `mirror_end`)."""
         p = self._partition(partition)
         if position < end:
             return False
-        p.raise_bound(asked_at_ms - self._skew_ms)
+        if partition not in self._mirrored:
+            p.raise_bound(asked_at_ms - self._skew_ms)
+        return True
+
+    def mirror_end(self, partition: str, *, position: int, copied_end: int, region_asked_at_ms: int) -> bool:
+        """The mirrored `partition`'s region, asked at wall time `region_asked_at_ms`, held nothing the mirror had not
+        copied into central offsets below `copied_end`, and the reader is at `position`: if that is at or past
+        `copied_end`, nothing still unread can carry a region timestamp before `region_asked_at_ms - skew_ms`.
+        Returns whether the partition was read to that end."""
+        if partition not in self._mirrored:
+            raise ValueError(f"{partition!r} is not a mirrored partition of this clock: use end_offset")
+        if position < copied_end:
+            return False
+        self._partition(partition).raise_bound(region_asked_at_ms - self._skew_ms)
         return True
 
     def release(self) -> Iterator[tuple[str, Item]]:
@@ -98,6 +130,16 @@ class LogClock(Generic[Item]):
         if all(f is not None for f in floors):
             self._now = max(self._now, min(f for f in floors if f is not None))
         return self._now
+
+    def holder(self) -> str:
+        """The partition whose floor is lowest (one without evidence first): what the clock waits on, for status
+        and metrics (a region that is cut off shows here)."""
+        def floor(p: _Partition[Item]) -> int:
+            if p.queue:
+                return p.queue[0][0]
+            return -1 if p.bound is None else p.bound
+
+        return min(self._partitions, key=lambda name: (floor(self._partitions[name]), self._partitions[name].rank))
 
     def _partition(self, name: str) -> _Partition[Item]:
         if name not in self._partitions:

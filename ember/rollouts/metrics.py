@@ -3,7 +3,8 @@
 Each service owns its registry (several ETLs can run in one test process); `serve` exposes it.
 Counters move only after a transaction commits, so a crash never counts anything twice. Label values
 come from closed sets (topic names of the config, `Reason`), never from message content: what a
-message said goes to the ledger and the dead-letter headers.
+message said goes to the ledger and the dead-letter headers. `source` names an input by where it comes from
+(`rollouts`, or `us.rollouts` for region us's mirrored copy): throughput and lag per region.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class EtlMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.messages = Counter("ember_etl_messages", "Input messages consumed", ["topic"], registry=r)
+        self.messages = Counter("ember_etl_messages", "Input messages consumed", ["topic", "source"], registry=r)
         self.replay_skipped = Counter("ember_etl_replay_skipped", "Messages skipped on recovery (already in output)", registry=r)
         self.rewards_clipped = Counter("ember_etl_rewards_clipped", "Combined rewards clipped to rewards.clip", registry=r)
         self.outcomes = Counter("ember_etl_outcomes", "Ledger outcomes committed", ["kind", "reason"], registry=r)
@@ -38,7 +39,7 @@ class EtlMetrics:
         self.dropped_tokens = Counter("ember_etl_dropped_tokens", "Tokens of dropped rollouts", ["reason"], registry=r)
         self.transactions = Counter("ember_etl_transactions", "Kafka transactions", ["result"], registry=r)
         self.recoveries = Counter("ember_etl_recoveries", "Times the ETL rebuilt its clients and state", registry=r)
-        self.lag = Gauge("ember_etl_consumer_lag", "End offset minus committed offset", ["topic", "partition"], registry=r)
+        self.lag = Gauge("ember_etl_consumer_lag", "End offset minus committed offset", ["topic", "source", "partition"], registry=r)
         self.pending = Gauge("ember_etl_pending_messages", "Input messages held in memory", ["shard"], registry=r)
         self.open_groups = Gauge("ember_etl_open_groups", "Groups waiting for rollouts or rewards", ["shard"], registry=r)
         self.policy_version = Gauge("ember_etl_latest_policy_version", "Latest policy version seen", registry=r)

@@ -9,10 +9,14 @@ would overcount (transaction markers take offsets too), so the records in betwee
 from __future__ import annotations
 
 import json
+import logging
+import threading
 import time
 from dataclasses import dataclass
 
 from kafka import KafkaConsumer, TopicPartition
+
+log = logging.getLogger("ember.etl")
 
 COUNT_LIMIT = 10_000  # beyond this many offsets behind, the offset distance is reported (an upper bound)
 
@@ -82,3 +86,54 @@ def _committed_between(consumer: KafkaConsumer, tp: TopicPartition, start: int, 
         for batch in consumer.poll(timeout_ms=200).values():
             count += sum(1 for r in batch if r.offset < end)
     return count
+
+
+class RegionProofs:
+    """Asks each region's own cluster, in the background, whether MM2 has copied all it holds: the only evidence of
+    what a region has not sent yet (central's end offsets say nothing about it; see `LogClock.mirror_end`). A thread,
+    since a region that is down makes each ask wait for its connection timeout, and the ETL loop must not."""
+
+    def __init__(self, central: str, regions: dict[str, str], topics: list[str], every_s: float = 1.0):
+        self._central, self._regions, self._topics, self._every_s = central, dict(regions), list(topics), every_s
+        self._proofs: dict[tuple[str, str, int], int] = {}
+        self._warned_at: dict[str, float] = {}  # region -> when its silence was last logged
+        self._lock = threading.Lock()
+        self._halt = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="region-proofs", daemon=True)
+
+    def start(self) -> "RegionProofs":
+        self._thread.start()
+        return self
+
+    def latest(self) -> dict[tuple[str, str, int], int]:
+        """(region, region topic, partition) -> the latest wall time (ms) at which the region held no committed
+        record the mirror had not copied into central."""
+        with self._lock:
+            return dict(self._proofs)
+
+    def close(self) -> None:
+        self._halt.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while not self._halt.is_set():
+            for region, bootstrap in self._regions.items():
+                asked_at_ms = int(time.time() * 1000)  # before MM2's positions and the region's ends are read
+                try:
+                    rows = mirror_lag(self._central, region, bootstrap, self._topics)
+                except Exception as exc:  # a region down or cut off proves nothing this time; the next round asks again
+                    self._say_silent(region, bootstrap, exc)
+                    continue
+                with self._lock:
+                    for row in rows:
+                        if row.behind == 0:
+                            self._proofs[(region, row.topic, row.partition)] = asked_at_ms
+            self._halt.wait(self._every_s)
+
+    def _say_silent(self, region: str, bootstrap: str, exc: Exception, every_s: float = 30.0) -> None:
+        """A region that cannot be asked holds the shards' decisions: say so, at most every `every_s`, not per ask."""
+        now = time.monotonic()
+        if now - self._warned_at.get(region, float("-inf")) >= every_s:
+            self._warned_at[region] = now
+            log.warning("region %s (%s) cannot be asked what MM2 has not copied (%r): its mirrored topics hold the ETL's "
+                        "decisions until it answers", region, bootstrap, exc)

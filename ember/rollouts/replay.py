@@ -196,7 +196,7 @@ def _replay(config: EtlConfig, start: ReplayStart, make_engine, to_topic: str | 
         policy = _Policy(policy_records)
         shards = sorted(consumer.partitions_for_topic(topics.rollouts) or [])
         for shard in shards:
-            inputs = input_topics(topics, config.source)
+            inputs = input_topics(topics, config.source, config.kafka.regions)
             tps = {role: TopicPartition(topic, shard) for role, topic in inputs.items()}
             ends = consumer.end_offsets(list(tps.values()))
             starts = _start_offsets(consumer, start, tps)

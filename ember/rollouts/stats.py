@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from kafka import KafkaConsumer, TopicPartition
 
 from ember.rollouts.config import EtlConfig
+from ember.rollouts.engine import input_topics
 from ember.rollouts.records import Outcome, PolicyVersion
 from ember.rollouts.transport import TopicUnavailable, consumer_config
 
@@ -36,6 +37,7 @@ class EtlStats:
     partitions: list[PartitionLag] = field(default_factory=list)
     batches: int = 0
     batched_rollouts: int = 0
+    batched_by_source: Counter = field(default_factory=Counter)  # with kafka.regions: `us.rollouts` -> rollouts batched
     batched_tokens: int = 0
     last_batch_age_s: float | None = None
     dropped: Counter = field(default_factory=Counter)
@@ -90,7 +92,7 @@ def collect_stats(config: EtlConfig, window_s: float = 300.0) -> EtlStats:
     reader = KafkaConsumer(**consumer_config(kafka.security, bootstrap_servers=kafka.bootstrap, group_id=None))
     try:
         inputs = []
-        for topic in (topics.rollouts, topics.rewards):
+        for topic in input_topics(topics, config.source, kafka.regions).values():  # with regions, each region's mirrored topics too
             inputs += [TopicPartition(topic, p) for p in sorted(group.partitions_for_topic(topic) or [])]
         if not inputs:  # a typo'd prefix: named now, not a read timeout later (one visible topic lets the broker judge)
             raise TopicUnavailable(
@@ -129,6 +131,7 @@ def _add(stats: EtlStats, outcome: Outcome) -> None:
     if outcome.kind == "batch":
         stats.batches += 1
         stats.batched_rollouts += len(outcome.detail.get("rollout_ids", []))
+        stats.batched_by_source.update(outcome.detail.get("sources", {}))
         stats.batched_tokens += outcome.tokens
         stats.episodes_batched += outcome.detail.get("episodes", 0)
         low, _high = outcome.detail.get("policy_versions", [None, None])
@@ -194,6 +197,9 @@ def stats_tables(stats: EtlStats) -> list:
     flow.add_row("batches committed", f"{stats.batches} ({window})")
     flow.add_row("rollouts batched", f"{stats.batched_rollouts} ({stats.rollouts_per_s:.1f}/s)" if stats.window_s else str(stats.batched_rollouts))
     flow.add_row("tokens batched", f"{stats.batched_tokens} ({stats.tokens_per_s:.0f}/s)" if stats.window_s else str(stats.batched_tokens))
+    for source, n in sorted(stats.batched_by_source.items()):
+        rate = f" ({n / stats.window_s:.1f}/s)" if stats.window_s else ""
+        flow.add_row(f"  from {source}", f"{n}{rate}")
     age = "never" if stats.last_batch_age_s is None else f"{stats.last_batch_age_s:.1f}s ago"
     flow.add_row("last batch", age)
     flow.add_row("latest policy version", str(stats.latest_policy))

@@ -6,7 +6,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ember.rollouts.advantages import grpo_advantages, rloo_advantages
-from ember.rollouts.engine import REWARDS, ROLLOUTS, ShardEngine, StateMismatch
+from ember.rollouts.engine import REWARDS, ROLLOUTS, InputMessage, ShardEngine, StateMismatch
+from ember.configs import EtlConfigError
+from ember.rollouts.config import parse_config
 from ember.rollouts.records import ShardSnapshot
 from ember.schemas import Reward, encode
 from tests.rollouts.helpers import TOPICS, Committed, Log, config, reward, rollout, run
@@ -475,3 +477,44 @@ def test_waiting_on_names_the_next_decision_only_time_brings_and_the_setting_beh
     assert engine.waiting_on() == (3_003 + 5_000, "the rewards of group g-full (rewards.timeout_s)")
     engine.advance(30_000, None)
     assert engine.waiting_on() is None, "everything decided by log time 30 s"
+
+
+REGIONS = {"us": "127.0.0.1:1", "eu": "127.0.0.1:2"}
+
+
+def regional(topic: str, offset: int, at_ms: int, record) -> InputMessage:
+    return InputMessage(topic, 0, offset, at_ms, record.group_id.encode(), encode(record))
+
+
+def test_a_rollout_sampled_in_one_region_joins_its_reward_graded_in_another():
+    """Sources are keyed apart: offsets, marks and batch references per mirrored topic, and late rewards name theirs."""
+    cfg = config(kafka={"regions": REGIONS}, groups={"size": 2, "timeout_s": 10})
+    rs = [rollout("g", i) for i in range(2)]
+    messages = [regional("us.t.rollouts", i, 1_000 + i, r) for i, r in enumerate(rs)]
+    messages += [regional("eu.t.rewards", i, 2_000 + i, reward(r, float(i))) for i, r in enumerate(rs)]
+    messages.append(regional("eu.t.rewards", 2, 9_000, reward(rs[0], 5.0, grader="late")))
+    engine = ShardEngine(cfg, 0, TOPICS)
+    done = Committed()
+    for message in messages:
+        engine.ingest(message)
+    done.commit(engine, messages)
+    (batch,) = done.batches
+    assert sorted(batch.rollout_ids) == ["g-0", "g-1"]
+    assert [(o.topic, o.start, o.end) for o in batch.source_offsets] == [("us.t.rollouts", 0, 2), ("eu.t.rewards", 0, 2)]
+    assert done.marks == {"us.rollouts": 2, "eu.rewards": 3}
+    (ledger,) = [o for o in done.outcomes if o.kind == "batch"]
+    assert ledger.detail["sources"] == {"us.rollouts": 2}  # what `rollouts stats` counts per region
+    (late,) = [o for o in done.outcomes if o.kind == "reward_dropped"]
+    assert (late.topic, late.offset) == ("eu.t.rewards", 2)
+    restored = ShardEngine(cfg, 0, TOPICS, snapshot=done.snapshot, committed=done.marks)
+    assert restored.pending_count() == 0 and set(restored.held) == {"rollouts", "rewards", "us.rollouts", "us.rewards", "eu.rollouts", "eu.rewards"}
+
+
+@pytest.mark.parametrize("regions, source, why", [
+    ({"US": "h:1"}, "groups", "kafka.regions"), ({"central": "h:1"}, "groups", "'central'"), ({"us": "h:1"}, "product", "groups only"),
+])
+def test_regions_are_refused_with_the_key_named(regions, source, why):
+    data = config().model_dump(mode="json")
+    data["kafka"]["regions"], data["source"] = regions, source
+    with pytest.raises(EtlConfigError, match=why):
+        parse_config(data)

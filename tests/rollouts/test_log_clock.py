@@ -112,3 +112,44 @@ def test_any_interleaving_of_reads_and_proofs_releases_exactly_the_log_order(rol
         clock.end_offset(ROLES[rank], position=len(times), end=len(times), asked_at_ms=END_OF_TIME_MS)
     check()
     assert out == log_order
+
+
+REGIONAL = ["rollouts", "rewards", "us.rollouts", "eu.rewards"]
+
+
+def test_central_end_offsets_never_advance_a_mirrored_partition():
+    """A region cut off: central's end of its mirrored topic is read to the end, again and again, and proves nothing,
+    so the others' clocks do not advance on its behalf and its in-time reward is not judged late."""
+    clock = LogClock(REGIONAL, mirrored=["us.rollouts", "eu.rewards"])
+    clock.read("rollouts", T0, "r0")
+    clock.read("eu.rewards", T0 + 5, "w5")
+    for wall in range(T0, T0 + 60_000, 1_000):
+        assert clock.end_offset("rollouts", position=1, end=1, asked_at_ms=wall)
+        assert clock.end_offset("rewards", position=0, end=0, asked_at_ms=wall)
+        assert clock.end_offset("us.rollouts", position=3, end=3, asked_at_ms=wall)  # read to the end, proves no time
+        assert clock.end_offset("eu.rewards", position=1, end=1, asked_at_ms=wall)
+    assert released(clock) == []  # us may still send a rollout stamped before T0
+    assert clock.now_ms == 0 and clock.holder() == "us.rollouts"
+
+
+def test_a_region_proven_idle_by_its_own_cluster_holds_no_one():
+    clock = LogClock(REGIONAL, skew_ms=100, mirrored=["us.rollouts", "eu.rewards"])
+    clock.read("rollouts", T0, "r0")
+    clock.read("eu.rewards", T0 + 5, "w5")
+    for name in ("rollouts", "rewards"):
+        clock.end_offset(name, position=9, end=9, asked_at_ms=T0 + 10_000)
+    # us was asked at T0 + 2 s and MM2 had copied all of it into offsets < 4, but the reader is only at 3
+    assert not clock.mirror_end("us.rollouts", position=3, copied_end=4, region_asked_at_ms=T0 + 2_000)
+    assert clock.now_ms == 0
+    assert clock.mirror_end("us.rollouts", position=4, copied_end=4, region_asked_at_ms=T0 + 2_000)
+    assert released(clock) == ["r0", "w5"]
+    assert clock.now_ms == T0 + 5 and clock.holder() == "eu.rewards"  # its read reward is its only evidence
+    assert clock.mirror_end("eu.rewards", position=1, copied_end=1, region_asked_at_ms=T0 + 3_000)
+    assert clock.now_ms == T0 + 1_900 and clock.holder() == "us.rollouts"  # the region's proof, less the skew
+
+
+def test_mirror_end_is_refused_for_a_local_partition_and_mirrored_names_must_be_inputs():
+    with pytest.raises(ValueError, match="not input partitions"):
+        LogClock(ROLES, mirrored=["us.rollouts"])
+    with pytest.raises(ValueError, match="use end_offset"):
+        LogClock(REGIONAL, mirrored=["us.rollouts"]).mirror_end("rollouts", position=0, copied_end=0, region_asked_at_ms=T0)

@@ -19,9 +19,16 @@ from typer.testing import CliRunner
 
 from ember.cli import app
 from ember.dev import services
-from ember.rollouts.admin import ensure_topics
+from ember.rollouts.admin import ensure_topics, list_topics
+from ember.rollouts.config import parse_config
+from ember.rollouts.etl import EtlService
 from ember.rollouts.mirror import mirror_lag
+from ember.rollouts.records import Reason
+from ember.rollouts.stats import collect_stats
 from ember.rollouts.topics import Topics
+from ember.schemas import encode
+from tests.rollouts.etl_support import books, etl_settings
+from tests.rollouts.helpers import reward, rollout
 
 REGIONS = ("us", "eu")
 PREFIX = "regions-"
@@ -205,3 +212,99 @@ def test_region_down_others_flow_and_its_open_transaction_is_never_mirrored(kafk
     eu_sent = eu.finish()
     assert_exactly_once(mirrored(kafka, f"us.{topics.rollouts}", len(committed + after)), committed + after, "us after an outage")
     assert_exactly_once(mirrored(kafka, f"eu.{topics.rollouts}", len(eu_sent)), eu_sent, "eu while us was down")
+
+
+class EtlThread(threading.Thread):
+    """One ETL process of the group, in this test process (a second one is a rebalance)."""
+
+    def __init__(self, config, instance: str):
+        super().__init__(daemon=True)
+        self.service, self.stop, self.error = EtlService(config, instance), threading.Event(), None
+
+    def run(self) -> None:
+        try:
+            self.service.run(self.stop)
+        except BaseException as exc:  # surfaced by the test, not lost in a thread
+            self.error = exc
+
+    def finish(self) -> None:
+        self.stop.set()
+        self.join(timeout=60)
+        assert self.error is None, f"ETL {self.service.instance} failed: {self.error!r}"
+
+
+def send_groups(regions: dict[str, str], topics: Topics, groups: list[str], *, cut_us_off: bool = False) -> list[str]:
+    """Each group's 2 rollouts sampled in us, their rewards graded in eu (keyed by group: the same partition in both,
+    and MM2 keeps it). With `cut_us_off`, us's broker stops between the two: the rewards flow while us is cut off."""
+    us = KafkaProducer(bootstrap_servers=regions["us"], enable_idempotence=True, acks="all")
+    sampled = {g: [rollout(g, i) for i in range(2)] for g in groups}
+    for g, rollouts in sampled.items():
+        for r in rollouts:
+            us.send(topics.rollouts, key=g.encode(), value=encode(r))
+    us.flush()
+    us.close()
+    if cut_us_off:
+        regions_script("broker", "us", "stop")
+    eu = KafkaProducer(bootstrap_servers=regions["eu"], enable_idempotence=True, acks="all")
+    for g, rollouts in sampled.items():
+        for i, r in enumerate(rollouts):
+            eu.send(topics.rewards, key=g.encode(), value=encode(reward(r, float(i))))
+    eu.close()
+    return [r.rollout_id for rollouts in sampled.values() for r in rollouts]
+
+
+def batched_when(topics: Topics, count: int, timeout_s: float) -> Counter:
+    """Rollout ids in committed train batches (read_committed, independently of the ETL), once `count` are there."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ids = Counter(books(topics).batched)
+        if sum(ids.values()) >= count or time.monotonic() > deadline:
+            return ids
+        time.sleep(1)
+
+
+def test_etl_joins_regions_and_a_rebalance_while_a_region_is_cut_off_loses_nothing(kafka, regions, topic_prefix):
+    """Rollouts sampled in us, graded in eu, read by the ETL from the mirrored topics. While us is cut off, eu's rewards
+    keep arriving but us's clock holds them (us may still send a rollout stamped before them), and a second ETL joins
+    the group; once us is back, every rollout is in exactly one batch and no in-time reward was judged late."""
+    topics = Topics(topic_prefix)
+    specs = topics.specs(2)
+    for bootstrap in regions.values():
+        ensure_topics(bootstrap, [specs["rollouts"], specs["rewards"]])
+    settings = etl_settings(
+        topic_prefix, partitions=2, kafka={"create_topics": True, "regions": regions},
+        groups={"size": 2, "quorum": 2, "timeout_s": 20}, rewards={"timeout_s": 10, "orphan_timeout_s": 30},
+    )
+    config = parse_config(settings)
+    mirrored = {f"{r}.{t}" for r in regions for t in (topics.rollouts, topics.rewards)}
+    deadline = time.monotonic() + 60
+    while not mirrored <= set(list_topics(kafka)):
+        assert time.monotonic() < deadline, f"MM2 did not create {sorted(mirrored - set(list_topics(kafka)))} in central"
+        time.sleep(0.5)
+    first = EtlThread(config, "a")
+    first.start()
+    second = None
+    try:
+        sent = send_groups(regions, topics, [f"a{i}" for i in range(8)])
+        assert sum(batched_when(topics, len(sent), 60).values()) == len(sent), "the cross-region join batched too few"
+        try:
+            held = send_groups(regions, topics, [f"b{i}" for i in range(8)], cut_us_off=True)
+            second = EtlThread(config, "b")
+            second.start()
+            time.sleep(10)  # the rebalance, and eu's rewards mirrored, while us is cut off
+            during = batched_when(topics, len(sent) + 1, 0)
+            assert sum(during.values()) == len(sent), "a reward was decided on while us, which may send earlier rollouts, was cut off"
+        finally:
+            regions_script("broker", "us", "start")
+        sent += held + send_groups(regions, topics, [f"c{i}" for i in range(8)])
+        ids = batched_when(topics, len(sent), 90)
+    finally:
+        for etl in (first, second):
+            if etl is not None:
+                etl.finish()
+    assert_exactly_once(ids, sent, "train batches after a rebalance with us cut off")
+    late = [o for o in books(topics).rewards_dropped if Reason(o.reason) is Reason.LATE_REWARD]
+    assert not late, f"{len(late)} in-time rewards judged late, e.g. {late[0]}"
+    stats = collect_stats(config, window_s=0)
+    assert stats.batched_by_source == {"us.rollouts": len(sent)}, stats.batched_by_source
+    assert {p.topic for p in stats.partitions} >= mirrored, stats.partitions  # lag per region's mirrored partition
