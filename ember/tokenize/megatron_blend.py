@@ -19,13 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.ipc as ipc
 
 from ember.schemas import Manifest, read_manifest
-from ember.tokenize.megatron_export import EXPORT_DTYPES, ExportError, index_bytes
-from ember.tokenize.shardset import ShardError, ShardVerifier, vocab_problem
+from ember.tokenize.megatron_export import EXPORT_DTYPES, ExportError, index_bytes, verified_batches
+from ember.tokenize.shardset import ShardError, ShardVerifier
 
 DATA_PATH_SUFFIX = ".data-path.txt"
 PER_SPLIT_SUFFIX = ".per-split.json"
@@ -65,22 +62,13 @@ def export_blend(shards_dir: str | Path, out_prefix: str | Path, verifier: Shard
     rows = dict.fromkeys(weights, 0)
     handles = {name: open(path, "wb") for name, path in temporary.items()}
     try:
-        seen = 0
         for entry in manifest.shards:
-            with pa.memory_map(str(shards_dir / entry.path)) as source, ipc.open_file(source) as reader:
-                for i in range(reader.num_record_batches):
-                    batch = reader.get_batch(i)
-                    tokens = pc.list_flatten(batch.column("tokens")).to_numpy().reshape(batch.num_rows, -1)
-                    if tokens.shape[1] != manifest.seq_len:
-                        raise ExportError(f"{entry.path}: rows of {tokens.shape[1]} tokens, manifest seq_len {manifest.seq_len}")
-                    if problem := vocab_problem(tokens, manifest.tokenizer.vocab_size, seen):
-                        raise ExportError(f"{entry.path} {problem}")
-                    seen += batch.num_rows
-                    names = np.asarray(batch.column("source").to_pylist())
-                    for name, handle in handles.items():
-                        mine = tokens[names == name]
-                        handle.write(mine.astype(dtype).tobytes())
-                        rows[name] += len(mine)
+            for batch, tokens, _first in verified_batches(shards_dir / entry.path, entry.rows, manifest):
+                names = np.asarray(batch.column("source").to_pylist())
+                for name, handle in handles.items():
+                    mine = tokens[names == name]
+                    handle.write(mine.astype(dtype).tobytes())
+                    rows[name] += len(mine)
         for handle in handles.values():
             handle.flush()
             os.fsync(handle.fileno())

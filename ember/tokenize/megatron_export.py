@@ -125,9 +125,10 @@ class _Spans:
         return [f"{source}/{doc}" for source, doc in zip(sources, ids)]
 
 
-def _spans(path: Path, rows: int, manifest: Manifest) -> Iterator[_Spans]:
-    """Each record batch of a verified shard as document spans, in row and segment order; refuses rows of
-    another length, ids outside the vocabulary and a row count other than the manifest's."""
+def verified_batches(path: Path, rows: int, manifest: Manifest) -> Iterator[tuple[pa.RecordBatch, np.ndarray, int]]:
+    """Each record batch of a verified shard with its tokens [rows, seq_len] and the index of its first row; refuses
+    rows of another length, ids outside the vocabulary, bytes that do not read as a shard and a row count other
+    than the manifest's."""
     seen = 0
     try:
         with pa.memory_map(str(path)) as source, ipc.open_file(source) as reader:
@@ -138,32 +139,43 @@ def _spans(path: Path, rows: int, manifest: Manifest) -> Iterator[_Spans]:
                     raise ExportError(f"{path}: rows of {tokens.shape[1]} tokens, manifest seq_len {manifest.seq_len}")
                 if problem := vocab_problem(tokens, manifest.tokenizer.vocab_size, seen):
                     raise ExportError(f"{path} {problem}")
+                yield batch, tokens, seen
                 seen += batch.num_rows
-                segments = batch.column("segments")
-                row = pc.list_parent_indices(segments).to_numpy()
-                flat = pc.list_flatten(segments)
-                seg_first = np.asarray(segments.offsets)[:-1] - segments.offsets[0].as_py()
-                cu = batch.column("cu_seqlens")
-                cu_flat = pc.list_flatten(cu).to_numpy()
-                cu_first = np.asarray(cu.offsets)[:-1] - cu.offsets[0].as_py()
-                at = cu_first[row] + (np.arange(len(row)) - seg_first[row])
-                spans = _Spans(
-                    tokens, row, cu_flat[at], cu_flat[at + 1],
-                    flat.field("doc_token_start").to_numpy(), flat.field("doc_token_end").to_numpy(), batch,
-                )
-                wrong = np.flatnonzero(spans.end - spans.begin != spans.doc_end - spans.doc_start)
-                if len(wrong):
-                    raise ExportError(
-                        f"{path} row {seen - batch.num_rows + int(row[wrong[0]])}: a segment's token range does not match its "
-                        "span in cu_seqlens (the provenance cannot place its tokens)"
-                    )
-                yield spans
     except ExportError:
         raise
     except (pa.ArrowException, ValueError, IndexError) as exc:  # bytes that match a manifest written over a bad file
         raise ExportError(f"{path}: not a readable shard ({exc})") from None
     if seen != rows:
         raise ExportError(f"{path}: {seen} rows, the manifest says {rows}")
+
+
+def _spans(path: Path, rows: int, manifest: Manifest) -> Iterator[_Spans]:
+    """Each record batch of a verified shard (`verified_batches`) as document spans, in row and segment order."""
+    try:
+        for batch, tokens, first in verified_batches(path, rows, manifest):
+            segments = batch.column("segments")
+            row = pc.list_parent_indices(segments).to_numpy()
+            flat = pc.list_flatten(segments)
+            seg_first = np.asarray(segments.offsets)[:-1] - segments.offsets[0].as_py()
+            cu = batch.column("cu_seqlens")
+            cu_flat = pc.list_flatten(cu).to_numpy()
+            cu_first = np.asarray(cu.offsets)[:-1] - cu.offsets[0].as_py()
+            at = cu_first[row] + (np.arange(len(row)) - seg_first[row])
+            spans = _Spans(
+                tokens, row, cu_flat[at], cu_flat[at + 1],
+                flat.field("doc_token_start").to_numpy(), flat.field("doc_token_end").to_numpy(), batch,
+            )
+            wrong = np.flatnonzero(spans.end - spans.begin != spans.doc_end - spans.doc_start)
+            if len(wrong):
+                raise ExportError(
+                    f"{path} row {first + int(row[wrong[0]])}: a segment's token range does not match its "
+                    "span in cu_seqlens (the provenance cannot place its tokens)"
+                )
+            yield spans
+    except ExportError:
+        raise
+    except (pa.ArrowException, ValueError, IndexError) as exc:
+        raise ExportError(f"{path}: not a readable shard ({exc})") from None
 
 
 def _write_documents(
