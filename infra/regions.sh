@@ -245,6 +245,7 @@ cmd_start() {
   IFS=, read -r -a regions <<<"$1"
   for region in "${regions[@]}"; do
     check_region "$region"
+    region_slot "$region" >/dev/null  # slots given one at a time: side by side, two new regions took the same ports
   done
   # The regions' brokers start side by side (each has its own lock); any that fails fails the start.
   local pids=() rc=0 pid
