@@ -132,7 +132,10 @@ def test_rollouts_from_a_vllm_shaped_server_carry_its_ids_and_logprobs_and_pass_
     with RewardWriter(topic_prefix, bootstrap_servers=kafka) as rewards:
         for i, rollout in enumerate(rollouts):
             rewards.write(Reward(rollout.rollout_id, rollout.group_id, "unit-tests", float(i % 2), 0))
-    etl = parse_config(etl_settings(topic_prefix, partitions=1, groups={"size": G, "quorum": G, "timeout_s": 30}, filters={"max_tokens": 64},
+    # The rewards go out after the checks above, which take seconds on a loaded machine: deadlines that outlast them
+    # (the test is about what the rollouts carry, not about deadlines).
+    etl = parse_config(etl_settings(topic_prefix, partitions=1, groups={"size": G, "quorum": G, "timeout_s": 600},
+                                    rewards={"timeout_s": 600, "orphan_timeout_s": 600}, filters={"max_tokens": 64},
                                     batches={"token_budget": 64, "min_fill": 0.1, "max_wait_s": 0.5},
                                     advantages={"drop_zero_variance": False}))
     prepare_topics(etl, create=True)
