@@ -12,6 +12,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 
 import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
@@ -35,10 +36,12 @@ PREFIX = "regions-"
 pytestmark = pytest.mark.xdist_group("regions")
 
 
-@pytest.fixture(scope="session")
-def regions(kafka) -> dict[str, str]:
+@pytest.fixture(scope="module")
+def regions(kafka) -> Iterator[dict[str, str]]:
     """Region -> bootstrap of its cluster, with MM2 mirroring every region into the central broker. Central is shared
-    with every other test, so MM2 sends out only this file's policy versions (EMBER_MM2_OUT_TOPICS)."""
+    with every other test, so MM2 sends out only this file's policy versions (EMBER_MM2_OUT_TOPICS). Stopped after
+    this file's tests when they started it: two brokers and MM2 left running would slow every later test."""
+    started_here = "\nmm2\trunning" not in "\n" + services.run_script("regions.sh", "status", check=False).stdout
     os.environ["EMBER_MM2_OUT_TOPICS"] = PREFIX + r".*\.policy-versions"
     try:
         services.start_regions(list(REGIONS))
@@ -46,7 +49,9 @@ def regions(kafka) -> dict[str, str]:
         pytest.fail(f"the regional clusters and MirrorMaker 2 could not be started:\n{exc}")
     finally:
         del os.environ["EMBER_MM2_OUT_TOPICS"]
-    return {region: services.region_bootstrap(region) for region in REGIONS}
+    yield {region: services.region_bootstrap(region) for region in REGIONS}
+    if started_here:
+        services.run_script("regions.sh", "stop", check=False)
 
 
 @pytest.fixture
