@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ember.schemas import Manifest, read_manifest
-from ember.tokenize.megatron_export import EXPORT_DTYPES, ExportError, index_bytes, verified_batches
-from ember.tokenize.shardset import ShardError, ShardVerifier
+from ember.schemas import Manifest
+from ember.tokenize.megatron_export import ExportError, index_bytes, verified_batches, verified_set
+from ember.tokenize.shardset import ShardVerifier
 
 DATA_PATH_SUFFIX = ".data-path.txt"
 PER_SPLIT_SUFFIX = ".per-split.json"
@@ -49,12 +49,7 @@ def blend_weights(manifest: Manifest) -> dict[str, float]:
 
 def export_blend(shards_dir: str | Path, out_prefix: str | Path, verifier: ShardVerifier | None = None) -> BlendResult:
     shards_dir, out_prefix = Path(shards_dir), Path(out_prefix)
-    manifest = read_manifest(shards_dir)
-    try:
-        (verifier or ShardVerifier()).check(shards_dir, manifest.shards)
-    except ShardError as exc:
-        raise ExportError(f"{shards_dir} does not match its manifest: {exc}") from None
-    dtype = EXPORT_DTYPES[manifest.dtype]
+    manifest, dtype = verified_set(shards_dir, verifier)
     weights = blend_weights(manifest)
     prefixes = {name: out_prefix.with_name(f"{out_prefix.name}.{name}") for name in weights}
     out_prefix.parent.mkdir(parents=True, exist_ok=True)

@@ -71,11 +71,9 @@ def index_bytes(lengths: np.ndarray, dtype: np.dtype) -> bytes:
     return header + counts + lengths.tobytes() + pointers.tobytes() + documents.tobytes()
 
 
-def export_megatron(
-    shards_dir: str | Path, out_prefix: str | Path, verifier: ShardVerifier | None = None, documents: bool = False
-) -> ExportResult:
-    """Writes OUT_PREFIX.bin/.idx: one sequence per row, or with `documents` one per source document."""
-    shards_dir = Path(shards_dir)
+def verified_set(shards_dir: Path, verifier: ShardVerifier | None = None) -> tuple[Manifest, np.dtype]:
+    """The shard set's manifest, every shard checked against it, and the Megatron dtype its token ids are written
+    in (refused when the vocabulary does not fit it)."""
     manifest = read_manifest(shards_dir)
     try:
         (verifier or ShardVerifier()).check(shards_dir, manifest.shards)
@@ -84,6 +82,15 @@ def export_megatron(
     dtype = EXPORT_DTYPES[manifest.dtype]
     if manifest.tokenizer.vocab_size - 1 > np.iinfo(dtype).max:
         raise ExportError(f"{shards_dir}: vocab_size {manifest.tokenizer.vocab_size} does not fit Megatron's {dtype.name}")
+    return manifest, dtype
+
+
+def export_megatron(
+    shards_dir: str | Path, out_prefix: str | Path, verifier: ShardVerifier | None = None, documents: bool = False
+) -> ExportResult:
+    """Writes OUT_PREFIX.bin/.idx: one sequence per row, or with `documents` one per source document."""
+    shards_dir = Path(shards_dir)
+    manifest, dtype = verified_set(shards_dir, verifier)
     bin_path, idx_path = Path(f"{out_prefix}.bin"), Path(f"{out_prefix}.idx")
     bin_path.parent.mkdir(parents=True, exist_ok=True)
     bin_tmp, idx_tmp = bin_path.with_name(f".{bin_path.name}.tmp"), idx_path.with_name(f".{idx_path.name}.tmp")
