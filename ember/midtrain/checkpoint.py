@@ -73,13 +73,21 @@ def start_writer_helper() -> None:
     Why: Slurm signals every process of a job step. megatron spawns this helper lazily on the first
     save (`filesystem_async.get_write_results_queue`); spawned while our handlers are installed, it
     would start with default dispositions and die of the preemption signal in the middle of the
-    very checkpoint that signal asked for. Ignored dispositions survive exec, so it stays up.
+    very checkpoint that signal asked for. Ignored dispositions survive exec and fork, so it stays up.
+
+    The helper is a multiprocessing Manager (a socket server; it never touches torch). Started by "spawn", megatron's
+    default, it first re-imports the entry module (torch, megatron-core: ~6 CPU-s, tens of seconds on a loaded
+    machine) and every rank waits for that; forked, it is ready in a fraction of a second. The trainers start it
+    first, before the process group's sockets and any CUDA context exist, so the child inherits neither (a forked
+    child holding a killed rank's sockets would hide its death from the other ranks); where CUDA is already
+    initialised, megatron's spawn is kept.
     """
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+    start_method = "spawn" if torch.cuda.is_initialized() else "fork"
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGUSR1, signal.SIGTERM)}
     try:
-        filesystem_async.get_write_results_queue()
+        filesystem_async.get_write_results_queue(start_method)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -94,6 +94,7 @@ class Trainer:
         self.config = config
         self.stop = stop
         self.on_gpu = torch.cuda.is_available()
+        checkpoint.start_writer_helper()  # first: a forked helper must inherit no process-group sockets
         self.cpu_patched = runtime.start(config.parallel, config.train.seed)
         self.rank = dist.get_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
@@ -104,7 +105,6 @@ class Trainer:
         self.dataset = self._build_dataset()
         parts = runtime.build_model_and_optimizer(config, bf16=bf16, cpu_patched=self.cpu_patched)
         self.model, self.ddp, self.optimizer = parts.model, parts.ddp, parts.optimizer
-        checkpoint.start_writer_helper()
         self.state = checkpoint.TrainState()
         latest = checkpoint.latest_checkpoint(config.checkpoint_dir)
         if latest is not None:

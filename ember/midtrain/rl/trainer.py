@@ -139,6 +139,7 @@ class RLTrainer:
         from ember.midtrain import checkpoint
 
         self.config = config
+        checkpoint.start_writer_helper()  # first: a forked helper must inherit no process-group sockets
         self.cpu_patched = runtime.start(config.parallel, config.rl.seed)
         self.rank = dist.get_rank()
         self.dp_rank = parallel_state.get_data_parallel_rank()
@@ -154,7 +155,6 @@ class RLTrainer:
         self._maps: list[torch.Tensor] | None = None
         for router in self.routers:
             router.register_forward_hook(self._capture_routing)
-        checkpoint.start_writer_helper()
         self.state = checkpoint.TrainState()
         self.data_position: dict[str, Any] | None = None
         self.publisher = None  # rank 0's VersionPublisher, made at the first export
