@@ -88,6 +88,17 @@ def _committed_between(consumer: KafkaConsumer, tp: TopicPartition, start: int, 
     return count
 
 
+@dataclass(frozen=True)
+class ReplicationLag:
+    """What the ETL's metrics show per mirrored partition."""
+
+    region: str
+    topic: str  # the region's topic
+    partition: int
+    records: int  # committed region records not copied yet, at the last ask that reached the region
+    seconds: float  # since the region last held nothing uncopied (since the asks began, if it never has)
+
+
 class RegionProofs:
     """Asks each region's own cluster, in the background, whether MM2 has copied all it holds: the only evidence of
     what a region has not sent yet (central's end offsets say nothing about it; see `LogClock.mirror_end`). A thread,
@@ -96,6 +107,8 @@ class RegionProofs:
     def __init__(self, central: str, regions: dict[str, str], topics: list[str], every_s: float = 1.0):
         self._central, self._regions, self._topics, self._every_s = central, dict(regions), list(topics), every_s
         self._proofs: dict[tuple[str, str, int], int] = {}
+        self._behind: dict[tuple[str, str, int], int] = {}
+        self._started_ms = int(time.time() * 1000)
         self._warned_at: dict[str, float] = {}  # region -> when its silence was last logged
         self._lock = threading.Lock()
         self._halt = threading.Event()
@@ -110,6 +123,16 @@ class RegionProofs:
         record the mirror had not copied into central."""
         with self._lock:
             return dict(self._proofs)
+
+    def lags(self) -> list[ReplicationLag]:
+        """Replication lag per mirrored partition asked about so far. The seconds keep growing while a region cannot be
+        asked (or MM2 is down): the one figure that says how stale a region's data in central may be."""
+        now_ms = int(time.time() * 1000)
+        with self._lock:
+            return [
+                ReplicationLag(*key, behind, max(0.0, (now_ms - self._proofs.get(key, self._started_ms)) / 1000))
+                for key, behind in sorted(self._behind.items())
+            ]
 
     def close(self) -> None:
         self._halt.set()
@@ -126,6 +149,7 @@ class RegionProofs:
                     continue
                 with self._lock:
                     for row in rows:
+                        self._behind[(region, row.topic, row.partition)] = row.behind
                         if row.behind == 0:
                             self._proofs[(region, row.topic, row.partition)] = asked_at_ms
             self._halt.wait(self._every_s)

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import bisect
 import json
+import re
 import time
+from collections.abc import Iterable
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -34,13 +36,25 @@ from ember.rollouts.transport import consumer_config, producer_config, topic_par
 from ember.schemas import TRAIN_BATCH_SCHEMA, TrainBatch, encode
 
 
+# a source of the offsets spec: a local role, or a region's mirrored copy (`us.rollouts`, see `input_topics`)
+_SOURCE = re.compile(rf"^([a-z][a-z0-9]{{0,15}}\.)?({ROLLOUTS}|{REWARDS})$")
+
+
 @dataclass(frozen=True)
 class ReplayStart:
-    """Where to start: `earliest`, a time, or explicit offsets like `rollouts:0=120,rewards:0=80`."""
+    """Where to start: `earliest`, a time, or explicit offsets like `rollouts:0=120,us.rewards:0=80`. A region's
+    source starts at offsets of its mirrored topic in central: the ones the batch references name."""
 
     earliest: bool = False
     at_ms: int | None = None
     offsets: dict[tuple[str, int], int] = field(default_factory=dict)
+
+    def check_sources(self, sources: Iterable[str]) -> None:
+        """A spec naming a source this config does not read (a region not in `kafka.regions`) would be ignored
+        silently: refuse it, naming what the config reads."""
+        unknown = sorted({role for role, _ in self.offsets} - set(sources))
+        if unknown:
+            raise ValueError(f"--from names {', '.join(unknown)}, which this config does not read (it reads {', '.join(sources)})")
 
 
 def parse_start(text: str) -> ReplayStart:
@@ -52,8 +66,10 @@ def parse_start(text: str) -> ReplayStart:
         for part in text.split(","):
             where, _, offset = part.partition("=")
             role, _, partition = where.partition(":")
-            if role not in (ROLLOUTS, REWARDS) or not partition.isdigit() or not offset.strip().isdigit():
-                raise ValueError(f"bad offset spec {part!r}: expected rollouts:<partition>=<offset> or rewards:<partition>=<offset>")
+            if not _SOURCE.match(role) or not partition.isdigit() or not offset.strip().isdigit():
+                raise ValueError(
+                    f"bad offset spec {part!r}: expected [<region>.]rollouts:<partition>=<offset> or [<region>.]rewards:<partition>=<offset>"
+                )
             offsets[(role, int(partition))] = int(offset)
         return ReplayStart(offsets=offsets)
     try:
@@ -65,7 +81,7 @@ def parse_start(text: str) -> ReplayStart:
     except ValueError:
         raise ValueError(
             f"--from {text!r}: use 'earliest', an ISO time (2026-01-31T12:00:00+00:00), unix seconds, "
-            "or offsets like rollouts:0=120,rewards:0=80"
+            "or offsets like rollouts:0=120,rewards:0=80 (a region's mirrored copy: us.rollouts:0=120)"
         ) from None
     if moment.tzinfo is None:
         raise ValueError(f"--from {text!r}: give a timezone (e.g. +00:00) so the start is unambiguous")
@@ -184,6 +200,7 @@ def _replay(config: EtlConfig, start: ReplayStart, make_engine, to_topic: str | 
     batches: list[TrainBatch] = []
     outcome_lines: list[str] = []
     sent = []
+    start.check_sources(input_topics(topics, config.source, kafka.regions))
     try:
         topic_partitions(consumer, topics.rollouts, kafka.security)  # a typo'd prefix: named now, not a read timeout later
         policy_tp = TopicPartition(topics.policy_versions, 0)
