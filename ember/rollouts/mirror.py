@@ -19,6 +19,7 @@ from kafka import KafkaConsumer, TopicPartition
 log = logging.getLogger("ember.etl")
 
 COUNT_LIMIT = 10_000  # beyond this many offsets behind, the offset distance is reported (an upper bound)
+ASK_TIMEOUT_MS = 10_000  # a cluster that is down fails an ask after this, and the next round asks again
 
 
 @dataclass(frozen=True)
@@ -31,46 +32,71 @@ class MirrorLag:
     behind: int  # committed region records not copied yet (offsets when more than COUNT_LIMIT)
 
 
-def copied_positions(central: str, region: str, timeout_s: float = 30.0) -> dict[tuple[str, int], int]:
-    """(topic, partition) -> next offset to copy, as MM2 committed it for `region` on the central cluster."""
-    consumer = KafkaConsumer(bootstrap_servers=central, isolation_level="read_committed", enable_auto_commit=False)
-    topic = f"mm2-offsets.{region}.internal"
-    positions: dict[tuple[str, int], int] = {}
-    try:
-        tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
-        if not tps:
-            return positions
-        consumer.assign(tps)
-        consumer.seek_to_beginning(*tps)
-        ends = consumer.end_offsets(tps)
+class MirrorWatch:
+    """What MM2 copied from one region against what the region committed, over two long-lived consumers.
+
+    MM2's offsets topic only grows between compactions (a record per flush per partition: 10^5 after a day of tests),
+    so it is read once from the beginning and then only past where the last ask stopped; the region's records are
+    counted only between MM2's position and the region's end."""
+
+    def __init__(self, central: str, region: str, region_bootstrap: str):
+        self.region = region
+        self._topic = f"mm2-offsets.{region}.internal"
+        self._central = KafkaConsumer(bootstrap_servers=central, isolation_level="read_committed", enable_auto_commit=False)
+        try:
+            self._source = KafkaConsumer(bootstrap_servers=region_bootstrap, isolation_level="read_committed", enable_auto_commit=False)
+        except BaseException:
+            self._central.close()
+            raise
+        self._offsets_tps: list[TopicPartition] = []
+        self._copied: dict[tuple[str, int], int] = {}
+
+    def copied(self, timeout_s: float = 30.0) -> dict[tuple[str, int], int]:
+        """(topic, partition) -> next offset to copy, as MM2 committed it for the region on the central cluster."""
+        consumer = self._central
+        if not self._offsets_tps:  # MM2 creates the topic on its first start; its partition count never changes
+            self._offsets_tps = [TopicPartition(self._topic, p) for p in sorted(consumer.partitions_for_topic(self._topic) or ())]
+            if not self._offsets_tps:
+                return {}
+            consumer.assign(self._offsets_tps)
+            consumer.seek_to_beginning(*self._offsets_tps)
+        ends = consumer.end_offsets(self._offsets_tps, timeout_ms=ASK_TIMEOUT_MS)
         deadline = time.monotonic() + timeout_s
-        while any(consumer.position(tp) < ends[tp] for tp in tps):
+        while any(consumer.position(tp) < ends[tp] for tp in self._offsets_tps):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"could not read {topic} on {central} to its end within {timeout_s:g}s")
+                raise TimeoutError(f"reading {self._topic} to its end: nothing arrived for {timeout_s:g}s")
             for batch in consumer.poll(timeout_ms=200).values():
+                deadline = time.monotonic() + timeout_s  # a long first read is progress, not a stall
                 for record in batch:
                     connector, source = json.loads(record.key)
-                    if connector == "MirrorSourceConnector" and source.get("cluster") == region and record.value:
-                        positions[(source["topic"], int(source["partition"]))] = int(json.loads(record.value)["offset"]) + 1
-        return positions
-    finally:
-        consumer.close()
+                    if connector == "MirrorSourceConnector" and source.get("cluster") == self.region and record.value:
+                        self._copied[(source["topic"], int(source["partition"]))] = int(json.loads(record.value)["offset"]) + 1
+        return dict(self._copied)
+
+    def lag(self, topics: list[str]) -> list[MirrorLag]:
+        """One row per partition of the region's `topics`: what MM2 copied into central against what the region committed."""
+        copied = self.copied()
+        consumer = self._source
+        rows = []
+        for topic in topics:
+            tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+            for tp, end in sorted(consumer.end_offsets(tps, timeout_ms=ASK_TIMEOUT_MS).items(), key=lambda item: item[0].partition):
+                start = copied.get((topic, tp.partition), 0)
+                rows.append(MirrorLag(self.region, topic, tp.partition, start, end, _committed_between(consumer, tp, start, end)))
+        return rows
+
+    def close(self) -> None:
+        self._central.close()
+        self._source.close()
 
 
 def mirror_lag(central: str, region: str, region_bootstrap: str, topics: list[str]) -> list[MirrorLag]:
-    """One row per partition of the region's `topics`: what MM2 copied into central against what the region committed."""
-    copied = copied_positions(central, region)
-    consumer = KafkaConsumer(bootstrap_servers=region_bootstrap, isolation_level="read_committed", enable_auto_commit=False)
-    rows = []
+    """One ask, for `ember rollouts stats --region` and the tests (`RegionProofs` keeps its `MirrorWatch`es)."""
+    watch = MirrorWatch(central, region, region_bootstrap)
     try:
-        for topic in topics:
-            tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
-            for tp, end in sorted(consumer.end_offsets(tps).items(), key=lambda item: item[0].partition):
-                start = copied.get((topic, tp.partition), 0)
-                rows.append(MirrorLag(region, topic, tp.partition, start, end, _committed_between(consumer, tp, start, end)))
-        return rows
+        return watch.lag(topics)
     finally:
-        consumer.close()
+        watch.close()
 
 
 def _committed_between(consumer: KafkaConsumer, tp: TopicPartition, start: int, end: int) -> int:
@@ -114,7 +140,7 @@ class RegionProofs:
         self._halt = threading.Event()
         self._thread = threading.Thread(target=self._run, name="region-proofs", daemon=True)
 
-    def start(self) -> "RegionProofs":
+    def start(self) -> RegionProofs:
         self._thread.start()
         return self
 
@@ -139,20 +165,33 @@ class RegionProofs:
         self._thread.join(timeout=30)
 
     def _run(self) -> None:
-        while not self._halt.is_set():
-            for region, bootstrap in self._regions.items():
-                asked_at_ms = int(time.time() * 1000)  # before MM2's positions and the region's ends are read
-                try:
-                    rows = mirror_lag(self._central, region, bootstrap, self._topics)
-                except Exception as exc:  # a region down or cut off proves nothing this time; the next round asks again
-                    self._say_silent(region, bootstrap, exc)
-                    continue
-                with self._lock:
-                    for row in rows:
-                        self._behind[(region, row.topic, row.partition)] = row.behind
-                        if row.behind == 0:
-                            self._proofs[(region, row.topic, row.partition)] = asked_at_ms
-            self._halt.wait(self._every_s)
+        watches: dict[str, MirrorWatch] = {}
+        try:
+            while not self._halt.is_set():
+                for region, bootstrap in self._regions.items():
+                    self._ask(watches, region, bootstrap)
+                self._halt.wait(self._every_s)
+        finally:
+            for watch in watches.values():
+                watch.close()
+
+    def _ask(self, watches: dict[str, MirrorWatch], region: str, bootstrap: str) -> None:
+        asked_at_ms = int(time.time() * 1000)  # before MM2's positions and the region's ends are read
+        try:
+            if region not in watches:
+                watches[region] = MirrorWatch(self._central, region, bootstrap)
+            rows = watches[region].lag(self._topics)
+        except Exception as exc:  # a region down or cut off proves nothing this time; the next round asks anew
+            self._say_silent(region, bootstrap, exc)
+            watch = watches.pop(region, None)
+            if watch is not None:
+                watch.close()
+            return
+        with self._lock:
+            for row in rows:
+                self._behind[(region, row.topic, row.partition)] = row.behind
+                if row.behind == 0:
+                    self._proofs[(region, row.topic, row.partition)] = asked_at_ms
 
     def _say_silent(self, region: str, bootstrap: str, exc: Exception, every_s: float = 30.0) -> None:
         """A region that cannot be asked holds the shards' decisions: say so, at most every `every_s`, not per ask."""

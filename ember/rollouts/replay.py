@@ -17,8 +17,8 @@ import bisect
 import json
 import re
 import time
-from collections.abc import Iterable
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -29,12 +29,18 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from ember.rollouts.batching import resolve_from_log
 from ember.rollouts.config import EtlConfig
-from ember.rollouts.engine import REWARDS, ROLLOUTS, InputMessage, ShardEngine, ShardOutput, input_topics
+from ember.rollouts.engine import (
+    REWARDS,
+    ROLLOUTS,
+    InputMessage,
+    ShardEngine,
+    ShardOutput,
+    input_topics,
+)
 from ember.rollouts.log_clock import END_OF_TIME_MS, LogClock
 from ember.rollouts.records import PolicyVersion
 from ember.rollouts.transport import consumer_config, producer_config, topic_partitions
 from ember.schemas import TRAIN_BATCH_SCHEMA, TrainBatch, encode
-
 
 # a source of the offsets spec: a local role, or a region's mirrored copy (`us.rollouts`, see `input_topics`)
 _SOURCE = re.compile(rf"^([a-z][a-z0-9]{{0,15}}\.)?({ROLLOUTS}|{REWARDS})$")
@@ -278,7 +284,7 @@ def _collect(output: ShardOutput, summary: ReplaySummary, batches: list, outcome
 
 
 def _write_dir(path: Path, batches: list[TrainBatch], outcome_lines: list[str], summary: ReplaySummary) -> None:
-    import pyarrow.ipc as ipc
+    from pyarrow import ipc
 
     path.mkdir(parents=True, exist_ok=True)
     table = train_batches_to_table(batches)

@@ -26,7 +26,7 @@ from ember.rollouts.config import parse_config
 from ember.rollouts.engine import input_topics
 from ember.rollouts.etl import EtlService
 from ember.rollouts.metrics import EtlMetrics
-from ember.rollouts.mirror import RegionProofs, mirror_lag
+from ember.rollouts.mirror import MirrorWatch, RegionProofs
 from ember.rollouts.reader import RolloutBatchReader
 from ember.rollouts.records import Reason
 from ember.rollouts.replay import parse_start, replay
@@ -154,37 +154,54 @@ def test_topics_create_for_a_region_never_started_is_one_line_exit_2():
 def test_mm2_killed_mid_stream_loses_and_doubles_nothing(kafka, regions, topic_prefix):
     topics = make_region_topics(regions, topic_prefix)
     producers = {r: Producer(b, topics.rollouts, r) for r, b in regions.items()}
-    proofs = RegionProofs(kafka, regions, [topics.rollouts], every_s=0.5).start()  # the ETL's replication lag
+    watches = {r: MirrorWatch(kafka, r, b) for r, b in regions.items()}  # MM2's offsets read whole once, before the stream
+    for watch in watches.values():
+        watch.copied()
+    proofs = RegionProofs(kafka, regions, [topics.rollouts]).start()  # what the ETL's replication lag metrics show
     metrics = EtlMetrics()
+    shown = metrics_when(metrics, proofs, topics.rollouts, lambda lags: len(lags) == 2)
+    assert all(len(lags) == 2 for lags in shown.values()), f"no replication lag asked of both regions within 120 s: {shown}"
     for p in producers.values():
         p.start()
     time.sleep(2)
     regions_script("mm2", "kill")
     time.sleep(2)  # the regions keep producing while nothing mirrors
-    for region, bootstrap in regions.items():
-        behind = sum(row.behind for row in mirror_lag(kafka, region, bootstrap, [topics.rollouts]))
+    for region, watch in watches.items():
+        behind = sum(row.behind for row in watch.lag([topics.rollouts]))
         assert behind > 0, f"{region}: 2 s of rollouts produced with MM2 dead, yet none reported as not mirrored"
-    metrics.show_replication(proofs.lags())
-    for region in regions:
-        shown = replication_lag(metrics, region, topics.rollouts)
-        assert shown and all(n > 0 and s >= 1.0 for n, s in shown.values()), f"{region}: MM2 dead 2 s, metrics show {shown}"
+    def dead(lags: dict) -> bool:
+        return len(lags) == 2 and all(n > 0 and s >= 1.0 for n, s in lags.values())
+
+    shown = metrics_when(metrics, proofs, topics.rollouts, dead)
+    assert all(dead(lags) for lags in shown.values()), f"MM2 dead, yet the ETL's metrics show {shown}"
     regions_script("mm2", "start")
     time.sleep(1)
     sent = {r: p.finish() for r, p in producers.items()}
     for region, ids in sent.items():
         assert len(ids) > 100, f"{region} produced only {len(ids)} rollouts: the kill did not land mid-stream"
         assert_exactly_once(mirrored(kafka, f"{region}.{topics.rollouts}", len(ids)), ids, f"{region} after an MM2 kill -9")
-        rows = mirror_lag(kafka, region, regions[region], [topics.rollouts])
+        rows = watches[region].lag([topics.rollouts])
         assert [(r.copied, r.behind) for r in rows] == [(r.end, 0) for r in rows], rows
-    deadline = time.monotonic() + 30
-    while True:  # the next rounds of asks see the gap closed
-        metrics.show_replication(proofs.lags())
-        shown = {r: replication_lag(metrics, r, topics.rollouts) for r in regions}
-        if all(n == 0 and s < 5 for lags in shown.values() for n, s in lags.values()) or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+    def caught_up(lags: dict) -> bool:
+        return len(lags) == 2 and all(n == 0 and s < 5 for n, s in lags.values())
+
+    shown = metrics_when(metrics, proofs, topics.rollouts, caught_up)
     proofs.close()
-    assert all(n == 0 and s < 5 for lags in shown.values() for n, s in lags.values()), f"after MM2 caught up, metrics show {shown}"
+    for watch in watches.values():
+        watch.close()
+    assert all(caught_up(lags) for lags in shown.values()), f"after MM2 caught up, the ETL's metrics show {shown}"
+
+
+def metrics_when(metrics: EtlMetrics, proofs: RegionProofs, topic: str, done, timeout_s: float = 120) -> dict:
+    """Region -> its replication lag as the ETL's metrics show it (as the ETL sets them, from `proofs`), once `done`
+    holds for every region or the time is up (the first ask reads MM2's whole offsets topic: slow on a loaded machine)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metrics.show_replication(proofs.lags())
+        shown = {r: replication_lag(metrics, r, topic) for r in REGIONS}
+        if all(done(lags) for lags in shown.values()) or time.monotonic() > deadline:
+            return shown
+        time.sleep(1)
 
 
 def replication_lag(metrics: EtlMetrics, region: str, topic: str) -> dict[int, tuple[float, float]]:
