@@ -199,6 +199,8 @@ def replay(config: EtlConfig, start: ReplayStart, *, to_topic: str | None = None
 def _replay(config: EtlConfig, start: ReplayStart, make_engine, to_topic: str | None, to_dir: Path | None) -> ReplaySummary:
     kafka = config.kafka
     topics = kafka.topics
+    inputs = input_topics(topics, config.source, kafka.regions)
+    start.check_sources(inputs)
     consumer = KafkaConsumer(**consumer_config(kafka.security, bootstrap_servers=kafka.bootstrap, group_id=None))
     producer = KafkaProducer(**producer_config(kafka.security, bootstrap_servers=kafka.bootstrap)) if to_topic else None
     summary = ReplaySummary()
@@ -206,9 +208,11 @@ def _replay(config: EtlConfig, start: ReplayStart, make_engine, to_topic: str | 
     batches: list[TrainBatch] = []
     outcome_lines: list[str] = []
     sent = []
-    start.check_sources(input_topics(topics, config.source, kafka.regions))
     try:
-        topic_partitions(consumer, topics.rollouts, kafka.security)  # a typo'd prefix: named now, not a read timeout later
+        for topic in inputs.values():  # a typo'd prefix or a region not mirrored yet: named now, not a read timeout later
+            # (and every input in the consumer's metadata before an offsets request: kafka-python 3.0 leaves out of its
+            # answer a partition whose topic a request adds, and the lookup of it raised KeyError)
+            topic_partitions(consumer, topic, kafka.security)
         policy_tp = TopicPartition(topics.policy_versions, 0)
         policy_records = []
         for message in _read_range(consumer, {policy_tp: 0}, consumer.end_offsets([policy_tp])):
@@ -219,7 +223,6 @@ def _replay(config: EtlConfig, start: ReplayStart, make_engine, to_topic: str | 
         policy = _Policy(policy_records)
         shards = sorted(consumer.partitions_for_topic(topics.rollouts) or [])
         for shard in shards:
-            inputs = input_topics(topics, config.source, config.kafka.regions)
             tps = {role: TopicPartition(topic, shard) for role, topic in inputs.items()}
             ends = consumer.end_offsets(list(tps.values()))
             starts = _start_offsets(consumer, start, tps)
