@@ -198,5 +198,5 @@ class RegionProofs:
         now = time.monotonic()
         if now - self._warned_at.get(region, float("-inf")) >= every_s:
             self._warned_at[region] = now
-            log.warning("region %s (%s) cannot be asked what MM2 has not copied (%r): its mirrored topics hold the ETL's "
-                        "decisions until it answers", region, bootstrap, exc)
+            log.warning("region %s (%s) cannot be asked what MM2 has not copied, or central (%s) what MM2 committed (%r): "
+                        "its mirrored topics hold the ETL's decisions until both answer", region, bootstrap, self._central, exc)

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import pyarrow.ipc as pa_ipc
 import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.errors import KafkaTimeoutError
 from typer.testing import CliRunner
 
 from ember.cli import app
@@ -309,7 +310,12 @@ def batched_when(topics: Topics, count: int, timeout_s: float) -> Counter:
     """Rollout ids in committed train batches (read_committed, independently of the ETL), once `count` are there."""
     deadline = time.monotonic() + timeout_s
     while True:
-        ids = Counter(books(topics).batched)
+        try:
+            ids = Counter(books(topics).batched)
+        except KafkaTimeoutError:  # central just restarted and not serving every partition yet: ask again
+            if time.monotonic() > deadline:
+                raise
+            continue
         if sum(ids.values()) >= count or time.monotonic() > deadline:
             return ids
         time.sleep(1)
@@ -439,9 +445,10 @@ class GroupStream(threading.Thread):
 
 @pytest.mark.serial  # restarts the central broker every other test shares
 def test_central_restart_mid_stream_loses_doubles_and_misjudges_nothing(kafka, regions, topic_prefix):
-    """The central (training) broker stops and starts while both regions keep sampling and grading. MM2 and the ETL
-    reconnect on their own; each region's records wait in the region, stamped with the region's log time, so the
-    deadlines here are the ordinary ones (no outage allowance): a reward in time in its region is in time in central."""
+    """The central (training) broker stops and starts while both regions keep sampling and grading. The ETL reconnects
+    on its own, MM2 is restarted (see below); each region's records wait in the region, stamped with the region's log
+    time, so the deadlines here are the ordinary ones (no outage allowance): a reward in time in its region is in time
+    in central."""
     topics = Topics(topic_prefix)
     specs = topics.specs(2)
     for bootstrap in regions.values():
@@ -464,7 +471,12 @@ def test_central_restart_mid_stream_loses_doubles_and_misjudges_nothing(kafka, r
         time.sleep(2)
     finally:
         services.start("kafka")
-    time.sleep(3)  # the regions keep flowing after central is back
+    # MM2 4.3.1 does not resume on its own: its exactly-once tasks into central fail to stop while central is down, and
+    # the ones started after it is back never finish initialising (seen for 6 minutes). The operator's step, as the
+    # guide says: restart the mirror once central is back. Its exactly-once copy resumes from its last commit.
+    regions_script("mm2", "stop")
+    regions_script("mm2", "start")
+    time.sleep(3)  # the regions keep flowing after central and the mirror are back
     sent = stream.finish()
     try:
         ids = batched_when(topics, len(sent), 120)
