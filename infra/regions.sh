@@ -207,6 +207,25 @@ finally:
 PY
 }
 
+# mm2_abort_hanging BOOTSTRAP TOPIC_REGEX -- abort the transactions MM2's dead producers left open on one cluster.
+# A producer of MM2's that dies mid-transaction while its coordinator is unreachable (a central broker restart, MM2
+# killed) can leave a transaction the coordinator no longer tracks: it is never aborted. On MM2's offsets topic it
+# holds the last stable offset, and a restarted MM2 worker reads that topic to its end before anything else, forever
+# (no heartbeat within the start timeout); on a mirrored topic it holds every read_committed reader (the ETL).
+# Called only while MM2 is down, and only on MM2's own topics open for over a minute (longer than any transaction of
+# its producers may live), so no live transaction is touched. Kafka's own tool (KIP-664) finds and aborts them.
+mm2_abort_hanging() {
+  local bootstrap="$1" regex="$2" classpath topic partition start minutes
+  classpath="$("$INFRA_DIR/kafka.sh" classpath)"
+  while read -r topic partition start minutes; do
+    log_warn "aborting a hanging transaction of MM2 on $bootstrap: $topic[$partition] from offset $start, open ${minutes} min"
+    java -XX:TieredStopAtLevel=1 -cp "$classpath" org.apache.kafka.tools.TransactionsCommand --bootstrap-server "$bootstrap" \
+      abort --topic "$topic" --partition "$partition" --start-offset "$start" >/dev/null 2>&1 \
+      || log_warn "could not abort it: kafka-transactions.sh --bootstrap-server $bootstrap abort --topic $topic --partition $partition --start-offset $start"
+  done < <(java -XX:TieredStopAtLevel=1 -cp "$classpath" org.apache.kafka.tools.TransactionsCommand --bootstrap-server "$bootstrap" \
+    find-hanging --broker-id 1 --max-transaction-timeout 1 2>/dev/null | awk -v re="$regex" 'NR > 1 && $1 ~ re {print $1, $2, $6, $8}')
+}
+
 # mm2_start R... -- MM2 for these regions with the config this start writes; one already running it is left alone.
 mm2_start() {
   local regions=("$@") pid
@@ -227,7 +246,7 @@ mm2_start() {
 
 # mm2_launch -- start MM2 on the config last written (a restart after a crash keeps it) and wait for it.
 mm2_launch() {
-  local regions pid t0=$SECONDS deadline since_ms
+  local regions region pid t0=$SECONDS deadline since_ms
   read -r -a regions <<<"$(mm2_regions)"
   ((${#regions[@]})) || die "mm2 has no config yet: infra/regions.sh start us,eu first" 2
   if pid="$(pid_read "$MM2_PID" "$MM2_PID_PATTERN" 2>/dev/null)"; then
@@ -237,6 +256,11 @@ mm2_launch() {
   port_open 127.0.0.1 "${CENTRAL_BOOTSTRAP##*:}" || die "the central cluster is not up at $CENTRAL_BOOTSTRAP: run infra/kafka.sh start first"
   need_cmd java "Install a JDK >= 17 (Debian: apt-get install -y openjdk-17-jre-headless)."
   ensure_mm2_libs
+  # MM2's own topics: its internal ones, heartbeats, and the copies it writes (<region>. in central, central. in a region)
+  mm2_abort_hanging "$CENTRAL_BOOTSTRAP" "^(mm2-.*[.]internal|heartbeats|($(IFS='|'; echo "${regions[*]}"))[.].*)$"
+  for region in "${regions[@]}"; do
+    port_open 127.0.0.1 "$(region_port "$region")" && mm2_abort_hanging "127.0.0.1:$(region_port "$region")" "^(mm2-.*[.]internal|heartbeats|$CENTRAL[.].*)$"
+  done
   since_ms="$(date +%s%3N)"
   printf '\n===== %s infra/regions.sh mm2 start =====\n' "$(date -Is)" >>"$MM2_LOG"
   pid="$(start_bg "$MM2_PID" "$MM2_LOG" \
