@@ -117,11 +117,13 @@ mm2_write_config() {
     printf '%s.bootstrap.servers = %s\n' "$CENTRAL" "$CENTRAL_BOOTSTRAP"
     printf 'listeners = http://127.0.0.1:%s\n' $((BASE_PORT + 2))
     printf '%s.exactly.once.source.support = enabled\n' "$CENTRAL"
+    printf '%s.plugin.discovery = service_load\n' "$CENTRAL"
     printf '%s.consumer.isolation.level = read_committed\n' "$CENTRAL"
     for region in "$@"; do
       port="$(region_port "$region")"
       printf '%s.bootstrap.servers = 127.0.0.1:%s\n' "$region" "$port"
       printf '%s.exactly.once.source.support = enabled\n' "$region"
+      printf '%s.plugin.discovery = service_load\n' "$region"
       printf '%s.consumer.isolation.level = read_committed\n' "$region"
       printf '%s->%s.enabled = true\n' "$region" "$CENTRAL"
       printf '%s->%s.topics = .*\\.rollouts, .*\\.rewards\n' "$region" "$CENTRAL"
@@ -135,7 +137,8 @@ mm2_write_config() {
     done
     cat <<CONF
 # KIP-618 (above, per target: a worker setting): each target's Connect worker writes records and source offsets in
-# one transaction.
+# one transaction. plugin.discovery (per target too): plugins found from their ServiceLoader manifests instead of a
+# scan of every jar, which cost ~10 s per target's worker at each start (three for us,eu) at load 20.
 # KIP-710: followers reach the leader over an internal-only REST server (on the listeners above).
 dedicated.mode.enable.internal.rest = true
 rest.advertised.host.name = 127.0.0.1
@@ -185,6 +188,44 @@ for bootstrap, topic in zip(pairs[::2], pairs[1::2]):
 PY
 }
 
+# mm2_compact_offsets R... -- MM2's source-offset topics in central (one record per flush per partition: 10^5 after a day
+# of tests) roll a segment every 10 minutes, so the broker compacts them to one record per partition: every reader of
+# replication lag (ember.rollouts.mirror) starts by reading them whole. Incremental: Connect's cleanup.policy stays.
+mm2_compact_offsets() {
+  "$EMBER_PY" - "$CENTRAL_BOOTSTRAP" "$@" <<'PY'
+import sys
+from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
+admin = KafkaAdminClient(bootstrap_servers=sys.argv[1], request_timeout_ms=30000)
+try:
+    topics = set(admin.list_topics())
+    names = [f"mm2-offsets.{region}.internal" for region in sys.argv[2:]]
+    resources = [ConfigResource(ConfigResourceType.TOPIC, n, configs={"segment.ms": "600000"}) for n in names if n in topics]
+    if resources:
+        admin.alter_configs(resources)
+finally:
+    admin.close()
+PY
+}
+
+# mm2_abort_hanging BOOTSTRAP TOPIC_REGEX -- abort the transactions MM2's dead producers left open on one cluster.
+# A producer of MM2's that dies mid-transaction while its coordinator is unreachable (a central broker restart, MM2
+# killed) can leave a transaction the coordinator no longer tracks: it is never aborted. On MM2's offsets topic it
+# holds the last stable offset, and a restarted MM2 worker reads that topic to its end before anything else, forever
+# (no heartbeat within the start timeout); on a mirrored topic it holds every read_committed reader (the ETL).
+# Called only while MM2 is down, and only on MM2's own topics open for over a minute (longer than any transaction of
+# its producers may live), so no live transaction is touched. Kafka's own tool (KIP-664) finds and aborts them.
+mm2_abort_hanging() {
+  local bootstrap="$1" regex="$2" classpath topic partition start minutes
+  classpath="$("$INFRA_DIR/kafka.sh" classpath)"
+  while read -r topic partition start minutes; do
+    log_warn "aborting a hanging transaction of MM2 on $bootstrap: $topic[$partition] from offset $start, open ${minutes} min"
+    java -XX:TieredStopAtLevel=1 -cp "$classpath" org.apache.kafka.tools.TransactionsCommand --bootstrap-server "$bootstrap" \
+      abort --topic "$topic" --partition "$partition" --start-offset "$start" >/dev/null 2>&1 \
+      || log_warn "could not abort it: kafka-transactions.sh --bootstrap-server $bootstrap abort --topic $topic --partition $partition --start-offset $start"
+  done < <(java -XX:TieredStopAtLevel=1 -cp "$classpath" org.apache.kafka.tools.TransactionsCommand --bootstrap-server "$bootstrap" \
+    find-hanging --broker-id 1 --max-transaction-timeout 1 2>/dev/null | awk -v re="$regex" 'NR > 1 && $1 ~ re {print $1, $2, $6, $8}')
+}
+
 # mm2_start R... -- MM2 for these regions with the config this start writes; one already running it is left alone.
 mm2_start() {
   local regions=("$@") pid
@@ -205,7 +246,7 @@ mm2_start() {
 
 # mm2_launch -- start MM2 on the config last written (a restart after a crash keeps it) and wait for it.
 mm2_launch() {
-  local regions pid t0=$SECONDS deadline since_ms
+  local regions region pid t0=$SECONDS deadline since_ms
   read -r -a regions <<<"$(mm2_regions)"
   ((${#regions[@]})) || die "mm2 has no config yet: infra/regions.sh start us,eu first" 2
   if pid="$(pid_read "$MM2_PID" "$MM2_PID_PATTERN" 2>/dev/null)"; then
@@ -215,6 +256,11 @@ mm2_launch() {
   port_open 127.0.0.1 "${CENTRAL_BOOTSTRAP##*:}" || die "the central cluster is not up at $CENTRAL_BOOTSTRAP: run infra/kafka.sh start first"
   need_cmd java "Install a JDK >= 17 (Debian: apt-get install -y openjdk-17-jre-headless)."
   ensure_mm2_libs
+  # MM2's own topics: its internal ones, heartbeats, and the copies it writes (<region>. in central, central. in a region)
+  mm2_abort_hanging "$CENTRAL_BOOTSTRAP" "^(mm2-.*[.]internal|heartbeats|($(IFS='|'; echo "${regions[*]}"))[.].*)$"
+  for region in "${regions[@]}"; do
+    port_open 127.0.0.1 "$(region_port "$region")" && mm2_abort_hanging "127.0.0.1:$(region_port "$region")" "^(mm2-.*[.]internal|heartbeats|$CENTRAL[.].*)$"
+  done
   since_ms="$(date +%s%3N)"
   printf '\n===== %s infra/regions.sh mm2 start =====\n' "$(date -Is)" >>"$MM2_LOG"
   pid="$(start_bg "$MM2_PID" "$MM2_LOG" \
@@ -231,6 +277,7 @@ mm2_launch() {
     fi
     if mm2_probe "$since_ms" "${regions[@]}"; then
       log_info "mm2 ready (pid $pid) after $((SECONDS - t0))s: ${regions[*]} <-> $CENTRAL; log: $MM2_LOG"
+      mm2_compact_offsets "${regions[@]}" || log_warn "could not set segment.ms on MM2's offsets topics in $CENTRAL (replication lag reads grow with them)"
       return 0
     fi
     sleep 2

@@ -569,7 +569,7 @@ def _render_mirror_lag(settings, regions: list[str]) -> None:
 @rollouts_app.command("replay")
 def replay(
     config: Path = typer.Argument(..., help="The ETL config YAML to start from."),
-    start: str = typer.Option("earliest", "--from", help="earliest | ISO time | unix seconds | rollouts:0=120,rewards:0=80"),
+    start: str = typer.Option("earliest", "--from", help="earliest | ISO time | unix seconds | rollouts:0=120,rewards:0=80 (a region's mirrored copy: us.rollouts:0=120)"),
     to: str = typer.Option(..., "--to", help="topic:NAME, or a directory for batches.arrow + outcomes.jsonl"),
     advantage: str = typer.Option(None, help="Override advantages.estimator (grpo, dr_grpo, rloo)."),
     overrides: list[str] = typer.Option(None, "--set", help="Override any setting, e.g. --set filters.max_policy_lag=2"),
@@ -580,6 +580,7 @@ def replay(
 
     import yaml
 
+    from ember.rollouts.engine import input_topics
     from ember.rollouts.replay import parse_start, replay as run_replay
 
     settings = _etl_config(config)
@@ -595,6 +596,7 @@ def replay(
     settings = _overridden(settings, sections)
     try:
         begin = parse_start(start)
+        begin.check_sources(input_topics(settings.kafka.topics, settings.source, settings.kafka.regions))
     except ValueError as exc:
         console.print(f"[red]{exc}[/red]", soft_wrap=True)
         raise typer.Exit(2) from None

@@ -776,6 +776,8 @@ class EtlService:
             for s in self.engines for role, topic in self.inputs.items() if TopicPartition(topic, s) in assignment
         }
         region_proofs = self._region_proofs.latest() if self._region_proofs is not None else {}  # before central is asked
+        if self._region_proofs is not None:
+            self.metrics.show_replication(self._region_proofs.lags())
         asked_at_ms = int(time.time() * 1000)
         try:
             # asked on the state reader's own connection: on the consumer's, the request would queue behind its

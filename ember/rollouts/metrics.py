@@ -4,12 +4,23 @@ Each service owns its registry (several ETLs can run in one test process); `serv
 Counters move only after a transaction commits, so a crash never counts anything twice. Label values
 come from closed sets (topic names of the config, `Reason`), never from message content: what a
 message said goes to the ledger and the dead-letter headers. `source` names an input by where it comes from
-(`rollouts`, or `us.rollouts` for region us's mirrored copy): throughput and lag per region.
+(`rollouts`, or `us.rollouts` for region us's mirrored copy): throughput and lag per region. Replication lag comes
+from `RegionProofs` (MM2's committed source positions against each region's own end offsets; see `ember.rollouts.mirror`).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from collections.abc import Iterable
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    start_http_server,
+)
+
+from ember.rollouts.mirror import ReplicationLag
 
 _SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
 _VERSIONS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
@@ -40,6 +51,14 @@ class EtlMetrics:
         self.transactions = Counter("ember_etl_transactions", "Kafka transactions", ["result"], registry=r)
         self.recoveries = Counter("ember_etl_recoveries", "Times the ETL rebuilt its clients and state", registry=r)
         self.lag = Gauge("ember_etl_consumer_lag", "End offset minus committed offset", ["topic", "source", "partition"], registry=r)
+        self.replication_lag = Gauge(
+            "ember_etl_replication_lag_records", "A region's committed records MirrorMaker 2 has not copied into central",
+            ["region", "topic", "partition"], registry=r,
+        )
+        self.replication_lag_seconds = Gauge(
+            "ember_etl_replication_lag_seconds", "Since a region last held nothing MirrorMaker 2 had not copied",
+            ["region", "topic", "partition"], registry=r,
+        )
         self.pending = Gauge("ember_etl_pending_messages", "Input messages held in memory", ["shard"], registry=r)
         self.open_groups = Gauge("ember_etl_open_groups", "Groups waiting for rollouts or rewards", ["shard"], registry=r)
         self.policy_version = Gauge("ember_etl_latest_policy_version", "Latest policy version seen", registry=r)
@@ -57,6 +76,12 @@ class EtlMetrics:
             self.rewards_clipped.inc(value)
         else:
             self.histograms[name].observe(value)
+
+    def show_replication(self, lags: Iterable[ReplicationLag]) -> None:
+        for lag in lags:
+            labels = (lag.region, lag.topic, str(lag.partition))
+            self.replication_lag.labels(*labels).set(lag.records)
+            self.replication_lag_seconds.labels(*labels).set(lag.seconds)
 
     def serve(self, port: int, bind: str = "127.0.0.1") -> int:
         """Start the /metrics endpoint on `bind` (loopback unless a scraper elsewhere needs it); port 0 picks a free one. Returns the port."""

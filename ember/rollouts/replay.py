@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import bisect
 import json
+import re
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -27,20 +29,38 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from ember.rollouts.batching import resolve_from_log
 from ember.rollouts.config import EtlConfig
-from ember.rollouts.engine import REWARDS, ROLLOUTS, InputMessage, ShardEngine, ShardOutput, input_topics
+from ember.rollouts.engine import (
+    REWARDS,
+    ROLLOUTS,
+    InputMessage,
+    ShardEngine,
+    ShardOutput,
+    input_topics,
+)
 from ember.rollouts.log_clock import END_OF_TIME_MS, LogClock
 from ember.rollouts.records import PolicyVersion
 from ember.rollouts.transport import consumer_config, producer_config, topic_partitions
 from ember.schemas import TRAIN_BATCH_SCHEMA, TrainBatch, encode
 
+# a source of the offsets spec: a local role, or a region's mirrored copy (`us.rollouts`, see `input_topics`)
+_SOURCE = re.compile(rf"^([a-z][a-z0-9]{{0,15}}\.)?({ROLLOUTS}|{REWARDS})$")
+
 
 @dataclass(frozen=True)
 class ReplayStart:
-    """Where to start: `earliest`, a time, or explicit offsets like `rollouts:0=120,rewards:0=80`."""
+    """Where to start: `earliest`, a time, or explicit offsets like `rollouts:0=120,us.rewards:0=80`. A region's
+    source starts at offsets of its mirrored topic in central: the ones the batch references name."""
 
     earliest: bool = False
     at_ms: int | None = None
     offsets: dict[tuple[str, int], int] = field(default_factory=dict)
+
+    def check_sources(self, sources: Iterable[str]) -> None:
+        """A spec naming a source this config does not read (a region not in `kafka.regions`) would be ignored
+        silently: refuse it, naming what the config reads."""
+        unknown = sorted({role for role, _ in self.offsets} - set(sources))
+        if unknown:
+            raise ValueError(f"--from names {', '.join(unknown)}, which this config does not read (it reads {', '.join(sources)})")
 
 
 def parse_start(text: str) -> ReplayStart:
@@ -52,8 +72,10 @@ def parse_start(text: str) -> ReplayStart:
         for part in text.split(","):
             where, _, offset = part.partition("=")
             role, _, partition = where.partition(":")
-            if role not in (ROLLOUTS, REWARDS) or not partition.isdigit() or not offset.strip().isdigit():
-                raise ValueError(f"bad offset spec {part!r}: expected rollouts:<partition>=<offset> or rewards:<partition>=<offset>")
+            if not _SOURCE.match(role) or not partition.isdigit() or not offset.strip().isdigit():
+                raise ValueError(
+                    f"bad offset spec {part!r}: expected [<region>.]rollouts:<partition>=<offset> or [<region>.]rewards:<partition>=<offset>"
+                )
             offsets[(role, int(partition))] = int(offset)
         return ReplayStart(offsets=offsets)
     try:
@@ -65,7 +87,7 @@ def parse_start(text: str) -> ReplayStart:
     except ValueError:
         raise ValueError(
             f"--from {text!r}: use 'earliest', an ISO time (2026-01-31T12:00:00+00:00), unix seconds, "
-            "or offsets like rollouts:0=120,rewards:0=80"
+            "or offsets like rollouts:0=120,rewards:0=80 (a region's mirrored copy: us.rollouts:0=120)"
         ) from None
     if moment.tzinfo is None:
         raise ValueError(f"--from {text!r}: give a timezone (e.g. +00:00) so the start is unambiguous")
@@ -177,6 +199,8 @@ def replay(config: EtlConfig, start: ReplayStart, *, to_topic: str | None = None
 def _replay(config: EtlConfig, start: ReplayStart, make_engine, to_topic: str | None, to_dir: Path | None) -> ReplaySummary:
     kafka = config.kafka
     topics = kafka.topics
+    inputs = input_topics(topics, config.source, kafka.regions)
+    start.check_sources(inputs)
     consumer = KafkaConsumer(**consumer_config(kafka.security, bootstrap_servers=kafka.bootstrap, group_id=None))
     producer = KafkaProducer(**producer_config(kafka.security, bootstrap_servers=kafka.bootstrap)) if to_topic else None
     summary = ReplaySummary()
@@ -185,7 +209,10 @@ def _replay(config: EtlConfig, start: ReplayStart, make_engine, to_topic: str | 
     outcome_lines: list[str] = []
     sent = []
     try:
-        topic_partitions(consumer, topics.rollouts, kafka.security)  # a typo'd prefix: named now, not a read timeout later
+        for topic in inputs.values():  # a typo'd prefix or a region not mirrored yet: named now, not a read timeout later
+            # (and every input in the consumer's metadata before an offsets request: kafka-python 3.0 leaves out of its
+            # answer a partition whose topic a request adds, and the lookup of it raised KeyError)
+            topic_partitions(consumer, topic, kafka.security)
         policy_tp = TopicPartition(topics.policy_versions, 0)
         policy_records = []
         for message in _read_range(consumer, {policy_tp: 0}, consumer.end_offsets([policy_tp])):
@@ -196,7 +223,6 @@ def _replay(config: EtlConfig, start: ReplayStart, make_engine, to_topic: str | 
         policy = _Policy(policy_records)
         shards = sorted(consumer.partitions_for_topic(topics.rollouts) or [])
         for shard in shards:
-            inputs = input_topics(topics, config.source, config.kafka.regions)
             tps = {role: TopicPartition(topic, shard) for role, topic in inputs.items()}
             ends = consumer.end_offsets(list(tps.values()))
             starts = _start_offsets(consumer, start, tps)
@@ -261,7 +287,7 @@ def _collect(output: ShardOutput, summary: ReplaySummary, batches: list, outcome
 
 
 def _write_dir(path: Path, batches: list[TrainBatch], outcome_lines: list[str], summary: ReplaySummary) -> None:
-    import pyarrow.ipc as ipc
+    from pyarrow import ipc
 
     path.mkdir(parents=True, exist_ok=True)
     table = train_batches_to_table(batches)
