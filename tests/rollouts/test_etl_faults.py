@@ -27,11 +27,11 @@ from tests.rollouts.etl_support import (
     workload,
 )
 
-# Restarting the broker takes 10-30 s on the 2-core machine (this test runs in the serial phase, alone), and a
+# Restarting the broker takes 10-60 s on the 2-core machine (longer the more topics the suite has made by then), and a
 # send blocked by the outage is stamped when it finally goes out: the deadlines must outlast the whole outage, with
-# room to spare. Every undecided group waits this long after the stream ends, so it is not longer than that needs.
-OUTAGE_TIMEOUT_S = 60.0
-OUTAGE_MARGIN_S = 15.0
+# room to spare. A run whose outage outlasts them cannot judge the ETL and says so.
+OUTAGE_TIMEOUT_S = 90.0
+OUTAGE_MARGIN_S = 10.0
 pytestmark = pytest.mark.integration
 
 
