@@ -155,8 +155,8 @@ class DataConfig(StrictModel):
     num_workers: Annotated[int, at_most(64, "loader processes per rank, each holding its own shuffle windows")] = Field(default=2, ge=0)
     cache_mib: Annotated[int, at_most(65536, "each loader process of each rank holds this much")] = Field(
         default=512, gt=0,
-        description="decoded bytes each loader process holds: record batches of the shuffle windows (3/4) and rows "
-        "read ahead in the sampler's order (1/4), which a global shuffle needs",
+        description="decoded bytes each loader process holds: the record batches of a shuffle window when it fits "
+        "in 3/4, and rows read ahead in the sampler's order (the rest; nearly all of it for a global shuffle)",
     )
 
 

@@ -368,8 +368,10 @@ class MidtrainDataset(torch.utils.data.Dataset):
     `__len__` is the number of samples training will draw, `__getitem__` returns tensors).
 
     Decoded data one process holds stays under `cache_bytes` (plus one record batch per set when a
-    single batch is larger than its share): three quarters for the LRUs of decoded record batches,
-    one quarter for rows read ahead. Read-ahead starts once `read_ahead` names the sampler that
+    single batch is larger than its share). Each set's LRU of decoded record batches gets what one
+    shuffle window needs when that fits in its share of three quarters (every batch is then decoded
+    once per epoch), else room for two batches (a window that large, a global shuffle, cannot be
+    held; read-ahead serves it instead); rows read ahead get the rest. Read-ahead starts once `read_ahead` names the sampler that
     drives this dataset: the order is a deterministic function of it, so a process knows the
     positions it will be asked for and reads them in blocks, decoding each record batch a block
     needs once and keeping only copies of the rows it needs. That is what makes a global shuffle
@@ -423,8 +425,14 @@ class MidtrainDataset(torch.utils.data.Dataset):
         self._caches: list[OrderedDict[tuple[int, int], _Chunk]] = [OrderedDict() for _ in self.sets]
         self._cached_bytes = [0] * len(self.sets)
         self._cache_chunks = window_chunks
-        self._set_budget = cache_bytes * 3 // 4 // len(self.sets)
-        self.ahead_rows = max(1, cache_bytes // 4 // row_bytes_bound(self.seq_len))
+        row_bound = row_bytes_bound(self.seq_len)
+        share = cache_bytes * 3 // 4 // len(self.sets)
+        self._set_budgets = []
+        for shard_set in self.sets:
+            batch_bound = int(np.diff(shard_set.chunk_start).max()) * row_bound
+            window = min(window_chunks, len(shard_set.chunk_shard)) * batch_bound
+            self._set_budgets.append(window if window <= share else min(share, 2 * batch_bound))
+        self.ahead_rows = max(1, (cache_bytes - sum(self._set_budgets)) // row_bound)
         self._plan: GlobalOrderSampler | None = None
         self._ahead: dict[int, _Row] = {}
         self._ahead_bytes = 0
@@ -462,7 +470,7 @@ class MidtrainDataset(torch.utils.data.Dataset):
             self.stats.decoded_batches += 1
             cache[(shard, batch)] = chunk
             self._cached_bytes[set_index] += chunk.nbytes
-            while len(cache) > 1 and (len(cache) > self._cache_chunks or self._cached_bytes[set_index] > self._set_budget):
+            while len(cache) > 1 and (len(cache) > self._cache_chunks or self._cached_bytes[set_index] > self._set_budgets[set_index]):
                 self._cached_bytes[set_index] -= cache.popitem(last=False)[1].nbytes
             self.stats.peak_bytes = max(self.stats.peak_bytes, self.held_bytes)
         else:

@@ -30,11 +30,9 @@ def specs(tmp_path_factory) -> list[ShardSetSpec]:
     return [ShardSetSpec(code, 0.7), ShardSetSpec(web, 0.3)]
 
 
-def _dataset(specs, ahead_rows: int, window_chunks: int = GLOBAL) -> MidtrainDataset:
-    ds = MidtrainDataset(specs, num_samples=400, seed=7, blend_period=10, window_chunks=window_chunks,
-                         dense_attention_mask=False, cache_bytes=4 * ahead_rows * row_bytes_bound(SEQ))
-    assert ds.ahead_rows == ahead_rows
-    return ds
+def _dataset(specs, cache_kib: int, window_chunks: int = GLOBAL) -> MidtrainDataset:
+    return MidtrainDataset(specs, num_samples=400, seed=7, blend_period=10, window_chunks=window_chunks,
+                           dense_attention_mask=False, cache_bytes=cache_kib * 1024)
 
 
 def _read(ds: MidtrainDataset, sampler: GlobalOrderSampler, workers: int) -> dict[int, dict[str, torch.Tensor]]:
@@ -47,17 +45,17 @@ def _read(ds: MidtrainDataset, sampler: GlobalOrderSampler, workers: int) -> dic
     return out
 
 
-@pytest.mark.parametrize("ahead_rows, window_chunks, workers, consumed", [
-    (1, GLOBAL, 0, 0), (5, GLOBAL, 0, 12), (64, GLOBAL, 2, 20), (7, 2, 0, 4), (1000, GLOBAL, 0, 0),
+@pytest.mark.parametrize("cache_kib, window_chunks, workers, consumed", [
+    (1, GLOBAL, 0, 0), (8, GLOBAL, 0, 12), (30, GLOBAL, 2, 20), (8, 2, 0, 4), (1024, GLOBAL, 0, 0),
 ])
-def test_read_ahead_returns_exactly_the_plain_samples_from_any_resume_point(specs, ahead_rows, window_chunks, workers, consumed):
+def test_read_ahead_returns_exactly_the_plain_samples_from_any_resume_point(specs, cache_kib, window_chunks, workers, consumed):
     """Per rank of 2, micro-batches of 2, from `consumed` on: every sample equals the one read without
     read-ahead at its position, and the ranks together read each position after `consumed` once."""
     plain = MidtrainDataset(specs, num_samples=400, seed=7, blend_period=10, window_chunks=window_chunks,
                             dense_attention_mask=False)
     seen = set()
     for rank in range(2):
-        got = _read(_dataset(specs, ahead_rows, window_chunks), GlobalOrderSampler(consumed, 120, 2, 2, rank), workers)
+        got = _read(_dataset(specs, cache_kib, window_chunks), GlobalOrderSampler(consumed, 120, 2, 2, rank), workers)
         for position, sample in got.items():
             expected = plain[position]
             assert sample.keys() == expected.keys()
@@ -67,10 +65,12 @@ def test_read_ahead_returns_exactly_the_plain_samples_from_any_resume_point(spec
     assert seen == set(range(consumed, 120))
 
 
-@pytest.mark.parametrize("ahead_rows", [3, 16, 50])
-def test_each_block_decodes_a_record_batch_once_and_holds_at_most_the_budget(specs, ahead_rows):
-    ds = _dataset(specs, ahead_rows)
-    total = 200
+@pytest.mark.parametrize("cache_kib", [8, 12, 24])
+def test_each_block_decodes_a_record_batch_once_and_holds_at_most_the_budget(specs, cache_kib):
+    """Budgets too small for a whole epoch's batches (22 of ~1.5 KiB), large enough for a few."""
+    ds = _dataset(specs, cache_kib)
+    ahead_rows, total = ds.ahead_rows, 200
+    assert 1 < ahead_rows < total
     _read(ds, GlobalOrderSampler(0, total, 4, 1, 0), workers=0)
     per_block = 0
     for start in range(0, total, ahead_rows):  # one process reads 0..total-1, so block k is [k*ahead, (k+1)*ahead)
@@ -80,7 +80,8 @@ def test_each_block_decodes_a_record_batch_once_and_holds_at_most_the_budget(spe
             batches.add((set_index, *ds.sets[set_index].locate(row)[:2]))
         per_block += len(batches)
     assert 0 < ds.stats.decoded_batches <= per_block
-    assert 0 < ds.stats.peak_bytes <= 4 * ahead_rows * row_bytes_bound(SEQ)
+    assert 0 < ds.stats.peak_bytes <= cache_kib * 1024
+    assert ahead_rows * row_bytes_bound(SEQ) <= cache_kib * 1024
     assert ds.held_bytes <= ds.stats.peak_bytes
 
 
