@@ -66,7 +66,7 @@ class _Chunk:
 
 @dataclass
 class _Row:
-    """One row read ahead: copies of its arrays, so the record batch it came from can be dropped."""
+    """What a sample is built from: one row's arrays (views) and where it came from."""
 
     tokens: np.ndarray
     cu_seqlens: np.ndarray
@@ -76,9 +76,66 @@ class _Row:
     epoch: int
     row: int
 
+
+class _Block:
+    """Rows read ahead for a block of positions, as columns (no Python object per row, so the bytes
+    counted are the bytes held). Filled one record batch at a time: `put` copies the rows a batch
+    serves, `seal` lays out the document boundaries."""
+
+    def __init__(self, positions: np.ndarray, seq_len: int):
+        self.positions = np.sort(positions)
+        n = len(positions)
+        self.tokens = np.empty((n, seq_len), dtype=np.uint32)
+        self.mask: np.ndarray | None = None
+        self.has_mask = np.zeros(n, dtype=bool)
+        self.meta = np.empty((n, 4), dtype=np.int64)  # source id, shard set, epoch, row
+        self.cu_offsets = np.zeros(n + 1, dtype=np.int64)
+        self.cu_values = np.empty(0, dtype=np.int32)
+        self._cu_parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+
+    def slots(self, positions: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.positions, positions)
+
+    def put(self, slots: np.ndarray, chunk: _Chunk, offsets: np.ndarray, set_index: int, epochs: np.ndarray, rows: np.ndarray) -> None:
+        self.tokens[slots] = chunk.tokens[offsets]
+        if chunk.mask_valid is not None:
+            valid = chunk.mask_valid[offsets]
+            if valid.any():
+                if self.mask is None:
+                    self.mask = np.zeros(self.tokens.shape, dtype=np.uint8)
+                self.mask[slots[valid]] = chunk.mask_values[offsets[valid]]
+                self.has_mask[slots] = valid
+        self.meta[slots] = np.stack([chunk.source_ids[offsets], np.full(len(slots), set_index), epochs, rows], axis=1)
+        starts, ends = chunk.cu_offsets[offsets], chunk.cu_offsets[offsets + 1]
+        lengths = ends - starts
+        gather = np.repeat(starts - np.cumsum(lengths) + lengths, lengths) + np.arange(int(lengths.sum()))
+        self._cu_parts.append((slots, lengths, chunk.cu_values[gather]))
+
+    def seal(self) -> None:
+        lengths = np.zeros(len(self.positions), dtype=np.int64)
+        for slots, part_lengths, _ in self._cu_parts:
+            lengths[slots] = part_lengths
+        np.cumsum(lengths, out=self.cu_offsets[1:])
+        self.cu_values = np.empty(int(self.cu_offsets[-1]), dtype=np.int32)
+        for slots, part_lengths, values in self._cu_parts:
+            self.cu_values[np.repeat(self.cu_offsets[slots] - np.cumsum(part_lengths) + part_lengths, part_lengths)
+                           + np.arange(len(values))] = values
+        self._cu_parts = []
+
+    def row(self, position: int) -> _Row | None:
+        slot = int(np.searchsorted(self.positions, position))
+        if slot == len(self.positions) or self.positions[slot] != position:
+            return None
+        source_id, shard_set, epoch, row = self.meta[slot].tolist()
+        return _Row(
+            self.tokens[slot], self.cu_values[self.cu_offsets[slot] : self.cu_offsets[slot + 1]],
+            self.mask[slot] if self.has_mask[slot] else None, np.int64(source_id), shard_set, epoch, row,
+        )
+
     @property
     def nbytes(self) -> int:
-        return self.tokens.nbytes + self.cu_seqlens.nbytes + (0 if self.loss_mask is None else self.loss_mask.nbytes)
+        arrays = (self.positions, self.tokens, self.mask, self.has_mask, self.meta, self.cu_offsets, self.cu_values)
+        return sum(a.nbytes for a in arrays if a is not None)
 
 
 class _Shard:
@@ -350,8 +407,9 @@ DEFAULT_CACHE_BYTES = 512 * 2**20
 
 
 def row_bytes_bound(seq_len: int) -> int:
-    """The most array bytes one read-ahead row holds: uint32 tokens, int32 boundaries, a uint8 mask."""
-    return 4 * seq_len + 4 * (seq_len + 1) + seq_len
+    """The most bytes one read-ahead row holds: uint32 tokens, int32 boundaries, a uint8 mask, and
+    its position, offset, flag and four int64 facts (`_Block`)."""
+    return 4 * seq_len + 4 * (seq_len + 1) + seq_len + 8 + 8 + 1 + 32
 
 
 @dataclass
@@ -434,8 +492,7 @@ class MidtrainDataset(torch.utils.data.Dataset):
             self._set_budgets.append(window if window <= share else min(share, 2 * batch_bound))
         self.ahead_rows = max(1, (cache_bytes - sum(self._set_budgets)) // row_bound)
         self._plan: GlobalOrderSampler | None = None
-        self._ahead: dict[int, _Row] = {}
-        self._ahead_bytes = 0
+        self._block: _Block | None = None
         self.stats = CacheStats()
 
     def __len__(self) -> int:
@@ -444,12 +501,11 @@ class MidtrainDataset(torch.utils.data.Dataset):
     def read_ahead(self, sampler: "GlobalOrderSampler") -> None:
         """Read ahead in `sampler`'s order from now on (set it before the DataLoader starts its workers)."""
         self._plan = sampler
-        self._ahead.clear()
-        self._ahead_bytes = 0
+        self._block = None
 
     @property
     def held_bytes(self) -> int:
-        return sum(self._cached_bytes) + self._ahead_bytes
+        return sum(self._cached_bytes) + (self._block.nbytes if self._block is not None else 0)
 
     def locate(self, position: int) -> tuple[int, int, int]:
         """(shard set, epoch of that set, row of that set) for a global position."""
@@ -477,22 +533,11 @@ class MidtrainDataset(torch.utils.data.Dataset):
             cache.move_to_end((shard, batch))
         return chunk
 
-    @staticmethod
-    def _row(set_index: int, chunk: _Chunk, offset: int, epoch: int, row: int, copy: bool) -> _Row:
-        cu = chunk.cu_values[chunk.cu_offsets[offset] : chunk.cu_offsets[offset + 1]]
-        mask = None
-        if chunk.mask_valid is not None and chunk.mask_valid[offset]:
-            mask = chunk.mask_values[offset]
-        tokens = chunk.tokens[offset]
-        if copy:
-            tokens, cu, mask = tokens.copy(), cu.copy(), None if mask is None else mask.copy()
-        return _Row(tokens, cu, mask, chunk.source_ids[offset], set_index, int(epoch), int(row))
-
-    def _read_ahead_from(self, position: int) -> None:
+    def _read_ahead_from(self, position: int) -> _Block:
         """Rows of the next `ahead_rows` positions this process reads, each record batch decoded once.
 
-        The previous block's unread rows are dropped first (they were planned for a read that did not
-        come), so the rows held never exceed one block."""
+        The previous block goes first (its unread rows were planned for reads that did not come), so
+        the rows held never exceed one block."""
         plan = self._plan
         worker = torch.utils.data.get_worker_info()
         positions = np.asarray(
@@ -502,35 +547,39 @@ class MidtrainDataset(torch.utils.data.Dataset):
             ),
             dtype=np.int64,
         )
-        self._ahead.clear()
-        self._ahead_bytes = 0
+        self._block = None
+        block = _Block(positions, self.seq_len)
         set_of, draws = self.blend.locate(positions)
-        for set_index in np.unique(set_of):
+        for set_index in np.unique(set_of).tolist():
             at = np.flatnonzero(set_of == set_index)
-            shard_set = self.sets[int(set_index)]
+            shard_set = self.sets[set_index]
             epochs, rows = shard_set.shuffle.rows_of(draws[at])
             chunks, offsets = shard_set.chunks_of(rows)
+            slots = block.slots(positions[at])
             order = np.argsort(chunks, kind="stable")  # record batches in file order, each once
             for group in np.split(order, np.flatnonzero(np.diff(chunks[order])) + 1):
                 c = int(chunks[group[0]])
-                chunk = self._chunk(int(set_index), int(shard_set.chunk_shard[c]), int(shard_set.chunk_batch[c]))
-                for i in group.tolist():
-                    row = self._row(int(set_index), chunk, int(offsets[i]), epochs[i], rows[i], copy=True)
-                    self._ahead[int(positions[at[i]])] = row
-                    self._ahead_bytes += row.nbytes
+                chunk = self._chunk(set_index, int(shard_set.chunk_shard[c]), int(shard_set.chunk_batch[c]))
+                block.put(slots[group], chunk, offsets[group], set_index, epochs[group], rows[group])
+        block.seal()
+        self._block = block
         self.stats.peak_bytes = max(self.stats.peak_bytes, self.held_bytes)
+        return block
 
     def __getitem__(self, position: int) -> dict[str, torch.Tensor]:
         position = int(position)
-        if self._plan is not None:
-            if position not in self._ahead:
-                self._read_ahead_from(position)
-            row = self._ahead.pop(position)
-            self._ahead_bytes -= row.nbytes
-        else:
+        row = self._block.row(position) if self._block is not None else None
+        if row is None and self._plan is not None:
+            row = self._read_ahead_from(position).row(position)
+        if row is None:
             set_index, epoch, set_row = self.locate(position)
             shard, batch, offset = self.sets[set_index].locate(set_row)
-            row = self._row(set_index, self._chunk(set_index, shard, batch), offset, epoch, set_row, copy=False)
+            chunk = self._chunk(set_index, shard, batch)
+            mask = chunk.mask_values[offset] if chunk.mask_valid is not None and chunk.mask_valid[offset] else None
+            row = _Row(
+                chunk.tokens[offset], chunk.cu_values[chunk.cu_offsets[offset] : chunk.cu_offsets[offset + 1]], mask,
+                chunk.source_ids[offset], set_index, epoch, set_row,
+            )
         pad = self.sets[row.shard_set].manifest.pad_token_id
         sample = gpt_sample(row.tokens, row.cu_seqlens, row.loss_mask, pad, self.dense_attention_mask)
         sample["source_id"] = row.source_id
