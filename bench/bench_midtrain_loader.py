@@ -18,7 +18,7 @@ document, so a Megatron sample of seq_len tokens is one stored row). Then, in on
   the loader before read-ahead). Memory: ember's own peak of decoded bytes held (record batches
   + read-ahead rows, bounded by --cache-mib) and the process's peak RSS growth during the read.
 
-Medians over --repeats, interleaved. Files are in the page cache for all (just written). Timing is
+Both sides run with one torch thread, as in a DataLoader worker process. Medians over --repeats, interleaved. Files are in the page cache for all (just written). Timing is
 reported, never asserted.
 
     .venv/bin/python bench/bench_midtrain_loader.py --profile quick|full [--results FILE]
@@ -260,6 +260,7 @@ def main() -> None:
     parser.add_argument("--cache-mib", type=int, default=512, help="ember's data.cache_mib (default as in the config)")
     parser.add_argument("--work-dir", type=Path, default=None, help="default: a temporary directory, removed after")
     args = parser.parse_args()
+    torch.set_num_threads(1)  # what a DataLoader worker runs with; a thread pool per read only fights the other cores' jobs
     args.sizes = args.sizes or profile_default(args.profile, [100_000], [1000, 100_000, 1_000_000])
     args.samples = args.samples or profile_default(args.profile, 4000, 20_000)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="ember-bench-midtrain-"))
