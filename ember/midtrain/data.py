@@ -429,7 +429,9 @@ class MidtrainDataset(torch.utils.data.Dataset):
     single batch is larger than its share). Each set's LRU of decoded record batches gets what one
     shuffle window needs when that fits in its share of three quarters (every batch is then decoded
     once per epoch), else room for two batches (a window that large, a global shuffle, cannot be
-    held; read-ahead serves it instead); rows read ahead get the rest. Read-ahead starts once `read_ahead` names the sampler that
+    held; read-ahead serves it instead); rows read ahead get the rest.
+
+    Read-ahead starts once `read_ahead` names the sampler that
     drives this dataset: the order is a deterministic function of it, so a process knows the
     positions it will be asked for and reads them in blocks, decoding each record batch a block
     needs once and keeping only copies of the rows it needs. That is what makes a global shuffle
