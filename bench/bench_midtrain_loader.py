@@ -8,26 +8,30 @@ document, so a Megatron sample of seq_len tokens is one stored row). Then, in on
 - startup: constructing the blended dataset. ember reads manifests and shard footers; Megatron
   builds (cold: empty cache dir) or loads (cached) its document/sample/shuffle/blend indices with
   `BlendedMegatronDatasetBuilder(GPTDataset, ...)`, blend weights 0.7/0.3, one epoch of samples.
-- read+collate: --samples samples in each dataset's own (shuffled, blended) order through a
+- read+collate: the first --samples samples of each dataset's own blended order through a
   `DataLoader(batch_size=8, num_workers=0)`, with block-diagonal attention masks and reset
-  position ids on both sides (ember from cu_seqlens, Megatron from EOD tokens).
-- shuffle scope: the two orders differ. ember's is window-local (rows shuffled within windows of
-  64 record batches of 128 rows, the windows in shuffled order: each decoded record batch serves
-  its 128 rows from a cache), megatron-core's is a global permutation of samples over a memory-
-  mapped .bin. So ember is also read in a global order: the same dataset at positions drawn by a
-  seeded permutation of all N (every sample then lands in an almost surely uncached record batch).
+  position ids on both sides (ember from cu_seqlens, Megatron from EOD tokens). ember is read as
+  training reads it (`GlobalOrderSampler`, read-ahead on) in two shuffle scopes:
+  window-local (rows shuffled within windows of 64 record batches of 128 rows) and a global
+  shuffle (one window over every record batch, a uniform permutation of each set's rows, as
+  megatron-core's), plus the global shuffle without read-ahead (the LRU of record batches alone,
+  the loader before read-ahead). Memory: ember's own peak of decoded bytes held (record batches
+  + read-ahead rows, bounded by --cache-mib) and the process's peak RSS growth during the read.
 
-Medians over --repeats, ratios ember/megatron. Files are in the page cache for both (just
-written). Timing is reported, never asserted.
+Both sides run with one torch thread, as in a DataLoader worker process. Medians over --repeats, interleaved. Files are in the page cache for all (just written). Timing is
+reported, never asserted.
 
+    .venv/bin/python bench/bench_midtrain_loader.py --profile quick|full [--results FILE]
     .venv/bin/python bench/bench_midtrain_loader.py [--sizes 1000 100000 1000000] [--samples 20000]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -37,10 +41,14 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import torch
 
-from ember.midtrain.data import MidtrainDataset, ShardSetSpec
-from ember.schemas import PACKED_SEQUENCE_SCHEMA, Manifest, write_manifest
-from ember.tokenize.shards import ROWS_PER_BATCH_KEY
-from ember.tokenize.shardset import file_sha256
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.benchkit import Figure, add_flags, profile_default, write_results  # noqa: E402
+from ember.midtrain.data import GlobalOrderSampler, MidtrainDataset, ShardSetSpec  # noqa: E402
+from ember.schemas import PACKED_SEQUENCE_SCHEMA, Manifest, write_manifest  # noqa: E402
+from ember.tokenize.shards import ROWS_PER_BATCH_KEY  # noqa: E402
+from ember.tokenize.shardset import file_sha256  # noqa: E402
 
 VOCAB = 32000
 ROWS_PER_BATCH = 128
@@ -113,10 +121,15 @@ def write_megatron(prefix: Path, table: pa.Table, seq_len: int) -> None:
     builder.finalize(f"{prefix}.idx")
 
 
-def ember_dataset(root: Path, n: int, seq_len: int) -> MidtrainDataset:
+WINDOW_CHUNKS = 64
+GLOBAL = 2**31  # one shuffle window over every record batch: a uniform permutation of each set's rows
+
+
+def ember_dataset(root: Path, n: int, window_chunks: int, cache_mib: int) -> MidtrainDataset:
     return MidtrainDataset(
         [ShardSetSpec(root / "code", 0.7), ShardSetSpec(root / "web", 0.3)],
-        num_samples=n, seed=1234, blend_period=1000, window_chunks=64, dense_attention_mask=True,
+        num_samples=n, seed=1234, blend_period=1000, window_chunks=window_chunks, dense_attention_mask=True,
+        cache_bytes=cache_mib * 2**20,
     )
 
 
@@ -148,76 +161,146 @@ def timed(fn) -> tuple[float, object]:
     return time.perf_counter() - t0, out
 
 
-def read_collate(dataset, samples: int, order: np.ndarray | None = None) -> float:
-    """Seconds to read `samples` samples: positions 0.. (the dataset's own order) or `order`'s first ones."""
-    positions = range(samples) if order is None else order[:samples].tolist()
-    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(dataset, positions), batch_size=BATCH, num_workers=0)
+def _status_kib(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def rss_peak_growth(fn) -> tuple[object, int]:
+    """fn()'s result and how far the process's resident set rose above its start during it (bytes):
+    the kernel's peak (VmHWM) is reset first; 0 where /proc does not allow that."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return fn(), 0
+    before = _status_kib("VmRSS")
+    out = fn()
+    return out, max(0, _status_kib("VmHWM") - before) * 1024
+
+
+def read_ember(dataset: MidtrainDataset, samples: int, read_ahead: bool) -> tuple[float, int, int]:
+    """(seconds, peak decoded bytes held, peak RSS growth) to read the first `samples` positions as training does."""
+    sampler = GlobalOrderSampler(0, samples, BATCH, 1, 0)
+    if read_ahead:
+        dataset.read_ahead(sampler)
+
+    def run() -> float:
+        loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=0)
+        t0 = time.perf_counter()
+        for _ in loader:
+            pass
+        return time.perf_counter() - t0
+
+    seconds, rss = rss_peak_growth(run)
+    return seconds, dataset.stats.peak_bytes, rss
+
+
+def read_megatron(dataset, samples: int) -> float:
+    """Seconds to read positions 0..samples-1 of megatron-core's dataset (its own global shuffle)."""
+    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(dataset, range(samples)), batch_size=BATCH, num_workers=0)
     t0 = time.perf_counter()
     for _ in loader:
         pass
     return time.perf_counter() - t0
 
 
+def write_inputs(root: Path, n: int, seq_len: int) -> float:
+    if root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    n_code = int(n * 0.7)
+    t_write = time.perf_counter()
+    for source, count, seed in (("code", n_code, 1), ("web", n - n_code, 2)):
+        table = synthetic_rows(count, seq_len, seed, source)
+        write_ember(root / source, table, seq_len, source)
+        write_megatron(root / f"mcore-{source}", table, seq_len)
+    return time.perf_counter() - t_write
+
+
+def measure(root: Path, n: int, args) -> dict:
+    """Medians over interleaved repeats of every reading at size n."""
+    samples = min(args.samples, n)
+    runs: dict[str, list] = {k: [] for k in ("e_start", "m_cold", "m_warm", "window", "global", "global_lru", "mcore")}
+    for _ in range(args.repeats):
+        t, ds = timed(lambda: ember_dataset(root, n, WINDOW_CHUNKS, args.cache_mib))
+        runs["e_start"].append(t)
+        runs["window"].append(read_ember(ds, samples, read_ahead=True))
+        runs["global"].append(read_ember(ember_dataset(root, n, GLOBAL, args.cache_mib), samples, read_ahead=True))
+        runs["global_lru"].append(read_ember(ember_dataset(root, n, GLOBAL, args.cache_mib), samples, read_ahead=False))
+        cache = root / "mcore-cache"
+        shutil.rmtree(cache, ignore_errors=True)
+        t, ds = timed(lambda: megatron_dataset(root, n, args.seq_len, cache))
+        runs["m_cold"].append(t)
+        t, ds = timed(lambda: megatron_dataset(root, n, args.seq_len, cache))
+        runs["m_warm"].append(t)
+        runs["mcore"].append(read_megatron(ds, samples))
+    med = statistics.median
+    out = {"n": n, "samples": samples, "e_start": med(runs["e_start"]), "m_cold": med(runs["m_cold"]),
+           "m_warm": med(runs["m_warm"]), "mcore_sps": samples / med(runs["mcore"])}
+    for key in ("window", "global", "global_lru"):
+        out[f"{key}_sps"] = samples / med(r[0] for r in runs[key])
+        out[f"{key}_cache"] = max(r[1] for r in runs[key])
+        out[f"{key}_rss"] = max(r[2] for r in runs[key])
+    return out
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 100_000, 1_000_000])
+    add_flags(parser)
+    parser.add_argument("--sizes", type=int, nargs="+", default=None, help="default: quick 100000; full 1000 100000 1000000")
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--samples", type=int, default=20_000, help="samples read per throughput run (capped at N)")
+    parser.add_argument("--samples", type=int, default=None, help="samples read per run, capped at N (quick 4000, full 20000)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cache-mib", type=int, default=512, help="ember's data.cache_mib (default as in the config)")
     parser.add_argument("--work-dir", type=Path, default=None, help="default: a temporary directory, removed after")
     args = parser.parse_args()
+    torch.set_num_threads(1)  # what a DataLoader worker runs with; a thread pool per read only fights the other cores' jobs
+    args.sizes = args.sizes or profile_default(args.profile, [100_000], [1000, 100_000, 1_000_000])
+    args.samples = args.samples or profile_default(args.profile, 4000, 20_000)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="ember-bench-midtrain-"))
     rows = []
     try:
         for n in args.sizes:
-            root = work / f"n{n}"
-            if root.exists():
-                shutil.rmtree(root)
-            root.mkdir(parents=True)
-            n_code = int(n * 0.7)
-            t_write = time.perf_counter()
-            for source, count, seed in (("code", n_code, 1), ("web", n - n_code, 2)):
-                table = synthetic_rows(count, args.seq_len, seed, source)
-                write_ember(root / source, table, args.seq_len, source)
-                write_megatron(root / f"mcore-{source}", table, args.seq_len)
-            t_write = time.perf_counter() - t_write
-            samples = min(args.samples, n)
-            e_start, e_read, e_global, m_cold, m_warm, m_read = [], [], [], [], [], []
-            global_order = np.random.default_rng(99).permutation(n)
-            for _ in range(args.repeats):
-                t, ds = timed(lambda: ember_dataset(root, n, args.seq_len))
-                e_start.append(t)
-                e_read.append(read_collate(ds, samples))
-                e_global.append(read_collate(ember_dataset(root, n, args.seq_len), samples, global_order))
-                cache = root / "mcore-cache"
-                shutil.rmtree(cache, ignore_errors=True)
-                t, ds = timed(lambda: megatron_dataset(root, n, args.seq_len, cache))
-                m_cold.append(t)
-                t, ds = timed(lambda: megatron_dataset(root, n, args.seq_len, cache))
-                m_warm.append(t)
-                m_read.append(read_collate(ds, samples))
-            med = statistics.median
-            e_sps, m_sps, g_sps = samples / med(e_read), samples / med(m_read), samples / med(e_global)
-            rows.append(
-                (n, t_write, med(e_start), med(m_cold), med(m_warm), e_sps, m_sps, e_sps * args.seq_len, m_sps * args.seq_len, g_sps)
-            )
+            t_write = write_inputs(work / f"n{n}", n, args.seq_len)
             print(f"N={n}: written in {t_write:.1f}s", flush=True)
+            rows.append(measure(work / f"n{n}", n, args))
     finally:
         if args.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
-    print(f"\nseq_len {args.seq_len}, batch {BATCH}, {args.repeats} repeats (medians), read+collate of min(N, {args.samples}) samples")
-    header = (
-        "| sequences | ember startup s | mcore startup cold s | mcore startup cached s | startup ratio mcore-cold/ember "
-        "| ember samples/s (window-local order) | mcore samples/s (global shuffle) | ember tokens/s | mcore tokens/s "
-        "| read ratio ember/mcore | ember samples/s (global shuffle) | read ratio, both global |"
-    )
+    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"\nseq_len {args.seq_len}, batch {BATCH}, {args.repeats} interleaved repeats (medians), read+collate of "
+          f"min(N, {args.samples}) samples, cache {args.cache_mib} MiB, load average {load} (1/5/15 min) at the end")
+    header = ("| sequences | ember startup s | mcore startup cold s | mcore startup cached s | startup ratio mcore-cold/ember "
+              "| ember samples/s window-local | ember samples/s global shuffle | global / window-local "
+              "| ember global, no read-ahead | mcore samples/s global shuffle | ember global / mcore |")
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
-    for n, _, es, mc, mw, e_sps, m_sps, e_tps, m_tps, g_sps in rows:
-        print(
-            f"| {n:,} | {es:.3f} | {mc:.3f} | {mw:.3f} | {mc / es:.1f}x | {e_sps:,.0f} | {m_sps:,.0f} "
-            f"| {e_tps:,.0f} | {m_tps:,.0f} | {e_sps / m_sps:.2f}x | {g_sps:,.0f} | {g_sps / m_sps:.2f}x |"
-        )
+    for r in rows:
+        print(f"| {r['n']:,} | {r['e_start']:.3f} | {r['m_cold']:.3f} | {r['m_warm']:.3f} | {r['m_cold'] / r['e_start']:.1f}x "
+              f"| {r['window_sps']:,.0f} | {r['global_sps']:,.0f} | {r['global_sps'] / r['window_sps']:.2f}x "
+              f"| {r['global_lru_sps']:,.0f} | {r['mcore_sps']:,.0f} | {r['global_sps'] / r['mcore_sps']:.2f}x |")
+    print("\nmemory (MiB): ember's peak decoded bytes held / the process's peak RSS growth during the read")
+    print("| sequences | window-local | global shuffle | global, no read-ahead |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['n']:,} | " + " | ".join(f"{mib(r[k + '_cache'])} / {mib(r[k + '_rss'])}" for k in ("window", "global", "global_lru")) + " |")
+    top = rows[-1]
+    figures = [
+        Figure("global-shuffle read rate vs window-local (same dataset, same run)", "samples/s", top["global_sps"],
+               top["window_sps"], "ember window-local order", repeats=args.repeats, target=0.5),
+        Figure("global-shuffle read rate", "samples/s", top["global_sps"], top["mcore_sps"],
+               "megatron-core GPTDataset (global shuffle)", repeats=args.repeats),
+        Figure("startup", "s", top["e_start"], top["m_cold"], "megatron-core index build (cold)",
+               higher_is_better=False, repeats=args.repeats),
+    ]
+    write_results(args.results, "midtrain_loader", args.profile, figures, sizes=args.sizes, samples=args.samples,
+                  seq_len=args.seq_len, cache_mib=args.cache_mib, rows=rows)
 
 
 if __name__ == "__main__":

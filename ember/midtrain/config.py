@@ -153,6 +153,11 @@ class DataConfig(StrictModel):
         default=64, gt=0, description="record batches shuffled together; each loader keeps this many decoded per shard set"
     )
     num_workers: Annotated[int, at_most(64, "loader processes per rank, each holding its own shuffle windows")] = Field(default=2, ge=0)
+    cache_mib: Annotated[int, at_most(65536, "each loader process of each rank holds this much")] = Field(
+        default=512, gt=0,
+        description="decoded bytes each loader process holds: the record batches of a shuffle window when it fits "
+        "in 3/4, and rows read ahead in the sampler's order (the rest; nearly all of it for a global shuffle)",
+    )
 
 
 class TrainConfig(StrictModel):

@@ -5,7 +5,8 @@ Startup checks every shard's size and sha256 against its manifest before any of 
 `ember.tokenize.shardset`), then reads each shard's footer - no pass over rows. A global
 sample position is blended, shuffled and located by `ember.midtrain.sampling`; the row is read
 from a memory-mapped Arrow IPC file, decompressing only the record batch that holds it (an LRU
-keeps recent batches, and the shuffle keeps reads inside a window of batches). Each sample is the
+keeps recent batches, and the shuffle keeps reads inside a window of batches; given its sampler,
+the dataset reads ahead in the sampler's order, which a global shuffle needs). Each sample is the
 dict megatron-core's GPT step consumes.
 """
 
@@ -25,7 +26,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import torch
 
-from ember.midtrain.sampling import Blend, EpochShuffle, chunk_bounds, microbatch_positions
+from ember.midtrain.sampling import Blend, EpochShuffle, chunk_bounds, microbatch_positions, upcoming_positions
 from ember.schemas import Manifest, SchemaValidationError, read_manifest
 from ember.storage import StorageError
 from ember.tokenize.remote_sets import RemoteSetError, local_shard_set
@@ -57,6 +58,85 @@ class _Chunk:
     mask_valid: np.ndarray | None  # [rows] bool, None when the column is all null
     mask_values: np.ndarray | None  # [rows, seq_len] uint8
 
+    @property
+    def nbytes(self) -> int:
+        arrays = (self.tokens, self.cu_offsets, self.cu_values, self.source_ids, self.mask_valid, self.mask_values)
+        return sum(a.nbytes for a in arrays if a is not None)
+
+
+@dataclass
+class _Row:
+    """What a sample is built from: one row's arrays (views) and where it came from."""
+
+    tokens: np.ndarray
+    cu_seqlens: np.ndarray
+    loss_mask: np.ndarray | None
+    source_id: np.int64
+    shard_set: int
+    epoch: int
+    row: int
+
+
+class _Block:
+    """Rows read ahead for a block of positions, as columns (no Python object per row, so the bytes
+    counted are the bytes held). Filled one record batch at a time: `put` copies the rows a batch
+    serves, `seal` lays out the document boundaries."""
+
+    def __init__(self, positions: np.ndarray, seq_len: int):
+        self.positions = np.sort(positions)
+        n = len(positions)
+        self.tokens = np.empty((n, seq_len), dtype=np.uint32)
+        self.mask: np.ndarray | None = None
+        self.has_mask = np.zeros(n, dtype=bool)
+        self.meta = np.empty((n, 4), dtype=np.int64)  # source id, shard set, epoch, row
+        self.cu_offsets = np.zeros(n + 1, dtype=np.int64)
+        self.cu_values = np.empty(0, dtype=np.int32)
+        self._cu_parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+
+    def slots(self, positions: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.positions, positions)
+
+    def put(self, slots: np.ndarray, chunk: _Chunk, offsets: np.ndarray, set_index: int, epochs: np.ndarray, rows: np.ndarray) -> None:
+        self.tokens[slots] = chunk.tokens[offsets]
+        if chunk.mask_valid is not None:
+            valid = chunk.mask_valid[offsets]
+            if valid.any():
+                if self.mask is None:
+                    self.mask = np.zeros(self.tokens.shape, dtype=np.uint8)
+                self.mask[slots[valid]] = chunk.mask_values[offsets[valid]]
+                self.has_mask[slots] = valid
+        self.meta[slots] = np.stack([chunk.source_ids[offsets], np.full(len(slots), set_index), epochs, rows], axis=1)
+        starts, ends = chunk.cu_offsets[offsets], chunk.cu_offsets[offsets + 1]
+        lengths = ends - starts
+        gather = np.repeat(starts - np.cumsum(lengths) + lengths, lengths) + np.arange(int(lengths.sum()))
+        self._cu_parts.append((slots, lengths, chunk.cu_values[gather]))
+
+    def seal(self) -> None:
+        lengths = np.zeros(len(self.positions), dtype=np.int64)
+        for slots, part_lengths, _ in self._cu_parts:
+            lengths[slots] = part_lengths
+        np.cumsum(lengths, out=self.cu_offsets[1:])
+        self.cu_values = np.empty(int(self.cu_offsets[-1]), dtype=np.int32)
+        for slots, part_lengths, values in self._cu_parts:
+            self.cu_values[np.repeat(self.cu_offsets[slots] - np.cumsum(part_lengths) + part_lengths, part_lengths)
+                           + np.arange(len(values))] = values
+        self._cu_parts = []
+
+    def row(self, position: int) -> _Row | None:
+        slot = int(np.searchsorted(self.positions, position))
+        if slot == len(self.positions) or self.positions[slot] != position:
+            return None
+        source_id, shard_set, epoch, row = self.meta[slot].tolist()
+        return _Row(
+            self.tokens[slot], self.cu_values[self.cu_offsets[slot] : self.cu_offsets[slot + 1]],
+            self.mask[slot] if self.has_mask[slot] else None, np.int64(source_id), shard_set, epoch, row,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        arrays = (self.positions, self.tokens, self.mask, self.has_mask, self.meta, self.cu_offsets, self.cu_values)
+        return sum(a.nbytes for a in arrays if a is not None)
+
 
 class _Shard:
     """One Arrow IPC shard, opened lazily per process (memory maps do not survive fork/pickle).
@@ -85,7 +165,10 @@ class _Shard:
                 if missing:
                     raise DataError(f"{self.path}: not a PACKED_SEQUENCE_SCHEMA shard, missing columns {missing}")
                 fields = [schema.get_field_index(c) for c in _READ_COLUMNS]
-                self._reader = ipc.open_file(source, options=ipc.IpcReadOptions(included_fields=fields))
+                # One thread per read: a loader runs as several worker processes per rank already, and
+                # Arrow's decompression pool on top of them made each record batch ~1.5x slower on 2 cores.
+                options = ipc.IpcReadOptions(included_fields=fields, use_threads=False)
+                self._reader = ipc.open_file(source, options=options)
             except (OSError, pa.ArrowException) as exc:
                 raise DataError(f"{self.path}: not a readable Arrow IPC shard ({exc})") from None
             self._pid = os.getpid()
@@ -261,6 +344,11 @@ class _ShardSet:
         chunk = int(np.searchsorted(self.chunk_start, row, side="right")) - 1
         return int(self.chunk_shard[chunk]), int(self.chunk_batch[chunk]), row - int(self.chunk_start[chunk])
 
+    def chunks_of(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(chunk index, row within chunk) of many rows; chunk c is (chunk_shard[c], chunk_batch[c])."""
+        chunks = np.searchsorted(self.chunk_start, rows, side="right") - 1
+        return chunks, rows - self.chunk_start[chunks]
+
 
 def local_specs(shard_sets: Iterable[tuple[str | Path, float]]) -> list[ShardSetSpec]:
     """(path or URL, weight) -> specs on local directories: a set on gs:// or s3:// is read from its manifest and
@@ -315,9 +403,43 @@ def check_model_compatible(
         raise DataError("; ".join(problems))
 
 
+DEFAULT_CACHE_BYTES = 512 * 2**20
+
+
+def row_bytes_bound(seq_len: int) -> int:
+    """The most bytes one read-ahead row holds: uint32 tokens, int32 boundaries, a uint8 mask, and
+    its position, offset, flag and four int64 facts (`_Block`)."""
+    return 4 * seq_len + 4 * (seq_len + 1) + seq_len + 8 + 8 + 1 + 32
+
+
+@dataclass
+class CacheStats:
+    """What one loader process decoded and held: record batches decoded, and the peak bytes of
+    decoded arrays it kept (record batches in the LRUs plus rows read ahead)."""
+
+    decoded_batches: int = 0
+    peak_bytes: int = 0
+
+
 class MidtrainDataset(torch.utils.data.Dataset):
     """Global position -> GPT sample, blended over shard sets by weight (megatron-style dataset:
-    `__len__` is the number of samples training will draw, `__getitem__` returns tensors)."""
+    `__len__` is the number of samples training will draw, `__getitem__` returns tensors).
+
+    Decoded data one process holds stays under `cache_bytes` (plus one record batch per set when a
+    single batch is larger than its share). Each set's LRU of decoded record batches gets what one
+    shuffle window needs when that fits in its share of three quarters (every batch is then decoded
+    once per epoch), else room for two batches (a window that large, a global shuffle, cannot be
+    held; read-ahead serves it instead); rows read ahead get the rest.
+
+    Read-ahead starts once `read_ahead` names the sampler that
+    drives this dataset: the order is a deterministic function of it, so a process knows the
+    positions it will be asked for and reads them in blocks, decoding each record batch a block
+    needs once and keeping only copies of the rows it needs. That is what makes a global shuffle
+    (`window_chunks` >= the set's record batches, where almost no two consecutive samples share a
+    batch) cost about one decode per block per batch instead of one per sample. A sample is always
+    a function of its position alone, so the cache changes speed, never what is read: resume stays
+    exact whatever was cached.
+    """
 
     def __init__(
         self,
@@ -328,9 +450,12 @@ class MidtrainDataset(torch.utils.data.Dataset):
         blend_period: int,
         window_chunks: int,
         dense_attention_mask: bool,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
         manifests: list[Manifest] | None = None,
         verifier: ShardVerifier | None = None,
     ):
+        if cache_bytes < 1:
+            raise DataError(f"cache_bytes must be positive, got {cache_bytes}")
         manifests = manifests if manifests is not None else open_manifests(specs)
         verifier = verifier or ShardVerifier()
         seq_lens = {m.seq_len for m in manifests}
@@ -355,13 +480,34 @@ class MidtrainDataset(torch.utils.data.Dataset):
                 }
             ).encode()
         ).hexdigest()[:16]
-        # One LRU of decoded record batches per shard set, as large as a shuffle window: every
-        # batch is then decoded once per epoch (the blend interleaves sets, so they must not share).
+        # One LRU of decoded record batches per shard set, as large as a shuffle window when the bytes
+        # allow: every batch is then decoded once per epoch (the blend interleaves sets, so they must not share).
         self._caches: list[OrderedDict[tuple[int, int], _Chunk]] = [OrderedDict() for _ in self.sets]
+        self._cached_bytes = [0] * len(self.sets)
         self._cache_chunks = window_chunks
+        row_bound = row_bytes_bound(self.seq_len)
+        share = cache_bytes * 3 // 4 // len(self.sets)
+        self._set_budgets = []
+        for shard_set in self.sets:
+            batch_bound = int(np.diff(shard_set.chunk_start).max()) * row_bound
+            window = min(window_chunks, len(shard_set.chunk_shard)) * batch_bound
+            self._set_budgets.append(window if window <= share else min(share, 2 * batch_bound))
+        self.ahead_rows = max(1, (cache_bytes - sum(self._set_budgets)) // row_bound)
+        self._plan: GlobalOrderSampler | None = None
+        self._block: _Block | None = None
+        self.stats = CacheStats()
 
     def __len__(self) -> int:
         return self.num_samples
+
+    def read_ahead(self, sampler: "GlobalOrderSampler") -> None:
+        """Read ahead in `sampler`'s order from now on (set it before the DataLoader starts its workers)."""
+        self._plan = sampler
+        self._block = None
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(self._cached_bytes) + (self._block.nbytes if self._block is not None else 0)
 
     def locate(self, position: int) -> tuple[int, int, int]:
         """(shard set, epoch of that set, row of that set) for a global position."""
@@ -379,28 +525,70 @@ class MidtrainDataset(torch.utils.data.Dataset):
                 shard_obj.reader().get_batch(batch), self.seq_len, shard_set.manifest.tokenizer.vocab_size,
                 self._source_index, shard_obj.path, int(shard_obj.batch_starts[batch]),
             )
+            self.stats.decoded_batches += 1
             cache[(shard, batch)] = chunk
-            if len(cache) > self._cache_chunks:
-                cache.popitem(last=False)
+            self._cached_bytes[set_index] += chunk.nbytes
+            while len(cache) > 1 and (len(cache) > self._cache_chunks or self._cached_bytes[set_index] > self._set_budgets[set_index]):
+                self._cached_bytes[set_index] -= cache.popitem(last=False)[1].nbytes
+            self.stats.peak_bytes = max(self.stats.peak_bytes, self.held_bytes)
         else:
             cache.move_to_end((shard, batch))
         return chunk
 
+    def _read_ahead_from(self, position: int) -> _Block:
+        """Rows of the next `ahead_rows` positions this process reads, each record batch decoded once.
+
+        The previous block goes first (its unread rows were planned for reads that did not come), so
+        the rows held never exceed one block."""
+        plan = self._plan
+        worker = torch.utils.data.get_worker_info()
+        positions = np.asarray(
+            upcoming_positions(
+                plan.consumed, plan.total, plan.micro_batch_size, plan.dp_size, plan.dp_rank,
+                position=position, count=self.ahead_rows, num_workers=worker.num_workers if worker else 1,
+            ),
+            dtype=np.int64,
+        )
+        self._block = None
+        block = _Block(positions, self.seq_len)
+        set_of, draws = self.blend.locate(positions)
+        for set_index in np.unique(set_of).tolist():
+            at = np.flatnonzero(set_of == set_index)
+            shard_set = self.sets[set_index]
+            epochs, rows = shard_set.shuffle.rows_of(draws[at])
+            chunks, offsets = shard_set.chunks_of(rows)
+            slots = block.slots(positions[at])
+            order = np.argsort(chunks, kind="stable")  # record batches in file order, each once
+            for group in np.split(order, np.flatnonzero(np.diff(chunks[order])) + 1):
+                c = int(chunks[group[0]])
+                chunk = self._chunk(set_index, int(shard_set.chunk_shard[c]), int(shard_set.chunk_batch[c]))
+                block.put(slots[group], chunk, offsets[group], set_index, epochs[group], rows[group])
+        block.seal()
+        self._block = block
+        self.stats.peak_bytes = max(self.stats.peak_bytes, self.held_bytes)
+        return block
+
     def __getitem__(self, position: int) -> dict[str, torch.Tensor]:
-        set_index, epoch, row = self.locate(int(position))
-        shard, batch, offset = self.sets[set_index].locate(row)
-        chunk = self._chunk(set_index, shard, batch)
-        cu = chunk.cu_values[chunk.cu_offsets[offset] : chunk.cu_offsets[offset + 1]]
-        row_mask = None
-        if chunk.mask_valid is not None and chunk.mask_valid[offset]:
-            row_mask = chunk.mask_values[offset]
-        pad = self.sets[set_index].manifest.pad_token_id
-        sample = gpt_sample(chunk.tokens[offset], cu, row_mask, pad, self.dense_attention_mask)
-        sample["source_id"] = chunk.source_ids[offset]
+        position = int(position)
+        row = self._block.row(position) if self._block is not None else None
+        if row is None and self._plan is not None:
+            row = self._read_ahead_from(position).row(position)
+        if row is None:
+            set_index, epoch, set_row = self.locate(position)
+            shard, batch, offset = self.sets[set_index].locate(set_row)
+            chunk = self._chunk(set_index, shard, batch)
+            mask = chunk.mask_values[offset] if chunk.mask_valid is not None and chunk.mask_valid[offset] else None
+            row = _Row(
+                chunk.tokens[offset], chunk.cu_values[chunk.cu_offsets[offset] : chunk.cu_offsets[offset + 1]], mask,
+                chunk.source_ids[offset], set_index, epoch, set_row,
+            )
+        pad = self.sets[row.shard_set].manifest.pad_token_id
+        sample = gpt_sample(row.tokens, row.cu_seqlens, row.loss_mask, pad, self.dense_attention_mask)
+        sample["source_id"] = row.source_id
         sample["sample_id"] = np.int64(position)
-        sample["shard_set"] = np.int64(set_index)
-        sample["row"] = np.int64(row)
-        sample["epoch"] = np.int64(epoch)
+        sample["shard_set"] = np.int64(row.shard_set)
+        sample["row"] = np.int64(row.row)
+        sample["epoch"] = np.int64(row.epoch)
         return {k: torch.from_numpy(np.asarray(v)) for k, v in sample.items()}
 
 

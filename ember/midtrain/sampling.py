@@ -148,6 +148,19 @@ class EpochShuffle:
         rows = np.concatenate([np.arange(self.bounds[c], self.bounds[c + 1]) for c in members])
         return np.random.default_rng([self.seed, self.source, epoch, window + 1]).permutation(rows)
 
+    def rows_of(self, draws: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(epoch, source row) of many draws at once: `row` over an array, one lookup per window."""
+        epochs, positions = np.divmod(np.asarray(draws, dtype=np.int64), self.rows)
+        out = np.empty_like(positions)
+        for epoch in np.unique(epochs):
+            in_epoch = np.flatnonzero(epochs == epoch)
+            _, _, window_bounds = self._epoch(int(epoch))
+            windows = np.searchsorted(window_bounds, positions[in_epoch], side="right") - 1
+            for window in np.unique(windows):
+                at = in_epoch[windows == window]
+                out[at] = self._window(int(epoch), int(window))[positions[at] - window_bounds[window]]
+        return epochs, out
+
     def row(self, draw: int) -> tuple[int, int]:
         """(epoch, source row) of this source's `draw`-th sample; epochs follow each other."""
         epoch, position = divmod(int(draw), self.rows)
@@ -167,6 +180,32 @@ def microbatch_positions(consumed: int, micro_batch_size: int, dp_size: int, dp_
         raise ValueError(f"dp_rank {dp_rank} outside [0, {dp_size})")
     start = consumed + dp_rank * micro_batch_size
     return range(start, start + micro_batch_size)
+
+
+def upcoming_positions(
+    consumed: int, total: int, micro_batch_size: int, dp_size: int, dp_rank: int, *,
+    position: int, count: int, num_workers: int = 1,
+) -> list[int]:
+    """The next `count` positions one loader process will be asked for, from `position` on.
+
+    Why: the read order is a deterministic function of the sampler, so a reader can fetch ahead
+    exactly what it will need. Rank `dp_rank` reads its slice of each global micro-batch from
+    `consumed` on; torch hands a rank's micro-batches to its `num_workers` worker processes in
+    turn, so the process that reads `position` then reads every `num_workers`-th micro-batch after
+    the one holding it. A position outside this rank's slices plans nothing beyond itself.
+    """
+    step = micro_batch_size * dp_size
+    first = consumed + dp_rank * micro_batch_size
+    batch, within = divmod(position - first, step)
+    if position < first or within >= micro_batch_size or consumed + batch * step > total - step:
+        return [position]
+    out = list(range(position, first + batch * step + micro_batch_size))
+    batch += max(1, num_workers)
+    while len(out) < count and consumed + batch * step <= total - step:
+        start = first + batch * step
+        out.extend(range(start, start + micro_batch_size))
+        batch += max(1, num_workers)
+    return out[:count]
 
 
 def num_microbatches(global_batch_size: int, micro_batch_size: int, dp_size: int) -> int:

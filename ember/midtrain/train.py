@@ -141,6 +141,7 @@ class Trainer:
             blend_period=config.data.blend_period,
             window_chunks=config.data.shuffle_window_chunks,
             dense_attention_mask=not self.use_thd,
+            cache_bytes=config.data.cache_mib * 2**20,
             manifests=manifests,
         )
 
@@ -150,6 +151,7 @@ class Trainer:
         sampler = GlobalOrderSampler(
             self.state.consumed_samples, len(self.dataset), config.train.micro_batch_size, self.dp_size, self.dp_rank
         )
+        self.dataset.read_ahead(sampler)
         loader = torch.utils.data.DataLoader(
             self.dataset, batch_sampler=sampler, num_workers=config.data.num_workers, pin_memory=self.on_gpu
         )

@@ -15,6 +15,7 @@ from ember.midtrain.sampling import (
     blend_period_order,
     microbatch_positions,
     num_microbatches,
+    upcoming_positions,
 )
 
 weights_st = st.lists(st.floats(min_value=0.01, max_value=100.0), min_size=1, max_size=7)
@@ -138,3 +139,33 @@ def test_global_batch_must_split_over_dp_ranks():
     assert num_microbatches(32, 2, 4) == 4
     with pytest.raises(ValueError, match="not a multiple of micro_batch_size 2 x data-parallel size 3"):
         num_microbatches(32, 2, 3)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    mbs=st.integers(1, 4), dp=st.integers(1, 3), workers=st.integers(1, 3), consumed_steps=st.integers(0, 3),
+    total_micro=st.integers(1, 10), count=st.integers(1, 30), data=st.data(),
+)
+def test_upcoming_positions_are_what_the_process_is_asked_for_next(mbs, dp, workers, consumed_steps, total_micro, count, data):
+    """From any position a loader process reads, the plan is exactly its next reads in order: the
+    sampler's micro-batches for this rank, dealt to `workers` processes in turn (torch's order)."""
+    consumed = consumed_steps * mbs * dp
+    total = consumed + total_micro * mbs * dp + data.draw(st.integers(0, mbs * dp - 1))  # a ragged tail is never read
+    rank = data.draw(st.integers(0, dp - 1))
+    batches = list(GlobalOrderSampler(consumed, total, mbs, dp, rank))
+    worker = data.draw(st.integers(0, min(workers, len(batches)) - 1))
+    reads = [p for batch in batches[worker::workers] for p in batch]
+    i = data.draw(st.integers(0, len(reads) - 1))
+    plan = upcoming_positions(consumed, total, mbs, dp, rank, position=reads[i], count=count, num_workers=workers)
+    assert plan == reads[i : i + count]
+    outside = total + 5 if data.draw(st.booleans()) else consumed + ((rank + 1) % dp) * mbs if dp > 1 else total
+    assert upcoming_positions(consumed, total, mbs, dp, rank, position=outside, count=count, num_workers=workers) == [outside]
+
+
+@settings(max_examples=40, deadline=None)
+@given(chunk_rows=chunks_st, window=st.integers(1, 20), seed=st.integers(0, 2**32 - 1), data=st.data())
+def test_rows_of_many_draws_are_the_rows_of_each(chunk_rows, window, seed, data):
+    shuffle = EpochShuffle(chunk_rows, seed=seed, source=3, window_chunks=window)
+    draws = data.draw(st.lists(st.integers(0, 3 * sum(chunk_rows) - 1), min_size=1, max_size=40))
+    epochs, rows = shuffle.rows_of(np.asarray(draws))
+    assert list(zip(epochs.tolist(), rows.tolist())) == [shuffle.row(d) for d in draws]
