@@ -54,7 +54,8 @@ BATCH = 2048  # ember's default encode_batch_documents (checked against the conf
 CHARS_PER_TOKEN = 4.0  # measured on this input with the 32k tokenizer; sizes the input for a token target
 TRAIN_CHARS = 24_000_000  # the tokenizer is trained on the input's first characters, once
 PAGES_PER_CALL = 5000  # web pages generated per call, so the pages in memory stay ~25 MB
-METHODS = ("raw", "datatrove", "megatron", "ember")
+METHODS = ("raw", "datatrove", "megatron", "ember", "ember_fixed")
+FIXED_COST_DOCUMENTS = 12  # per source: the input of `ember_fixed`, where the pipeline's fixed cost is nearly all
 INPUT_VERSION = 2  # bump when the generated input changes, so a cached work dir is rebuilt
 
 
@@ -234,21 +235,35 @@ def run_megatron(work: Path) -> int:
     return tokens
 
 
-def ember_settings(work: Path, seq_len: int) -> dict:
+def write_fixed_cost_input(work: Path) -> None:
+    """The FIXED_COST_DOCUMENTS shortest documents of each source's first row group, for `ember_fixed` (written once)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    for name in ("code", "web"):
+        path = work / "tiny" / name / "part-0.parquet"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            table = pq.ParquetFile(work / "in" / name / "part-0.parquet").read_row_group(0)
+            shortest = pc.sort_indices(pc.utf8_length(table["text"]))[:FIXED_COST_DOCUMENTS]
+            pq.write_table(table.take(shortest), path)
+
+
+def ember_settings(work: Path, seq_len: int, inputs: str = "in") -> dict:
     return {
-        "output_dir": str(work / "out-ember"),
+        "output_dir": str(work / f"out-ember-{inputs}"),
         "seq_len": seq_len,
         "tokenizer": {"kind": "huggingface", "path": str(work / "tokenizer.json"), "eos_token": EOS},
-        "sources": [{"name": name, "path": str(work / "in" / name / "*.parquet"), "weight": 0.5} for name in ("code", "web")],
+        "sources": [{"name": name, "path": str(work / inputs / name / "*.parquet"), "weight": 0.5} for name in ("code", "web")],
     }
 
 
-def run_ember(work: Path, seq_len: int) -> int:
+def run_ember(work: Path, seq_len: int, inputs: str = "in") -> int:
     """`ember corpus tokenize` minus the CLI: `run` loads the tokenizer, checks the input, runs the graph."""
     from ember.pipelines.tokenize_pipeline import run
     from ember.tokenize.config import parse_config
 
-    manifest = run(parse_config(ember_settings(work, seq_len)), overwrite=True)
+    manifest = run(parse_config(ember_settings(work, seq_len, inputs)), overwrite=True)
     return sum(s.tokens for s in manifest.sources.values())
 
 
@@ -279,7 +294,8 @@ def child(method: str, work: Path, seq_len: int) -> None:
     import ember.pipelines.tokenize_pipeline  # noqa: F401
 
     logger.remove()  # datatrove logs every step at INFO
-    fn = {"raw": run_raw, "datatrove": run_datatrove, "megatron": run_megatron, "ember": lambda w: run_ember(w, seq_len)}[method]
+    fn = {"raw": run_raw, "datatrove": run_datatrove, "megatron": run_megatron, "ember": lambda w: run_ember(w, seq_len),
+          "ember_fixed": lambda w: run_ember(w, seq_len, "tiny")}[method]
     threads = len(os.listdir("/proc/self/task"))
     wall, cpu = time.perf_counter(), cpu_seconds()
     tokens = fn(work)
@@ -325,6 +341,7 @@ def main() -> None:
     if unknown:
         parser.error(f"--methods: unknown {unknown}; choose from {','.join(METHODS)}")
     described = prepare(work, tokens, args.vocab)
+    write_fixed_cost_input(work)
     log(f"input: {work} (code {described['code']['documents']} files, web {described['web']['documents']} pages, "
         f"{(described['code']['chars'] + described['web']['chars']) / 1e6:.0f} M characters); load average "
         f"{os.getloadavg()[0]:.1f}")
@@ -341,6 +358,7 @@ def main() -> None:
 
 
 def report(runs: dict[str, list[dict]], args, described: dict, work: Path) -> None:
+    fixed = runs.pop("ember_fixed", None)
     counts = {m: {r["tokens"] for r in rs} for m, rs in runs.items()}
     if len({c for cs in counts.values() for c in cs}) != 1:
         raise SystemExit(f"the methods encoded different token counts: {counts}")
@@ -362,10 +380,18 @@ def report(runs: dict[str, list[dict]], args, described: dict, work: Path) -> No
                 print(f"ember / {anchor}: {rate['ember'] / rate[anchor]:.2f}x" + (f" (target {target}x)" if target else ""))
                 figures.append(Figure(f"tokenize+pack tokens/s per core vs {anchor}", "tokens/s/core", rate["ember"], rate[anchor],
                                       anchor, repeats=args.repeats, target=target))
+    fixed_cpu = statistics.median(r["cpu"] for r in fixed) if fixed else None
+    if fixed_cpu is not None and "ember" in rate:
+        ember_cpu = statistics.median(r["cpu"] for r in runs["ember"])
+        marginal = runs["ember"][0]["tokens"] / (ember_cpu - fixed_cpu)
+        print(f"ember fixed cost: {fixed_cpu:.2f} CPU-s ({2 * FIXED_COST_DOCUMENTS} documents: graph, bundles, tokenizer "
+              f"load, manifest) = {fixed_cpu / ember_cpu:.0%} of the whole run; without it {marginal:,.0f} tokens/s per core"
+              + (f" = {marginal / base:.1%} of raw" if base else "")
+              + (f", {marginal / rate['datatrove']:.2f}x datatrove" if "datatrove" in rate else ""))
     write_results(args.results, "tokenize_pack", args.profile, figures, tokens=next(iter(runs.values()))[0]["tokens"],
-                  input=described, batch=BATCH, seq_len=args.seq_len, work=str(work),
-                  runs={m: [{k: r[k] for k in ("tokens", "cpu", "wall", "max_rss_mib")} for r in rs] for m, rs in runs.items()})
-
+                  input=described, batch=BATCH, seq_len=args.seq_len, work=str(work), fixed_cost_cpu_s=fixed_cpu,
+                  runs={m: [{k: r[k] for k in ("tokens", "cpu", "wall", "max_rss_mib")} for r in rs]
+                        for m, rs in (runs | ({"ember_fixed": fixed} if fixed else {})).items()})
 
 if __name__ == "__main__":
     main()
