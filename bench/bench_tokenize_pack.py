@@ -12,7 +12,8 @@ exactly the same ids; the run checks that their token counts agree.
 Methods, each with the same tokenizer file (a 32k byte-level BPE trained here once on the input: no model
 hub is reachable), the same batch size (ember's default `encode_batch_documents`) and one thread
 (TOKENIZERS_PARALLELISM=false, RAYON_NUM_THREADS=1):
-  raw       - tokenizers' `encode_batch` + ids, reading the same Parquet (the ceiling: the call ember makes)
+  raw       - tokenizers' `encode_batch` + ids, reading the same Parquet, with ember's tokenizer settings (the
+              ceiling: the call ember makes); raw_bare (not run by default) is the tokenizer as the file loads
   datatrove - `DocumentTokenizer.run` on one worker in its fastest documented form (no shuffle, no loss or
               final metadata), fed from the same Parquet
   megatron  - per-document encode + megatron-core `IndexedDatasetBuilder` (tools/preprocess_data.py's loop)
@@ -54,7 +55,8 @@ BATCH = 2048  # ember's default encode_batch_documents (checked against the conf
 CHARS_PER_TOKEN = 4.0  # measured on this input with the 32k tokenizer; sizes the input for a token target
 TRAIN_CHARS = 24_000_000  # the tokenizer is trained on the input's first characters, once
 PAGES_PER_CALL = 5000  # web pages generated per call, so the pages in memory stay ~25 MB
-METHODS = ("raw", "datatrove", "megatron", "ember", "ember_fixed")
+METHODS = ("raw", "datatrove", "megatron", "ember", "ember_fixed", "raw_bare")
+DEFAULT_METHODS = METHODS[:5]
 FIXED_COST_DOCUMENTS = 12  # per source: the input of `ember_fixed`, where the pipeline's fixed cost is nearly all
 INPUT_VERSION = 2  # bump when the generated input changes, so a cached work dir is rebuilt
 
@@ -193,10 +195,16 @@ def prepare(work: Path, tokens: int, vocab: int) -> dict:
 # --- the methods, each run in a fresh process (`--child`) -----------------------------------------------------
 
 
-def run_raw(work: Path) -> int:
+def run_raw(work: Path, bare: bool = False) -> int:
+    """The call ember makes: `encode_batch` with ember's settings (text is text; a post-processor that adds nothing,
+    which makes the library faster); `bare` is the tokenizer as the file loads, the old bench's ceiling."""
     from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
 
     tokenizer = Tokenizer.from_file(str(work / "tokenizer.json"))
+    if not bare:
+        tokenizer.encode_special_tokens = True
+        tokenizer.post_processor = TemplateProcessing(single="$A", pair="$A $B")
     tokens = 0
     for texts in iter_texts(work):
         for encoding in tokenizer.encode_batch(texts, add_special_tokens=False):
@@ -295,7 +303,7 @@ def child(method: str, work: Path, seq_len: int) -> None:
 
     logger.remove()  # datatrove logs every step at INFO
     fn = {"raw": run_raw, "datatrove": run_datatrove, "megatron": run_megatron, "ember": lambda w: run_ember(w, seq_len),
-          "ember_fixed": lambda w: run_ember(w, seq_len, "tiny")}[method]
+          "ember_fixed": lambda w: run_ember(w, seq_len, "tiny"), "raw_bare": lambda w: run_raw(w, bare=True)}[method]
     threads = len(os.listdir("/proc/self/task"))
     wall, cpu = time.perf_counter(), cpu_seconds()
     tokens = fn(work)
@@ -321,7 +329,7 @@ def main() -> None:
     add_flags(parser)
     parser.add_argument("--tokens", type=int, default=None, help="token target of the input (default: by profile)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    parser.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--work", type=Path, default=None,
