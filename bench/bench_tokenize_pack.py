@@ -35,6 +35,7 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"  # before tokenizers is imported:
 os.environ["RAYON_NUM_THREADS"] = "1"
 
 import argparse  # noqa: E402
+import importlib  # noqa: E402
 import json  # noqa: E402
 import resource  # noqa: E402
 import shutil  # noqa: E402
@@ -288,19 +289,18 @@ def cpu_seconds() -> float:
 
 
 def child(method: str, work: Path, seq_len: int) -> None:
-    """One timed run of `method`, its imports done first; prints one JSON line."""
+    """One timed run of `method`, its imports done first (start-up, untimed for every method); prints one JSON line."""
     import logging
     import warnings
 
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
-    import apache_beam  # noqa: F401  (imports are start-up, not the method: every method pays them untimed)
-    import datatrove.pipeline.tokens.tokenizer  # noqa: F401
-    import megatron.core.datasets.indexed_dataset  # noqa: F401
     from loguru import logger
 
-    import ember.pipelines.tokenize_pipeline  # noqa: F401
+    import pyarrow.parquet  # noqa: F401  (every method reads the input with it)
 
+    imports = {"datatrove": "datatrove.pipeline.tokens.tokenizer", "megatron": "megatron.core.datasets.indexed_dataset"}
+    importlib.import_module(imports.get(method, "ember.pipelines.tokenize_pipeline" if "ember" in method else "tokenizers"))
     logger.remove()  # datatrove logs every step at INFO
     fn = {"raw": run_raw, "datatrove": run_datatrove, "megatron": run_megatron, "ember": lambda w: run_ember(w, seq_len),
           "ember_fixed": lambda w: run_ember(w, seq_len, "tiny"), "raw_bare": lambda w: run_raw(w, bare=True)}[method]
