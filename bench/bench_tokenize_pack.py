@@ -301,6 +301,8 @@ def child(method: str, work: Path, seq_len: int) -> None:
 
     imports = {"datatrove": "datatrove.pipeline.tokens.tokenizer", "megatron": "megatron.core.datasets.indexed_dataset"}
     importlib.import_module(imports.get(method, "ember.pipelines.tokenize_pipeline" if "ember" in method else "tokenizers"))
+    if "ember" in method:  # Beam imports its runner when the pipeline is made: an import like the others
+        importlib.import_module("apache_beam.runners.portability.fn_api_runner")
     logger.remove()  # datatrove logs every step at INFO
     fn = {"raw": run_raw, "datatrove": run_datatrove, "megatron": run_megatron, "ember": lambda w: run_ember(w, seq_len),
           "ember_fixed": lambda w: run_ember(w, seq_len, "tiny"), "raw_bare": lambda w: run_raw(w, bare=True)}[method]
