@@ -65,6 +65,7 @@ class _Backend(Protocol):
 class _HuggingFaceBackend:
     def __init__(self, path: Path):
         from tokenizers import Tokenizer
+        from tokenizers.processors import TemplateProcessing
 
         try:
             self._tokenizer = Tokenizer.from_file(str(path))
@@ -72,6 +73,10 @@ class _HuggingFaceBackend:
             raise TokenizerLoadError(f"{path}: not a loadable Hugging Face tokenizer.json ({exc})") from None
         # Not persisted in tokenizer.json: without it "<|endoftext|>" in text becomes the special id.
         self._tokenizer.encode_special_tokens = True
+        # ember encodes with add_special_tokens=False, where no post-processor adds or changes an id, and the
+        # library encodes ~10% faster with a TemplateProcessing post-processor than with none (datatrove's
+        # edge over a bare encode_batch: it sets one for its EOS; BENCHMARKS.md "Tokenize + pack").
+        self._tokenizer.post_processor = TemplateProcessing(single="$A", pair="$A $B")
 
     def encode_ordinary_batch(self, texts: list[str]) -> list[list[int]]:
         # encode_batch, not encode_batch_fast: the same ids, and measured 15-20% faster single-threaded

@@ -84,6 +84,25 @@ def test_huggingface_ids_equal_the_library_encode(hf_tokenizer_path):
         assert library.decode(expected, skip_special_tokens=False) == text
 
 
+def test_a_file_with_its_own_post_processor_gives_the_same_ids(hf_tokenizer_path, tmp_path):
+    """ember swaps the file's post-processor for a faster one: ids and framing must not move."""
+    from tokenizers.processors import TemplateProcessing
+
+    library = HFTokenizer.from_file(str(hf_tokenizer_path))
+    bos = library.token_to_id("<|bos|>")
+    library.post_processor = TemplateProcessing(single="<|bos|> $A", pair="<|bos|> $A $B", special_tokens=[("<|bos|>", bos)])
+    path = tmp_path / "tokenizer.json"
+    library.save(str(path))
+    library = HFTokenizer.from_file(str(path))
+    library.encode_special_tokens = True
+    ember = load_tokenizer(hf_config(path))
+    corpus = exactness_corpus()
+    batch = ember.encode_batch(corpus)
+    for text, ids in zip(corpus, batch.tokens):
+        assert ids.tolist() == [*library.encode(text, add_special_tokens=False).ids, ember.eos_id]
+    assert library.encode("x").ids[0] == bos  # the file's own processor does add a token when asked
+
+
 def test_special_token_look_alikes_stay_text(hf_tokenizer_path):
     ember = load_tokenizer(hf_config(hf_tokenizer_path))
     eos = ember.eos_id
