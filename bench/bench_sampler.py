@@ -35,11 +35,12 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=12)
-    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--new-tokens", type=int, default=None, help="default: quick 24, full 48")
     parser.add_argument("--repeats", type=int, default=None, help="default: quick 3, full 5")
     add_flags(parser)
     args = parser.parse_args()
     args.repeats = args.repeats or profile_default(args.profile, 3, 5)
+    args.new_tokens = args.new_tokens or profile_default(args.profile, 24, 48)
     from ember.inference.config import SamplerConfig
     from ember.inference.generate import Sampling, generate
     from ember.inference.tasks import Task
