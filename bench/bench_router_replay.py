@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,10 +30,13 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
-from ember.midtrain.rl.batch import rl_batch
-from ember.rollouts.batching import ScoredRollout, build_train_batch
-from ember.rollouts.simulate import synthetic_rollout
-from ember.schemas import decode_train_batch, encode, encode_train_batch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.benchkit import Figure, add_flags, profile_default, write_results  # noqa: E402
+from ember.midtrain.rl.batch import rl_batch  # noqa: E402
+from ember.rollouts.batching import ScoredRollout, build_train_batch  # noqa: E402
+from ember.rollouts.simulate import synthetic_rollout  # noqa: E402
+from ember.schemas import decode_train_batch, encode, encode_train_batch  # noqa: E402
 
 LAYERS, TOP_K, EXPERTS = 61, 8, 256
 
@@ -121,10 +125,12 @@ def step_times(batch, repeats: int) -> tuple[dict[str, list[float]], list[float]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, default=1024, help="tokens per batch")
+    parser.add_argument("--tokens", type=int, default=None, help="tokens per batch (quick 512, full 1024)")
     parser.add_argument("--sequences", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    add_flags(parser)
     args = parser.parse_args()
+    args.tokens = args.tokens or profile_default(args.profile, 512, 1024)
     batch, wire, wire_zstd, in_batch, tensor_bytes, decode = wire_and_batch(args.tokens, args.sequences, args.repeats)
     print(f"routing shape: {LAYERS} layers x top-{TOP_K} of {EXPERTS} experts (uint8); batch {args.tokens} tokens, {args.sequences} sequences")
     print(f"routed experts on the wire (Rollout):     {wire:.1f} B/token raw, {wire_zstd:.1f} B/token zstd-3")
@@ -147,6 +153,12 @@ def main() -> None:
         ("experts in the batch, all (replay - no experts)", paired("replay", "no experts in batch")),
     ):
         print(f"cost of {what}:{' ' * (48 - len(what))}{seconds:+.3f} s  ({seconds / replay_step * 100:+.1f}% of the replay step)")
+    write_results(args.results, "bench_router_replay", args.profile, [
+        Figure("RL step s, router replay on", "s", replay_step, base, "no experts in the batch", higher_is_better=False,
+               repeats=args.repeats),
+        Figure("batch decode ms, with routed experts", "ms", decode[True] * 1e3, decode[False] * 1e3, "without routed experts",
+               higher_is_better=False, repeats=args.repeats * 5),
+    ], tokens=args.tokens, sequences=args.sequences, wire_bytes_per_token={"raw": wire, "zstd": wire_zstd})
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ exits non-zero, times out or writes no results file is recorded with the tail of
 run, and the runner exits 1 at the end. The load average is taken before and after each bench because the
 machine is shared: a figure means little without it.
 
-    .venv/bin/python bench/run_all.py [--full] [--only NAME ...] [--out bench/results.json]
+    .venv/bin/python bench/run_all.py [--full] [--only NAME ...] [--skip NAME ...] [--out bench/results.json]
 """
 
 from __future__ import annotations
@@ -34,14 +34,18 @@ LIMITS = {"quick": 240.0, "full": 7200.0}
 TAIL_CHARS = 4000
 
 
-def discover(bench_dir: Path, only: list[str] | None) -> tuple[list[Path], list[str]]:
-    """The benchmarks to run in name order, and the `--only` names (with or without `bench_` / `.py`) not found."""
+def _names(names: list[str] | None) -> list[str]:
+    """`etl`, `bench_etl` and `bench_etl.py` all name bench/bench_etl.py."""
+    stems = [n.removesuffix(".py") for n in names or []]
+    return [n if n.startswith("bench_") else f"bench_{n}" for n in stems]
+
+
+def discover(bench_dir: Path, only: list[str] | None, skip: list[str] | None) -> tuple[list[Path], list[str]]:
+    """The benchmarks to run in name order, and the `--only` / `--skip` names not found."""
     found = {p.stem: p for p in sorted(bench_dir.glob("bench_*.py"))}
-    if not only:
-        return list(found.values()), []
-    wanted = [n.removesuffix(".py") for n in only]
-    wanted = [n if n.startswith("bench_") else f"bench_{n}" for n in wanted]
-    return [found[n] for n in dict.fromkeys(wanted) if n in found], [n for n in wanted if n not in found]
+    wanted, skipped = _names(only) or list(found), set(_names(skip))
+    unknown = [n for n in [*wanted, *skipped] if n not in found]
+    return [found[n] for n in dict.fromkeys(wanted) if n in found and n not in skipped], unknown
 
 
 def tail(path: Path) -> str:
@@ -103,7 +107,7 @@ def run_one(script: Path, profile: str, limit: float, work: Path) -> dict:
 
 def progress(i: int, n: int, record: dict) -> str:
     """One line per bench: name, elapsed, status, and its figures' ratios (ember over anchor, > 1 is better)."""
-    ratios = [f"{f['metric']} {f['ratio']:.2f}x" for f in record.get("figures", []) if f.get("ratio") is not None]
+    ratios = [f"{f['metric']} {f['ratio']:.2f}x" for f in record.get("figures", []) if f.get("ratio") is not None][:3]
     if record["status"] != "ok":
         last = (record.get("stderr_tail") or record.get("stdout_tail") or "").strip().splitlines()
         ratios = [last[-1][:160]] if last else []
@@ -115,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--full", action="store_true", help="the full sizes the issues name (hours), not the quick profile")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these benchmarks (e.g. codec bench_etl)")
+    parser.add_argument("--skip", nargs="+", metavar="NAME", help="run all but these benchmarks")
     parser.add_argument("--out", type=Path, default=BENCH / "results.json", help="where the gathered results go")
     parser.add_argument("--limit", type=float, default=None,
                         help=f"seconds per bench before it is stopped (default quick {LIMITS['quick']:.0f}, "
@@ -125,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--limit must be > 0, got {args.limit}")
     profile = "full" if args.full else "quick"
     limit = args.limit or LIMITS[profile]
-    scripts, unknown = discover(args.bench_dir, args.only)
+    scripts, unknown = discover(args.bench_dir, args.only, args.skip)
     if unknown:
         parser.error(f"no benchmark named {', '.join(unknown)} in {args.bench_dir}")
     started = time.monotonic()
