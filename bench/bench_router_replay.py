@@ -125,12 +125,12 @@ def step_times(batch, repeats: int) -> tuple[dict[str, list[float]], list[float]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, default=None, help="tokens per batch (quick 512, full 1024)")
+    parser.add_argument("--tokens", type=int, default=None, help="tokens per batch (quick 256, full 1024)")
     parser.add_argument("--sequences", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     add_flags(parser)
     args = parser.parse_args()
-    args.tokens = args.tokens or profile_default(args.profile, 512, 1024)
+    args.tokens = args.tokens or profile_default(args.profile, 256, 1024)
     batch, wire, wire_zstd, in_batch, tensor_bytes, decode = wire_and_batch(args.tokens, args.sequences, args.repeats)
     print(f"routing shape: {LAYERS} layers x top-{TOP_K} of {EXPERTS} experts (uint8); batch {args.tokens} tokens, {args.sequences} sequences")
     print(f"routed experts on the wire (Rollout):     {wire:.1f} B/token raw, {wire_zstd:.1f} B/token zstd-3")
