@@ -115,6 +115,25 @@ def progress(i: int, n: int, record: dict) -> str:
             f"load {record['loadavg_after'][0]:.1f}  " + "; ".join(ratios))
 
 
+def table(report: dict) -> str:
+    """The run as a BENCHMARKS.md table: every figure with its bench's load average, under the profile and commit."""
+    lines = [f"profile {report['profile']}, commit {report['commit']}{' (dirty)' if report['dirty'] else ''}, "
+             f"{report['cores']} cores, {report['wall_s']:.0f} s in all",
+             "", "| bench | status | wall s | load before / after | metric | ember | anchor | ratio |", "|---|---|---|---|---|---|---|---|"]
+    for r in report["benches"]:
+        head = (f"| {r['bench']} | {r['status']} | {r['wall_s']:.0f} | "
+                f"{r['loadavg_before'][0]:.1f} / {r['loadavg_after'][0]:.1f} |")
+        figures = r.get("figures") or [None]
+        for f in figures:
+            if f is None:
+                lines.append(f"{head} - | - | - | - |")
+                continue
+            anchor = f"{f['anchor']:.4g} ({f['anchor_name']})" if f.get("anchor") is not None else "-"
+            ratio = f"{f['ratio']:.2f}x" if f.get("ratio") is not None else "-"
+            lines.append(f"{head} {f['metric']} | {f['ember']:.4g} {f['unit']} | {anchor} | {ratio} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--full", action="store_true", help="the full sizes the issues name (hours), not the quick profile")
@@ -147,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(report, indent=1) + "\n")  # after each bench: a stopped run keeps its part
     bad = [r["bench"] for r in report["benches"] if r["status"] != "ok"]
+    print("\n" + table(report) + "\n", flush=True)
     print(f"{len(scripts) - len(bad)} of {len(scripts)} ok in {report['wall_s']:.0f} s; load {os.getloadavg()[0]:.1f}; "
           f"written {args.out}" + (f"; not ok: {', '.join(bad)}" if bad else ""), flush=True)
     return 1 if bad else 0

@@ -31,6 +31,7 @@ def test_runner_gathers_a_real_bench_into_results_json(tmp_path: Path) -> None:
         assert figure["anchor_name"] and figure["ember"] > 0 and figure["anchor"] > 0 and figure["repeats"] >= 3
         assert figure["ratio"] == figure["ember"] / figure["anchor"]  # MB/s: higher is better
     assert "[1/1] bench_codec" in done.stdout and "1 of 1 ok" in done.stdout
+    assert f"| bench_codec | ok | {bench['wall_s']:.0f} |" in done.stdout  # the BENCHMARKS.md table of the run
 
 
 def test_a_failing_bench_is_recorded_and_fails_the_run_after_the_rest(tmp_path: Path) -> None:
