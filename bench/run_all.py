@@ -54,8 +54,9 @@ def tail(path: Path) -> str:
 
 
 def stop_group(proc: subprocess.Popen) -> None:
-    """Terminate the bench and everything it started (its own session), then kill what ignores SIGTERM."""
-    for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
+    """Stop the bench and everything in its session: SIGINT first, so its `finally` blocks stop what it started
+    outside the group (a Flink cluster's daemons, topics), then SIGTERM, then SIGKILL for what is left."""
+    for sig, grace in ((signal.SIGINT, 60), (signal.SIGTERM, 15), (signal.SIGKILL, 15)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:

@@ -54,20 +54,22 @@ def test_a_failing_bench_is_recorded_and_fails_the_run_after_the_rest(tmp_path: 
     assert "not ok: bench_broken, bench_silent" in done.stdout
 
 
-def test_a_bench_over_its_limit_is_stopped_with_its_children(tmp_path: Path) -> None:
+def test_a_bench_over_its_limit_is_stopped_with_its_children_after_its_cleanup(tmp_path: Path) -> None:
     benches = tmp_path / "bench"
     benches.mkdir()
-    pid_file = tmp_path / "child.pid"
+    pid_file, cleaned = tmp_path / "child.pid", tmp_path / "cleaned"
     (benches / "bench_stuck.py").write_text(
         "import subprocess, sys, time\n"
         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
         f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
-        "print('started', flush=True)\ntime.sleep(600)\n")
+        "print('started', flush=True)\n"
+        f"try:\n    time.sleep(600)\nfinally:\n    open({str(cleaned)!r}, 'w').write('stopped what it started')\n")
     out = tmp_path / "results.json"
     done = run_all("--bench-dir", str(benches), "--out", str(out), "--limit", "2")
     assert done.returncode == 1
     (stuck,) = json.loads(out.read_text())["benches"]
     assert stuck["status"] == "timeout" and stuck["exit_status"] is None and "started" in stuck["stdout_tail"]
+    assert cleaned.exists(), "the bench's finally block ran: what it started outside its group is stopped"
     child = int(pid_file.read_text())
     assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
 
