@@ -187,13 +187,13 @@ def memory_per_pending(count: int, workdir: Path) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--completions", type=int, default=None, help="default: quick 400, full 2000")
-    parser.add_argument("--pending", type=int, default=None, help="default: quick 4000, full 20000")
+    parser.add_argument("--completions", type=int, default=None, help="default: quick 200, full 2000")
+    parser.add_argument("--pending", type=int, default=None, help="default: quick 2000, full 20000")
     parser.add_argument("--repeats", type=int, default=3)
     add_flags(parser)
     args = parser.parse_args(argv)
-    args.completions = args.completions or profile_default(args.profile, 400, 2000)
-    args.pending = args.pending or profile_default(args.profile, 4000, 20_000)
+    args.completions = args.completions or profile_default(args.profile, 200, 2000)
+    args.pending = args.pending or profile_default(args.profile, 2000, 20_000)
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         runs: dict[str, list[dict[str, float]]] = {"groups": [], "product": []}
