@@ -131,7 +131,8 @@ def table(report: dict) -> str:
                 continue
             anchor = f"{f['anchor']:.4g} ({f['anchor_name']})" if f.get("anchor") is not None else "-"
             ratio = f"{f['ratio']:.2f}x" if f.get("ratio") is not None else "-"
-            lines.append(f"{head} {f['metric']} | {f['ember']:.4g} {f['unit']} | {anchor} | {ratio} |")
+            cells = (f["metric"], f"{f['ember']:.4g} {f['unit']}", anchor, ratio)
+            lines.append(f"{head} " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines)
 
 
