@@ -149,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.limit is not None and args.limit <= 0:
         parser.error(f"--limit must be > 0, got {args.limit}")
+    # A shell that starts the runner in the background leaves SIGINT ignored, and its children would inherit that:
+    # a handled SIGINT is reset to the default at exec, so each bench gets its KeyboardInterrupt (and its cleanup).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     profile = "full" if args.full else "quick"
     limit = args.limit or LIMITS[profile]
     scripts, unknown = discover(args.bench_dir, args.only, args.skip)

@@ -4,6 +4,7 @@ recorded with its stderr and turns the runner's exit status non-zero (after the 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,8 +13,11 @@ REPO = Path(__file__).resolve().parents[1]
 RUNNER = REPO / "bench" / "run_all.py"
 
 
-def run_all(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(RUNNER), *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+def run_all(*args: str, sigint_ignored: bool = False) -> subprocess.CompletedProcess:
+    """The runner as a command; `sigint_ignored`: started as a shell starts a background job (`make bench &`)."""
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
+    return subprocess.run([sys.executable, str(RUNNER), *args], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          preexec_fn=ignore)
 
 
 def test_runner_gathers_a_real_bench_into_results_json(tmp_path: Path) -> None:
@@ -65,7 +69,7 @@ def test_a_bench_over_its_limit_is_stopped_with_its_children_after_its_cleanup(t
         "print('started', flush=True)\n"
         f"try:\n    time.sleep(600)\nfinally:\n    open({str(cleaned)!r}, 'w').write('stopped what it started')\n")
     out = tmp_path / "results.json"
-    done = run_all("--bench-dir", str(benches), "--out", str(out), "--limit", "2")
+    done = run_all("--bench-dir", str(benches), "--out", str(out), "--limit", "2", sigint_ignored=True)
     assert done.returncode == 1
     (stuck,) = json.loads(out.read_text())["benches"]
     assert stuck["status"] == "timeout" and stuck["exit_status"] is None and "started" in stuck["stdout_tail"]
