@@ -68,6 +68,15 @@ def stop_group(proc: subprocess.Popen) -> None:
             continue
 
 
+def kill_leftovers(pgid: int) -> None:
+    """Whatever the bench left in its group once it is gone (multiprocessing helpers ignore SIGINT and SIGTERM) would
+    hold cores through every later bench."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def run_one(script: Path, profile: str, limit: float, work: Path) -> dict:
     """One bench in its own process: its exit status, wall seconds, load averages, figures or output tail."""
     name = script.stem
@@ -83,6 +92,7 @@ def run_one(script: Path, profile: str, limit: float, work: Path) -> dict:
         except subprocess.TimeoutExpired:
             stop_group(proc)
             returncode = None
+        kill_leftovers(proc.pid)
     wall = time.monotonic() - started
     record: dict = {"bench": name, "wall_s": round(wall, 2), "limit_s": limit, "exit_status": returncode,
                     "loadavg_before": load_before, "loadavg_after": list(os.getloadavg())}

@@ -20,6 +20,11 @@ def run_all(*args: str, sigint_ignored: bool = False) -> subprocess.CompletedPro
                           preexec_fn=ignore)
 
 
+def alive(pid: int) -> bool:
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def test_runner_gathers_a_real_bench_into_results_json(tmp_path: Path) -> None:
     out = tmp_path / "results.json"
     done = run_all("--only", "codec", "--out", str(out))
@@ -41,8 +46,13 @@ def test_runner_gathers_a_real_bench_into_results_json(tmp_path: Path) -> None:
 def test_a_failing_bench_is_recorded_and_fails_the_run_after_the_rest(tmp_path: Path) -> None:
     benches = tmp_path / "bench"
     benches.mkdir()
-    (benches / "bench_broken.py").write_text(
-        "import sys\nprint('anchor missing: datatrove not installed', file=sys.stderr)\nsys.exit(3)\n")
+    orphan = tmp_path / "orphan.pid"
+    (benches / "bench_broken.py").write_text(  # leaves a child behind that ignores SIGINT and SIGTERM
+        "import subprocess, sys\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, "
+        "signal.SIG_IGN); signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(600)'])\n"
+        f"open({str(orphan)!r}, 'w').write(str(child.pid))\n"
+        "print('anchor missing: datatrove not installed', file=sys.stderr)\nsys.exit(3)\n")
     (benches / "bench_silent.py").write_text("")  # exits 0 but writes no --results file: the contract is broken
     (benches / "bench_codec.py").symlink_to(REPO / "bench" / "bench_codec.py")
     out = tmp_path / "results.json"
@@ -53,6 +63,7 @@ def test_a_failing_bench_is_recorded_and_fails_the_run_after_the_rest(tmp_path: 
     broken = by_name["bench_broken"]
     assert broken["status"] == "failed" and broken["exit_status"] == 3
     assert "anchor missing: datatrove not installed" in broken["stderr_tail"]
+    assert not alive(int(orphan.read_text())), "what a bench leaves in its process group is killed"
     assert by_name["bench_codec"]["status"] == "ok"
     assert by_name["bench_silent"]["status"] == "no_results" and by_name["bench_silent"]["exit_status"] == 0
     assert "not ok: bench_broken, bench_silent" in done.stdout
@@ -74,8 +85,7 @@ def test_a_bench_over_its_limit_is_stopped_with_its_children_after_its_cleanup(t
     (stuck,) = json.loads(out.read_text())["benches"]
     assert stuck["status"] == "timeout" and stuck["exit_status"] is None and "started" in stuck["stdout_tail"]
     assert cleaned.exists(), "the bench's finally block ran: what it started outside its group is stopped"
-    child = int(pid_file.read_text())
-    assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+    assert not alive(int(pid_file.read_text()))
 
 
 def test_unknown_bench_name_is_a_usage_error() -> None:
