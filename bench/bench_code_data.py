@@ -18,19 +18,23 @@ import argparse
 import logging
 import random
 import statistics
+import sys
 import sysconfig
 import tempfile
 import time
 import warnings
 from pathlib import Path
 
-from ember.demo.sample_documents import code_files, write_source
-from ember.pipelines.code.repo_tokens import repository_tokens
-from ember.pipelines.code.repos import RepoFile
-from ember.schemas.documents import Document
-from ember.tokenize.config import RepositorySettings, TokenizerConfig, parse_config
-from ember.tokenize.packing import best_fit_decreasing
-from ember.tokenize.tokenizers import load_tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.benchkit import Figure, add_flags, profile_default, write_results  # noqa: E402
+from ember.demo.sample_documents import code_files, write_source  # noqa: E402
+from ember.pipelines.code.repo_tokens import repository_tokens  # noqa: E402
+from ember.pipelines.code.repos import RepoFile  # noqa: E402
+from ember.schemas.documents import Document  # noqa: E402
+from ember.tokenize.config import RepositorySettings, TokenizerConfig, parse_config  # noqa: E402
+from ember.tokenize.packing import best_fit_decreasing  # noqa: E402
+from ember.tokenize.tokenizers import load_tokenizer  # noqa: E402
 
 TOKENIZER = {"name": "cl100k_base"}
 FIM = {"rate": 0.5, "spm_rate": 0.5, "level": "file", "prefix_token": "<|fim_prefix|>",
@@ -76,7 +80,7 @@ def fill(docs: list[Document]) -> None:
               f"{best_fit_decreasing(repos, seq_len).fill_ratio:.2%} | {split} of {len(repos)} |")
 
 
-def classifier(docs: list[Document], work: Path) -> None:
+def classifier(docs: list[Document], work: Path) -> float:
     import fasttext
 
     from ember.pipelines.quality.classifier import FastTextScorer
@@ -100,13 +104,16 @@ def classifier(docs: list[Document], work: Path) -> None:
     chars = sum(min(len(t), 100_000) for t in texts)
     print(f"\n## Quality classifier (fastText, thread=1): {len(texts) / seconds:,.0f} documents/s per core "
           f"({chars / seconds / 1e6:.1f} M chars/s; documents of {chars / len(texts):,.0f} characters on average)")
+    return len(texts) / seconds
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--files", type=int, default=400)
+    parser.add_argument("--files", type=int, default=None, help="default: quick 80, full 400")
     parser.add_argument("--repeats", type=int, default=3)
+    add_flags(parser)
     args = parser.parse_args()
+    args.files = args.files or profile_default(args.profile, 80, 400)
     logging.disable(logging.WARNING)
     warnings.filterwarnings("ignore")
     docs = documents(args.files)
@@ -128,7 +135,12 @@ def main() -> None:
         print(f"| repository documents (dependency order) + FIM 0.5 | {tokens[True]:,} | {on:,.0f} |")
         print(f"ratio on/off: {on / off:.2f}x (goal >= 0.95x)")
         fill(docs)
-        classifier(docs, work)
+        docs_s = classifier(docs, work)
+    write_results(args.results, "bench_code_data", args.profile, [
+        Figure("tokens/s per core, repository documents + FIM", "tokens/CPU-s", on, off, "file documents, no FIM",
+               repeats=args.repeats, target=0.95),
+        Figure("fastText classifier documents/s per core", "docs/CPU-s", docs_s),
+    ], files=len(docs), tokens={"off": tokens[False], "on": tokens[True]})
 
 
 if __name__ == "__main__":

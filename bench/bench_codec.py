@@ -24,13 +24,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import msgpack
 import numpy as np
 import pyarrow as pa
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.benchkit import Figure, add_flags, profile_default, write_results  # noqa: E402
 from ember.rollouts.simulate import synthetic_rollout
 from ember.schemas import decode, decode_rollout, encode_rollout
 from ember.schemas.rollouts import Rollout
@@ -117,14 +122,10 @@ CODECS: dict[str, tuple[Callable[[Rollout], Any], Callable[[Any], Any]]] = {
 }
 
 
-def median_seconds(fn: Callable[[Any], Any], arg: Any, repeats: int) -> float:
+def seconds(fn: Callable[[Any], Any], arg: Any) -> float:
+    start = time.perf_counter()
     fn(arg)
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn(arg)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return time.perf_counter() - start
 
 
 def check_equal(rollout: Rollout, decoded: Any) -> None:
@@ -136,19 +137,27 @@ def check_equal(rollout: Rollout, decoded: Any) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=None, help="default: quick 30, full 200")
     parser.add_argument("--tokens", type=int, default=8192)
+    add_flags(parser)
     args = parser.parse_args()
+    repeats = args.repeats or profile_default(args.profile, 30, 200)
     rollout = synthetic_rollout(
         np.random.default_rng(0), group_id="g", prompt_id="p", num_tokens=args.tokens, layers=61, top_k=8, num_experts=256
     )
     payload_mb = sum(getattr(rollout, name).nbytes for name in (*_ANCHOR_ARRAYS, "routed_experts")) / 1e6
-    results = {}
+    messages, sizes = {}, {}
     for name, (enc, dec) in CODECS.items():
-        message = enc(rollout)
-        check_equal(rollout, dec(message))
-        results[name] = (len(message), median_seconds(enc, rollout, args.repeats), median_seconds(dec, message, args.repeats))
-    print(f"rollout: {args.tokens} tokens, routed experts 61x8 uint8, array payload {payload_mb:.2f} MB, {args.repeats} repeats")
+        messages[name] = enc(rollout)
+        check_equal(rollout, dec(messages[name]))
+        sizes[name] = len(messages[name])
+    samples: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in CODECS}
+    for _ in range(repeats):  # the codecs take turns, so a burst of load on the shared machine hits each alike
+        for name, (enc, dec) in CODECS.items():
+            samples[name][0].append(seconds(enc, rollout))
+            samples[name][1].append(seconds(dec, messages[name]))
+    results = {name: (sizes[name], statistics.median(e), statistics.median(d)) for name, (e, d) in samples.items()}
+    print(f"rollout: {args.tokens} tokens, routed experts 61x8 uint8, array payload {payload_mb:.2f} MB, {repeats} repeats")
     print(f"{'codec':<15} {'bytes':>9} {'bytes/token':>11} {'encode MB/s':>12} {'decode MB/s':>12}")
     for name, (size, enc_s, dec_s) in results.items():
         print(f"{name:<15} {size:>9} {size / args.tokens:>11.2f} {payload_mb / enc_s:>12.0f} {payload_mb / dec_s:>12.0f}")
@@ -160,6 +169,13 @@ def main() -> None:
             f"ember vs {name}: size {size - anchor_size:+d} B, encode {enc_s / ember_enc:.2f}x, "
             f"decode+validate {dec_s / ember_dec:.2f}x, decode {dec_s / noval_dec:.2f}x (>1 = ember faster)"
         )
+    figures = [
+        Figure(f"{what} MB/s vs {anchor}", "MB/s", payload_mb / results[ours][col], payload_mb / results[anchor][col],
+               anchor, repeats=repeats)
+        for anchor in ("arrow-zc", "msgpack-mv")
+        for what, ours, col in (("encode", "ember", 1), ("decode+validate", "ember", 2), ("decode", "ember-noval", 2))
+    ]
+    write_results(args.results, "bench_codec", args.profile, figures, tokens=args.tokens, bytes=sizes)
 
 
 if __name__ == "__main__":

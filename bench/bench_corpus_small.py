@@ -45,14 +45,18 @@ import pyarrow.parquet as pq
 import yaml
 
 PACKAGES = ("rich", "jinja2", "click", "markupsafe", "attrs")
+QUICK_PACKAGES = ("click", "markupsafe", "attrs")  # ~0.5 MB: the fixed cost still dominates, as in the full input
 TOKENIZE = {"tokenizer": {"name": "cl100k_base"}, "seq_len": 512, "sequences_per_shard": 64}
 JOB_LINE = re.compile(r"beam job started: (.+) on \w+ in process \d+$", re.MULTILINE)
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.benchkit import Figure, add_flags, profile_default, write_results  # noqa: E402
 
 
-def source_trees(directory: Path) -> tuple[int, int]:
+def source_trees(directory: Path, packages: tuple[str, ...]) -> tuple[int, int]:
     """The packages' source trees copied under `directory`, one repository each; (files, bytes)."""
-    for name in PACKAGES:
+    for name in packages:
         root = importlib.util.find_spec(name).submodule_search_locations[0]
         shutil.copytree(root, directory / name, ignore=shutil.ignore_patterns("__pycache__"))
     files = [p for p in directory.rglob("*") if p.is_file()]
@@ -166,11 +170,13 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
+    add_flags(parser)
     args = parser.parse_args()
+    packages = profile_default(args.profile, QUICK_PACKAGES, PACKAGES)
     cores = os.cpu_count() or 1
     with tempfile.TemporaryDirectory(prefix="bench-corpus-small-") as tmp:
         work = Path(tmp)
-        files, size = source_trees(work / "trees")
+        files, size = source_trees(work / "trees", packages)
         pack(work / "trees", work / "documents.parquet")
         variants = {
             "ember before (split, multi-process: main's default)": lambda: run_ember(
@@ -181,7 +187,9 @@ def main() -> None:
             "ember after, no tokenize": lambda: run_ember(work / "trees", work, [], False),
             "datatrove LocalPipelineExecutor (1 worker)": lambda: run_datatrove(work / "documents.parquet", work),
         }
-        print(f"# bench_corpus_small: {files} files, {size / 1e6:.2f} MB ({', '.join(PACKAGES)}), {cores} cores, "
+        if args.profile == "quick":  # the headline pair only: ember's default build without tokenize, and datatrove
+            variants = {k: v for k, v in variants.items() if k.startswith(("ember after, no", "datatrove"))}
+        print(f"# bench_corpus_small: {files} files, {size / 1e6:.2f} MB ({', '.join(packages)}), {cores} cores, "
               f"load {os.getloadavg()[0]:.1f}, median of {args.repeats}\n")
         runs: dict[str, list[dict]] = {name: [] for name in variants}
         for _ in range(args.repeats):  # the variants take turns, so a burst of load on the shared machine hits each alike
@@ -195,11 +203,18 @@ def main() -> None:
             jobs = " + ".join(done[0]["jobs"]) or "-"
             print(f"| {name} | {medians[name]['wall']:.1f} | {medians[name]['cpu']:.1f} | {len(done[0]['jobs']) or '-'} ({jobs}) | "
                   f"{done[0]['kept']} |")
-        before, after = medians["ember before (split, multi-process: main's default)"], medians["ember after (default: fused, in-process)"]
         bare, anchor = medians["ember after, no tokenize"], medians["datatrove LocalPipelineExecutor (1 worker)"]
-        print(f"\nbefore / after: {before['wall'] / after['wall']:.2f}x wall, {before['cpu'] / after['cpu']:.2f}x CPU; "
-              f"ember after without tokenize / datatrove: {bare['wall'] / anchor['wall']:.2f}x wall, "
+        before = medians.get("ember before (split, multi-process: main's default)")
+        after = medians.get("ember after (default: fused, in-process)")
+        if before and after:
+            print(f"\nbefore / after: {before['wall'] / after['wall']:.2f}x wall, {before['cpu'] / after['cpu']:.2f}x CPU")
+        print(f"ember after without tokenize / datatrove: {bare['wall'] / anchor['wall']:.2f}x wall, "
               f"{bare['cpu'] / anchor['cpu']:.2f}x CPU (load average {os.getloadavg()[0]:.1f} at the end)")
+    dt = "datatrove LocalPipelineExecutor (1 worker)"
+    write_results(args.results, "bench_corpus_small", args.profile, [
+        Figure("build wall s, no tokenize", "s", bare["wall"], anchor["wall"], dt, higher_is_better=False, repeats=args.repeats),
+        Figure("build CPU s, no tokenize", "CPU s", bare["cpu"], anchor["cpu"], dt, higher_is_better=False, repeats=args.repeats),
+    ], files=files, bytes=size, packages=list(packages), medians=medians)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.benchkit import Figure, add_flags, profile_default, write_results  # noqa: E402
 from ember.rollouts.config import parse_config  # noqa: E402
 from ember.rollouts.engine import InputMessage, ShardEngine, input_topics  # noqa: E402
 from ember.rollouts.simulate import LARGE_VOCAB, synthetic_episode, synthetic_rollout  # noqa: E402
@@ -99,7 +100,7 @@ def feed(cfg, batch: list[InputMessage]) -> tuple[float, int]:
     return seconds, sum(b.batch.num_sequences for b in output.batches)
 
 
-def throughput(groups: int, tokens: int, layers: int, repeats: int) -> None:
+def throughput(groups: int, tokens: int, layers: int, repeats: int) -> Figure:
     cfg = config(tokens)
     anchor, ember = messages(samples(groups, tokens, 1, layers)), messages(samples(groups, tokens, SEGMENTS, layers))
     n = groups * GROUP_SIZE
@@ -116,6 +117,8 @@ def throughput(groups: int, tokens: int, layers: int, repeats: int) -> None:
     print(f"  anchor 1 rollout/sample     {n / a:8.0f} samples/s {n * tokens / a / 1e6:7.2f} M tokens/s  ({len(anchor)} messages)")
     print(f"  ember  {SEGMENTS} segments/sample    {n / e:8.0f} samples/s {n * tokens / e / 1e6:7.2f} M tokens/s  ({len(ember)} messages)")
     print(f"  ember / anchor: {a / e:.2f}x")
+    return Figure("samples/s, 4-segment episodes vs 1 rollout per sample", "samples/s", n / e, n / a,
+                  "single-segment rollouts", repeats=repeats, target=0.9)
 
 
 def memory(tokens: int, layers: int, counts: list[int]) -> None:
@@ -140,14 +143,20 @@ def memory(tokens: int, layers: int, counts: list[int]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--groups", type=int, default=16)
+    parser.add_argument("--groups", type=int, default=None, help="default: quick 4, full 16")
     parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=None, help="default: quick 3, full 5")
     parser.add_argument("--layers", type=int, default=61, help="MoE layers of routed experts per token (top-8, uint8); 0: none")
-    parser.add_argument("--open", default="0,64,128,256", help="open-episode counts for the memory table")
+    parser.add_argument("--open", default=None, help="open-episode counts for the memory table (quick 0,32; full 0,64,128,256)")
+    add_flags(parser)
     args = parser.parse_args()
-    throughput(args.groups, args.tokens, args.layers, args.repeats)
-    memory(args.tokens, args.layers, [int(c) for c in args.open.split(",")])
+    groups = args.groups or profile_default(args.profile, 4, 16)
+    repeats = args.repeats or profile_default(args.profile, 3, 5)
+    counts = args.open or profile_default(args.profile, "0,32", "0,64,128,256")
+    figure = throughput(groups, args.tokens, args.layers, repeats)
+    memory(args.tokens, args.layers, [int(c) for c in counts.split(",")])
+    write_results(args.results, "bench_episodes", args.profile, [figure], groups=groups, tokens=args.tokens,
+                  layers=args.layers)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ from bench_corpus_dedup import BANDS, N_GRAMS, ROWS, SEED, web_corpus  # noqa: E
 
 from apache_beam.options.pipeline_options import PipelineOptions  # noqa: E402
 
+from bench.benchkit import Figure, add_flags, profile_default, write_results  # noqa: E402
 from ember.dev import services  # noqa: E402
 from ember.pipelines.corpus.config import check_inputs, parse_config  # noqa: E402
 from ember.pipelines.corpus.pipeline import run  # noqa: E402
@@ -212,14 +213,16 @@ def table(runs: list[dict]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--docs", type=int, default=4000, help="web documents (issue 3's set: 4000)")
+    p.add_argument("--docs", type=int, default=None, help="web documents (quick 800; full: issue 3's set, 4000)")
     p.add_argument("--files", type=int, default=4)
     p.add_argument("--project", type=int, default=10**9, help="documents of the projected build")
     p.add_argument("--skip-fnapi", action="store_true")
     p.add_argument("--marginal-from", type=Path,
                    help="a results JSON of a smaller --docs run: project from the cost between the two sizes")
-    p.add_argument("--results", type=Path, default=BENCH / "results")
+    p.add_argument("--results-dir", type=Path, default=BENCH / "results", help="where the runs' JSON is kept")
+    add_flags(p)
     args = p.parse_args()
+    args.docs = args.docs or profile_default(args.profile, 800, 4000)
     work = Path(tempfile.mkdtemp(prefix="ember-bench-flink-"))
     runs: list[dict] = []
     try:
@@ -253,13 +256,19 @@ def main() -> None:
           f"{projected['bytes_per_document']:.0f} B: {projected['cpu_hours']:,.0f} CPU hours "
           f"({projected['cpu_s_per_document'] * 1e3:.2f} CPU ms per document); workers {workers}; "
           f"shuffle {projected['shuffle_bytes'] / 1e12:.2f} TB")
-    args.results.mkdir(parents=True, exist_ok=True)
-    result = args.results / f"flink_cluster_{args.docs}.json"
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    result = args.results_dir / f"flink_cluster_{args.docs}.json"
     result.write_text(json.dumps({
         "docs": args.docs, "files": args.files, "input_bytes": input_bytes, "cores": os.cpu_count(),
         "load_average_end": os.getloadavg(), "runs": runs, "scaling_2tm_over_1tm": ratio, "projection": projected,
     }, indent=1) + "\n")
     print(f"\nwritten: {result}")
+    write_results(args.results, "bench_flink_cluster", args.profile, [
+        Figure("docs/s, Flink session cluster with 2 TaskManagers", "docs/s", by_name["flink-2"]["docs_per_s"],
+               by_name.get("fnapi-1", {}).get("docs_per_s"), "FnApiRunner in process (1 worker)"),
+        Figure("docs/s, 2 TaskManagers", "docs/s", by_name["flink-2"]["docs_per_s"], by_name["flink-1"]["docs_per_s"],
+               "1 TaskManager"),
+    ], docs=args.docs, files=args.files, input_bytes=input_bytes, runs=runs)
 
 
 if __name__ == "__main__":

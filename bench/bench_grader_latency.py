@@ -31,6 +31,7 @@ from kafka import KafkaConsumer, TopicPartition
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.benchkit import Figure, add_flags, profile_default, write_results  # noqa: E402
 from ember.rollouts.admin import ensure_topics  # noqa: E402
 from ember.rollouts.config import kafka_bootstrap  # noqa: E402
 from ember.rollouts.grading.tasks import load_tasks  # noqa: E402
@@ -74,10 +75,12 @@ def quantile(values: list[float], q: float) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", type=float, default=20.0, help="rollouts written per second")
-    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--seconds", type=float, default=None, help="default: quick 6, full 20")
     parser.add_argument("--instances", type=int, default=1)
     parser.add_argument("--partitions", type=int, default=4)
+    add_flags(parser)
     args = parser.parse_args()
+    args.seconds = args.seconds or profile_default(args.profile, 6.0, 20.0)
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-grader-"))
     tasks = list(load_tasks(fetch_humaneval(tmp), FIELDS).values())
@@ -137,6 +140,10 @@ def main() -> None:
     print("| rollout written -> rewards committed | p50 | p90 | p99 | max | mean |")
     print("|---|---|---|---|---|---|")
     print(f"| ms | {quantile(ms, 0.5):.0f} | {quantile(ms, 0.9):.0f} | {quantile(ms, 0.99):.0f} | {max(ms):.0f} | {statistics.fmean(ms):.0f} |")
+    write_results(args.results, "bench_grader_latency", args.profile, [
+        Figure("rollout written -> rewards committed, p50", "ms", quantile(ms, 0.5), higher_is_better=False, repeats=len(ms)),
+        Figure("rollout written -> rewards committed, p99", "ms", quantile(ms, 0.99), higher_is_better=False, repeats=len(ms)),
+    ], rate=args.rate, seconds=args.seconds, instances=args.instances, partitions=args.partitions)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import apache_beam as beam
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.benchkit import Figure, add_flags, profile_default, write_results  # noqa: E402
 from ember.demo.sample_corpus import near_duplicate, prose  # noqa: E402
 from ember.pipelines.corpus.config import CorpusSource, Dedup  # noqa: E402
 from ember.pipelines.corpus.formats import record_to_row  # noqa: E402
@@ -73,10 +74,13 @@ def clusters_of(clusters: list[dict], ids: set[str]) -> dict[str, str | None]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--docs", type=int, default=2000, help="documents in release 1")
-    parser.add_argument("--new", type=int, default=500, help="documents in release 2")
+    parser.add_argument("--docs", type=int, default=None, help="documents in release 1 (quick 300, full 2000)")
+    parser.add_argument("--new", type=int, default=None, help="documents in release 2 (quick 75, full 500)")
     parser.add_argument("--repeats", type=int, default=3)
+    add_flags(parser)
     args = parser.parse_args()
+    args.docs = args.docs or profile_default(args.profile, 300, 2000)
+    args.new = args.new or profile_default(args.profile, 75, 500)
     rng = random.Random(11)
     first = rows(rng, args.docs, "r1-", 1, [])
     second = rows(rng, args.new, "r2-", 1, [r["text"] for r in first])
@@ -99,6 +103,9 @@ def main() -> None:
     print(f"anchor  full rebuild (release 1 + 2):          {anchor:6.1f} s")
     print(f"ember   release 2 against release 1's index:  {ember:6.1f} s")
     print(f"speed-up (anchor / ember): {anchor / ember:.2f}x; clusters of release 2's documents equal: {'yes' if same else 'NO'}")
+    write_results(args.results, "bench_incremental_dedup", args.profile, [
+        Figure("release 2 near dedup seconds", "s", ember, anchor, "full rebuild of release 1 + 2", higher_is_better=False,
+               repeats=args.repeats)], docs=args.docs, new=args.new, clusters_equal=same)
 
 
 if __name__ == "__main__":

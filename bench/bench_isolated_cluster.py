@@ -26,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.benchkit import Figure, add_flags, profile_default, write_results  # noqa: E402
 from ember import storage  # noqa: E402
 from ember.dev import services  # noqa: E402
 from ember.pipelines.jobs import set_commit  # noqa: E402
@@ -77,8 +78,13 @@ def commit_cost(location: str, repeats: int = 5) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--copies", type=int, default=4, help="copies of the test documents (each copy's texts differ)")
+    parser.add_argument("--copies", type=int, default=None,
+                        help="copies of the test documents, each copy's texts differ (quick 1, full 4)")
+    add_flags(parser)
     args = parser.parse_args()
+    args.copies = args.copies or profile_default(args.profile, 1, 4)
+    schemes = profile_default(args.profile, ("s3",), ("gs", "s3"))  # quick: one object store; the cluster's start dominates
+    walls: dict[tuple[str, str], float] = {}
     os.environ.update(services.objectstores_env())
     env = {**os.environ, "EMBER_FLINK_CLUSTER": "flink-isolated-bench", "EMBER_FLINK_ISOLATED": "1"}
     env.update({f"EMBER_FLINK_{n}_PORT": str(p) for n, p in zip(PORTS, free_ports(len(PORTS)))})
@@ -93,7 +99,7 @@ def main() -> None:
             files = {n: write_documents(Path(tmp) / n / "part-0.parquet", docs[n]) for n in ("code", "web")}
             print(f"{sum(len(v) for v in docs.values())} documents, {sum(p.stat().st_size for p in files.values()):,} "
                   "bytes of Parquet; medians of one run each (measured on a loaded machine)")
-            for scheme in ("gs", "s3"):
+            for scheme in schemes:
                 bucket = _new_bucket(scheme)
                 storage.preflight(bucket, write=True)
                 sources = {}
@@ -106,6 +112,7 @@ def main() -> None:
                     started = time.perf_counter()
                     tokenize(config(sources, out), beam_args)
                     wall = time.perf_counter() - started
+                    walls[scheme, label] = wall
                     written = sum(storage.list_files(out).values())
                     line = f"{scheme}:// {label:16s} {wall:6.1f} s, set {written:,} bytes"
                     if label != "FnApiRunner":
@@ -117,6 +124,11 @@ def main() -> None:
                 print(f"{scheme}:// manifest commit (size check + manifest write): {commit_cost(f'{bucket}/isolated') * 1000:.0f} ms")
     finally:
         subprocess.run(["bash", str(SCRIPT), "stop"], env=env, capture_output=True)
+    write_results(args.results, "bench_isolated_cluster", args.profile, [
+        Figure(f"{scheme}:// tokenize wall s, isolated cluster", "s", walls[scheme, "isolated cluster"],
+               walls[scheme, "FnApiRunner"], "FnApiRunner in process", higher_is_better=False)
+        for scheme in schemes
+    ], copies=args.copies)
 
 
 if __name__ == "__main__":

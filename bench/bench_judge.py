@@ -28,6 +28,7 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's ember and its tests' server
 
+from bench.benchkit import Figure, add_flags, profile_default, write_results  # noqa: E402
 from ember.rollouts.grading.base import Task, Verdict  # noqa: E402
 from ember.rollouts.grading.judge import JudgeSettings, LLMJudge  # noqa: E402
 from tests.rollouts.grading.judge_server import JudgeServer, build_tiny_model  # noqa: E402
@@ -99,9 +100,12 @@ def percentile(values: list[float], q: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--items", type=int, default=64)
+    parser.add_argument("--items", type=int, default=None, help="default: quick 16, full 64")
     parser.add_argument("--repeats", type=int, default=3)
+    add_flags(parser)
     args = parser.parse_args()
+    args.items = args.items or profile_default(args.profile, 16, 64)
+    figures = []
     os.environ[KEY_ENV] = "sk-bench-local"
     with tempfile.TemporaryDirectory() as tmp:
         server = JudgeServer(build_tiny_model(Path(tmp) / "model"), Path(tmp) / "serve.log")
@@ -127,8 +131,11 @@ def main() -> None:
                     p99 = statistics.median(percentile(lat, 99) for _, lat in runs[path]) * 1e3
                     name = "raw `AsyncOpenAI`" if path == "raw" else "**ember `LLMJudge`**"
                     print(f"| {name}, concurrency {concurrency} | {p50:.1f} | {p99:.1f} | {rates[path]:.1f} | {rates[path] / rates['raw']:.2f}x |")
+                figures.append(Figure(f"completions/s, concurrency {concurrency}", "completions/s", rates["judge"],
+                                      rates["raw"], "raw AsyncOpenAI", repeats=args.repeats))
         finally:
             server.kill()
+    write_results(args.results, "bench_judge", args.profile, figures, items=args.items)
 
 
 if __name__ == "__main__":

@@ -20,17 +20,21 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from ember.schemas import Manifest, write_manifest
-from ember.tokenize.megatron_export import export_megatron
-from ember.tokenize.packing import Segment, assemble, best_fit_decreasing
-from ember.tokenize.shards import ShardRow, write_shard
-from ember.tokenize.shardset import ShardVerifier
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.benchkit import Figure, add_flags, profile_default, write_results  # noqa: E402
+from ember.schemas import Manifest, write_manifest  # noqa: E402
+from ember.tokenize.megatron_export import export_megatron  # noqa: E402
+from ember.tokenize.packing import Segment, assemble, best_fit_decreasing  # noqa: E402
+from ember.tokenize.shards import ShardRow, write_shard  # noqa: E402
+from ember.tokenize.shardset import ShardVerifier  # noqa: E402
 
 VOCAB = 50_000
 EOS = VOCAB - 2
@@ -78,21 +82,26 @@ def megatron_builder(prefix: Path, docs: list[np.ndarray]) -> None:
     builder.finalize(f"{prefix}.idx")
 
 
-def median_seconds(fn, repeats: int) -> float:
-    times = []
+def median_seconds(fns: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each function; they take turns within each repeat, so load on the shared machine hits
+    each alike."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--documents", type=int, default=20_000)
+    parser.add_argument("--documents", type=int, default=None, help="default: quick 3000, full 20000")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
+    add_flags(parser)
     args = parser.parse_args()
+    args.documents = args.documents or profile_default(args.profile, 3000, 20_000)
     import megatron.core.datasets.indexed_dataset  # noqa: F401  (torch and megatron-core load outside the timings)
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -107,17 +116,26 @@ def main() -> None:
         tokens = sum(len(d) for d in docs)
         print(f"{len(docs):,} documents ({split:,} split), {tokens:,} tokens, {len(rows):,} rows of {args.seq_len}, "
               f"{-(-len(rows) // ROWS_PER_SHARD)} shards; medians of {args.repeats}")
-        anchor = median_seconds(lambda: megatron_builder(root / "anchor", ordered), args.repeats)
-        by_row = median_seconds(lambda: export_megatron(root / "set", root / "rows", verifier), args.repeats)
-        by_doc = median_seconds(lambda: export_megatron(root / "set", root / "docs", verifier, documents=True), args.repeats)
+        timed = median_seconds({
+            "anchor": lambda: megatron_builder(root / "anchor", ordered),
+            "rows": lambda: export_megatron(root / "set", root / "rows", verifier),
+            "docs": lambda: export_megatron(root / "set", root / "docs", verifier, documents=True),
+        }, args.repeats)
+        anchor, by_row, by_doc = timed["anchor"], timed["rows"], timed["docs"]
+        same = {}
         for suffix in (".bin", ".idx"):
-            same = (root / f"docs{suffix}").read_bytes() == (root / f"anchor{suffix}").read_bytes()
-            print(f"documents{suffix} equals megatron-core's: {same}")
+            same[suffix] = (root / f"docs{suffix}").read_bytes() == (root / f"anchor{suffix}").read_bytes()
+            print(f"documents{suffix} equals megatron-core's: {same[suffix]}")
         print("| mode | s | M tokens/s | vs anchor |")
         print("|---|---|---|---|")
         for label, seconds in (("megatron-core IndexedDatasetBuilder (anchor)", anchor), ("ember rows", by_row),
                                ("ember --documents", by_doc)):
             print(f"| {label} | {seconds:.3f} | {tokens / seconds / 1e6:.1f} | {anchor / seconds:.2f}x |")
+        write_results(args.results, "bench_megatron_export", args.profile, [
+            Figure(f"M tokens/s, {what}", "M tokens/s", tokens / seconds / 1e6, tokens / anchor / 1e6,
+                   "megatron-core IndexedDatasetBuilder", repeats=args.repeats)
+            for what, seconds in (("rows", by_row), ("--documents", by_doc))
+        ], documents=args.documents, seq_len=args.seq_len, tokens=tokens, bytes_equal_anchor=same)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ or norm, not a number to report. Timing is not measured here.
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 from pathlib import Path
 
@@ -29,6 +30,9 @@ import torch
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.benchkit import Figure, add_flags, profile_default, write_results  # noqa: E402
 
 
 def trainer_and_policy(root: Path):
@@ -82,7 +86,7 @@ def agreement(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (np.sort(a, axis=-1) == np.sort(b, axis=-1)).all(-1).mean(0)
 
 
-def report(name: str, trainer_logp: np.ndarray, sampler_logp: np.ndarray) -> None:
+def report(name: str, trainer_logp: np.ndarray, sampler_logp: np.ndarray) -> float:
     delta = trainer_logp.astype(np.float64) - sampler_logp.astype(np.float64)
     log_ratio = -delta  # log p_sampler - log p_trainer, tokens drawn from the sampler
     weights = np.exp(delta)
@@ -91,15 +95,18 @@ def report(name: str, trainer_logp: np.ndarray, sampler_logp: np.ndarray) -> Non
           f"KL k1 {log_ratio.mean():+.2e}, k3 {(weights - 1 - delta).mean():.2e}; "
           f"TIS weight p1 {q[0]:.5f} median {q[1]:.5f} p99 {q[2]:.5f} max {weights.max():.5f}, "
           f"{(weights > 2).mean() * 100:.2f}% above 2")
+    return float(np.abs(delta).mean())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--prompts", type=int, default=None, help="default: quick 16, full 64")
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=12)
     parser.add_argument("--new-tokens", type=int, default=24)
+    add_flags(parser)
     args = parser.parse_args()
+    args.prompts = args.prompts or profile_default(args.profile, 16, 64)
     from ember.demo.sampler import score
 
     root = Path(tempfile.mkdtemp(prefix="bench-mismatch-"))
@@ -116,9 +123,9 @@ def main() -> None:
     scored = score(trainer.model, [c.tokens.astype(np.int64) for c in completions])  # replay off: megatron's own routing
     off_logp = np.concatenate([logp for logp, _ in scored])[mask]
     off_experts = np.concatenate([experts for _, experts in scored])
-    report("replay off", off_logp, sampler_logp)
+    off = report("replay off", off_logp, sampler_logp)
     on_logp = trainer.logprobs(rl_batch_of(completions)).numpy()[mask]
-    report("replay on ", on_logp, sampler_logp)
+    on = report("replay on ", on_logp, sampler_logp)
     print("routing agreement per layer, replay off: "
           + ", ".join(f"layer {i} {share * 100:.2f}%" for i, share in enumerate(agreement(off_experts, sampler_experts))))
     step = trainer.train_step(rl_batch_of(completions))  # the trainer's own metric, replay on (last: it updates the weights)
@@ -126,6 +133,9 @@ def main() -> None:
           + ", ".join(f"layer {i} {(1 - d) * 100:.2f}%" for i, d in enumerate(step["routing_disagreement_per_layer"]))
           + f"; the step's own mismatch metrics: {step['mismatch']}")
     trainer.close()
+    write_results(args.results, "bench_mismatch", args.profile, [
+        Figure("mean |trainer - sampler log-prob|, replay on", "nats", on, off, "replay off", higher_is_better=False)],
+        prompts=args.prompts, group_size=args.group_size, tokens=tokens)
 
 
 if __name__ == "__main__":

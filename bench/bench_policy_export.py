@@ -13,6 +13,7 @@ those bytes). Two sizes: the tests' toy policy and a larger one; CPU only. Timin
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import statistics
 import subprocess
@@ -21,6 +22,10 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.benchkit import Figure, add_flags, profile_default, write_results  # noqa: E402
 
 SIZES = {
     "toy (2 layers, h32, 8 experts)": {},
@@ -76,14 +81,30 @@ def measure(name: str, sizes: dict, repeats: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--size", choices=list(SIZES), default=None, help="one size only (default: both)")
+    parser.add_argument("--repeats", type=int, default=None, help="default: quick 3, full 5")
+    parser.add_argument("--size", choices=list(SIZES), default=None,
+                        help="one size only (default: both; the quick profile: the toy one)")
+    parser.add_argument("--measured", type=Path, help=argparse.SUPPRESS)  # a --size child's figures, for its parent
+    add_flags(parser)
     args = parser.parse_args()
+    args.repeats = args.repeats or profile_default(args.profile, 3, 5)
     if args.size is None:  # megatron's global parallel state allows one trainer per process: one process per size
-        for name in SIZES:
-            subprocess.run([sys.executable, __file__, "--size", name, "--repeats", str(args.repeats)], check=True)
+        sizes = profile_default(args.profile, list(SIZES)[:1], list(SIZES))
+        figures = []
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in sizes:
+                measured = Path(tmp) / "measured.json"
+                subprocess.run([sys.executable, __file__, "--size", name, "--repeats", str(args.repeats),
+                                "--measured", str(measured)], check=True)
+                r = json.loads(measured.read_text())
+                figures.append(Figure(f"export + announce ms, {name.split()[0]}", "ms",
+                                      (r["export"] + r["announce"]) * 1e3, r["save"] * 1e3, "RLTrainer.save checkpoint",
+                                      higher_is_better=False, repeats=args.repeats))
+        write_results(args.results, "bench_policy_export", args.profile, figures, sizes=sizes)
         return
     r = measure(args.size, SIZES[args.size], args.repeats)
+    if args.measured:
+        args.measured.write_text(json.dumps(r))
     added = r["export"] + r["announce"]
     print(
         f"{r['name']}: weights {r['bytes'] / 2**20:.2f} MiB | checkpoint save (anchor) {r['save'] * 1e3:.1f} ms | "

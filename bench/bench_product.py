@@ -38,6 +38,7 @@ from kafka import KafkaProducer
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.benchkit import Figure, add_flags, profile_default, write_results  # noqa: E402
 from ember.rollouts.config import kafka_bootstrap, parse_config  # noqa: E402
 from ember.rollouts.engine import InputMessage, ShardEngine  # noqa: E402
 from ember.rollouts.etl import prepare_topics  # noqa: E402
@@ -186,10 +187,13 @@ def memory_per_pending(count: int, workdir: Path) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--completions", type=int, default=2000)
-    parser.add_argument("--pending", type=int, default=20_000)
+    parser.add_argument("--completions", type=int, default=None, help="default: quick 200, full 2000")
+    parser.add_argument("--pending", type=int, default=None, help="default: quick 2000, full 20000")
     parser.add_argument("--repeats", type=int, default=3)
+    add_flags(parser)
     args = parser.parse_args(argv)
+    args.completions = args.completions or profile_default(args.profile, 200, 2000)
+    args.pending = args.pending or profile_default(args.profile, 2000, 20_000)
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         runs: dict[str, list[dict[str, float]]] = {"groups": [], "product": []}
@@ -210,6 +214,13 @@ def main(argv: list[str] | None = None) -> None:
           f"{memory['product_disk_b']:.0f} B on disk (spill file + WAL) per pending completion")
     print(f"  group path (anchor): {memory['group_rss_b']:.0f} B resident per pending rollout   "
           f"group/product resident: {memory['group_rss_b'] / max(memory['product_rss_b'], 1):.0f}x")
+    write_results(args.results, "bench_product", args.profile, [
+        Figure("completions/s from ETL process start", "completions/s", med["product"], med["groups"], "group path",
+               repeats=args.repeats),
+        Figure("resident bytes per pending completion", "B", memory["product_rss_b"], memory["group_rss_b"],
+               "group path (in RAM)", higher_is_better=False),
+    ], completions=args.completions, pending=args.pending, paired_ratio=ratio, horizon_to_batch_p50_s=h50,
+        horizon_to_batch_p90_s=h90)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.benchkit import Figure, add_flags, profile_default, write_results  # noqa: E402
+
 VERSIONS, K = 5, 4
 SIZES = {
     "tiny RL example (2 layers, h64, 4 experts)": {},
@@ -89,7 +91,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-5)
+    add_flags(parser)
     args = parser.parse_args()
+    sizes = profile_default(args.profile, dict(list(SIZES.items())[:1]), SIZES)  # quick: the tiny policy only
     import boto3
 
     from ember.dev import services
@@ -100,10 +104,19 @@ def main() -> int:
     print(f"lr {args.lr:g}, {VERSIONS} versions, delta full_every_k {K}, medians of {args.repeats}\n")
     print("| policy | target | mode | bytes/version | export+upload s | sampler load s | total s | per version (mean of 5): bytes, s |")
     print("|---|---|---|---|---|---|---|---|")
-    for name, sizes in SIZES.items():
-        for (target, mode), r in measure(sizes, f"s3://{bucket}", args.repeats, args.lr).items():
+    figures = []
+    for name, shape in sizes.items():
+        measured = measure(shape, f"s3://{bucket}", args.repeats, args.lr)
+        for (target, mode), r in measured.items():
             print(f"| {name} | {target} | {mode} | {r['bytes']:,.0f} | {r['publish']:.3f} | {r['load']:.3f} | "
                   f"{r['publish'] + r['load']:.3f} | {r['mean_bytes']:,.0f}, {r['mean_s']:.3f} |", flush=True)
+        full, delta = measured[("S3 (moto)", "full")], measured[("S3 (moto)", "delta")]
+        short = name.split(" (")[0]
+        figures += [Figure(f"S3 s per version (mean of {VERSIONS}), {short}", "s", delta["mean_s"], full["mean_s"],
+                           "full export every version", higher_is_better=False, repeats=args.repeats),
+                    Figure(f"S3 bytes per version (mean of {VERSIONS}), {short}", "bytes", delta["mean_bytes"],
+                           full["mean_bytes"], "full export every version", higher_is_better=False, repeats=args.repeats)]
+    write_results(args.results, "bench_publish", args.profile, figures, lr=args.lr, sizes=list(sizes))
     return 0
 
 

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 from datatrove.pipeline.formatters import PIIFormatter  # noqa: E402
 
+from bench.benchkit import Figure, add_flags, profile_default, write_results  # noqa: E402
 from ember.pipelines.quality.settings import Redaction  # noqa: E402
 from ember.pipelines.quality.redaction import redact  # noqa: E402
 from tests.pipelines.redaction_adversarial import INPUTS  # noqa: E402
@@ -69,17 +70,18 @@ def datatrove_tool() -> tuple[Callable[[str], str], Callable[[str], Counter[str]
     return formatter.format, hits
 
 
-def throughput(redact_text: Callable[[str], str], docs: list[Labelled], repeats: int) -> float:
-    """Median MB of input text per CPU-second of this process over `repeats` passes (CPU time, not
-    wall time: the figure holds on a machine shared with other work)."""
+def throughput(tools: dict[str, Callable[[str], str]], docs: list[Labelled], repeats: int) -> dict[str, float]:
+    """Median MB of input text per CPU-second of this process over `repeats` passes of each tool, the tools
+    taking turns (CPU time, not wall time: the figure holds on a machine shared with other work)."""
     size = sum(len(d.text.encode("utf-8")) for d in docs)
-    rates = []
+    rates: dict[str, list[float]] = {name: [] for name in tools}
     for _ in range(repeats):
-        start = time.process_time()
-        for doc in docs:
-            redact_text(doc.text)
-        rates.append(size / (time.process_time() - start) / 1e6)
-    return statistics.median(rates)
+        for name, redact_text in tools.items():
+            start = time.process_time()
+            for doc in docs:
+                redact_text(doc.text)
+            rates[name].append(size / (time.process_time() - start) / 1e6)
+    return {name: statistics.median(r) for name, r in rates.items()}
 
 
 def report(name: str, result: Score, mb_s: float) -> None:
@@ -139,12 +141,15 @@ def adversarial(name: str, redact_fn: Callable, repeats: int, cap: float) -> Non
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stdlib-files", type=int, default=150)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--stdlib-files", type=int, default=None, help="default: quick 40, full 150")
+    parser.add_argument("--repeats", type=int, default=None, help="default: quick 3, full 5")
     parser.add_argument("--also", metavar="REDACTION_PY", help="also score this version of redaction.py (e.g. main's)")
     parser.add_argument("--adversarial", action="store_true", help="time each adversarial input instead")
     parser.add_argument("--cap", type=float, default=20.0, help="--adversarial: wall seconds after which a run is stopped")
+    add_flags(parser)
     args = parser.parse_args()
+    args.repeats = args.repeats or profile_default(args.profile, 3, 5)
+    args.stdlib_files = args.stdlib_files or profile_default(args.profile, 40, 150)
     if args.adversarial:
         adversarial("ember redaction", redact, args.repeats, args.cap)
         anchor = datatrove_tool()[0]
@@ -160,9 +165,17 @@ def main() -> None:
     tools = [("ember redaction", ember_tool()), ("datatrove PIIFormatter", datatrove_tool())]
     if args.also:
         tools.append((f"ember redaction from {args.also}", ember_tool(module_redact(args.also))))
+    rates = throughput({name: redact_text for name, (redact_text, _) in tools}, planted_docs + clean_docs, args.repeats)
+    recall = {}
     for name, (redact_text, hits) in tools:
         result = score(redact_text, hits, planted_docs, clean_docs)
-        report(name, result, throughput(redact_text, planted_docs + clean_docs, args.repeats))
+        recall[name] = result.recall
+        report(name, result, rates[name])
+    figures = [Figure("MB per CPU-second", "MB/CPU-s", rates["ember redaction"], rates["datatrove PIIFormatter"],
+                      "datatrove PIIFormatter", repeats=args.repeats),
+               Figure("recall on planted secrets", "share", recall["ember redaction"], recall["datatrove PIIFormatter"],
+                      "datatrove PIIFormatter")]
+    write_results(args.results, "bench_redaction", args.profile, figures, stdlib_files=args.stdlib_files, mb=size / 1e6)
 
 
 if __name__ == "__main__":

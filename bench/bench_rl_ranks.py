@@ -25,6 +25,9 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.benchkit import Figure, add_flags, profile_default, write_results  # noqa: E402
 LAYERS, TOP_K, EXPERTS, VOCAB = 4, 2, 8, 512
 LAYOUTS = {"1 rank": (1, 1), "2 ranks, data-parallel": (2, 1), "2 ranks, expert-parallel (EP 2)": (2, 2)}
 
@@ -94,11 +97,13 @@ def run_layout(batch_path: Path, ranks: int, expert: int, steps: int, root: Path
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sequences", type=int, default=16)
+    parser.add_argument("--sequences", type=int, default=None, help="default: quick 8, full 16")
     parser.add_argument("--tokens-per-sequence", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per layout, after one warm-up step")
     parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
+    add_flags(parser)
     args = parser.parse_args()
+    args.sequences = args.sequences or profile_default(args.profile, 8, 16)
     if args.worker:
         batch_path, run_dir, expert, steps, out = args.worker
         worker(batch_path, run_dir, int(expert), int(steps), out)
@@ -110,11 +115,15 @@ def main() -> None:
     print(f"batch: {args.sequences} rollouts x {args.tokens_per_sequence} tokens, routed experts {LAYERS} layers x "
           f"top-{TOP_K} of {EXPERTS} (uint8); model {LAYERS} MoE layers, hidden 64; replay on; 1 thread per rank; "
           f"{os.cpu_count()} CPUs visible")
-    anchor = None
-    for name, (ranks, expert) in LAYOUTS.items():
+    anchor, figures = None, []
+    layouts = profile_default(args.profile, dict(list(LAYOUTS.items())[:2]), LAYOUTS)  # quick: no expert-parallel run
+    for name, (ranks, expert) in layouts.items():
         records = run_layout(batch_path, ranks, expert, args.repeats + 1, root)[1:]
         seconds = statistics.median(r["step_seconds"] for r in records)
         anchor = anchor or seconds
+        if ranks > 1:
+            figures.append(Figure(f"RL step tokens/s, {name}", "tokens/s", tokens / seconds, tokens / anchor, "1 rank",
+                                  repeats=args.repeats))
         last = records[-1]
         assert last["routing_disagreement"] == 0.0 and last["tokens"] == tokens
         whole = sum(last["rank_decoded_bytes"])
@@ -122,6 +131,8 @@ def main() -> None:
         print(f"{'':<32} decoded per rank: {', '.join(f'{b:,} B' for b in last['rank_decoded_bytes'])} of {whole:,} B; "
               f"routed experts {', '.join(f'{b:,} B' for b in last['rank_routed_expert_bytes'])} of "
               f"{sum(last['rank_routed_expert_bytes']):,} B")
+    write_results(args.results, "bench_rl_ranks", args.profile, figures, sequences=args.sequences,
+                  tokens_per_sequence=args.tokens_per_sequence, cpus=os.cpu_count())
 
 
 if __name__ == "__main__":

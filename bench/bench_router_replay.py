@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,18 +30,21 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
-from ember.midtrain.rl.batch import rl_batch
-from ember.rollouts.batching import ScoredRollout, build_train_batch
-from ember.rollouts.simulate import synthetic_rollout
-from ember.schemas import decode_train_batch, encode, encode_train_batch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-LAYERS, TOP_K, EXPERTS = 61, 8, 256
+from bench.benchkit import Figure, add_flags, profile_default, write_results  # noqa: E402
+from ember.midtrain.rl.batch import rl_batch  # noqa: E402
+from ember.rollouts.batching import ScoredRollout, build_train_batch  # noqa: E402
+from ember.rollouts.simulate import synthetic_rollout  # noqa: E402
+from ember.schemas import decode_train_batch, encode, encode_train_batch  # noqa: E402
+
+TOP_K, EXPERTS = 8, 256
 
 
-def distinct_topk(rng: np.random.Generator, tokens: int) -> np.ndarray:
-    """[tokens, 61, 8] uint8: per token and layer, 8 distinct experts (what a router emits)."""
-    out = np.empty((tokens, LAYERS, TOP_K), dtype=np.uint8)
-    for layer in range(LAYERS):
+def distinct_topk(rng: np.random.Generator, tokens: int, layers: int) -> np.ndarray:
+    """[tokens, layers, 8] uint8: per token and layer, 8 distinct experts (what a router emits)."""
+    out = np.empty((tokens, layers, TOP_K), dtype=np.uint8)
+    for layer in range(layers):
         out[:, layer] = rng.random((tokens, EXPERTS)).argpartition(TOP_K, axis=1)[:, :TOP_K]
     return out
 
@@ -54,13 +58,13 @@ def median_s(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def wire_and_batch(tokens: int, sequences: int, repeats: int):
+def wire_and_batch(tokens: int, sequences: int, repeats: int, layers: int):
     rng = np.random.default_rng(0)
     per_seq = tokens // sequences
     rollouts = []
     for i in range(sequences):
         r = synthetic_rollout(rng, group_id="g", prompt_id="p", num_tokens=per_seq, prompt_tokens=per_seq // 4, layers=None, rollout_id=f"r{i}")
-        rollouts.append(dataclasses.replace(r, routed_experts=distinct_topk(rng, per_seq)))
+        rollouts.append(dataclasses.replace(r, routed_experts=distinct_topk(rng, per_seq, layers)))
     zstd = zstandard.ZstdCompressor(level=3)
     with_e, without_e = encode(rollouts[0]), encode(dataclasses.replace(rollouts[0], routed_experts=None))
     wire = (len(with_e) - len(without_e)) / per_seq
@@ -73,11 +77,11 @@ def wire_and_batch(tokens: int, sequences: int, repeats: int):
     encoded = {flag: encode_train_batch(batch(flag)) for flag in (True, False)}
     in_batch = (len(encoded[True]) - len(encoded[False])) / (per_seq * sequences)
     decode = {flag: median_s(lambda m=encoded[flag]: rl_batch(decode_train_batch(m)), repeats * 5) for flag in (True, False)}
-    tensor_bytes = rl_batch(decode_train_batch(encoded[True])).routed_experts.element_size() * LAYERS * TOP_K
+    tensor_bytes = rl_batch(decode_train_batch(encoded[True])).routed_experts.element_size() * layers * TOP_K
     return batch(True), wire, wire_zstd, in_batch, tensor_bytes, decode
 
 
-def step_times(batch, repeats: int) -> tuple[dict[str, list[float]], list[float]]:
+def step_times(batch, repeats: int, layers: int) -> tuple[dict[str, list[float]], list[float]]:
     """Per configuration, the wall time of each `train_step`; and the routing comparison's time per replay step."""
     from ember.midtrain.config import parse_rl_config
     from ember.midtrain.rl.trainer import RLTrainer
@@ -87,7 +91,7 @@ def step_times(batch, repeats: int) -> tuple[dict[str, list[float]], list[float]
         {
             "run_dir": str(root),
             "model": {"tokenizer": "bench", "vocab_size": int(batch.tokens.max()) + 1, "seq_len": 4096,
-                      "num_layers": LAYERS, "hidden_size": 32, "num_attention_heads": 4},
+                      "num_layers": layers, "hidden_size": 32, "num_attention_heads": 4},
             "moe": {"num_experts": EXPERTS, "router_topk": TOP_K, "ffn_hidden_size": 16, "load_balancing": "none"},
             "optimizer": {"lr": 1e-5},
             "rollouts": {"topic_prefix": "bench"},
@@ -121,17 +125,22 @@ def step_times(batch, repeats: int) -> tuple[dict[str, list[float]], list[float]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, default=1024, help="tokens per batch")
+    parser.add_argument("--tokens", type=int, default=None, help="tokens per batch (quick 256, full 1024)")
     parser.add_argument("--sequences", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=None,
+                        help="MoE layers (quick 4: ten CPU steps of 16 layers x 256 sequential experts ran past 240 s; full 61)")
     parser.add_argument("--repeats", type=int, default=3)
+    add_flags(parser)
     args = parser.parse_args()
-    batch, wire, wire_zstd, in_batch, tensor_bytes, decode = wire_and_batch(args.tokens, args.sequences, args.repeats)
-    print(f"routing shape: {LAYERS} layers x top-{TOP_K} of {EXPERTS} experts (uint8); batch {args.tokens} tokens, {args.sequences} sequences")
+    args.tokens = args.tokens or profile_default(args.profile, 256, 1024)
+    args.layers = args.layers or profile_default(args.profile, 4, 61)
+    batch, wire, wire_zstd, in_batch, tensor_bytes, decode = wire_and_batch(args.tokens, args.sequences, args.repeats, args.layers)
+    print(f"routing shape: {args.layers} layers x top-{TOP_K} of {EXPERTS} experts (uint8); batch {args.tokens} tokens, {args.sequences} sequences")
     print(f"routed experts on the wire (Rollout):     {wire:.1f} B/token raw, {wire_zstd:.1f} B/token zstd-3")
     print(f"routed experts in the TrainBatch:         {in_batch:.1f} B/token encoded, {tensor_bytes} B/token as the trainer's tensor")
     print(f"batch decode + tensors:                   {decode[True] * 1e3:.2f} ms with experts, {decode[False] * 1e3:.2f} ms without "
           f"(+{(decode[True] - decode[False]) * 1e3:.2f} ms)")
-    steps, compare = step_times(batch, args.repeats)
+    steps, compare = step_times(batch, args.repeats, args.layers)
     med = statistics.median
     base = med(steps["no experts in batch"])
     for name, seconds in steps.items():
@@ -147,6 +156,12 @@ def main() -> None:
         ("experts in the batch, all (replay - no experts)", paired("replay", "no experts in batch")),
     ):
         print(f"cost of {what}:{' ' * (48 - len(what))}{seconds:+.3f} s  ({seconds / replay_step * 100:+.1f}% of the replay step)")
+    write_results(args.results, "bench_router_replay", args.profile, [
+        Figure("RL step s, router replay on", "s", replay_step, base, "no experts in the batch", higher_is_better=False,
+               repeats=args.repeats),
+        Figure("batch decode ms, with routed experts", "ms", decode[True] * 1e3, decode[False] * 1e3, "without routed experts",
+               higher_is_better=False, repeats=args.repeats * 5),
+    ], tokens=args.tokens, sequences=args.sequences, layers=args.layers, wire_bytes_per_token={"raw": wire, "zstd": wire_zstd})
 
 
 if __name__ == "__main__":

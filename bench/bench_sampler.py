@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,7 +24,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench_mismatch import trainer_and_policy
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.benchkit import Figure, add_flags, profile_default, write_results  # noqa: E402
+from bench_mismatch import trainer_and_policy  # noqa: E402
 
 
 def main() -> None:
@@ -31,9 +35,12 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=12)
-    parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--new-tokens", type=int, default=None, help="default: quick 24, full 48")
+    parser.add_argument("--repeats", type=int, default=None, help="default: quick 3, full 5")
+    add_flags(parser)
     args = parser.parse_args()
+    args.repeats = args.repeats or profile_default(args.profile, 3, 5)
+    args.new_tokens = args.new_tokens or profile_default(args.profile, 24, 48)
     from ember.inference.config import SamplerConfig
     from ember.inference.generate import Sampling, generate
     from ember.inference.tasks import Task
@@ -77,6 +84,9 @@ def main() -> None:
           f"{args.new_tokens} new tokens each, {torch.get_num_threads()} threads")
     print(f"model.generate: {base:,.0f} tokens/s; ember sampler (log-probs, experts, Rollouts encoded): {ours:,.0f} tokens/s; "
           f"overhead {(base / ours - 1) * 100:+.1f}%")
+    write_results(args.results, "bench_sampler", args.profile, [
+        Figure("generated tokens/s", "tokens/s", ours, base, "transformers model.generate", repeats=args.repeats)],
+        batch=len(batch), new_tokens=args.new_tokens, threads=torch.get_num_threads())
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from resiliparse.extract.html2text import extract_plain_text  # noqa: E402
 from resiliparse.parse.encoding import bytes_to_str, detect_encoding  # noqa: E402
 from warcio.archiveiterator import ArchiveIterator  # noqa: E402
 
+from bench.benchkit import Figure, add_flags, profile_default, write_results  # noqa: E402
 from ember.pipelines.corpus.config import CorpusSource  # noqa: E402
 from ember.pipelines.corpus.formats import read_file  # noqa: E402
 from ember.pipelines.quality.language_id import DEFAULT_CANDIDATES, LanguageIdentifier, known_codes  # noqa: E402
@@ -135,9 +136,11 @@ def timed(fns: dict[str, Callable[[], list]], repeats: int) -> dict[str, tuple[f
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pages", type=int, default=1500)
+    parser.add_argument("--pages", type=int, default=None, help="default: quick 100, full 1500")
     parser.add_argument("--repeats", type=int, default=3)
+    add_flags(parser)
     args = parser.parse_args()
+    args.pages = args.pages or profile_default(args.profile, 100, 1500)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "crawl.warc.gz"
         html_bytes = write_archive(path, args.pages)
@@ -177,6 +180,13 @@ def main() -> None:
         for label in ("ember (max_chars 2000, the default)", "ember (max_chars 2000, low_accuracy)"):
             same = sum(a == b for a, b in zip(whole, (code for code, _ in runs[label][1]))) / len(texts)
             print(f"  {label}: same language as on the whole text for {same:.1%} of documents")
+        default = "ember (max_chars 2000, the default)"
+        write_results(args.results, "bench_web_input", args.profile, [
+            Figure("WARC -> text docs/s", "docs/s", n_docs / results["ember read path (format: warc)"][0], dt_rate,
+                   "datatrove ExtractorSandbox + resiliparse", repeats=args.repeats),
+            Figure("language ID docs/s", "docs/s", len(texts) / runs[default][0], len(texts) / raw_seconds,
+                   "raw lingua (whole text)", repeats=args.repeats),
+        ], pages=args.pages, documents=n_docs)
 
 
 if __name__ == "__main__":
