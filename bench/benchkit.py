@@ -22,7 +22,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 @dataclass(frozen=True)
 class Figure:
-    """One headline number: ember's median, its anchor's median from the same run, and which way is better."""
+    """One headline number: ember's median, its anchor's median from the same run, and which way is better.
+
+    `target` is the goal the issue names for `ratio` (0.9 means "ember at least 0.9x its anchor"), not a raw value."""
 
     metric: str
     unit: str
