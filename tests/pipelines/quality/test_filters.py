@@ -6,7 +6,10 @@ import random
 
 import pytest
 
-from ember.pipelines.quality.code_filters import check_code, language_from_path
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from ember.pipelines.quality.code_filters import _ENCODED, alphanumeric_count, check_code, encoded_chars, language_from_path
 from ember.pipelines.quality.settings import CodeFilters, WebFilters
 from ember.demo.sample_corpus import code_file, prose
 from ember.pipelines.quality.web_filters import RegexWordTokenizer, WebFilterStack
@@ -96,3 +99,29 @@ def test_code_allow_lists_and_switches() -> None:
     long_line = "x = [" + ", ".join(["item"] * 300) + "]"
     assert check_code(module + "\n" + long_line, {}, CodeFilters())[0] == "max_line_length"
     assert check_code(module + "\n" + long_line, {}, CodeFilters(max_line_length=None))[0] == ""
+
+
+# Text that exercises every branch of the fast paths: base64/hex alphabets (long runs), escapes, non-ASCII.
+_CODE_TEXT = st.lists(
+    st.one_of(
+        st.sampled_from(["\\x4f", "\\u00e9", "\\xZZ", "0x", "+/=", "\n", " ", "é", "ß", "٣", "_", "deadBEEF"]),
+        st.text(alphabet="0123456789abcdefABCDEF", min_size=1, max_size=80),
+        st.text(max_size=8),
+    ),
+    max_size=60,
+).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(_CODE_TEXT, st.text()), st.integers(0, 40))
+@example("k = (" + "f" * 64 + ")", 0)  # the shortest hex run
+@example("k = (" + "f" * 63 + ")", 0)
+@example("s = '" + "\\x41" * 21 + "'", 0)  # the shortest escape run
+@example("s = '" + "\\u00e9" * 20 + "'", 0)
+@example("QUJD" * 256 + " ", 0)  # the shortest base64 run
+def test_fast_code_statistics_equal_their_definitions(text: str, repeat: int) -> None:
+    """The byte-level alphanumeric count and the regex pre-check give exactly the definitions' numbers."""
+    text = text * (1 + repeat)  # long runs: 64 hex digits, 1024 base64 characters, 21 escapes in a row
+    raw = text.encode("utf-8", "surrogatepass")
+    assert alphanumeric_count(text, raw) == sum(c.isalnum() for c in text)
+    assert encoded_chars(text, raw) == sum(m.end() - m.start() for m in _ENCODED.finditer(text))
