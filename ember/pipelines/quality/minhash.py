@@ -36,11 +36,20 @@ def normalize(text: str) -> str:
     whitespace folded by `str.split`, NFD only off ASCII, and ASCII text cleaned as bytes (`_ascii_words`)."""
     if text.isascii():
         return b" ".join(_ascii_words(text)).decode("ascii")
-    text = text.lower()
-    text = NUMBERS_PATTERN.sub("0", text)
-    text = " ".join(text.translate(PUNCTUATION_TRANS).split())
-    text = "".join(c for c in unicodedata.normalize("NFD", text) if unicodedata.category(c) != "Mn")
-    return text.strip()
+    text = NUMBERS_PATTERN.sub("0", text.lower())
+    text = " ".join(_PUNCTUATION_RUN.sub(" ", text).split())
+    return _NON_ASCII_RUN.sub(_without_marks, unicodedata.normalize("NFD", text)).strip()
+
+
+# datatrove maps every punctuation character to a space, and the words are split on whitespace afterwards, so
+# a run of them becomes one space: one regex pass instead of `str.translate`'s dict lookup per character
+# (the hypothesis test against `simplify_text` catches a map that stops doing so).
+_PUNCTUATION_RUN = re.compile("[" + "".join(re.escape(chr(k)) for k in sorted(PUNCTUATION_TRANS)) + "]+")
+_NON_ASCII_RUN = re.compile(r"[^\x00-\x7f]+")  # combining marks are never ASCII: only these runs are scanned
+
+
+def _without_marks(match: re.Match) -> str:
+    return "".join(c for c in match.group() if unicodedata.category(c) != "Mn")
 
 
 # On ASCII, datatrove's number pattern (\p{Nd} digits, one separator from a set holding '.' and ',' of ASCII)
