@@ -386,6 +386,7 @@ def run_ember(kind: str, input_dir: str, out: str, workers: int) -> int:
 
     config = parse_config({
         "sources": [{"name": kind, "kind": kind, "inputs": [f"{input_dir}/*.parquet"], "format": "parquet"}],
+        "filters": {"web": {"language_id": {"enabled": False}}},  # datatrove's side has no language ID
         "redaction": {"enabled": False},
         "dedup": {"n_grams": N_GRAMS, "bands": BANDS, "rows_per_band": ROWS, "seed": SEED},
         "output": {"directory": out},
@@ -465,11 +466,19 @@ def run_clusters(tool: str, input_dir: Path, out: Path) -> dict[str, str]:
 
 def recall_precision(clusters: dict[str, str], labelled: list[tuple[str, str]], texts: dict[str, str],
                      max_members: int = 40) -> tuple[float, float, int]:
-    """Recall on the labelled planted pairs; precision of the predicted pairs (all pairs within each cluster,
-    its first `max_members` ids in sorted order) by exact 5-gram Jaccard >= the LSH threshold."""
+    """Recall on the labelled planted pairs (found when a copy of each is in one cluster: exact dedup runs first
+    and may keep either copy); precision of the predicted pairs (all pairs within each cluster, its first
+    `max_members` ids in sorted order) by exact 5-gram Jaccard >= the LSH threshold."""
     from ember.pipelines.quality.minhash import jaccard, shingle_set
 
-    found = sum(1 for a, b in labelled if a in clusters and clusters.get(a) == clusters.get(b))
+    copies: dict[str, list[str]] = defaultdict(list)  # exact dedup keeps one copy of a text: any copy stands for it
+    for doc_id, text in texts.items():
+        copies[text].append(doc_id)
+
+    def cluster_of(doc_id: str) -> set[str]:
+        return {clusters[c] for c in copies[texts[doc_id]] if c in clusters}
+
+    found = sum(1 for a, b in labelled if cluster_of(a) & cluster_of(b))
     members: dict[str, list[str]] = defaultdict(list)
     for doc_id, cluster in clusters.items():
         members[cluster].append(doc_id)

@@ -125,3 +125,46 @@ def test_fast_code_statistics_equal_their_definitions(text: str, repeat: int) ->
     raw = text.encode("utf-8", "surrogatepass")
     assert alphanumeric_count(text, raw) == sum(c.isalnum() for c in text)
     assert encoded_chars(text, raw) == sum(m.end() - m.start() for m in _ENCODED.finditer(text))
+
+
+def _repetitive_page(rng: random.Random) -> str:
+    """A page with some of every repetition Gopher measures: repeated lines, paragraphs and n-gram runs."""
+    parts = [prose(rng, rng.randint(1, 6)) for _ in range(rng.randint(1, 6))]
+    for _ in range(rng.randint(0, 4)):
+        pick = rng.choice(parts)
+        words = pick.split(" ")
+        start = rng.randrange(len(words))
+        parts.append(rng.choice([pick, " ".join(words[start : start + rng.randint(2, 12)]) * rng.randint(1, 4)]))
+    rng.shuffle(parts)
+    return rng.choice(["\n", "\n\n", "\n\n\n"]).join(parts)
+
+
+def test_fast_gopher_repetition_and_shared_words_give_datatrove_verdicts() -> None:
+    """ember's Gopher repetition filter (n-grams counted in C) and the stack's one split per document give the
+    verdicts and C4-trimmed texts of datatrove's own classes, reasons included, on pages that trip every rule."""
+    from datatrove.data import Document as DatatroveDocument
+    from datatrove.pipeline.filters import GopherRepetitionFilter
+    from datatrove.pipeline.filters.base_filter import get_filter_result
+
+    from ember.pipelines.quality.web_filters import FILTER_CLASSES
+
+    rng = random.Random(7)
+    stack = WebFilterStack(WebFilters())
+    tokenizer = RegexWordTokenizer()
+    reference = [(name, type(f).__mro__[1] if name == "gopher_repetition" else type(f)) for name, f in stack.filters]
+    assert reference[0] == ("gopher_repetition", GopherRepetitionFilter) and FILTER_CLASSES["gopher_repetition"] is not GopherRepetitionFilter
+    plain = [(name, cls(language=tokenizer, **WebFilters().validated_params(name))) for name, cls in reference]
+    reasons = set()
+    for _ in range(400):
+        text = _repetitive_page(rng)
+        doc, expected = DatatroveDocument(text=text, id=""), (None, "", "")
+        for name, step in plain:
+            kept, reason = get_filter_result(step.filter(doc))
+            if not kept:
+                expected = (None, f"{name}:{reason or 'dropped'}", "")
+                break
+        else:
+            expected = (doc.text, "", "")
+        assert stack.apply(text) == expected
+        reasons.add(expected[1].rstrip("0123456789_ngramsfrac") or "kept")  # "gopher_repetition:top_2_gram" -> ":top"
+    assert {"kept", "gopher_repetition:dup_line", "gopher_repetition:top", "gopher_repetition:duplicated"} <= reasons, reasons
