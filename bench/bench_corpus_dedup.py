@@ -8,17 +8,25 @@ Jaccard of the word 5-gram sets, all pairs sharing any 5-gram (inverted index, s
 a pair is a true duplicate when its Jaccard >= the LSH threshold (1/14)^(1/8) ~ 0.72. Reported: pair
 precision and recall of each tool's clusters.
 
-Throughput: the same web input (several zstd Parquet files; datatrove's JSONL reader needs orjson, absent), the same stages on both sides: read ->
-Gopher repetition + Gopher quality + C4 + FineWeb filters (datatrove's classes, same word splitter)
--> exact dedup -> MinHash near dedup -> write. ember runs on FnApiRunner (multi_processing, W
-workers; in-process for one), datatrove on its LocalPipelineExecutor (W workers). Each run is a fresh subprocess;
-reported: medians over --repeats of wall seconds and CPU seconds (user + sys of the whole process
-tree: the per-core figure that holds on a machine shared with other work), docs/s per core, peak RSS
-(sum over the run's processes, and the largest one), and ember / datatrove ratios. Redaction is off for ember (datatrove
-has no equivalent stage here). datatrove hashes with sha1 (its default xxhash is not installed).
-Timing never decides pass/fail.
+Throughput, per core, on two corpora (each several zstd Parquet files; datatrove's JSONL reader needs orjson, absent):
+  web   filter-passing pages (~1.2 KB) with ~10% planted near duplicates (2 words edited) and ~3% exact copies;
+  code  real source files of this machine (this interpreter's stdlib and site-packages first, then the other
+        installed interpreters and the uv cache), 200 B - 64 KB, with ~10% planted near duplicates (identifiers
+        renamed, a licence header added, or 2% of lines edited).
+Stages, the same on both sides where both have them: read -> (web) Gopher repetition + Gopher quality + C4 +
+FineWeb filters (datatrove's classes, or ember's equal-verdict versions, same word splitter; ember's language
+ID off, datatrove's side has none) / (code) ember's code heuristics (datatrove has none: ember does more work)
+-> exact dedup -> MinHash near dedup (same n-grams, bands, rows, seed, 64-bit) -> write. ember runs on
+FnApiRunner (in-process for one worker), datatrove on LocalPipelineExecutor. Each run is a fresh subprocess,
+the tools interleaved; reported: medians of wall and CPU seconds (user + sys of the process tree: the per-core
+figure that holds on a machine shared with other work), docs per CPU-second, and, from each tool's first run,
+recall on the labelled pairs (planted pairs whose exact 5-gram Jaccard >= the threshold) and precision of the
+pairs each tool's clusters predict. Redaction is off for ember (datatrove has no equivalent stage).
+datatrove hashes with sha1 (its default xxhash is not installed). Timing never decides pass/fail.
 
-    .venv/bin/python bench/bench_corpus_dedup.py [--families 600] [--docs 4000] [--files 4] [--repeats 3]
+    .venv/bin/python bench/bench_corpus_dedup.py --profile quick|full [--results FILE]
+    # quick: 300 families, 3000 web + 2000 code documents, 1 run each; full: 600, 100 000 + 100 000, 3 runs
+    # --docs / --code-docs / --files / --repeats / --only web|code / --skip-quality override a profile
 """
 
 from __future__ import annotations
