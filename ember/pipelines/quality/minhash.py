@@ -120,8 +120,8 @@ def hash_seeds(num_hashes: int, seed: int) -> np.ndarray:
 
 
 def signature_peak_bytes(num_hashes: int) -> int:
-    """Working memory `signature` needs per document, whatever its length: two BLOCK x num_hashes uint64
-    temporaries (measured with tracemalloc), so configs can refuse a hash count no worker can hold."""
+    """Working memory `signature` needs per document beyond a sorted copy of its n-gram hashes: two
+    BLOCK x num_hashes uint64 blocks, so configs can refuse a hash count no worker can hold."""
     return 2 * _BLOCK * num_hashes * 8
 
 
