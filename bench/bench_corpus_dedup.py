@@ -8,17 +8,25 @@ Jaccard of the word 5-gram sets, all pairs sharing any 5-gram (inverted index, s
 a pair is a true duplicate when its Jaccard >= the LSH threshold (1/14)^(1/8) ~ 0.72. Reported: pair
 precision and recall of each tool's clusters.
 
-Throughput: the same web input (several zstd Parquet files; datatrove's JSONL reader needs orjson, absent), the same stages on both sides: read ->
-Gopher repetition + Gopher quality + C4 + FineWeb filters (datatrove's classes, same word splitter)
--> exact dedup -> MinHash near dedup -> write. ember runs on FnApiRunner (multi_processing, W
-workers; in-process for one), datatrove on its LocalPipelineExecutor (W workers). Each run is a fresh subprocess;
-reported: medians over --repeats of wall seconds and CPU seconds (user + sys of the whole process
-tree: the per-core figure that holds on a machine shared with other work), docs/s per core, peak RSS
-(sum over the run's processes, and the largest one), and ember / datatrove ratios. Redaction is off for ember (datatrove
-has no equivalent stage here). datatrove hashes with sha1 (its default xxhash is not installed).
-Timing never decides pass/fail.
+Throughput, per core, on two corpora (each several zstd Parquet files; datatrove's JSONL reader needs orjson, absent):
+  web   filter-passing pages (~1.2 KB) with ~10% planted near duplicates (2 words edited) and ~3% exact copies;
+  code  real source files of this machine (this interpreter's stdlib and site-packages first, then the other
+        installed interpreters and the uv cache), 200 B - 64 KB, with ~10% planted near duplicates (identifiers
+        renamed, a licence header added, or 2% of lines edited).
+Stages, the same on both sides where both have them: read -> (web) Gopher repetition + Gopher quality + C4 +
+FineWeb filters (datatrove's classes, or ember's equal-verdict versions, same word splitter; ember's language
+ID off, datatrove's side has none) / (code) ember's code heuristics (datatrove has none: ember does more work)
+-> exact dedup -> MinHash near dedup (same n-grams, bands, rows, seed, 64-bit) -> write. ember runs on
+FnApiRunner (in-process for one worker), datatrove on LocalPipelineExecutor. Each run is a fresh subprocess,
+the tools interleaved; reported: medians of wall and CPU seconds (user + sys of the process tree: the per-core
+figure that holds on a machine shared with other work), docs per CPU-second, and, from each tool's first run,
+recall on the labelled pairs (planted pairs whose exact 5-gram Jaccard >= the threshold) and precision of the
+pairs each tool's clusters predict. Redaction is off for ember (datatrove has no equivalent stage).
+datatrove hashes with sha1 (its default xxhash is not installed). Timing never decides pass/fail.
 
-    .venv/bin/python bench/bench_corpus_dedup.py [--families 600] [--docs 4000] [--files 4] [--repeats 3]
+    .venv/bin/python bench/bench_corpus_dedup.py --profile quick|full [--results FILE]
+    # quick: 300 families, 3000 web + 2000 code documents, 1 run each; full: 600, 100 000 + 100 000, 3 runs
+    # --docs / --code-docs / --files / --repeats / --only web|code / --skip-quality override a profile
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import argparse
 import json
 import os
 import random
+import re
 import resource
 import shutil
 import statistics
@@ -42,6 +51,10 @@ from pathlib import Path
 import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from bench.benchkit import Figure, add_flags, profile_default, write_results  # noqa: E402
 
 THRESHOLD = (1 / 14) ** (1 / 8)
 N_GRAMS, BANDS, ROWS, SEED = 5, 14, 8, 1
@@ -252,27 +265,126 @@ def quality(families: int, work: Path) -> None:
 # ---------------------------------------------------------------- throughput
 
 
-def web_corpus(directory: Path, docs: int, files: int, seed: int = 11) -> int:
-    """Filter-passing web pages with ~10% planted near duplicates and ~3% exact ones; returns bytes."""
+def web_corpus(directory: Path, docs: int, files: int, seed: int = 11) -> tuple[int, list[tuple[str, str]]]:
+    """Filter-passing web pages with ~10% planted near duplicates and ~3% exact ones; returns the bytes
+    and the planted (original id, near-duplicate id) pairs."""
     from ember.demo.sample_corpus import near_duplicate, prose
 
     rng = random.Random(seed)
     directory.mkdir(parents=True)
     pages: list[str] = []
+    planted: list[tuple[str, str]] = []
     for i in range(docs):
         roll = rng.random()
         if pages and roll < 0.03:
             pages.append(rng.choice(pages))
         elif pages and roll < 0.13:
-            pages.append(near_duplicate(rng, rng.choice(pages), 2))
+            j = rng.randrange(len(pages))
+            pages.append(near_duplicate(rng, pages[j], 2))
+            planted.append((f"d{j}", f"d{i}"))
         else:
             pages.append(prose(rng, rng.randint(8, 20)))
+    _write_parts(directory, pages, files)
+    return sum(len(t.encode()) for t in pages), planted
+
+
+def _write_parts(directory: Path, texts: list[str], files: int) -> None:
     for k in range(files):
-        _write_parquet(directory / f"part-{k}.parquet", [{"id": f"d{i}", "text": t} for i, t in enumerate(pages) if i % files == k])
-    return sum(len(t.encode()) for t in pages)
+        _write_parquet(directory / f"part-{k}.parquet", [{"id": f"d{i}", "text": t} for i, t in enumerate(texts) if i % files == k])
 
 
-def run_ember(input_dir: str, out: str, workers: int) -> int:
+CODE_SUFFIXES = (".py", ".pyi", ".c", ".h", ".js", ".ts", ".cpp", ".hpp", ".rs", ".go", ".java", ".sh")
+
+
+def _code_roots() -> list[Path]:
+    """Where this machine keeps source files, most relevant first: this interpreter's stdlib and site-packages,
+    then the other installed interpreters and the uv cache's unpacked wheels (only walked when more are needed)."""
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    roots = [Path(paths["stdlib"]), Path(paths["purelib"])]
+    roots += sorted(Path("/root/.pyenv/versions").glob("*/lib/python*")) + [Path.home() / ".cache/uv/archive-v0"]
+    return [r for r in dict.fromkeys(roots) if r.is_dir()]
+
+
+def source_files(count: int, min_bytes: int = 200, max_bytes: int = 64_000) -> list[str]:
+    """Up to `count` real source files' texts (UTF-8, min..max bytes), walked in sorted order, so a size is a prefix."""
+    texts: list[str] = []
+    seen: set[Path] = set()
+    for root in _code_roots():
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames.sort()
+            for name in sorted(filenames):
+                path = Path(dirpath, name)
+                if not name.endswith(CODE_SUFFIXES) or path.is_symlink():
+                    continue
+                real = path.resolve()
+                if real in seen:
+                    continue
+                seen.add(real)
+                try:
+                    if not min_bytes <= path.stat().st_size <= max_bytes:
+                        continue
+                    texts.append(path.read_bytes().decode("utf-8"))
+                except (OSError, UnicodeDecodeError):
+                    continue
+                if len(texts) == count:
+                    return texts
+    return texts
+
+
+_IDENTIFIER = re.compile(r"\b[a-z_][a-z0-9_]{5,}\b")
+
+
+def code_variant(rng: random.Random, text: str) -> str:
+    """A planted near-duplicate of a source file: identifiers renamed, a licence header added, or a few lines edited."""
+    kind = rng.choice(("rename", "license", "edit"))
+    if kind == "rename":
+        names = sorted(set(_IDENTIFIER.findall(text)))
+        for old in rng.sample(names, min(2, len(names))):
+            text = re.sub(rf"\b{old}\b", f"{old}_v2", text)
+        return text
+    if kind == "license":
+        return MIT_HEADER + text
+    lines = text.split("\n")
+    for i in rng.sample(range(len(lines)), max(1, len(lines) // 50)):
+        lines[i] = lines[i] + "  # patched"
+    return "\n".join(lines)
+
+
+def code_corpus(directory: Path, docs: int, files: int, seed: int = 13) -> tuple[int, list[tuple[str, str]]]:
+    """Real source files from this machine with ~10% planted near-duplicates of earlier ones (a base is only
+    chosen when its text occurs once and passes ember's code filters, so the planted pair reaches near dedup
+    on both sides); returns the bytes and the planted pairs."""
+    from ember.pipelines.quality.code_filters import check_code
+    from ember.pipelines.quality.settings import CodeFilters
+
+    rng = random.Random(seed)
+    planted_count = docs // 10
+    real = source_files(docs - planted_count)
+    counts: dict[str, int] = defaultdict(int)
+    for t in real:
+        counts[t] += 1
+    filters = CodeFilters()
+    texts = list(real)
+    planted: list[tuple[str, str]] = []
+    eligible = [i for i, t in enumerate(real) if counts[t] == 1 and not check_code(t, {}, filters)[0]]
+    for j in rng.sample(eligible, min(planted_count, len(eligible))):
+        variant = code_variant(rng, real[j])
+        if check_code(variant, {}, filters)[0]:
+            continue
+        texts.append(variant)
+        planted.append((f"d{j}", f"d{len(texts) - 1}"))
+    order = list(range(len(texts)))
+    rng.shuffle(order)  # variants spread through the files, not all at the end
+    position = {old: new for new, old in enumerate(order)}
+    directory.mkdir(parents=True)
+    _write_parts(directory, [texts[i] for i in order], files)
+    pairs = [(f"d{position[int(a[1:])]}", f"d{position[int(b[1:])]}") for a, b in planted]
+    return sum(len(t.encode()) for t in texts), pairs
+
+
+def run_ember(kind: str, input_dir: str, out: str, workers: int) -> int:
     from apache_beam.options.pipeline_options import PipelineOptions
 
     from ember.pipelines.corpus.config import parse_config
@@ -281,7 +393,8 @@ def run_ember(input_dir: str, out: str, workers: int) -> int:
     from ember.pipelines.jobs.runners import local_args
 
     config = parse_config({
-        "sources": [{"name": "web", "kind": "web", "inputs": [f"{input_dir}/*.parquet"], "format": "parquet"}],
+        "sources": [{"name": kind, "kind": kind, "inputs": [f"{input_dir}/*.parquet"], "format": "parquet"}],
+        "filters": {"web": {"language_id": {"enabled": False}}},  # datatrove's side has no language ID
         "redaction": {"enabled": False},
         "dedup": {"n_grams": N_GRAMS, "bands": BANDS, "rows_per_band": ROWS, "seed": SEED},
         "output": {"directory": out},
@@ -294,7 +407,9 @@ def _text(doc) -> str:
     return doc.text
 
 
-def run_datatrove(input_dir: str, out: str, workers: int, files: int) -> int:
+def run_datatrove(kind: str, input_dir: str, out: str, workers: int, files: int) -> int:
+    """datatrove's pipeline for the same build: web pages through the same four filter classes, code files
+    unfiltered (datatrove has no code heuristics), then exact dedup and its four-stage MinHash dedup."""
     from datatrove.executor import LocalPipelineExecutor
     from datatrove.pipeline.dedup.exact_dedup import ExactDedupConfig, ExactDedupFilter, ExactDedupSignature, ExactFindDedups
     from datatrove.pipeline.dedup.minhash import (
@@ -309,22 +424,82 @@ def run_datatrove(input_dir: str, out: str, workers: int, files: int) -> int:
 
     tok, cfg = RegexWordTokenizer(), _datatrove_minhash_config()
     exact = ExactDedupConfig(content_getter=_text, hash_config=HashConfig(precision=64, hash_fc="sha1"))
-    stages = [
-        ([ParquetReader(input_dir), GopherRepetitionFilter(language=tok), GopherQualityFilter(language=tok),
-          C4QualityFilter(filter_no_terminal_punct=False, language=tok), FineWebQualityFilter(language=tok),
-          ParquetWriter(f"{out}/filtered", compression="zstd")], files),
-        ([ParquetReader(f"{out}/filtered"), ExactDedupSignature(f"{out}/exact_sigs", config=exact)], files),
+    filtered = input_dir
+    stages = []
+    if kind == "web":
+        filtered = f"{out}/filtered"
+        stages.append(([ParquetReader(input_dir), GopherRepetitionFilter(language=tok), GopherQualityFilter(language=tok),
+                        C4QualityFilter(filter_no_terminal_punct=False, language=tok), FineWebQualityFilter(language=tok),
+                        ParquetWriter(filtered, compression="zstd")], files))
+    stages += [
+        ([ParquetReader(filtered), ExactDedupSignature(f"{out}/exact_sigs", config=exact)], files),
         ([ExactFindDedups(f"{out}/exact_sigs", f"{out}/exact_dups", config=exact)], 1),
-        ([ParquetReader(f"{out}/filtered"), ExactDedupFilter(f"{out}/exact_dups", config=exact),
+        ([ParquetReader(filtered), ExactDedupFilter(f"{out}/exact_dups", config=exact),
           ParquetWriter(f"{out}/exact", compression="zstd")], files),
         ([ParquetReader(f"{out}/exact"), MinhashDedupSignature(f"{out}/sigs", config=cfg, language=tok)], files),
         ([MinhashDedupBuckets(f"{out}/sigs", f"{out}/buckets", config=cfg)], BANDS),
-        ([MinhashDedupCluster(f"{out}/buckets", f"{out}/remove", config=cfg)], 1),
-        ([ParquetReader(f"{out}/exact"), MinhashDedupFilter(f"{out}/remove"), ParquetWriter(f"{out}/final", compression="zstd")], files),
+        ([MinhashDedupCluster(f"{out}/buckets", f"{out}/remove", config=cfg, save_cluster_id=True)], 1),
+        ([ParquetReader(f"{out}/exact"),
+          MinhashDedupFilter(f"{out}/remove", load_cluster_ids=True,
+                             exclusion_writer=ParquetWriter(f"{out}/removed", compression="zstd", expand_metadata=True)),
+          ParquetWriter(f"{out}/final", compression="zstd", expand_metadata=True)], files),
     ]
     for i, (pipeline, tasks) in enumerate(stages):
         LocalPipelineExecutor(pipeline, tasks=tasks, workers=min(workers, tasks), logging_dir=f"{out}/logs/{i}").run()
     return sum(pq.read_metadata(p).num_rows for p in Path(f"{out}/final").glob("*.parquet"))
+
+
+def run_clusters(tool: str, input_dir: Path, out: Path) -> dict[str, str]:
+    """Input id -> near-dedup cluster of a finished throughput run (documents in no cluster are absent)."""
+    if tool == "datatrove":
+        clusters = {}
+        for folder in ("final", "removed"):
+            for path in sorted((out / folder).glob("*.parquet")):
+                for d in pq.read_table(path, columns=["id", "minhash_cluster_id"]).to_pylist():
+                    if d["minhash_cluster_id"] != -1:
+                        clusters[d["id"]] = str(d["minhash_cluster_id"])
+        return clusters
+    import polars as pl
+
+    from ember.pipelines.corpus.report import read_output
+
+    ids = {str(path): pq.read_table(path, columns=["id"]).column("id").to_pylist() for path in sorted(input_dir.glob("*.parquet"))}
+    rows = read_output(str(out), "clusters").filter(pl.col("stage") == "near_dedup").select("location", "cluster_id")
+    clusters = {}
+    for location, cluster in rows.iter_rows():
+        path, row = location.rsplit(":row=", 1)
+        clusters[ids[path][int(row) - 1]] = cluster
+    return clusters
+
+
+def recall_precision(clusters: dict[str, str], labelled: list[tuple[str, str]], texts: dict[str, str],
+                     max_members: int = 40) -> tuple[float, float, int]:
+    """Recall on the labelled planted pairs (found when a copy of each is in one cluster: exact dedup runs first
+    and may keep either copy); precision of the predicted pairs (all pairs within each cluster, its first
+    `max_members` ids in sorted order) by exact 5-gram Jaccard >= the LSH threshold."""
+    from ember.pipelines.quality.minhash import jaccard, shingle_set
+
+    copies: dict[str, list[str]] = defaultdict(list)  # exact dedup keeps one copy of a text: any copy stands for it
+    for doc_id, text in texts.items():
+        copies[text].append(doc_id)
+
+    def cluster_of(doc_id: str) -> set[str]:
+        return {clusters[c] for c in copies[texts[doc_id]] if c in clusters}
+
+    found = sum(1 for a, b in labelled if cluster_of(a) & cluster_of(b))
+    members: dict[str, list[str]] = defaultdict(list)
+    for doc_id, cluster in clusters.items():
+        members[cluster].append(doc_id)
+    sets: dict[str, frozenset[int]] = {}
+
+    def shingled(doc_id: str) -> frozenset[int]:
+        if doc_id not in sets:
+            sets[doc_id] = shingle_set(texts[doc_id], N_GRAMS)
+        return sets[doc_id]
+
+    predicted = [p for ids in members.values() for p in combinations(sorted(ids)[:max_members], 2)]
+    true = sum(1 for a, b in predicted if jaccard(shingled(a), shingled(b)) >= THRESHOLD)
+    return (found / len(labelled) if labelled else 1.0), (true / len(predicted) if predicted else 1.0), len(predicted)
 
 
 def _child(args: argparse.Namespace) -> None:
@@ -334,7 +509,7 @@ def _child(args: argparse.Namespace) -> None:
     stop = threading.Event()
 
     def sample() -> None:
-        while not stop.wait(0.05):
+        while not stop.wait(0.25):  # sparse: listing children scans /proc, CPU counted against both tools
             try:
                 rss = [me.memory_info().rss] + [c.memory_info().rss for c in me.children(recursive=True)]
             except psutil.Error:
@@ -344,76 +519,104 @@ def _child(args: argparse.Namespace) -> None:
     threading.Thread(target=sample, daemon=True).start()
     start = time.perf_counter()
     if args.tool == "ember":
-        kept = run_ember(args.input, args.out, args.workers)
+        kept = run_ember(args.kind, args.input, args.out, args.workers)
     else:
-        kept = run_datatrove(args.input, args.out, args.workers, args.files)
+        kept = run_datatrove(args.kind, args.input, args.out, args.workers, args.files)
     seconds = time.perf_counter() - start
     stop.set()
     print(json.dumps({"seconds": seconds, "kept": kept, "rss_sum_mb": peak["sum"] / 2**20, "rss_max_mb": peak["max"] / 2**20}))
 
 
-def throughput(docs: int, files: int, repeats: int, work: Path) -> None:
-    input_dir = work / "web"
-    total_bytes = web_corpus(input_dir, docs, files)
-    print(f"\n## Throughput: {docs} web documents ({total_bytes / 1e6:.1f} MB) in {files} files, median of {repeats}\n")
-    print("| tool | workers | wall s | CPU s | docs/s/core (wall) | docs per CPU-s | MB per CPU-s | kept | peak RSS sum MB | largest process MB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    results: dict[tuple[str, int], dict] = {}
-    for workers in (1, 2):
+def throughput(kind: str, docs: int, files: int, repeats: int, workers: int, work: Path) -> list:
+    """Interleaved fresh-process runs of both tools on one corpus; prints the table and returns its Figures."""
+    input_dir = work / kind
+    total_bytes, planted = (web_corpus if kind == "web" else code_corpus)(input_dir, docs, files)
+    texts = {}
+    for path in sorted(input_dir.glob("*.parquet")):
+        for d in pq.read_table(path).to_pylist():
+            texts[d["id"]] = d["text"]
+    from ember.pipelines.quality.minhash import jaccard, shingle_set
+
+    labelled = [(a, b) for a, b in planted if jaccard(shingle_set(texts[a], N_GRAMS), shingle_set(texts[b], N_GRAMS)) >= THRESHOLD]
+    docs = len(texts)
+    print(f"\n## {kind}: {docs} documents ({total_bytes / 1e6:.1f} MB) in {files} files, {workers} worker(s), "
+          f"median of {repeats} interleaved runs; {len(labelled)} labelled near-duplicate pairs "
+          f"(of {len(planted)} planted, exact 5-gram Jaccard >= {THRESHOLD:.3f}); load average {os.getloadavg()[0]:.1f}\n")
+    print("| tool | wall s | CPU s | docs per CPU-s | MB per CPU-s | kept | recall | precision (pairs) | peak RSS sum MB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    runs: dict[str, list[dict]] = {"ember": [], "datatrove": []}
+    for r in range(repeats):
         for tool in ("ember", "datatrove"):
-            runs = []
-            for r in range(repeats):
-                out = work / f"{tool}-{workers}-{r}"
-                cmd = [sys.executable, __file__, "_child", tool, str(input_dir), str(out), str(workers), str(files)]
-                before = resource.getrusage(resource.RUSAGE_CHILDREN)
-                child = subprocess.run(cmd, capture_output=True, text=True)
-                if child.returncode != 0:
-                    raise RuntimeError(f"{tool} run failed (exit {child.returncode}):\n{child.stderr[-3000:]}")
-                line = child.stdout.strip().splitlines()[-1]
-                after = resource.getrusage(resource.RUSAGE_CHILDREN)
-                cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-                runs.append({**json.loads(line), "cpu": cpu})
-                shutil.rmtree(out, ignore_errors=True)
-            med = {k: statistics.median(run[k] for run in runs) for k in ("seconds", "cpu", "rss_sum_mb", "rss_max_mb")}
-            med["kept"] = runs[0]["kept"]
-            results[(tool, workers)] = med
-            s, cpu = med["seconds"], med["cpu"]
-            print(f"| {tool} | {workers} | {s:.2f} | {cpu:.2f} | {docs / s / workers:,.0f} | {docs / cpu:,.0f} | "
-                  f"{total_bytes / 1e6 / cpu:.3f} | {med['kept']} | {med['rss_sum_mb']:.0f} | {med['rss_max_mb']:.0f} |")
-    print("\n| workers | ember/datatrove docs/s per core (wall) | ember/datatrove docs per CPU-s | ember/datatrove peak RSS sum |")
-    print("|---|---|---|---|")
-    for workers in (1, 2):
-        e, d = results[("ember", workers)], results[("datatrove", workers)]
-        print(f"| {workers} | {d['seconds'] / e['seconds']:.2f}x | {d['cpu'] / e['cpu']:.2f}x | {e['rss_sum_mb'] / d['rss_sum_mb']:.2f}x |")
+            out = work / f"{kind}-{tool}-{r}"
+            cmd = [sys.executable, __file__, "_child", kind, tool, str(input_dir), str(out), str(workers), str(files)]
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            child = subprocess.run(cmd, capture_output=True, text=True)
+            if child.returncode != 0:
+                raise RuntimeError(f"{tool} run failed (exit {child.returncode}):\n{child.stderr[-3000:]}")
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+            result = {**json.loads(child.stdout.strip().splitlines()[-1]), "cpu": cpu}
+            if r == 0:
+                result["quality"] = recall_precision(run_clusters(tool, input_dir, out), labelled, texts)
+            runs[tool].append(result)
+            shutil.rmtree(out, ignore_errors=True)
+    med = {}
+    for tool, rs in runs.items():
+        m = {k: statistics.median(x[k] for x in rs) for k in ("seconds", "cpu", "rss_sum_mb")}
+        recall, precision, pairs = rs[0]["quality"]
+        med[tool] = m
+        print(f"| {tool} | {m['seconds']:.2f} | {m['cpu']:.2f} | {docs / m['cpu']:,.0f} | {total_bytes / 1e6 / m['cpu']:.3f} | "
+              f"{rs[0]['kept']} | {recall:.4f} | {precision:.4f} ({pairs}) | {m['rss_sum_mb']:.0f} |")
+        m["recall"] = recall
+    e, d = med["ember"], med["datatrove"]
+    print(f"\nember / datatrove: **{d['cpu'] / e['cpu']:.2f}x** docs per CPU-second, {d['seconds'] / e['seconds']:.2f}x wall "
+          f"(target 1.2x per core); recall {e['recall']:.4f} vs {d['recall']:.4f}")
+    return [
+        Figure(f"{kind} filter + dedup, docs per CPU-s ({docs} docs)", "docs/CPU-s", docs / e["cpu"], docs / d["cpu"],
+               "datatrove", repeats=repeats, target=1.2),
+        Figure(f"{kind} near-dedup recall on planted pairs", "recall", e["recall"], d["recall"], "datatrove"),
+    ]
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_child":
         p = argparse.ArgumentParser()
-        for name in ("mode", "tool", "input", "out"):
+        for name in ("mode", "kind", "tool", "input", "out"):
             p.add_argument(name)
         p.add_argument("workers", type=int)
         p.add_argument("files", type=int)
         _child(p.parse_args())
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--families", type=int, default=600, help="planted families for the quality run")
-    p.add_argument("--docs", type=int, default=4000, help="web documents for the throughput run")
-    p.add_argument("--files", type=int, default=4, help="input files for the throughput run")
-    p.add_argument("--repeats", type=int, default=3)
+    add_flags(p)
+    p.add_argument("--families", type=int, default=None, help="planted families for the quality run (quick 300, full 600)")
+    p.add_argument("--docs", type=int, default=None, help="web documents (quick 3000, full 100000)")
+    p.add_argument("--code-docs", type=int, default=None, help="code files (quick 2000, full 100000)")
+    p.add_argument("--files", type=int, default=None, help="input Parquet files per corpus (quick 4, full 16)")
+    p.add_argument("--repeats", type=int, default=None, help="interleaved runs per tool (quick 1, full 3)")
+    p.add_argument("--workers", type=int, default=1)
     p.add_argument("--skip-quality", action="store_true")
-    p.add_argument("--skip-throughput", action="store_true")
+    p.add_argument("--only", choices=("web", "code"), default=None, help="one corpus of the throughput runs")
     args = p.parse_args()
+    families = args.families or profile_default(args.profile, 300, 600)
+    sizes = {"web": args.docs or profile_default(args.profile, 3000, 100_000),
+             "code": args.code_docs or profile_default(args.profile, 2000, 100_000)}
+    files = args.files or profile_default(args.profile, 4, 16)
+    repeats = args.repeats or profile_default(args.profile, 1, 3)
     work = Path(tempfile.mkdtemp(prefix="ember-bench-corpus-"))
+    figures = []
     try:
         print(f"# bench_corpus_dedup — {os.cpu_count()} cores, ember vs datatrove "
               f"(word {N_GRAMS}-grams, {BANDS} bands x {ROWS} rows, threshold {THRESHOLD:.3f})")
         if not args.skip_quality:
-            quality(args.families, work / "quality")
-        if not args.skip_throughput:
-            throughput(args.docs, args.files, args.repeats, work / "throughput")
+            quality(families, work / "quality")
+        for kind in ("web", "code"):
+            if args.only in (None, kind):
+                figures += throughput(kind, sizes[kind], files, repeats, args.workers, work / "throughput")
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    write_results(args.results, "corpus_dedup", args.profile, figures, sizes=sizes, files=files, workers=args.workers,
+                  minhash={"n_grams": N_GRAMS, "bands": BANDS, "rows": ROWS})
 
 
 if __name__ == "__main__":

@@ -112,7 +112,7 @@ def test_dedup_bands_of_a_million_are_refused_at_load_with_the_bound() -> None:
 
 def test_hash_count_is_refused_with_its_memory_estimate() -> None:
     message = _error({**BASE, "dedup": {"bands": 1024, "rows_per_band": 256}})
-    assert "bands x rows_per_band = 262,144 hashes need about 16.0 GiB per worker" in message
+    assert "bands x rows_per_band = 262,144 hashes need about 4.0 GiB per worker" in message
     assert "at most 1.0 GiB" in message
     assert parse_config({**BASE, "dedup": {"bands": 1024, "rows_per_band": 256, "near": False}}).dedup.num_hashes == 262_144
     assert parse_config({**BASE, "dedup": {"bands": 128, "rows_per_band": 64}}).dedup.num_hashes == 8192

@@ -6,7 +6,10 @@ import random
 
 import pytest
 
-from ember.pipelines.quality.code_filters import check_code, language_from_path
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from ember.pipelines.quality.code_filters import _ENCODED, alphanumeric_count, check_code, encoded_chars, language_from_path
 from ember.pipelines.quality.settings import CodeFilters, WebFilters
 from ember.demo.sample_corpus import code_file, prose
 from ember.pipelines.quality.web_filters import RegexWordTokenizer, WebFilterStack
@@ -96,3 +99,75 @@ def test_code_allow_lists_and_switches() -> None:
     long_line = "x = [" + ", ".join(["item"] * 300) + "]"
     assert check_code(module + "\n" + long_line, {}, CodeFilters())[0] == "max_line_length"
     assert check_code(module + "\n" + long_line, {}, CodeFilters(max_line_length=None))[0] == ""
+
+
+# Text that exercises every branch of the fast paths: base64/hex alphabets (long runs), escapes, non-ASCII.
+_CODE_TEXT = st.lists(
+    st.one_of(
+        st.sampled_from(["\\x4f", "\\u00e9", "\\xZZ", "0x", "+/=", "\n", " ", "é", "ß", "٣", "_", "deadBEEF"]),
+        st.text(alphabet="0123456789abcdefABCDEF", min_size=1, max_size=80),
+        st.text(max_size=8),
+    ),
+    max_size=60,
+).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(_CODE_TEXT, st.text()), st.integers(0, 40))
+@example("k = (" + "f" * 64 + ")", 0)  # the shortest hex run
+@example("k = (" + "f" * 63 + ")", 0)
+@example("s = '" + "\\x41" * 21 + "'", 0)  # the shortest escape run
+@example("s = '" + "\\u00e9" * 20 + "'", 0)
+@example("QUJD" * 256 + " ", 0)  # the shortest base64 run
+def test_fast_code_statistics_equal_their_definitions(text: str, repeat: int) -> None:
+    """The byte-level alphanumeric count and the regex pre-check give exactly the definitions' numbers."""
+    text = text * (1 + repeat)  # long runs: 64 hex digits, 1024 base64 characters, 21 escapes in a row
+    raw = text.encode("utf-8", "surrogatepass")
+    assert alphanumeric_count(text, raw) == sum(c.isalnum() for c in text)
+    assert encoded_chars(text, raw) == sum(m.end() - m.start() for m in _ENCODED.finditer(text))
+
+
+def _repetitive_page(rng: random.Random) -> str:
+    """A page with some of every repetition Gopher measures: repeated lines, paragraphs and n-gram runs."""
+    parts = [prose(rng, rng.randint(1, 6)) for _ in range(rng.randint(1, 6))]
+    for _ in range(rng.randint(0, 4)):
+        pick = rng.choice(parts)
+        words = pick.split(" ")
+        start = rng.randrange(len(words))
+        parts.append(rng.choice([pick, " ".join(words[start : start + rng.randint(2, 12)]) * rng.randint(1, 4)]))
+    rng.shuffle(parts)
+    return rng.choice(["\n", "\n\n", "\n\n\n"]).join(parts)
+
+
+def test_fast_gopher_repetition_and_shared_words_give_datatrove_verdicts() -> None:
+    """ember's Gopher repetition (n-grams counted in C) and C4 (sentences counted up to the minimum) filters and
+    the stack's one split per document give the verdicts and C4-trimmed texts of datatrove's own classes,
+    reasons included, on pages that trip every rule."""
+    from datatrove.data import Document as DatatroveDocument
+    from datatrove.pipeline.filters import C4QualityFilter, GopherRepetitionFilter
+    from datatrove.pipeline.filters.base_filter import get_filter_result
+
+    rng = random.Random(7)
+    stack = WebFilterStack(WebFilters())
+    tokenizer = RegexWordTokenizer()
+    # each filter's datatrove class: the first of its bases that datatrove defines
+    reference = [(name, next(c for c in type(f).__mro__ if c.__module__.startswith("datatrove."))) for name, f in stack.filters]
+    assert {GopherRepetitionFilter, C4QualityFilter} <= {c for _, c in reference}
+    assert {GopherRepetitionFilter, C4QualityFilter}.isdisjoint({type(f) for _, f in stack.filters})
+    plain = [(name, cls(language=tokenizer, **WebFilters().validated_params(name))) for name, cls in reference]
+    reasons = set()
+    for _ in range(400):
+        text = _repetitive_page(rng)
+        doc, expected = DatatroveDocument(text=text, id=""), (None, "", "")
+        for name, step in plain:
+            kept, reason = get_filter_result(step.filter(doc))
+            if not kept:
+                expected = (None, f"{name}:{reason or 'dropped'}", "")
+                break
+        else:
+            expected = (doc.text, "", "")
+        assert stack.apply(text) == expected
+        reasons.add(expected[1] or "kept")
+    for rule in ("kept", "gopher_repetition:dup_line", "gopher_repetition:top_", "gopher_repetition:duplicated_",
+                 "c4_quality:too_few_sentences"):
+        assert any(r.startswith(rule) for r in reasons), (rule, reasons)

@@ -19,6 +19,19 @@ def test_normalize_equals_datatrove_simplify_text(text: str) -> None:
     assert minhash.normalize(text) == simplify_text(text)
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.text(), st.text(alphabet=string.printable + "\x1c\x1f\x7f", max_size=300)))
+def test_word_shingles_equal_the_reference_over_datatrove_simplify_text(text: str) -> None:
+    """The byte-level ASCII path and the per-process word-hash memo give the shingles of the plain definition:
+    datatrove's simplified words, each blake2b-hashed, windowed."""
+    import hashlib
+
+    words = simplify_text(text).split()
+    units = np.array([int.from_bytes(hashlib.blake2b(w.encode(), digest_size=8).digest(), "little") for w in words],
+                     dtype=np.uint64)
+    assert np.array_equal(minhash.shingles(text, 3), minhash.windows(units, 3))
+
+
 def _words(rng: random.Random, n: int) -> list[str]:
     vocab = ["".join(rng.choice(string.ascii_lowercase) for _ in range(6)) for _ in range(3000)]
     return [rng.choice(vocab) for _ in range(n)]
@@ -60,6 +73,7 @@ def test_signatures_and_band_keys_are_deterministic_and_per_band() -> None:
 
 def test_blocked_minimum_equals_the_full_minimum() -> None:
     hashes = np.random.default_rng(0).integers(0, 2**63, size=10_000, dtype=np.uint64)
+    hashes = np.concatenate([hashes, hashes[:3000]])  # repeated n-grams: dropped before the minimum
     seeds = minhash.hash_seeds(16, 3)
     full = minhash.splitmix64(hashes[:, None] ^ seeds[None, :]).min(axis=0)
     assert np.array_equal(minhash.signature(hashes, 16, 3), full)
