@@ -214,6 +214,7 @@ class Trainer:
         ]
         for proc in self.procs:
             proc.start()
+            record(proc.pid, "rank")
 
     def wait_ready(self) -> None:
         for event in self.ready:
@@ -227,15 +228,27 @@ class Trainer:
         return found
 
 
+def record(pid: int, name: str) -> None:
+    """With $EMBER_BENCH_PY_SPY (a py-spy binary) and $EMBER_BENCH_PROFILE_DIR, sample `pid` until it exits
+    (raw collapsed stacks, idle frames included, so waits show as wall time)."""
+    py_spy, out = os.environ.get("EMBER_BENCH_PY_SPY"), os.environ.get("EMBER_BENCH_PROFILE_DIR")
+    if py_spy and out:
+        subprocess.Popen([py_spy, "record", "--idle", "--format", "raw", "-r", "50", "--pid", str(pid), "-o",
+                          f"{out}/{name}-{pid}.txt"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def start_etls(config_path: Path, count: int) -> list[subprocess.Popen]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return [
+    procs = [
         subprocess.Popen(
             [sys.executable, "-m", "ember.cli", "rollouts", "etl", str(config_path), "--instance", str(i), "--log-level", "WARNING"],
             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )
         for i in range(count)
     ]
+    for proc in procs:
+        record(proc.pid, "etl")
+    return procs
 
 
 def stop_etls(procs: list[subprocess.Popen]) -> None:
