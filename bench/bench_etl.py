@@ -1,25 +1,35 @@
 """Rollout ETL end to end through the real broker, vs a plain kafka-python consumer on the same topics.
 
-Realistic records: 8192-token rollouts (prompt 512), groups of 8, routed experts 61 layers x top-8
-uint8 (~4 MB per rollout on the wire), one reward per rollout, 2 partitions. The ETL runs as
-`ember rollouts etl` processes (1 or 2 in one consumer group); the trainer side is 1 or 2 "rank"
+Realistic records: 8192-token rollouts (prompt 512), groups of 8, routed experts 61 layers x top-8 of 256
+uint8 (~4 MB per rollout on the wire), drawn as a router's are: distinct ids from a skewed per-layer
+popularity (`simulate.distinct_top_k`), so they do not compress; one reward per rollout, 2 partitions. The
+ETL runs as `ember rollouts etl` processes (1 or 2 in one consumer group); the trainer side is 1 or 2 "rank"
 processes, each reading the by-reference batches and turning only its own share into tensors with
-`rl_batch_share` (the rollouts fetched from the rollouts topic by `RolloutFetcher`), as `midtrain rl`
-ranks do. The batch headers every rank reads stand in for rank 0's broadcast.
+`rl_batch_share` (the rollouts fetched from the rollouts topic by `RolloutFetcher`, or with `--fetcher
+confluent` by `RdkafkaRolloutFetcher`), as `midtrain rl` ranks do. The batch headers every rank reads
+stand in for rank 0's broadcast.
 
-- throughput: the whole input is published first; then the ETL processes start and run until the
-  ranks hold every rollout as tensors. Reported: "e2e" from starting the ETL processes (interpreter
-  start, group join and shard load included) and "steady" from the moment 10% of the rollouts were
-  held to the last, as rollouts/s and input MB/s, next to a plain `KafkaConsumer` reading the same
-  topics from the beginning without decoding (kafka-python's own fetch path: the ceiling).
+- throughput: each repeat generates its input once (one group at a time) and publishes it to every
+  configuration's fresh topics; then, per configuration, the plain consumer and the ETL run on it and its
+  topics are deleted. Reported first: "e2e", counted from process start on both sides: from forking the
+  ranks and starting the ETL processes (interpreter start, group join and shard load included) to the last
+  rollout held as tensors, against `etl_plain_consumer.py` in its own process (read_committed, the ETL's
+  fetch sizes and the fetcher's larger fetch and socket buffer) from its start to the last message. Then
+  the breakdown: "steady" from the moment 10% of the rollouts were held to the last, against the plain
+  consumer's own read window.
 - bytes moved through the broker per byte of rollout published: what the ETL reads (every input
-  message once), the train batches it writes, and what the trainer side reads (batch records once,
-  as rank 0 does, plus each rank's rollouts).
+  message once), the train batches it writes, and what the trainer side uses (batch records once, as
+  rank 0 does, plus each rank's rollouts; records a rank reads through to reach its share not counted).
 - latency: groups published paced (8 rollouts, then their 8 rewards) while 1 ETL and 1 rank run;
   latency = time the rank held the group's rollouts as tensors - time the last reward was acknowledged.
-- compression: `--compression zstd` makes the rollouts topic and writer zstd (ember's default),
-  `none` sends them uncompressed; `both` runs everything uncompressed plus the 1-ETL 1-rank case with zstd.
-- configurations: `--configs 1x1,2x1,2x2` (the default) picks the ETL processes x ranks to run.
+- compression: `--compression none` (default, as ember writes rollouts) leaves the rollouts topic and
+  writer uncompressed, `zstd` compresses both; `both` runs everything uncompressed plus 1 ETL x 1 rank with zstd.
+- configurations: `--configs 1x1,2x1,2x2` picks the ETL processes x ranks to run (default all three;
+  with `--profile`, 1x1 and 2x2).
+- `--profile quick` (4 groups, ~130 MB, for `make bench`) or `full` (64 groups, ~2.1 GB), `--results FILE`
+  writes the e2e figures (ember and the plain consumer from the same runs) for `make bench`.
+- profiling: with $EMBER_BENCH_PY_SPY (a py-spy binary) and $EMBER_BENCH_PROFILE_DIR every ETL process
+  and rank is recorded (raw collapsed stacks, idle frames included).
 - security: `--security plaintext` (default) runs on the PLAINTEXT broker; `sasl_ssl` on the secured one
   (`ember dev up --secure`: TLS with the local CA, SCRAM-SHA-512, ACLs), every role as its own principal
   with ember's settings (`role_securities`): inference writes the rollouts, a grader the rewards, the ETL
@@ -30,8 +40,9 @@ ranks do. The batch headers every rank reads stand in for rank 0's broadcast.
 
 Timing never decides a test; medians over --repeats fresh topic sets, configurations interleaved.
 
-    .venv/bin/python bench/bench_etl.py [--groups 12] [--repeats 3] [--latency-groups 15] [--compression none|zstd|both]
-                                        [--configs 1x1,2x1,2x2] [--security plaintext|sasl_ssl|both]
+    .venv/bin/python bench/bench_etl.py [--profile quick|full] [--results FILE] [--groups N] [--repeats 3]
+        [--latency-groups N] [--compression none|zstd|both] [--configs 1x1,2x1,2x2] [--fetcher kafka-python|confluent|both]
+        [--security plaintext|sasl_ssl|both]
 """
 
 from __future__ import annotations
