@@ -482,6 +482,9 @@ def main(argv: list[str] | None = None) -> None:
             for runs in plans.values():
                 for run, found in repeat_once(runs, args.groups, seed, Path(tmp)).items():
                     results[run].append(found)
+                    print(f"repeat {seed}, {run.broker.name} {run.config}: e2e {found['e2e_s']:.1f} s, plain consumer "
+                          f"{found['plain_s']:.1f} s ({found['plain_s'] / found['e2e_s']:.2f}x), {found['input_mb']:.0f} MB, "
+                          f"load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
         for broker in brokers:
             latencies[broker] = latency_once(broker, args.latency_groups, args.interval, 100, main_setting, Path(tmp), args.fetchers[0])
 
