@@ -224,7 +224,7 @@ def simulate(
     vocab_size: int = typer.Option(None, "--vocab-size", min=1, help="Token ids lie below this (default: --config's, else 512, the tiny RL example's)."),
     layers: int = typer.Option(None, "--layers", min=0, help="MoE layers with routed experts, 0: none (default: --config's, else 2)."),
     top_k: int = typer.Option(None, "--top-k", min=1, help="Experts per token and layer (default: --config's, else 2)."),
-    num_experts: int = typer.Option(None, "--num-experts", min=1, help="Experts per layer, a power of two (default: --config's, else 4)."),
+    num_experts: int = typer.Option(None, "--num-experts", min=1, help="Experts per layer (default: --config's, else 4)."),
     max_tokens: int = typer.Option(None, "--max-tokens", min=16, help="Longest rollout (default: --config's, else 64)."),
     partitions: int = typer.Option(6, min=1, help="Partitions of the rollouts/rewards topics if they are created."),
     regions: str = typer.Option("us-east=0,eu-west=0.4,ap-south=1.5", help="Regions and their publish delays in seconds."),

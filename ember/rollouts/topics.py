@@ -126,11 +126,12 @@ class Topics:
         `outcomes` is the ETL's ledger: one record per batch, per dropped rollout or reward, per dead letter.
         Batches reference their rollouts, so the rollouts topic is kept at least as long as train-batches
         (`reference_retention_problem`). Rollouts, rewards and events are stamped by the broker (LogAppendTime), the clock
-        the ETL's deadlines run on (`timestamp_problem`).
+        the ETL's deadlines run on (`timestamp_problem`). Rollouts keep the producer's compression: they are close
+        to incompressible and written uncompressed (`transport.ROLLOUT_COMPRESSION`).
         """
         month = 30 * 24 * 3600 * 1000
         return {
-            "rollouts": TopicSpec(self.rollouts, partitions, timestamp_type="LogAppendTime"),
+            "rollouts": TopicSpec(self.rollouts, partitions, compression="producer", timestamp_type="LogAppendTime"),
             "rewards": TopicSpec(self.rewards, partitions, timestamp_type="LogAppendTime"),
             "events": TopicSpec(self.events, partitions, timestamp_type="LogAppendTime"),
             "policy_versions": TopicSpec(self.policy_versions, 1, retention_ms=-1),

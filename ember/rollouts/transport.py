@@ -1,7 +1,7 @@
 """Kafka producers and consumers for ember records, with the wire codec on both ends.
 
-Writers are idempotent (acks=all, zstd) and key records by group_id so one group lives in one
-partition. Readers never crash on a bad message: it comes back as a `BadMessage` naming its
+Writers are idempotent (acks=all, zstd; rollouts uncompressed, see `ROLLOUT_COMPRESSION`) and key records by
+group_id so one group lives in one partition. Readers never crash on a bad message: it comes back as a `BadMessage` naming its
 topic/partition/offset and the reason, for the caller to dead-letter and count. Every client config
 built here carries `KafkaSecurity.client_kwargs()` (the settings given, else EMBER_KAFKA_*).
 
@@ -25,6 +25,10 @@ from ember.rollouts.topics import MAX_MESSAGE_BYTES, Topics
 from ember.schemas import DecodeError, Reward, Rollout, TrainBatch, decode, encode
 
 
+# Routed experts are ~98% of a rollout's bytes and close to incompressible (top-k ids from a skewed popularity): zstd-3
+# saved 0.7% of a realistic 8192-token rollout and cost every writer, the broker and every reader CPU (BENCHMARKS.md,
+# issue 33), so rollouts go uncompressed and their topic keeps what the producer sent.
+ROLLOUT_COMPRESSION = None
 READY_TIMEOUT_S = 300.0  # a new broker takes 10-30 s to create its internal topics; a restarting one with thousands of partitions on a loaded small machine, minutes
 
 
@@ -154,7 +158,7 @@ class RolloutWriter(RecordWriter):
     def __init__(
         self, prefix: str = "ember", producer: KafkaProducer | None = None, security: KafkaSecurity | None = None, **producer_overrides: object
     ):
-        super().__init__(Topics(prefix).rollouts, producer, security, **producer_overrides)
+        super().__init__(Topics(prefix).rollouts, producer, security, **{"compression_type": ROLLOUT_COMPRESSION, **producer_overrides})
         self.tokens = 0
 
     def write(self, record: Rollout):

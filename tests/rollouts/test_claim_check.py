@@ -21,7 +21,7 @@ from ember.rollouts.batching import (
 )
 from ember.rollouts.config import parse_config
 from ember.rollouts.etl import TopologyError, prepare_topics
-from ember.rollouts.reader import RolloutFetcher
+from ember.rollouts.reader import RdkafkaRolloutFetcher, RolloutFetcher
 from ember.rollouts.simulate import synthetic_rollout
 from ember.rollouts.topics import Topics, TopicSpec, reference_retention_problem
 from ember.rollouts.transport import producer_config
@@ -140,8 +140,43 @@ def test_the_etl_refuses_a_rollouts_topic_kept_shorter_than_its_batches(kafka):
         prepare_topics(parse_config(etl_settings(prefix, partitions=1)), create=True)
 
 
+@pytest.fixture(scope="module")
+def claim_log(kafka):
+    """Six small rollouts on a one-partition topic, and their references."""
+    topic = f"test-claim-{uuid.uuid4().hex[:8]}.rollouts"
+    ensure_topics(kafka, [TopicSpec(topic, 1, compression="producer")])
+    rollouts = [rollout("g", i, tokens=16, seed=i) for i in range(6)]
+    producer = KafkaProducer(**producer_config(bootstrap_servers=kafka))
+    refs = []
+    for r in rollouts:
+        value = encode(r)
+        sent = producer.send(topic, key=b"g", value=value).get(timeout=30)
+        refs.append(RolloutRef(topic, sent.partition, sent.offset, hashlib.sha256(value).digest()))
+    producer.close()
+    return topic, rollouts, refs
+
+
+FETCHERS = [RolloutFetcher, RdkafkaRolloutFetcher]
+
+
 @pytest.mark.integration
-def test_the_fetcher_checks_each_rollout_and_names_one_deleted_by_retention(kafka):
+@pytest.mark.parametrize("fetcher_class", FETCHERS, ids=["kafka-python", "confluent"])
+def test_the_fetcher_reads_through_other_ranks_shares_and_back(kafka, claim_log, fetcher_class):
+    """A rank's shares skip the other ranks' rollouts (read through, not sought over); a batch behind the
+    position is sought back to. Either way each reference gets exactly its own message."""
+    topic, rollouts, refs = claim_log
+    fetcher = fetcher_class(bootstrap=kafka, timeout_s=20)
+    try:
+        for wanted in ([0, 1], [3, 4], [5], [2, 0]):
+            assert [r.rollout_id for r in fetcher.rollouts([refs[i] for i in wanted])] == [rollouts[i].rollout_id for i in wanted]
+        assert fetcher.bytes == sum(len(encode(rollouts[i])) for i in (0, 1, 3, 4, 5, 2, 0))
+    finally:
+        fetcher.close()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("fetcher_class", FETCHERS, ids=["kafka-python", "confluent"])
+def test_the_fetcher_checks_each_rollout_and_names_one_deleted_by_retention(kafka, fetcher_class):
     topic = f"test-claim-{uuid.uuid4().hex[:8]}.rollouts"
     ensure_topics(kafka, [TopicSpec(topic, 1, compression="producer")])
     rollouts = [rollout("g", i, tokens=16, seed=i) for i in range(4)]
@@ -152,7 +187,7 @@ def test_the_fetcher_checks_each_rollout_and_names_one_deleted_by_retention(kafk
         sent = producer.send(topic, key=b"g", value=value).get(timeout=30)
         refs.append(RolloutRef(topic, sent.partition, sent.offset, hashlib.sha256(value).digest()))
     producer.close()
-    fetcher = RolloutFetcher(bootstrap=kafka, timeout_s=20)
+    fetcher = fetcher_class(bootstrap=kafka, timeout_s=20)
     try:
         assert [r.rollout_id for r in fetcher.rollouts([refs[2], refs[0]])] == [rollouts[2].rollout_id, rollouts[0].rollout_id]
         assert fetcher.bytes == len(encode(rollouts[2])) + len(encode(rollouts[0])), "only the referenced messages"

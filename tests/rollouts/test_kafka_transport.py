@@ -56,6 +56,16 @@ def test_10k_rollouts_round_trip_exactly_through_the_broker(kafka, topic_prefix)
         assert_same(message.record, sent[message.record.rollout_id])
 
 
+def test_rollouts_travel_uncompressed_and_their_topic_keeps_them_so(kafka, topic_prefix):
+    """Routed experts are close to incompressible: zstd saved <1% of a rollout and cost CPU at every hop (BENCHMARKS.md)."""
+    assert Topics(topic_prefix).specs()["rollouts"].configs()["compression.type"] == "producer"
+    assert Topics(topic_prefix).specs()["train_batches"].configs()["compression.type"] == "zstd"
+    with RolloutWriter(topic_prefix, bootstrap_servers=kafka) as writer:
+        assert writer.producer.config["compression_type"] is None
+    with RolloutWriter(topic_prefix, bootstrap_servers=kafka, compression_type="zstd") as writer:
+        assert writer.producer.config["compression_type"] == "zstd"
+
+
 def test_reading_stops_at_the_limit_even_inside_one_poll(kafka, topic_prefix):
     topic = make_topic(kafka, Topics(topic_prefix).rollouts, partitions=1)
     rng = np.random.default_rng(2)
