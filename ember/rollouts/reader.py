@@ -106,15 +106,7 @@ class RolloutFetcher:
 
     def _gone(self, refs: Sequence[RolloutRef], wanted: dict, why: str, values: list | None = None) -> MissingRollout:
         starts = self.consumer.beginning_offsets(list(wanted))
-        for ref in refs:
-            start = starts[TopicPartition(ref.topic, ref.partition)]
-            if ref.offset < start:
-                return MissingRollout(
-                    f"rollout {ref} is gone: the partition now starts at offset {start} (retention deleted it; the "
-                    "rollouts topic must be retained at least as long as the train-batches topic)"
-                )
-        first = next((r for i, r in enumerate(refs) if values is None or values[i] is None), refs[0])
-        return MissingRollout(f"rollout {first} could not be read: {why}")
+        return missing_rollout(refs, lambda ref: starts[TopicPartition(ref.topic, ref.partition)], why, values)
 
     def rollouts(self, refs: Sequence[RolloutRef]) -> list[Rollout]:
         """The referenced rollouts, decoded (structure checked; the ETL validated these very bytes)."""
@@ -213,16 +205,25 @@ class RdkafkaRolloutFetcher(RolloutFetcher):
     def _gone(self, refs: Sequence[RolloutRef], wanted: dict, why: str, values: list | None = None) -> MissingRollout:
         from confluent_kafka import TopicPartition as RdPartition
 
-        for ref in refs:
-            start, _end = self.consumer.get_watermark_offsets(RdPartition(ref.topic, ref.partition), timeout=10)
-            if ref.offset < start:
-                return MissingRollout(
-                    f"rollout {ref} is gone: the partition now starts at offset {start} (retention deleted it; the "
-                    "rollouts topic must be retained at least as long as the train-batches topic)"
-                )
-        first = next((r for i, r in enumerate(refs) if values is None or values[i] is None), refs[0])
-        return MissingRollout(f"rollout {first} could not be read: {why}")
+        def start_of(ref: RolloutRef) -> int:
+            return self.consumer.get_watermark_offsets(RdPartition(ref.topic, ref.partition), timeout=10)[0]
 
+        return missing_rollout(refs, start_of, why, values)
+
+
+
+def missing_rollout(refs: Sequence[RolloutRef], start_of, why: str, values: list | None = None) -> MissingRollout:
+    """Why `refs` could not be read: a reference below its partition's first offset (`start_of`) was deleted by
+    retention, which says what to fix; otherwise the first unread reference and `why`. Both fetchers report this way."""
+    for ref in refs:
+        start = start_of(ref)
+        if ref.offset < start:
+            return MissingRollout(
+                f"rollout {ref} is gone: the partition now starts at offset {start} (retention deleted it; the "
+                "rollouts topic must be retained at least as long as the train-batches topic)"
+            )
+    first = next((r for i, r in enumerate(refs) if values is None or values[i] is None), refs[0])
+    return MissingRollout(f"rollout {first} could not be read: {why}")
 
 @dataclass
 class ReadBatch:
