@@ -146,6 +146,10 @@ isolation() {
   [[ "$ISOLATED" == 1 ]] || return 0
   need_cmd bwrap "EMBER_FLINK_ISOLATED=1 runs the worker pool under bubblewrap (Debian: apt-get install -y bubblewrap)."
   local args=(bwrap --dev-bind / / --tmpfs /tmp) dir hide
+  # The code and its venv stay visible where they are, even in a checkout under /tmp (the private /tmp covers it).
+  for dir in "$REPO" "$(dirname "$(dirname "$EMBER_PY")")"; do
+    [[ "$dir" == /tmp/* ]] && args+=(--bind "$dir" "$dir")
+  done
   IFS=: read -r -a hide <<<"${EMBER_FLINK_HIDE:-}"
   for dir in "${hide[@]}"; do
     [[ -d "$dir" ]] && args+=(--tmpfs "$dir")
