@@ -38,8 +38,11 @@ def test_configs_pick_etl_processes_x_ranks(bench):
     assert bench.parse_args([]).configs == [(1, 1), (2, 1), (2, 2)]
     assert bench.parse_args(["--configs", "1x1"]).configs == [(1, 1)]
     assert bench.parse_args(["--configs", "2x2, 1x1,2x2"]).configs == [(2, 2), (1, 1)]
-    runs = bench.runs_on(bench.Broker("SASL_SSL", "127.0.0.1:1"), "both", [(1, 1)])
+    runs = bench.runs_on(bench.Broker("SASL_SSL", "127.0.0.1:1"), "both", [(1, 1)], ["kafka-python"])
     assert [(r.etls, r.ranks, r.compression) for r in runs] == [(1, 1, "none"), (1, 1, "zstd")]
+    both = bench.runs_on(bench.Broker("SASL_SSL", "127.0.0.1:1"), "none", [(1, 1), (2, 2)], ["kafka-python", "confluent"])
+    assert [(r.etls, r.ranks, r.fetcher) for r in both] == [
+        (1, 1, "kafka-python"), (2, 2, "kafka-python"), (1, 1, "confluent"), (2, 2, "confluent")]
 
 
 @pytest.mark.parametrize("argv", [["--security", "tls"], ["--groups", "1"], ["--configs", "3x1"]])
@@ -67,7 +70,7 @@ def test_a_tiny_run_on_the_secured_broker_goes_through_the_claim_check_path(secu
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=900,
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    rows = re.findall(r"^\| SASL_SSL \| (\d) ETL x (\d) ranks?, none \|.*\| ([\d.]+) \|$", done.stdout, re.M)
+    rows = re.findall(r"^\| SASL_SSL \| (\d) ETL x (\d) ranks?, none, kafka-python fetcher \|.*\| ([\d.]+) \|$", done.stdout, re.M)
     assert [(etls, ranks) for etls, ranks, _ in rows] == [("1", "1"), ("2", "2")], done.stdout
     assert all(2.0 <= float(moved) < 2.1 for _, _, moved in rows), done.stdout
     assert "bytes per rollout (by reference)" in done.stdout

@@ -124,11 +124,15 @@ def _dashboard_exprs() -> list[str]:
     return exprs
 
 
+REGION_ONLY = {"ember_etl_replication_lag_records", "ember_etl_replication_lag_seconds"}
+"""Exposed only by an ETL reading mirrored regions (tests/rollouts/test_regions.py reads them from such an ETL)."""
+
+
 def test_grafana_dashboard_queries_only_metrics_a_running_etl_exposes(etl_run):
     exposed = {s.name for f in text_string_to_metric_families(etl_run["metrics"]) for s in f.samples}
     queried = {name for expr in _dashboard_exprs() for name in re.findall(r"\bember_etl_[a-z_]+\b", expr)}
     assert len(queried) >= 15
-    missing = sorted(queried - exposed)
+    missing = sorted(queried - exposed - REGION_ONLY)
     assert not missing, f"the dashboard queries metrics /metrics does not have: {missing}"
 
 
@@ -161,7 +165,11 @@ def test_tail_decodes_every_ember_topic_and_honours_limit(etl_run, role):
     lines = result.output.splitlines()
     assert len(lines) == 2, result.output
     pattern = re.compile(re.escape(f"{name}[") + r"\d\]@\d+ " + TAIL_LINES[role].replace("{prefix}", re.escape(etl_run["prefix"])))
-    assert all(pattern.match(line) for line in lines), result.output
+    # The workload plants malformed rollouts (p 0.2): one of the first two may be one, shown as `bad: <why>`
+    # (every bad line and its reason: test_tail_shows_every_message_and_names_the_bad_ones).
+    bad = re.compile(re.escape(f"{name}[") + r"\d\]@\d+ bad: \S")
+    assert any(pattern.match(line) for line in lines), result.output
+    assert all(pattern.match(line) or (role == "rollouts" and bad.match(line)) for line in lines), result.output
 
 
 def test_tail_shows_every_message_and_names_the_bad_ones(etl_run):
