@@ -334,11 +334,7 @@ def test_etl_joins_regions_and_a_rebalance_while_a_region_is_cut_off_loses_nothi
         groups={"size": 2, "quorum": 2, "timeout_s": 20}, rewards={"timeout_s": 10, "orphan_timeout_s": 30},
     )
     config = parse_config(settings)
-    mirrored = {f"{r}.{t}" for r in regions for t in (topics.rollouts, topics.rewards)}
-    deadline = time.monotonic() + 60
-    while not mirrored <= set(list_topics(kafka)):
-        assert time.monotonic() < deadline, f"MM2 did not create {sorted(mirrored - set(list_topics(kafka)))} in central"
-        time.sleep(0.5)
+    mirrored = wait_for_mirrored_topics(kafka, regions, topics, 60)
     first = EtlThread(config, "a")
     first.start()
     second = None
@@ -443,6 +439,17 @@ class GroupStream(threading.Thread):
         return self.sent
 
 
+def wait_for_mirrored_topics(kafka: str, regions: dict[str, str], topics: Topics, timeout_s: float) -> set[str]:
+    """Until MM2 has made every region's rollouts and rewards topic in central (it finds new topics on its own clock);
+    returns their names."""
+    mirrored = {f"{r}.{t}" for r in regions for t in (topics.rollouts, topics.rewards)}
+    deadline = time.monotonic() + timeout_s
+    while not mirrored <= set(list_topics(kafka)):
+        assert time.monotonic() < deadline, f"MM2 did not create {sorted(mirrored - set(list_topics(kafka)))} in central"
+        time.sleep(0.5)
+    return mirrored
+
+
 @pytest.mark.serial  # restarts the central broker every other test shares
 def test_central_restart_mid_stream_loses_doubles_and_misjudges_nothing(kafka, regions, topic_prefix):
     """The central (training) broker stops and starts while both regions keep sampling and grading. The ETL reconnects
@@ -458,14 +465,15 @@ def test_central_restart_mid_stream_loses_doubles_and_misjudges_nothing(kafka, r
         groups={"size": 2, "quorum": 2, "timeout_s": 20}, rewards={"timeout_s": 10, "orphan_timeout_s": 30},
     )
     config = parse_config(settings)
+    wait_for_mirrored_topics(kafka, regions, topics, 120)
     etl = EtlThread(config, "a")
     etl.start()
     stream = GroupStream(regions, topics)
     try:
         stream.start()
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         while not books(topics).batched:  # central is reached through the mirror before the restart lands
-            assert time.monotonic() < deadline, "nothing reached a train batch through the mirror within 60 s"
+            assert time.monotonic() < deadline, "nothing reached a train batch through the mirror within 120 s"
             time.sleep(0.5)
         services.stop("kafka")
         time.sleep(2)
