@@ -133,11 +133,18 @@ echo "slurm done"
     assert lines == [f"slurm line {i}" for i in (1, 2, 3)] + [f"trainer line {i}" for i in (1, 2, 3)] + ["slurm done"]
 
 
+def _interruptible() -> None:
+    """SIGINT at its default in the follower, as in a terminal: a suite started in the background (a non-interactive
+    shell's `cmd &`) passes SIGINT down ignored, and Python then installs no KeyboardInterrupt handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_logs_follow_stops_on_ctrl_c_and_leaves_the_job_running(tmp_path, slurm):
     job_id, logs = _sbatch(tmp_path, "midtrain-ctrl-c", 'echo started; sleep 120')
     slurm_log = logs / f"slurm-{job_id}.out"
     try:
-        follower = subprocess.Popen([*MIDTRAIN, "logs", job_id, "--follow"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        follower = subprocess.Popen([*MIDTRAIN, "logs", job_id, "--follow"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    preexec_fn=_interruptible)
         _wait("the job's first line", lambda: slurm_log.exists() and "started" in slurm_log.read_text(), 120, job_id)
         time.sleep(2)
         follower.send_signal(signal.SIGINT)
