@@ -143,9 +143,14 @@ def test_the_etl_refuses_a_rollouts_topic_kept_shorter_than_its_batches(kafka):
 @pytest.fixture(scope="module")
 def claim_log(kafka):
     """Six small rollouts on a one-partition topic, and their references."""
+    return published_rollouts(kafka, 6)
+
+
+def published_rollouts(kafka: str, count: int):
+    """`count` small rollouts written to a new one-partition topic: (the topic, the rollouts, their references)."""
     topic = f"test-claim-{uuid.uuid4().hex[:8]}.rollouts"
     ensure_topics(kafka, [TopicSpec(topic, 1, compression="producer")])
-    rollouts = [rollout("g", i, tokens=16, seed=i) for i in range(6)]
+    rollouts = [rollout("g", i, tokens=16, seed=i) for i in range(count)]
     producer = KafkaProducer(**producer_config(bootstrap_servers=kafka))
     refs = []
     for r in rollouts:
@@ -177,16 +182,7 @@ def test_the_fetcher_reads_through_other_ranks_shares_and_back(kafka, claim_log,
 @pytest.mark.integration
 @pytest.mark.parametrize("fetcher_class", FETCHERS, ids=["kafka-python", "confluent"])
 def test_the_fetcher_checks_each_rollout_and_names_one_deleted_by_retention(kafka, fetcher_class):
-    topic = f"test-claim-{uuid.uuid4().hex[:8]}.rollouts"
-    ensure_topics(kafka, [TopicSpec(topic, 1, compression="producer")])
-    rollouts = [rollout("g", i, tokens=16, seed=i) for i in range(4)]
-    producer = KafkaProducer(**producer_config(bootstrap_servers=kafka))
-    refs = []
-    for r in rollouts:
-        value = encode(r)
-        sent = producer.send(topic, key=b"g", value=value).get(timeout=30)
-        refs.append(RolloutRef(topic, sent.partition, sent.offset, hashlib.sha256(value).digest()))
-    producer.close()
+    topic, rollouts, refs = published_rollouts(kafka, 4)
     fetcher = fetcher_class(bootstrap=kafka, timeout_s=20)
     try:
         assert [r.rollout_id for r in fetcher.rollouts([refs[2], refs[0]])] == [rollouts[2].rollout_id, rollouts[0].rollout_id]

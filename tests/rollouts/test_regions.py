@@ -325,15 +325,7 @@ def test_etl_joins_regions_and_a_rebalance_while_a_region_is_cut_off_loses_nothi
     """Rollouts sampled in us, graded in eu, read by the ETL from the mirrored topics. While us is cut off, eu's rewards
     keep arriving but us's clock holds them (us may still send a rollout stamped before them), and a second ETL joins
     the group; once us is back, every rollout is in exactly one batch and no in-time reward was judged late."""
-    topics = Topics(topic_prefix)
-    specs = topics.specs(2)
-    for bootstrap in regions.values():
-        ensure_topics(bootstrap, [specs["rollouts"], specs["rewards"]])
-    settings = etl_settings(
-        topic_prefix, partitions=2, kafka={"create_topics": True, "regions": regions},
-        groups={"size": 2, "quorum": 2, "timeout_s": 20}, rewards={"timeout_s": 10, "orphan_timeout_s": 30},
-    )
-    config = parse_config(settings)
+    topics, config = regional_etl(regions, topic_prefix)
     mirrored = wait_for_mirrored_topics(kafka, regions, topics, 60)
     first = EtlThread(config, "a")
     first.start()
@@ -439,6 +431,19 @@ class GroupStream(threading.Thread):
         return self.sent
 
 
+def regional_etl(regions: dict[str, str], topic_prefix: str):
+    """Each region's rollouts and rewards topics made, and the config of an ETL reading them through the mirror."""
+    topics = Topics(topic_prefix)
+    specs = topics.specs(2)
+    for bootstrap in regions.values():
+        ensure_topics(bootstrap, [specs["rollouts"], specs["rewards"]])
+    settings = etl_settings(
+        topic_prefix, partitions=2, kafka={"create_topics": True, "regions": regions},
+        groups={"size": 2, "quorum": 2, "timeout_s": 20}, rewards={"timeout_s": 10, "orphan_timeout_s": 30},
+    )
+    return topics, parse_config(settings)
+
+
 def wait_for_mirrored_topics(kafka: str, regions: dict[str, str], topics: Topics, timeout_s: float) -> set[str]:
     """Until MM2 has made every region's rollouts and rewards topic in central (it finds new topics on its own clock);
     returns their names."""
@@ -456,15 +461,7 @@ def test_central_restart_mid_stream_loses_doubles_and_misjudges_nothing(kafka, r
     on its own, MM2 is restarted (see below); each region's records wait in the region, stamped with the region's log
     time, so the deadlines here are the ordinary ones (no outage allowance): a reward in time in its region is in time
     in central."""
-    topics = Topics(topic_prefix)
-    specs = topics.specs(2)
-    for bootstrap in regions.values():
-        ensure_topics(bootstrap, [specs["rollouts"], specs["rewards"]])
-    settings = etl_settings(
-        topic_prefix, partitions=2, kafka={"create_topics": True, "regions": regions},
-        groups={"size": 2, "quorum": 2, "timeout_s": 20}, rewards={"timeout_s": 10, "orphan_timeout_s": 30},
-    )
-    config = parse_config(settings)
+    topics, config = regional_etl(regions, topic_prefix)
     wait_for_mirrored_topics(kafka, regions, topics, 120)
     etl = EtlThread(config, "a")
     etl.start()
