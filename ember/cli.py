@@ -37,7 +37,8 @@ def dev_up(
         False, "--secure", help="Also start kafka-secure, the SASL_SSL/SCRAM broker (same as EMBER_KAFKA_SECURITY=sasl_ssl)."
     ),
     regions: str = typer.Option(
-        None, "--regions", help="Also start one KRaft cluster per region (e.g. us,eu) and MirrorMaker 2 mirroring them into kafka."
+        None, "--regions", help="Also start one KRaft cluster per region (e.g. us,eu) and MirrorMaker 2 mirroring them into kafka "
+        "(with --secure: SASL_SSL regions mirrored into kafka-secure).",
     ),
 ) -> None:
     """Start every local service (idempotent): Kafka KRaft broker, single-node Slurm, Flink job-server jar, and the
@@ -45,7 +46,8 @@ def dev_up(
     client settings).
 
     With --secure (or EMBER_KAFKA_SECURITY=sasl_ssl) the secured broker kafka-secure starts as well. With --regions,
-    regional clusters and MirrorMaker 2 (exactly-once) start after kafka, the central cluster (infra/regions.sh).
+    regional clusters and MirrorMaker 2 (exactly-once) start after kafka, the central cluster (infra/regions.sh); with
+    both, the regions are secured like kafka-secure and mirrored into it over SASL_SSL (docs/guides/regions.md).
     """
     try:
         region_list = services.parse_regions(regions) if regions is not None else []
@@ -55,7 +57,8 @@ def dev_up(
     wanted = list(only or services.SERVICES)
     if region_list and "kafka" not in wanted:
         wanted.insert(0, "kafka")
-    if (secure or services.secure_requested()) and "kafka-secure" not in wanted:
+    secure = secure or services.secure_requested()
+    if secure and "kafka-secure" not in wanted:
         wanted.append("kafka-secure")
     unknown = [s for s in wanted if s not in services.ALL_SERVICES]
     if unknown:
@@ -71,9 +74,9 @@ def dev_up(
                     raise typer.Exit(1)
                 console.print(f"[yellow]warning:[/yellow] {exc}")
     if region_list:
-        with console.status(f"starting regions {', '.join(region_list)} and MirrorMaker 2..."):
+        with console.status(f"starting {'secured ' if secure else ''}regions {', '.join(region_list)} and MirrorMaker 2..."):
             try:
-                services.start_regions(region_list)
+                services.start_regions(region_list, secure=secure)
             except services.ServiceError as exc:
                 console.print(f"[red]{exc}[/red]")
                 raise typer.Exit(1)
@@ -83,7 +86,8 @@ def dev_up(
 @dev_app.command("down")
 def dev_down() -> None:
     """Stop every local service this checkout started (the secured broker, regions and MirrorMaker 2 too)."""
-    services.stop("regions")
+    services.stop_regions()
+    services.stop_regions(secure=True)
     for service in services.ALL_SERVICES:
         services.stop(service)
     _print_status()

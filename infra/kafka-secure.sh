@@ -14,7 +14,9 @@
 #   infra/kafka-secure.sh reset        stop and delete broker data, TLS material and credentials
 #
 # Env: EMBER_HOME, EMBER_KAFKA_SECURE_PORT (19192), EMBER_KAFKA_SECURE_CONTROLLER_PORT (19193),
-#      EMBER_KAFKA_HEAP (1G), EMBER_KAFKA_START_TIMEOUT (90 seconds).
+#      EMBER_KAFKA_HEAP (1G), EMBER_KAFKA_START_TIMEOUT (90 seconds),
+#      EMBER_KAFKA_SECURE_NAME (kafka-secure): kafka-secure-<region> is a secured regional cluster
+#      (infra/regions.sh --secure): own ports, data and users, the central one's CA, certificate and passwords.
 # Passwords are generated once, stored in mode-0600 files and never printed, logged or put on a command line.
 set -euo pipefail
 
@@ -22,24 +24,28 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 # shellcheck source=infra/kafka/lib.sh
 source "$INFRA_DIR/kafka/lib.sh"
-EMBER_LOG_TAG=kafka-secure
 
-KAFKA_NAME=kafka-secure
+KAFKA_NAME="${EMBER_KAFKA_SECURE_NAME:-kafka-secure}"
+[[ "$KAFKA_NAME" =~ ^kafka-secure(-[a-z][a-z0-9]{0,15})?$ ]] \
+  || die "EMBER_KAFKA_SECURE_NAME must be kafka-secure or kafka-secure-<region>, got '$KAFKA_NAME'" 2
+EMBER_LOG_TAG="$KAFKA_NAME"
 KAFKA_PORT="${EMBER_KAFKA_SECURE_PORT:-19192}"
 KAFKA_CPORT="${EMBER_KAFKA_SECURE_CONTROLLER_PORT:-19193}"
 KAFKA_PORT_ENV=EMBER_KAFKA_SECURE_PORT
 KAFKA_CPORT_ENV=EMBER_KAFKA_SECURE_CONTROLLER_PORT
-KAFKA_DIR="$EMBER_HOME/kafka-secure"
+KAFKA_DIR="$EMBER_HOME/$KAFKA_NAME"
 kafka_init_paths
 KAFKA_PID_PATTERN="$KAFKA_CONF"
 
-CRED_DIR="$KAFKA_DIR/credentials"  # 0700: ca.pem, <role>.password (0600), <role>.properties (0600)
-TLS_DIR="$KAFKA_DIR/tls"           # 0700: broker.p12 (PKCS12 keystore), keystore.password
+# One CA, one broker certificate (SAN 127.0.0.1) and one password per role for every secured cluster: a regional
+# cluster uses the central one's, so a role's identity is the same everywhere (the ETL's config names one of each).
+CRED_DIR="$EMBER_HOME/kafka-secure/credentials"  # 0700: ca.pem, <role>.password (0600), <role>.properties (0600)
+TLS_DIR="$EMBER_HOME/kafka-secure/tls"           # 0700: broker.p12 (PKCS12 keystore), keystore.password
 CA_PEM="$CRED_DIR/ca.pem"
 KEYSTORE="$TLS_DIR/broker.p12"
 KEYSTORE_PASS_FILE="$TLS_DIR/keystore.password"
 USERS_MARKER="$KAFKA_DIR/users.applied"
-ROLES=(admin inference grader etl trainer)
+ROLES=(admin inference grader etl trainer mirror)  # mirror: MirrorMaker 2 (infra/regions.sh --secure)
 ADMIN_USER=ember-admin
 BROKER_PRINCIPAL=ember-kafka-secure   # CN of the broker certificate; its identity on the mTLS controller listener
 SCRAM=SCRAM-SHA-512
@@ -144,6 +150,12 @@ PROPS
 }
 
 kafka_prepare() {
+  if [[ "$KAFKA_NAME" != kafka-secure ]]; then
+    [[ -s "$CA_PEM" && -s "$KEYSTORE" && -s "$(pw_file admin)" && -s "$(pw_file mirror)" ]] \
+      || die "$KAFKA_NAME uses kafka-secure's CA and credentials ($CRED_DIR), which are missing: start kafka-secure first (infra/kafka-secure.sh start)"
+    chmod 0700 "$KAFKA_DIR"
+    return 0
+  fi
   need_cmd openssl "Install openssl (Debian: apt-get install -y openssl)."
   ensure_dir "$CRED_DIR" "$TLS_DIR"
   chmod 0700 "$KAFKA_DIR" "$CRED_DIR" "$TLS_DIR"
@@ -233,6 +245,10 @@ users_digest() {
 kafka_after_ready() {
   local digest role rc=0 failed=()
   local -A pids=() outs=()
+  if [[ "$KAFKA_NAME" == kafka-secure ]]; then  # a role added since the last cold start gets its password now
+    ensure_passwords
+    write_client_properties
+  fi
   digest="$(users_digest)"
   if [[ -f "$USERS_MARKER" && "$(cat "$USERS_MARKER")" == "$digest" ]]; then
     return 0
@@ -265,6 +281,8 @@ kafka_after_ready() {
 
 cmd_reset() {
   kafka_cmd_reset
+  rm -f "$USERS_MARKER"
+  [[ "$KAFKA_NAME" == kafka-secure ]] || return 0  # the CA and credentials are the central cluster's
   log_info "deleting TLS material, credentials and $USERS_MARKER"
   rm -rf "$TLS_DIR" "$CRED_DIR" "$USERS_MARKER"
 }

@@ -16,7 +16,7 @@ SERVICES = ("kafka", "slurm", "flink", "objectstores")
 OPTIONAL_SERVICES = ("kafka-secure",)
 ALL_SERVICES = SERVICES + OPTIONAL_SERVICES
 # Kafka principals of the secured broker, one per role (infra/kafka-secure.sh creates them).
-ROLES = ("admin", "inference", "grader", "etl", "trainer")
+ROLES = ("admin", "inference", "grader", "etl", "trainer", "mirror")  # mirror: MirrorMaker 2 (regions --secure)
 SECURITY_ENV = "EMBER_KAFKA_SECURITY"
 # A region names a cluster alias in MM2 and a topic prefix (`us.<prefix>.rollouts`): the rule of infra/regions.sh.
 REGION_NAME = re.compile(r"[a-z][a-z0-9]{0,15}")
@@ -109,16 +109,25 @@ def parse_regions(text: str) -> list[str]:
     return regions
 
 
-def start_regions(regions: list[str]) -> str:
+def _regions_args(secure: bool) -> tuple[str, ...]:
+    return ("--secure",) if secure else ()
+
+
+def start_regions(regions: list[str], *, secure: bool = False) -> str:
     """One KRaft cluster per region and the MirrorMaker 2 node that mirrors them into the central broker (which must be
     up); idempotent. Regions are opt-in so that the default `dev up` and CI start nothing more. EMBER_MM2_OUT_TOPICS
-    narrows what central sends out (see infra/regions.sh)."""
-    return run_script("regions.sh", "start", ",".join(regions)).stdout
+    narrows what central sends out (see infra/regions.sh). `secure`: the SASL_SSL set, mirrored into kafka-secure, on
+    its own ports beside a plaintext set."""
+    return run_script("regions.sh", *_regions_args(secure), "start", ",".join(regions)).stdout
 
 
-def region_bootstrap(region: str) -> str:
+def stop_regions(*, secure: bool = False) -> str:
+    return run_script("regions.sh", *_regions_args(secure), "stop").stdout
+
+
+def region_bootstrap(region: str, *, secure: bool = False) -> str:
     """host:port of a region's cluster (started before by `ember dev up --regions`); a ServiceError of one line else."""
-    result = run_script("regions.sh", "bootstrap", region, check=False)
+    result = run_script("regions.sh", *_regions_args(secure), "bootstrap", region, check=False)
     if result.returncode != 0:
         lines = result.stderr.strip().splitlines() or [f"infra/regions.sh bootstrap {region} failed (exit {result.returncode})"]
         raise ServiceError(lines[-1].removeprefix("[regions] ERROR: "))
@@ -147,8 +156,8 @@ def objectstores_env() -> dict[str, str]:
 def status() -> list[ServiceStatus]:
     """One row per status line; a script may report several (objectstores.sh: gcs and s3)."""
     statuses = []
-    for script in [f"{s}.sh" for s in ALL_SERVICES] + ["flink-cluster.sh", "regions.sh"]:
-        result = run_script(script, "status", check=False)
+    for script, *args in [(f"{s}.sh",) for s in ALL_SERVICES] + [("flink-cluster.sh",), ("regions.sh",), ("regions.sh", "--secure")]:
+        result = run_script(script, *args, "status", check=False)
         lines = [line for line in result.stdout.strip().splitlines() if "\t" in line]
         for line in lines or [f"{script[:-3]}\tunknown\t-\t{result.stderr.strip()}"]:
             name, state, address, log = (line.split("\t") + ["-"] * 4)[:4]

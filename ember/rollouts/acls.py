@@ -13,6 +13,9 @@ so those are not listed. No role gets CREATE: topics are created by the admin (a
   recovery); owns its consumer group and the transactional ids `<group>-<instance>` it commits with.
 - trainer: reads train-batches with its group, and rollouts (by assign, no group: the batches are by
   reference, every trainer rank fetches its share's rollouts); writes policy-versions.
+- mirror (MirrorMaker 2 between secured regions and central, infra/regions.sh --secure): reads a region's rollouts
+  and rewards and central's policy-versions (and their configs, which it copies); everything else it needs is
+  MM2's own (`mirror_cluster_bindings`), not a deployment's.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Literal
 
 from ember.rollouts.topics import Topics
 
-ROLES = ("inference", "grader", "etl", "trainer")
+ROLES = ("inference", "grader", "etl", "trainer")  # a deployment's roles; "mirror" (MM2) only exists with secured regions
 
 
 def default_user(role: str) -> str:
@@ -36,8 +39,8 @@ class Binding:
 
     role: str
     principal: str
-    operation: Literal["READ", "WRITE", "DESCRIBE"]
-    resource: Literal["TOPIC", "GROUP", "TRANSACTIONAL_ID"]
+    operation: Literal["READ", "WRITE", "DESCRIBE", "CREATE", "ALTER", "ALTER_CONFIGS", "DESCRIBE_CONFIGS", "IDEMPOTENT_WRITE"]
+    resource: Literal["TOPIC", "GROUP", "TRANSACTIONAL_ID", "CLUSTER"]
     name: str
     pattern: Literal["LITERAL", "PREFIXED"] = "LITERAL"
 
@@ -49,14 +52,15 @@ def role_bindings(
     trainer_group: str | None = None,
     grader_group: str | None = None,
     users: dict[str, str] | None = None,
+    regions: tuple[str, ...] | list[str] = (),
 ) -> list[Binding]:
-    """Every role's bindings for the deployment `prefix`; groups default to `<prefix>-etl` / `<prefix>-trainer` /
-    `<prefix>-grader`."""
+    """Every role's bindings for the deployment `prefix` on the central cluster; groups default to `<prefix>-etl` /
+    `<prefix>-trainer` / `<prefix>-grader`. With `regions` (mirrored in by MM2), the ETL also reads each region's
+    copies and MM2's offsets there (replication lag), and the mirror reads the policy versions it sends out."""
     topics = Topics(prefix)
     etl_group = etl_group or f"{prefix}-etl"
     trainer_group = trainer_group or f"{prefix}-trainer"
     grader_group = grader_group or f"{prefix}-grader"
-    names = {role: (users or {}).get(role, default_user(role)) for role in ROLES}
     rules: list[tuple[str, str, str, str, str]] = [
         ("inference", "WRITE", "TOPIC", topics.rollouts, "LITERAL"),
         ("inference", "WRITE", "TOPIC", topics.events, "LITERAL"),
@@ -81,7 +85,64 @@ def role_bindings(
         ("trainer", "READ", "GROUP", trainer_group, "LITERAL"),
         ("trainer", "WRITE", "TOPIC", topics.policy_versions, "LITERAL"),
     ]
+    for region in regions:
+        rules += [
+            *[("etl", "READ", "TOPIC", f"{region}.{name}", "LITERAL") for name in (topics.rollouts, topics.rewards)],
+            ("etl", "READ", "TOPIC", f"mm2-offsets.{region}.internal", "LITERAL"),
+        ]
+    if regions:
+        rules += [("mirror", op, "TOPIC", topics.policy_versions, "LITERAL") for op in ("READ", "DESCRIBE_CONFIGS")]
+    return _bindings(rules, users)
+
+
+def region_bindings(prefix: str, *, grader_group: str | None = None, users: dict[str, str] | None = None) -> list[Binding]:
+    """The bindings of the deployment `prefix` on a region's own cluster: inference samples there, graders grade
+    there, the ETL reads there what the mirror has not copied yet (`RegionProofs`), and the mirror copies rollouts
+    and rewards out (READ, and DESCRIBE_CONFIGS: it makes the central copy with the region topic's configs)."""
+    topics = Topics(prefix)
+    grader_group = grader_group or f"{prefix}-grader"
+    rules: list[tuple[str, str, str, str, str]] = [
+        ("inference", "WRITE", "TOPIC", topics.rollouts, "LITERAL"),
+        ("grader", "WRITE", "TOPIC", topics.rewards, "LITERAL"),
+        ("grader", "READ", "TOPIC", topics.rollouts, "LITERAL"),
+        ("grader", "READ", "GROUP", grader_group, "LITERAL"),
+        ("grader", "WRITE", "TRANSACTIONAL_ID", f"{grader_group}-", "PREFIXED"),
+        ("grader", "DESCRIBE", "TRANSACTIONAL_ID", f"{grader_group}-", "PREFIXED"),
+        *[("etl", "READ", "TOPIC", name, "LITERAL") for name in (topics.rollouts, topics.rewards)],
+        *[("mirror", op, "TOPIC", name, "LITERAL") for name in (topics.rollouts, topics.rewards) for op in ("READ", "DESCRIBE_CONFIGS")],
+    ]
+    return _bindings(rules, users)
+
+
+def mirror_cluster_bindings(sources: list[str], user: str | None = None) -> list[Binding]:
+    """What MirrorMaker 2 (dedicated mode, exactly-once source) needs on one cluster, whatever the deployments:
+    `sources` are the aliases it copies into this cluster (central: the regions; a region: central).
+
+    Per source `s`, MM2 runs a Connect worker against this cluster with group `s-mm2` and internal topics
+    `mm2-{configs,offsets,status}.s.internal`; with exactly.once.source.support=enabled the worker's leader writes
+    the config topic with transactional id `connect-cluster-s-mm2` and each task with `s-mm2-<connector>-<task>`
+    (Kafka's Connect docs, "ACL requirements", and MirrorMakerConfig.workerConfig). It creates, writes and alters
+    the copies `s.<topic>`, and reads them too (central -> region copies every heartbeats topic in central, the
+    regions' `s.heartbeats` among them), writes `heartbeats` (copied the other way), and keeps `mm2-offset-syncs.*.internal`
+    where this cluster is the source. IdempotentWrite on the cluster is only needed by brokers before 2.8, but
+    Connect's docs list it. Data topics are granted per deployment (`role_bindings`/`region_bindings`), not here."""
+    rules: list[tuple[str, str, str, str, str]] = [
+        *[("mirror", op, "TOPIC", "mm2-", "PREFIXED") for op in ("CREATE", "READ", "WRITE", "DESCRIBE_CONFIGS")],
+        *[("mirror", op, "TOPIC", "heartbeats", "LITERAL") for op in ("CREATE", "READ", "WRITE", "DESCRIBE_CONFIGS")],
+        ("mirror", "IDEMPOTENT_WRITE", "CLUSTER", "kafka-cluster", "LITERAL"),
+    ]
+    for source in sources:
+        rules += [
+            *[("mirror", op, "TOPIC", f"{source}.", "PREFIXED") for op in ("CREATE", "READ", "WRITE", "ALTER", "ALTER_CONFIGS", "DESCRIBE_CONFIGS")],
+            ("mirror", "READ", "GROUP", f"{source}-mm2", "LITERAL"),
+            *[("mirror", op, "TRANSACTIONAL_ID", f"connect-cluster-{source}-mm2", "LITERAL") for op in ("WRITE", "DESCRIBE")],
+            *[("mirror", op, "TRANSACTIONAL_ID", f"{source}-mm2-", "PREFIXED") for op in ("WRITE", "DESCRIBE")],
+        ]
+    return _bindings(rules, {"mirror": user} if user else None)
+
+
+def _bindings(rules: list[tuple[str, str, str, str, str]], users: dict[str, str] | None) -> list[Binding]:
     return [
-        Binding(role, f"User:{names[role]}", operation, resource, name, pattern)  # type: ignore[arg-type]
+        Binding(role, f"User:{(users or {}).get(role, default_user(role))}", operation, resource, name, pattern)  # type: ignore[arg-type]
         for role, operation, resource, name, pattern in rules
     ]

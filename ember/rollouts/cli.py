@@ -63,6 +63,18 @@ def _refusals() -> Iterator[None]:
 REGION_ROLES = ("rollouts", "rewards")  # what a region produces; policy versions arrive mirrored from central
 
 
+def _region_bootstrap(region: str, security) -> str:
+    """A region's cluster from `ember dev up --regions`: the secured set when the client is secured (its credentials
+    are good on every secured cluster), the plaintext one else; exit 2 in one line when it was never started."""
+    from ember.dev import services
+
+    try:
+        return services.region_bootstrap(region, secure=security.security_protocol != "PLAINTEXT")
+    except services.ServiceError as exc:
+        console.print(f"[red]{exc}[/red]", soft_wrap=True)
+        raise typer.Exit(2)
+
+
 def _topic_list() -> str:
     from ember.rollouts.topics import Topics
 
@@ -74,11 +86,11 @@ def topics_create(
     prefix: str = PrefixOption,
     partitions: int = typer.Option(6, min=1, help="Partitions for the rollouts, rewards and etl-state topics."),
     region: str = typer.Option(
-        None, "--region", help="Make a region's topics (rollouts, rewards) on its cluster (`ember dev up --regions`); "
-        "MirrorMaker 2 copies them into the central cluster as REGION.PREFIX.<name>.",
+        None, "--region", help="Make a region's topics (rollouts, rewards) on its cluster (`ember dev up --regions`; with "
+        "EMBER_KAFKA_SECURITY_PROTOCOL set, the secured regions of `--regions R --secure`); MirrorMaker 2 copies them into "
+        "the central cluster as REGION.PREFIX.<name>.",
     ),
 ) -> None:
-    from ember.dev import services
     from ember.rollouts.admin import ensure_topics
     from ember.rollouts.config import kafka_bootstrap
     from ember.rollouts.topics import Topics
@@ -87,11 +99,7 @@ def topics_create(
     specs = Topics(prefix).specs(partitions)
     bootstrap = kafka_bootstrap()
     if region is not None:
-        try:
-            bootstrap = services.region_bootstrap(region)
-        except services.ServiceError as exc:
-            console.print(f"[red]{exc}[/red]", soft_wrap=True)
-            raise typer.Exit(2)
+        bootstrap = _region_bootstrap(region, security)
         specs = {role: specs[role] for role in REGION_ROLES}
     with _refusals():
         outcome = ensure_topics(bootstrap, list(specs.values()), security)
@@ -165,23 +173,38 @@ def acls(
     grader_group: str = typer.Option(None, help="The graders' consumer group (`rollouts grade` kafka.group_id); default <prefix>-grader."),
     user: list[str] = typer.Option(None, "--user", help="ROLE=NAME for a principal other than ember-ROLE, e.g. etl=svc-etl."),
     apply: bool = typer.Option(False, "--apply", help="Create the missing bindings on the broker (as a super user, from EMBER_KAFKA_*)."),
+    regions: list[str] = typer.Option(
+        None, "--region", help="A secured region (`ember dev up --regions R --secure`, repeatable): central's bindings "
+        "cover its mirrored copies, and the region's cluster gets its own (inference, graders, the ETL, the mirror).",
+    ),
 ) -> None:
-    """Least-privilege ACLs per role (inference, grader, etl, trainer): print them, and with --apply create them (idempotent)."""
-    from ember.rollouts.acls import role_bindings
+    """Least-privilege ACLs per role (inference, grader, etl, trainer, and the mirror with --region): print them, and
+    with --apply create them (idempotent)."""
+    from ember.rollouts.acls import region_bindings, role_bindings
 
-    bindings = role_bindings(
-        prefix, etl_group=etl_group, trainer_group=trainer_group, grader_group=grader_group, users=_users(user or [])
-    )
+    users = _users(user or [])
+    regions = regions or []
+    clusters = {"central": role_bindings(
+        prefix, etl_group=etl_group, trainer_group=trainer_group, grader_group=grader_group, users=users, regions=regions
+    )}
+    for region in regions:
+        clusters[region] = region_bindings(prefix, grader_group=grader_group, users=users)
     outcome: dict = {}
     if apply:
         from ember.rollouts.admin import apply_acls
         from ember.rollouts.config import kafka_bootstrap
 
         security = _env_security()
+        bootstraps = {"central": kafka_bootstrap(), **{region: _region_bootstrap(region, security) for region in regions}}
         with _refusals():
-            outcome = apply_acls(kafka_bootstrap(), bindings, security)
-    rows = [("role", "principal", "operation", "resource", "pattern", "name", *(["applied"] if apply else []))]
-    rows += [(b.role, b.principal, b.operation, b.resource, b.pattern, b.name, *([outcome[b]] if apply else [])) for b in bindings]
+            outcome = {(cluster, b): state for cluster, bindings in clusters.items()
+                       for b, state in apply_acls(bootstraps[cluster], bindings, security).items()}
+    where = (lambda cluster: (cluster,)) if regions else (lambda cluster: ())  # one cluster: the table as before
+    rows = [(*where("cluster"), "role", "principal", "operation", "resource", "pattern", "name", *(["applied"] if apply else []))]
+    rows += [
+        (*where(cluster), b.role, b.principal, b.operation, b.resource, b.pattern, b.name, *([outcome[(cluster, b)]] if apply else []))
+        for cluster, bindings in clusters.items() for b in bindings
+    ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
@@ -550,18 +573,13 @@ def stats(
 def _render_mirror_lag(settings, regions: list[str]) -> None:
     from rich.table import Table
 
-    from ember.dev import services
     from ember.rollouts.mirror import mirror_lag
 
     topics = settings.kafka.topics
     table = Table("region", "topic", "partition", "copied up to", "region end", "records not mirrored")
     for region in regions:
-        try:
-            bootstrap = services.region_bootstrap(region)
-        except services.ServiceError as exc:
-            console.print(f"[red]{exc}[/red]", soft_wrap=True)
-            raise typer.Exit(2)
-        for row in mirror_lag(settings.kafka.bootstrap, region, bootstrap, [topics.rollouts, topics.rewards]):
+        bootstrap = settings.kafka.regions.get(region) or _region_bootstrap(region, settings.kafka.security)
+        for row in mirror_lag(settings.kafka.bootstrap, region, bootstrap, [topics.rollouts, topics.rewards], settings.kafka.security):
             table.add_row(row.region, row.topic, str(row.partition), str(row.copied), str(row.end), str(row.behind))
     console.print(table)
 

@@ -49,7 +49,8 @@ class KafkaSettings(StrictModel):
         default_factory=dict,
         description="region -> host:port of its cluster, for regions MirrorMaker 2 copies into this one: also read "
         "<region>.<prefix>.rollouts and .rewards, judged by the region's log time; the region's cluster is asked "
-        "what the mirror has not copied yet (docs/guides/regions.md)",
+        "what the mirror has not copied yet, with kafka.security (secured regions share the central cluster's role "
+        "users and CA) (docs/guides/regions.md)",
     )
 
     @model_validator(mode="after")

@@ -365,7 +365,9 @@ class EtlService:
         started = time.monotonic()
         kafka = self.config.kafka
         if kafka.regions:
-            self._region_proofs = RegionProofs(kafka.bootstrap, kafka.regions, [self.topics.rollouts, self.topics.rewards]).start()
+            self._region_proofs = RegionProofs(
+                kafka.bootstrap, kafka.regions, [self.topics.rollouts, self.topics.rewards], security=kafka.security
+            ).start()
         try:
             while not stop.is_set():
                 try:

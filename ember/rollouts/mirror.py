@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 from kafka import KafkaConsumer, TopicPartition
 
+from ember.rollouts.security import KafkaSecurity
+
 log = logging.getLogger("ember.etl")
 
 COUNT_LIMIT = 10_000  # beyond this many offsets behind, the offset distance is reported (an upper bound)
@@ -39,12 +41,12 @@ class MirrorWatch:
     so it is read once from the beginning and then only past where the last ask stopped; the region's records are
     counted only between MM2's position and the region's end."""
 
-    def __init__(self, central: str, region: str, region_bootstrap: str):
+    def __init__(self, central: str, region: str, region_bootstrap: str, security: KafkaSecurity | None = None):
         self.region = region
         self._topic = f"mm2-offsets.{region}.internal"
-        self._central = KafkaConsumer(bootstrap_servers=central, isolation_level="read_committed", enable_auto_commit=False)
+        self._central = _reader(central, security)
         try:
-            self._source = KafkaConsumer(bootstrap_servers=region_bootstrap, isolation_level="read_committed", enable_auto_commit=False)
+            self._source = _reader(region_bootstrap, security)
         except BaseException:
             self._central.close()
             raise
@@ -90,9 +92,20 @@ class MirrorWatch:
         self._source.close()
 
 
-def mirror_lag(central: str, region: str, region_bootstrap: str, topics: list[str]) -> list[MirrorLag]:
+def _reader(bootstrap: str, security: KafkaSecurity | None) -> KafkaConsumer:
+    """One principal for central and every region: on secured clusters a role has the same user and password in each
+    (infra/regions.sh --secure), so the ETL's `kafka.security` reaches all of them."""
+    return KafkaConsumer(
+        bootstrap_servers=bootstrap, isolation_level="read_committed", enable_auto_commit=False,
+        **(security or KafkaSecurity()).client_kwargs(),
+    )
+
+
+def mirror_lag(
+    central: str, region: str, region_bootstrap: str, topics: list[str], security: KafkaSecurity | None = None
+) -> list[MirrorLag]:
     """One ask, for `ember rollouts stats --region` and the tests (`RegionProofs` keeps its `MirrorWatch`es)."""
-    watch = MirrorWatch(central, region, region_bootstrap)
+    watch = MirrorWatch(central, region, region_bootstrap, security)
     try:
         return watch.lag(topics)
     finally:
@@ -130,8 +143,11 @@ class RegionProofs:
     what a region has not sent yet (central's end offsets say nothing about it; see `LogClock.mirror_end`). A thread,
     since a region that is down makes each ask wait for its connection timeout, and the ETL loop must not."""
 
-    def __init__(self, central: str, regions: dict[str, str], topics: list[str], every_s: float = 1.0):
+    def __init__(
+        self, central: str, regions: dict[str, str], topics: list[str], every_s: float = 1.0, security: KafkaSecurity | None = None
+    ):
         self._central, self._regions, self._topics, self._every_s = central, dict(regions), list(topics), every_s
+        self._security = security
         self._proofs: dict[tuple[str, str, int], int] = {}
         self._behind: dict[tuple[str, str, int], int] = {}
         self._started_ms = int(time.time() * 1000)
@@ -179,7 +195,7 @@ class RegionProofs:
         asked_at_ms = int(time.time() * 1000)  # before MM2's positions and the region's ends are read
         try:
             if region not in watches:
-                watches[region] = MirrorWatch(self._central, region, bootstrap)
+                watches[region] = MirrorWatch(self._central, region, bootstrap, self._security)
             rows = watches[region].lag(self._topics)
         except Exception as exc:  # a region down or cut off proves nothing this time; the next round asks anew
             self._say_silent(region, bootstrap, exc)
