@@ -273,7 +273,7 @@ def test_passwords_are_random_and_distinct(secure_kafka: SecureBroker) -> None:
     for name, value in secrets.items():
         assert len(value) >= 32 and all(c in "0123456789abcdef" for c in value), name
     assert {secure_kafka.username(r) for r in ROLES} == {
-        "ember-admin", "ember-inference", "ember-grader", "ember-etl", "ember-trainer",
+        "ember-admin", "ember-inference", "ember-grader", "ember-etl", "ember-trainer", "ember-mirror",
     }
     with pytest.raises(ValueError):
         secure_kafka.password_file("root")
@@ -302,7 +302,8 @@ def test_no_password_in_logs_status_or_command_lines(secure_kafka: SecureBroker)
     leaks = [(where, name) for where, text in texts.items() for name, value in secrets.items() if value in text]
     assert not leaks, f"passwords found in: {leaks}"
     # The java @argfiles that carried --add-scram / --add-config secrets are gone.
-    assert not list((ember_home() / "run").glob("kafka-secure-*.*")), "temporary argfiles left behind"
+    leftovers = [p for pattern in ("kafka-secure*-args.*", "kafka-secure*-users.*") for p in (ember_home() / "run").glob(pattern)]
+    assert not leftovers, f"temporary argfiles left behind: {leftovers}"
     # The broker really logged its configuration, with the password-typed values hidden.
     assert "ssl.keystore.password = [hidden]" in texts[str(_secure_dir() / "logs" / "server.log")]
 
