@@ -5,7 +5,8 @@
 #                               kafka start, slurm start, flink fetch (a flink failure is only a warning),
 #                               objectstores start (gs:// and s3://);
 #                               --secure or EMBER_KAFKA_SECURITY=sasl_ssl: also kafka-secure start;
-#                               --regions: also regions.sh start (regional clusters + MirrorMaker 2)
+#                               --regions: also regions.sh start (regional clusters + MirrorMaker 2);
+#                               with --secure, regions.sh --secure start (SASL_SSL regions mirrored into kafka-secure)
 #   infra/dev.sh down           stop MM2 and the regions, slurm, kafka, kafka-secure and the object stores
 #   infra/dev.sh status         table of every service's status line
 set -euo pipefail
@@ -37,7 +38,11 @@ cmd_up() {
     "$INFRA_DIR/kafka-secure.sh" start
   fi
   if [[ -n "$regions" ]]; then
-    "$INFRA_DIR/regions.sh" start "$regions"
+    if ((secure)); then
+      "$INFRA_DIR/regions.sh" --secure start "$regions"
+    else
+      "$INFRA_DIR/regions.sh" start "$regions"
+    fi
   fi
   "$INFRA_DIR/slurm.sh" start
   local rc=0
@@ -52,6 +57,7 @@ cmd_up() {
 cmd_down() {
   local rc=0
   "$INFRA_DIR/regions.sh" stop || rc=1
+  "$INFRA_DIR/regions.sh" --secure stop || rc=1
   "$INFRA_DIR/slurm.sh" stop || rc=1
   "$INFRA_DIR/kafka.sh" stop || rc=1
   "$INFRA_DIR/kafka-secure.sh" stop || rc=1
@@ -65,6 +71,7 @@ cmd_status() {
     "$INFRA_DIR/kafka.sh" status || status_line kafka error - "infra/kafka.sh status failed"
     "$INFRA_DIR/kafka-secure.sh" status || status_line kafka-secure error - "infra/kafka-secure.sh status failed"
     "$INFRA_DIR/regions.sh" status || status_line regions error - "infra/regions.sh status failed"
+    "$INFRA_DIR/regions.sh" --secure status || status_line regions-secure error - "infra/regions.sh --secure status failed"
     "$INFRA_DIR/slurm.sh" status || status_line slurm error - "infra/slurm.sh status failed"
     "$INFRA_DIR/flink.sh" status || status_line flink-job-server error - "infra/flink.sh status failed"
     "$INFRA_DIR/objectstores.sh" status || status_line objectstores error - "infra/objectstores.sh status failed"
