@@ -55,9 +55,9 @@ def dev_up(
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2)
     wanted = list(only or services.SERVICES)
-    if region_list and "kafka" not in wanted:
-        wanted.insert(0, "kafka")
     secure = secure or services.secure_requested()
+    if region_list and not secure and "kafka" not in wanted:  # the central cluster the regions are mirrored into
+        wanted.insert(0, "kafka")
     if secure and "kafka-secure" not in wanted:
         wanted.append("kafka-secure")
     unknown = [s for s in wanted if s not in services.ALL_SERVICES]

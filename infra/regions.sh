@@ -37,11 +37,13 @@ if [[ "${1:-}" == --secure ]]; then
 fi
 # Every path, port and name below differs between the two sets, so a secured set never touches a plaintext one.
 MM2_NAME=mm2
+SELF="infra/regions.sh"  # how messages name this script for the set in use
 REGIONS_DIR="$EMBER_HOME/regions"
 CENTRAL_BOOTSTRAP="127.0.0.1:${EMBER_KAFKA_PORT:-19092}"
 BASE_PORT=19300
 if ((SECURE)); then
   MM2_NAME=mm2-secure
+  SELF="infra/regions.sh --secure"
   REGIONS_DIR="$EMBER_HOME/regions-secure"
   CENTRAL_BOOTSTRAP="127.0.0.1:${EMBER_KAFKA_SECURE_PORT:-19192}"
   BASE_PORT=19400
@@ -67,7 +69,7 @@ PORTS_FILE="$REGIONS_DIR/ports"
 CENTRAL=central
 
 usage() {
-  sed -n '2,25p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,26p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
   exit 2
 }
 
@@ -311,7 +313,7 @@ PY
 # mm2_start R... -- MM2 for these regions with the config this start writes; one already running it is left alone.
 mm2_start() {
   local regions=("$@") pid
-  ((${#regions[@]})) || die "mm2 start: no regions (start some first: infra/regions.sh start us,eu)" 2
+  ((${#regions[@]})) || die "mm2 start: no regions (start some first: $SELF start us,eu)" 2
   mm2_write_config "${regions[@]}"
   if pid="$(pid_read "$MM2_PID" "$MM2_PID_PATTERN" 2>/dev/null)"; then
     if cmp -s "$MM2_CONF" "$MM2_CONF.next"; then
@@ -330,7 +332,7 @@ mm2_start() {
 mm2_launch() {
   local regions region pid t0=$SECONDS deadline since_ms
   read -r -a regions <<<"$(mm2_regions)"
-  ((${#regions[@]})) || die "mm2 has no config yet: infra/regions.sh start us,eu first" 2
+  ((${#regions[@]})) || die "mm2 has no config yet: $SELF start us,eu first" 2
   if pid="$(pid_read "$MM2_PID" "$MM2_PID_PATTERN" 2>/dev/null)"; then
     log_info "mm2 already running (pid $pid)"
     return 0
@@ -371,7 +373,7 @@ mm2_launch() {
 }
 
 cmd_start() {
-  [[ -n "${1:-}" ]] || die "start needs the regions, e.g. infra/regions.sh start us,eu" 2
+  [[ -n "${1:-}" ]] || die "start needs the regions, e.g. $SELF start us,eu" 2
   local regions=() region
   IFS=, read -r -a regions <<<"$1"
   for region in "${regions[@]}"; do
@@ -432,7 +434,7 @@ case "${1:-}" in
   bootstrap)
     [[ -n "${2:-}" ]] || usage
     check_region "$2"
-    known_regions | grep -qx -- "$2" || die "region '$2' was never started here (known: $(known_regions | xargs)); run infra/regions.sh start $2" 2
+    known_regions | grep -qx -- "$2" || die "region '$2' was never started here (known: $(known_regions | xargs)); run $SELF start $2" 2
     printf '127.0.0.1:%s\n' "$(region_port "$2")"
     ;;
   broker) [[ -n "${2:-}" && -n "${3:-}" ]] || usage; broker "$2" "$3" ;;

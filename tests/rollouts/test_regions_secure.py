@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 import yaml
-from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import KafkaAdminClient, KafkaProducer, TopicPartition
 from kafka.errors import KafkaError
 from typer.testing import CliRunner
 
@@ -41,15 +41,16 @@ pytestmark = pytest.mark.xdist_group("regions")
 @pytest.fixture(scope="module")
 def secure_regions(secure_kafka) -> Iterator[dict[str, str]]:
     """Region -> bootstrap of its secured cluster, MM2 mirroring each into kafka-secure (shared with other tests, so
-    only this file's policy versions go out)."""
+    only this file's policy versions go out), started by `ember dev up --regions us,eu --secure` (idempotent)."""
     started_here = "\nmm2-secure\trunning" not in "\n" + services.run_script("regions.sh", "--secure", "status", check=False).stdout
     os.environ["EMBER_MM2_OUT_TOPICS"] = PREFIX + r".*\.policy-versions"
-    try:
-        services.start_regions(list(REGIONS), secure=True)
-    except services.ServiceError as exc:
-        pytest.fail(f"the secured regional clusters and MirrorMaker 2 could not be started:\n{exc}")
+    try:  # the user's command, narrowed to the services this file needs
+        up = CliRunner().invoke(app, ["dev", "up", "--only", "kafka-secure", "--regions", ",".join(REGIONS), "--secure"])
     finally:
         del os.environ["EMBER_MM2_OUT_TOPICS"]
+    assert up.exit_code == 0, f"ember dev up --regions us,eu --secure failed:\n{up.output}"
+    states = {row.name: row.state for row in services.status()}
+    assert all(states.get(name) == "running" for name in ("kafka-secure-us", "kafka-secure-eu", "mm2-secure")), states
     yield {region: services.region_bootstrap(region, secure=True) for region in REGIONS}
     if started_here:
         services.stop_regions(secure=True)
@@ -58,7 +59,7 @@ def secure_regions(secure_kafka) -> Iterator[dict[str, str]]:
 def test_a_secured_region_refuses_plaintext_and_a_wrong_password(secure_kafka, secure_regions, tmp_path):
     us = secure_regions["us"]
     with pytest.raises(KafkaError):
-        KafkaAdminClient(bootstrap_servers=us, request_timeout_ms=5000, bootstrap_timeout_ms=5000).list_topics()
+        KafkaAdminClient(bootstrap_servers=us, request_timeout_ms=2000, bootstrap_timeout_ms=2000).list_topics()
     wrong = tmp_path / "wrong.password"
     wrong.write_text("not-the-password\n")
     intruder = KafkaSecurity(
@@ -66,7 +67,7 @@ def test_a_secured_region_refuses_plaintext_and_a_wrong_password(secure_kafka, s
         sasl_plain_password_file=wrong, ssl_cafile=secure_kafka.cafile,
     )
     with pytest.raises(KafkaError):
-        KafkaAdminClient(bootstrap_servers=us, request_timeout_ms=5000, bootstrap_timeout_ms=5000, **intruder.client_kwargs()).list_topics()
+        KafkaAdminClient(bootstrap_servers=us, request_timeout_ms=2000, bootstrap_timeout_ms=2000, **intruder.client_kwargs()).list_topics()
 
 
 class EtlThread(threading.Thread):
@@ -170,11 +171,23 @@ def test_rollouts_sampled_and_graded_in_secured_regions_are_batched_exactly_once
     assert len(rows) == 8 and all(row[-2] == "0" for row in rows), lag.output  # 2 regions x 2 topics x 2 partitions
 
 
-def test_no_password_in_mm2_or_regional_logs(secure_kafka, secure_regions):
+def test_no_password_in_mm2s_config_topics_or_logs(secure_kafka, secure_regions, secured):
+    """MM2 stores its connectors' configs in Kafka (mm2-configs.<source>.internal): they hold the `${file:...}`
+    reference, never the password it resolves to."""
+    deployment, _outputs = secured
     home = secure_kafka.credentials.parent.parent
-    logs = [home / "mm2-secure" / "mm2.properties", home / "mm2-secure" / "logs" / "mm2.log",
-            *(home / f"kafka-secure-{r}" / "logs" / "server.log" for r in REGIONS)]
+    texts = {str(path): path.read_text(errors="replace") for path in [
+        home / "mm2-secure" / "mm2.properties", home / "mm2-secure" / "logs" / "mm2.log",
+        *(home / f"kafka-secure-{r}" / "logs" / "server.log" for r in REGIONS)]}
+    consumer = deployment.consumer("admin", consumer_timeout_ms=5000)
+    try:
+        tps = [TopicPartition("mm2-configs.us.internal", p) for p in consumer.partitions_for_topic("mm2-configs.us.internal")]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        texts["mm2-configs.us.internal"] = "\n".join((r.value or b"").decode(errors="replace") for r in consumer)
+    finally:
+        consumer.close()
     passwords = {role: secure_kafka.password_file(role).read_text().strip() for role in services.ROLES}
-    leaks = [(str(path), role) for path in logs for role, p in passwords.items() if p in path.read_text(errors="replace")]
+    leaks = [(where, role) for where, text in texts.items() for role, p in passwords.items() if p in text]
     assert not leaks, f"a password appears in: {leaks}"
-    assert "${file:" in (home / "mm2-secure" / "mm2.properties").read_text()
+    assert "${file:" in texts["mm2-configs.us.internal"] and "${file:" in texts[str(home / "mm2-secure" / "mm2.properties")]

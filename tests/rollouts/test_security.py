@@ -21,7 +21,7 @@ from kafka.errors import TopicAuthorizationFailedError
 from typer.testing import CliRunner
 
 from ember.configs import EtlConfigError
-from ember.rollouts.acls import ROLES, role_bindings
+from ember.rollouts.acls import ROLES, mirror_cluster_bindings, region_bindings, role_bindings
 from ember.rollouts.cli import app
 from ember.rollouts.config import load_config, parse_config
 from ember.rollouts.reader import RolloutBatchReader
@@ -250,3 +250,24 @@ def test_midtrain_rl_takes_the_same_security_section(clean_env):
     rollouts = RolloutsConfig(topic_prefix="p", security=_sasl(sasl_plain_username="ember-trainer", sasl_plain_password_file="/t"))
     assert rollouts.security.describe() == "SASL_SSL SCRAM-SHA-512 as ember-trainer"
     assert RolloutsConfig(topic_prefix="p").security.security_protocol == "PLAINTEXT"
+
+
+def test_the_mirror_gets_mm2s_own_resources_and_only_the_deployments_data_it_copies():
+    topics = Topics("p")
+    mm2 = {(b.operation, b.resource, b.name, b.pattern) for b in mirror_cluster_bindings(["us", "eu"])}
+    for source in ("us", "eu"):  # exactly-once source: the worker's and each task's transactional ids (Connect docs)
+        assert {("WRITE", "TRANSACTIONAL_ID", f"connect-cluster-{source}-mm2", "LITERAL"),
+                ("WRITE", "TRANSACTIONAL_ID", f"{source}-mm2-", "PREFIXED"),
+                ("READ", "GROUP", f"{source}-mm2", "LITERAL"), ("CREATE", "TOPIC", f"{source}.", "PREFIXED")} <= mm2
+    assert ("IDEMPOTENT_WRITE", "CLUSTER", "kafka-cluster", "LITERAL") in mm2
+    written = {name for op, resource, name, _ in mm2 if resource == "TOPIC" and op in ("WRITE", "CREATE")}
+    assert written == {"mm2-", "heartbeats", "us.", "eu."}  # never a deployment's own topics
+    central = [b for b in role_bindings("p", regions=["us"]) if b.role in ("mirror", "etl")]
+    assert {(b.operation, b.name) for b in central if b.role == "mirror"} == {
+        ("READ", topics.policy_versions), ("DESCRIBE_CONFIGS", topics.policy_versions)}
+    assert {("READ", f"us.{topics.rollouts}"), ("READ", "mm2-offsets.us.internal")} <= {(b.operation, b.name) for b in central}
+    region = {(b.role, b.operation, b.name) for b in region_bindings("p")}
+    assert {("mirror", "READ", topics.rollouts), ("mirror", "READ", topics.rewards), ("etl", "READ", topics.rewards),
+            ("inference", "WRITE", topics.rollouts), ("grader", "WRITE", topics.rewards)} <= region
+    assert not {name for role, op, name in region if role == "mirror" and op != "READ" and op != "DESCRIBE_CONFIGS"}
+    assert role_bindings("p") == [b for b in role_bindings("p", regions=["us"]) if b.role != "mirror" and "us" not in b.name]
