@@ -62,21 +62,21 @@ PREFIX = "regions-"  # the tests' prefix family: the same MM2 config, so a runni
 class Reader(threading.Thread):
     """Reads a central topic read_committed from the start; keeps (send time, read time) per rollout."""
 
-    def __init__(self, bootstrap: str, topic: str, expected: int):
+    def __init__(self, bootstrap: str, topic: str, expected: int, security: dict | None = None):
         super().__init__(daemon=True)
-        self.bootstrap, self.topic, self.expected = bootstrap, topic, expected
+        self.bootstrap, self.topic, self.expected, self.security = bootstrap, topic, expected, security or {}
         self.times: list[tuple[float, float]] = []
         self.ready = threading.Event()
 
     def run(self) -> None:
-        consumer = KafkaConsumer(bootstrap_servers=self.bootstrap, isolation_level="read_committed", fetch_max_wait_ms=50)
+        consumer = KafkaConsumer(bootstrap_servers=self.bootstrap, isolation_level="read_committed", fetch_max_wait_ms=50, **self.security)
         deadline = time.monotonic() + 300
         while not consumer.partitions_for_topic(self.topic):
             if time.monotonic() > deadline:
                 raise SystemExit(f"{self.topic} never appeared in central")
             time.sleep(0.2)
             consumer.close()
-            consumer = KafkaConsumer(bootstrap_servers=self.bootstrap, isolation_level="read_committed", fetch_max_wait_ms=50)
+            consumer = KafkaConsumer(bootstrap_servers=self.bootstrap, isolation_level="read_committed", fetch_max_wait_ms=50, **self.security)
         tps = [TopicPartition(self.topic, p) for p in consumer.partitions_for_topic(self.topic)]
         consumer.assign(tps)
         consumer.seek_to_beginning(*tps)
@@ -88,10 +88,11 @@ class Reader(threading.Thread):
         consumer.close()
 
 
-def send(bootstrap: str, topic: str, count: int, size: int, rate: float | None) -> float:
+def send(bootstrap: str, topic: str, count: int, size: int, rate: float | None, security: dict | None = None) -> float:
     """Sends `count` rollouts stamped with their send time; paced at `rate`/s when given. Returns the first send time.
     Random bytes: token ids compress little, and a repeated pad would let zstd make the mirror look free."""
-    producer = KafkaProducer(bootstrap_servers=bootstrap, enable_idempotence=True, acks="all", linger_ms=5, max_request_size=8 << 20)
+    producer = KafkaProducer(bootstrap_servers=bootstrap, enable_idempotence=True, acks="all", linger_ms=5, max_request_size=8 << 20,
+                             **(security or {}))
     start = time.time()
     for i in range(count):
         if rate:
@@ -102,10 +103,12 @@ def send(bootstrap: str, topic: str, count: int, size: int, rate: float | None) 
     return start
 
 
-def run_path(name: str, produce_to: str, topic: str, read_topic: str, central: str, count: int, size: int, rate: float | None) -> dict:
-    reader = Reader(central, read_topic, count)
+def run_path(name: str, produce_to: str, topic: str, read_topic: str, central: str, count: int, size: int, rate: float | None,
+             produce_as: dict | None = None, read_as: dict | None = None) -> dict:
+    """`produce_as` / `read_as`: kafka-python security settings of the producer and the reader (secured clusters)."""
+    reader = Reader(central, read_topic, count, read_as)
     reader.start()
-    start = send(produce_to, topic, count, size, rate)
+    start = send(produce_to, topic, count, size, rate, produce_as)
     reader.join()
     if len(reader.times) != count:
         raise SystemExit(f"{name}: read {len(reader.times)} of {count} rollouts in central")
