@@ -1,4 +1,4 @@
-"""Rollouts through the secured mirror (`ember dev up --regions us,eu --secure`) vs produced to the secured central.
+"""Rollouts through the secured mirror (`ember dev up --regions us --secure`) vs produced to the secured central.
 
 The secured counterpart of bench_regions.py's "mirror alone" breakdown, in one run: ember's path is a rollout produced
 as ember-inference to region us's SASL_SSL cluster and copied by MirrorMaker 2 (exactly-once, as ember-mirror, over
@@ -34,7 +34,7 @@ from ember.rollouts.admin import apply_acls, ensure_topics  # noqa: E402
 from ember.rollouts.security import role_securities  # noqa: E402
 from ember.rollouts.topics import Topics  # noqa: E402
 
-REGIONS = ["us", "eu"]
+REGIONS = ["us"]  # the secured test's set: one region
 PREFIX = "regsec-"  # tests/rollouts/test_regions_secure.py's prefix family: the same MM2 config, no MM2 restart
 
 
