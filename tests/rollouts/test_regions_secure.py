@@ -4,9 +4,10 @@ A set of its own (infra/regions.sh --secure: own ports, names and MM2), started 
 it when started here; the plaintext set of test_regions.py serves the fault tests and the join across two regions.
 Both share the xdist group "regions", so the two sets never start side by side on this small machine. One region
 keeps the start inside the suite's budget (a second one costs a broker and two more MM2 workers: 139 s against 88 s
-for this file at load 10); MM2's ACLs for several regions are the same function, unit-tested in test_security.py. Rollouts are sampled in us as
-ember-inference, graded there as ember-grader, copied by MM2 as ember-mirror and batched by the ETL as ember-etl,
-each with only the ACLs `ember rollouts acls --region` grants; an independent read_committed count checks exactly once.
+for this file at load 10); MM2's ACLs for several regions are the same function, unit-tested in test_security.py.
+Rollouts are sampled in us as ember-inference, graded there as ember-grader, copied by MM2 as ember-mirror and
+batched by the ETL as ember-etl, each with only the ACLs `ember rollouts acls --region` grants; an independent
+read_committed count checks exactly once.
 """
 
 from __future__ import annotations
