@@ -190,3 +190,10 @@ apt_install() {
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
 }
+
+# rotate_log FILE -- a daemon's log over 64 MiB becomes FILE.1 (the one before it is dropped) before a start appends.
+rotate_log() {
+  if [[ -f "$1" ]] && (($(stat -c %s "$1") > 64 * 1024 * 1024)); then
+    mv -f "$1" "$1.1"
+  fi
+}

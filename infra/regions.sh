@@ -217,7 +217,8 @@ mm2_security() {
   printf '%s.ssl.truststore.location = %s\n' "$1" "$CRED_DIR/ca.pem"
 }
 
-# mm2_probe SINCE_MS R... -- true when every flow carried a heartbeat stamped at or after SINCE_MS end to end:
+# mm2_probe SINCE_MS R... -- true when every flow carried a heartbeat stamped at or after SINCE_MS end to end (else
+# prints the first flow without one):
 # <region>.heartbeats in central, central.heartbeats in each region (an old heartbeat proves nothing about this start).
 mm2_probe() {
   local since_ms="$1" args=() region
@@ -225,7 +226,7 @@ mm2_probe() {
   for region in "$@"; do
     args+=("$CENTRAL_BOOTSTRAP" "$region.heartbeats" "127.0.0.1:$(region_port "$region")" "$CENTRAL.heartbeats")
   done
-  "$EMBER_PY" - "$since_ms" "${args[@]}" >/dev/null 2>&1 <<'PY'
+  "$EMBER_PY" - "$since_ms" "${args[@]}" 2>/dev/null <<'PY'
 import os, sys
 from pathlib import Path
 from kafka import KafkaConsumer, TopicPartition
@@ -238,6 +239,7 @@ for bootstrap, topic in zip(pairs[::2], pairs[1::2]):
     try:
         found = consumer.offsets_for_times({TopicPartition(topic, p): since_ms for p in consumer.partitions_for_topic(topic) or ()})
         if not any(found.values()):
+            print(f"no heartbeat since this start in {topic} on {bootstrap}")
             sys.exit(1)
     finally:
         consumer.close()
@@ -272,8 +274,9 @@ PY
 # killed) can leave a transaction the coordinator no longer tracks: it is never aborted. On MM2's offsets topic it
 # holds the last stable offset, and a restarted MM2 worker reads that topic to its end before anything else, forever
 # (no heartbeat within the start timeout); on a mirrored topic it holds every read_committed reader (the ETL).
-# Called only while MM2 is down, and only on MM2's own topics open for over a minute (longer than any transaction of
-# its producers may live), so no live transaction is touched. Kafka's own tool (KIP-664) finds and aborts them.
+# Only MM2's own topics, and only transactions open for over a minute (longer than any transaction of its producers
+# may live: their transaction.timeout.ms is the default 60 s) that the coordinator no longer tracks, so no live
+# transaction is touched, with MM2 up or down. Kafka's own tool (KIP-664) finds and aborts them.
 mm2_abort_hanging() {
   local bootstrap="$1" regex="$2" classpath topic partition start minutes
   classpath="$("$INFRA_DIR/kafka.sh" classpath)"
@@ -310,6 +313,18 @@ for arg in sys.argv[1:]:
 PY
 }
 
+# mm2_abort_hanging_everywhere R... -- mm2_abort_hanging on MM2's own topics in central and in every region that is up:
+# its internal ones, heartbeats, and the copies it writes (<region>. in central, central. in a region).
+mm2_abort_hanging_everywhere() {
+  local region
+  mm2_abort_hanging "$CENTRAL_BOOTSTRAP" "^(mm2-.*[.]internal|heartbeats|($(IFS='|'; echo "$*"))[.].*)$"
+  for region in "$@"; do
+    if port_open 127.0.0.1 "$(region_port "$region")"; then
+      mm2_abort_hanging "127.0.0.1:$(region_port "$region")" "^(mm2-.*[.]internal|heartbeats|$CENTRAL[.].*)$"
+    fi
+  done
+}
+
 # mm2_start R... -- MM2 for these regions with the config this start writes; one already running it is left alone.
 mm2_start() {
   local regions=("$@") pid
@@ -330,7 +345,7 @@ mm2_start() {
 
 # mm2_launch -- start MM2 on the config last written (a restart after a crash keeps it) and wait for it.
 mm2_launch() {
-  local regions region pid t0=$SECONDS deadline since_ms
+  local regions pid t0=$SECONDS deadline next_abort since_ms missing=""
   read -r -a regions <<<"$(mm2_regions)"
   ((${#regions[@]})) || die "mm2 has no config yet: $SELF start us,eu first" 2
   if pid="$(pid_read "$MM2_PID" "$MM2_PID_PATTERN" 2>/dev/null)"; then
@@ -342,12 +357,9 @@ mm2_launch() {
   need_cmd java "Install a JDK >= 17 (Debian: apt-get install -y openjdk-17-jre-headless)."
   ensure_mm2_libs
   mm2_grant "${regions[@]}"
-  # MM2's own topics: its internal ones, heartbeats, and the copies it writes (<region>. in central, central. in a region)
-  mm2_abort_hanging "$CENTRAL_BOOTSTRAP" "^(mm2-.*[.]internal|heartbeats|($(IFS='|'; echo "${regions[*]}"))[.].*)$"
-  for region in "${regions[@]}"; do
-    port_open 127.0.0.1 "$(region_port "$region")" && mm2_abort_hanging "127.0.0.1:$(region_port "$region")" "^(mm2-.*[.]internal|heartbeats|$CENTRAL[.].*)$"
-  done
+  mm2_abort_hanging_everywhere "${regions[@]}"
   since_ms="$(date +%s%3N)"
+  rotate_log "$MM2_LOG"
   printf '\n===== %s infra/regions.sh mm2 start =====\n' "$(date -Is)" >>"$MM2_LOG"
   pid="$(start_bg "$MM2_PID" "$MM2_LOG" \
     java "-Xmx${EMBER_MM2_HEAP:-512m}" -Xms128m -XX:+UseG1GC -XX:TieredStopAtLevel=1 -Djava.awt.headless=true \
@@ -355,13 +367,20 @@ mm2_launch() {
     -cp "$MM2_LIBS/*" org.apache.kafka.connect.mirror.MirrorMaker "$MM2_CONF")"
   log_info "mm2 started pid $pid; waiting up to ${MM2_START_TIMEOUT}s for a heartbeat through every flow"
   deadline=$((SECONDS + MM2_START_TIMEOUT))
+  next_abort=$((SECONDS + 65))
   while ((SECONDS < deadline)); do
+    if ((SECONDS >= next_abort)); then
+      # A transaction left hanging moments before this start (central stopped mid-transaction and back within the
+      # minute) was too young to tell from a live one above; by now it is not.
+      mm2_abort_hanging_everywhere "${regions[@]}"
+      next_abort=$((SECONDS + 30))
+    fi
     if ! pid_alive "$pid"; then
       rm -f "$MM2_PID"
       tail_log "$MM2_LOG" 40
       die "mm2 (pid $pid) exited during startup; see $MM2_LOG"
     fi
-    if mm2_probe "$since_ms" "${regions[@]}"; then
+    if missing="$(mm2_probe "$since_ms" "${regions[@]}")"; then
       log_info "mm2 ready (pid $pid) after $((SECONDS - t0))s: ${regions[*]} <-> $CENTRAL; log: $MM2_LOG"
       mm2_compact_offsets "${regions[@]}" || log_warn "could not set segment.ms on MM2's offsets topics in $CENTRAL (replication lag reads grow with them)"
       return 0
@@ -369,7 +388,7 @@ mm2_launch() {
     sleep 2
   done
   tail_log "$MM2_LOG" 40
-  die "mm2 (pid $pid) carried no heartbeat through every flow within ${MM2_START_TIMEOUT}s (a hanging transaction in an mm2-offsets topic holds a flow: kafka-transactions.sh find-hanging); see $MM2_LOG"
+  die "mm2 (pid $pid) carried no heartbeat through every flow within ${MM2_START_TIMEOUT}s (${missing:-the probe could not read the heartbeat topics}) (a hanging transaction in an mm2-offsets topic holds a flow: kafka-transactions.sh find-hanging); see $MM2_LOG"
 }
 
 cmd_start() {

@@ -39,7 +39,7 @@ from ember.rollouts.engine import (
 )
 from ember.rollouts.log_clock import END_OF_TIME_MS, LogClock
 from ember.rollouts.records import PolicyVersion
-from ember.rollouts.transport import consumer_config, producer_config, topic_partitions
+from ember.rollouts.transport import consumer_config, listed_offsets, producer_config, topic_partitions
 from ember.schemas import TRAIN_BATCH_SCHEMA, TrainBatch, encode
 
 # a source of the offsets spec: a local role, or a region's mirrored copy (`us.rollouts`, see `input_topics`)
@@ -224,7 +224,7 @@ def _replay(config: EtlConfig, start: ReplayStart, make_engine, to_topic: str | 
         shards = sorted(consumer.partitions_for_topic(topics.rollouts) or [])
         for shard in shards:
             tps = {role: TopicPartition(topic, shard) for role, topic in inputs.items()}
-            ends = _listed(consumer.end_offsets, list(tps.values()))
+            ends = listed_offsets(consumer.end_offsets, list(tps.values()))
             starts = _start_offsets(consumer, start, tps)
             messages = _read_range(consumer, starts, ends)
             clock: LogClock[InputMessage] = LogClock(tps)
@@ -257,25 +257,11 @@ def _replay(config: EtlConfig, start: ReplayStart, make_engine, to_topic: str | 
     return summary
 
 
-def _listed(list_offsets, tps: list[TopicPartition], timeout_s: float = 30.0) -> dict[TopicPartition, int]:
-    """`list_offsets(tps)` (a consumer's beginning_offsets or end_offsets), asked again while kafka-python 3.0 leaves out
-    a partition whose leader its metadata does not know yet: it raises KeyError for it and refreshes the metadata
-    (seen on a mirrored topic just after a region was cut off). Bounded: then it names the partition."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return list_offsets(tps)
-        except KeyError as missing:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"replay: no leader known for {missing.args[0]} within {timeout_s:.0f}s") from missing
-            time.sleep(0.5)
-
-
 def _start_offsets(consumer: KafkaConsumer, start: ReplayStart, tps: dict[str, TopicPartition]) -> dict[TopicPartition, int]:
-    beginnings = _listed(consumer.beginning_offsets, list(tps.values()))
+    beginnings = listed_offsets(consumer.beginning_offsets, list(tps.values()))
     if start.at_ms is not None:
         found = consumer.offsets_for_times({tp: start.at_ms for tp in tps.values()})
-        ends = _listed(consumer.end_offsets, list(tps.values()))
+        ends = listed_offsets(consumer.end_offsets, list(tps.values()))
         return {tp: (found[tp].offset if found.get(tp) is not None else ends[tp]) for tp in tps.values()}
     return {
         tp: max(beginnings[tp], start.offsets.get((role, tp.partition), beginnings[tp])) for role, tp in tps.items()

@@ -16,7 +16,7 @@ from kafka import KafkaConsumer, TopicPartition
 from ember.rollouts.config import EtlConfig
 from ember.rollouts.engine import input_topics
 from ember.rollouts.records import Outcome, PolicyVersion
-from ember.rollouts.transport import TopicUnavailable, consumer_config
+from ember.rollouts.transport import TopicUnavailable, consumer_config, listed_offsets
 
 
 @dataclass
@@ -99,7 +99,7 @@ def collect_stats(config: EtlConfig, window_s: float = 300.0) -> EtlStats:
                 f"topics {topics.rollouts} and {topics.rewards} do not exist, or {kafka.security.describe()} may not read "
                 "them (is the topic prefix right? does this role read them: `ember rollouts acls`?)"
             )
-        ends = group.end_offsets(inputs) if inputs else {}
+        ends = listed_offsets(group.end_offsets, inputs)
         for tp in inputs:
             stats.partitions.append(PartitionLag(tp.topic, tp.partition, ends[tp], group.committed(tp)))
         policy_tp = TopicPartition(topics.policy_versions, 0)

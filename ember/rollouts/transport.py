@@ -12,8 +12,9 @@ time and then raise `BrokerNotReady` naming what they waited for.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
@@ -73,9 +74,25 @@ def end_offsets(topics: list[str], security: KafkaSecurity | None = None) -> dic
     consumer = KafkaConsumer(**consumer_config(security, group_id=None))
     try:
         partitions = [TopicPartition(t, p) for t in topics for p in sorted(consumer.partitions_for_topic(t) or [])]
-        return consumer.end_offsets(partitions)
+        return listed_offsets(consumer.end_offsets, partitions)
     finally:
         consumer.close()
+
+
+def listed_offsets(
+    list_offsets: Callable[[list[TopicPartition]], dict[TopicPartition, int]], tps: list[TopicPartition], timeout_s: float = 30.0
+) -> dict[TopicPartition, int]:
+    """`list_offsets(tps)` (a consumer's beginning_offsets or end_offsets), asked again while kafka-python 3.0 leaves out
+    a partition whose leader its metadata does not know yet: it raises KeyError for it and refreshes the metadata
+    (seen on a mirrored topic just after a region was cut off). Bounded: then it names the partition."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return list_offsets(tps)
+        except KeyError as missing:
+            if time.monotonic() > deadline:
+                raise BrokerNotReady(f"no leader known for {missing.args[0]} within {timeout_s:.0f}s") from missing
+            time.sleep(0.5)
 
 
 class TopicUnavailable(ValueError):

@@ -117,12 +117,6 @@ port_owner() {
   fi
 }
 
-rotate_log() {
-  if [[ -f "$KAFKA_LOG" ]] && (($(stat -c %s "$KAFKA_LOG") > 64 * 1024 * 1024)); then
-    mv -f "$KAFKA_LOG" "$KAFKA_LOG.1"
-  fi
-}
-
 kafka_wait_ready() {
   local pid="$1" deadline=$((SECONDS + KAFKA_START_TIMEOUT))
   while ((SECONDS < deadline)); do
@@ -167,7 +161,7 @@ kafka_cmd_start() {
   kafka_prepare
   kafka_write_config
   ensure_formatted
-  rotate_log
+  rotate_log "$KAFKA_LOG"
   printf '\n===== %s infra/%s.sh start =====\n' "$(date -Is)" "$KAFKA_NAME" >>"$KAFKA_LOG"
   pid="$(start_bg "$KAFKA_PID" "$KAFKA_LOG" \
     java "-Xmx$KAFKA_HEAP" -Xms256m -XX:+UseG1GC -XX:MaxGCPauseMillis=20 \

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from .infra_support import REPO, SlurmCluster, ember_home, require_ok, run_infra, status_fields
 
-pytestmark = [pytest.mark.integration, pytest.mark.serial]  # stops and restarts the shared broker
+pytestmark = pytest.mark.integration
 
 TERMINAL_JOB_STATES = {
     "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
@@ -130,6 +130,7 @@ def test_kafka_auto_topic_creation_is_disabled(kafka_bootstrap: str) -> None:
     assert "auto.create.topics.enable=false" in conf.splitlines()
 
 
+@pytest.mark.serial  # stops and restarts the broker every other test shares
 def test_kafka_stop_then_start(kafka_bootstrap: str, topic: str) -> None:
     require_ok(run_infra("kafka.sh", "stop", timeout=120), "infra/kafka.sh stop")
     assert status_fields("kafka.sh")[1] == "stopped"

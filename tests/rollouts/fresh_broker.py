@@ -1,4 +1,5 @@
-"""A throwaway, freshly formatted KRaft broker for one test: what a newcomer's first `make demo` meets.
+"""A throwaway, freshly formatted KRaft broker for one test: what a newcomer's first `make demo` meets, and a
+broker a test may stop and start without stopping the suite's (so that test need not run alone).
 
 It is `infra/kafka.sh` under another instance name (`EMBER_KAFKA_NAME`): the same jars and broker
 settings, its own state directory under $EMBER_HOME, pid file and lock, on free ports, so the broker the
@@ -15,6 +16,7 @@ import subprocess
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from tests.ports import free_ports
@@ -30,9 +32,23 @@ def _script(action: str, env: dict[str, str], timeout: float) -> subprocess.Comp
     return result
 
 
+@dataclass(frozen=True)
+class FreshBroker:
+    """A running throwaway broker: its bootstrap, and its own `infra/kafka.sh stop` / `start` (same data, same ports)."""
+
+    bootstrap: str
+    env: dict[str, str]
+
+    def stop(self) -> None:
+        _script("stop", self.env, 90)
+
+    def start(self) -> None:
+        _script("start", self.env, 180)
+
+
 @contextmanager
-def fresh_broker() -> Iterator[str]:
-    """Format and start a new single-node broker; yields its bootstrap; stops it and deletes its data."""
+def fresh_broker() -> Iterator[FreshBroker]:
+    """Format and start a new single-node broker; yields it; stops it and deletes its data."""
     port, controller = free_ports(2)
     name = f"kafka-fresh-{uuid.uuid4().hex[:8]}"
     env = {
@@ -45,7 +61,7 @@ def fresh_broker() -> Iterator[str]:
     home = Path(env.get("EMBER_HOME", REPO / ".ember")).resolve()
     try:
         _script("start", env, 180)
-        yield f"127.0.0.1:{port}"
+        yield FreshBroker(f"127.0.0.1:{port}", env)
     finally:
         _script("reset", env, 90)
         shutil.rmtree(home / name, ignore_errors=True)

@@ -26,8 +26,8 @@ pytestmark = pytest.mark.integration
 
 def test_demo_rollout_stage_passes_first_time_on_a_freshly_formatted_broker(kafka, monkeypatch):
     # `kafka` only makes sure infra/kafka.sh has its jars; the stage runs against the throwaway broker
-    with fresh_broker() as bootstrap:
-        monkeypatch.setenv("EMBER_KAFKA_BOOTSTRAP", bootstrap)
+    with fresh_broker() as broker:
+        monkeypatch.setenv("EMBER_KAFKA_BOOTSTRAP", broker.bootstrap)
         out = io.StringIO()
         rows = etl_stage.run(Console(file=out), "demo-fresh", rollouts=48, group_size=8, tokens=512)
     results = dict(rows)

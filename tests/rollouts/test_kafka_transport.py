@@ -2,18 +2,20 @@
 
 import numpy as np
 import pytest
-from kafka import KafkaConsumer, KafkaProducer
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from ember.rollouts.simulate import synthetic_reward, synthetic_rollout
 from ember.rollouts.topics import Topics, TopicSpec
 from ember.rollouts.admin import ensure_topics
 from ember.rollouts.transport import (
     BadMessage,
+    BrokerNotReady,
     DecodedMessage,
     RecordWriter,
     RewardWriter,
     RolloutWriter,
     consumer_config,
+    listed_offsets,
     producer_config,
     read_messages,
 )
@@ -154,3 +156,25 @@ def test_malformed_message_is_reported_with_its_position_not_a_crash(kafka, topi
     assert (truncated.topic, truncated.partition, truncated.offset) == (topic, 0, 1)
     assert "Expected to be able to read" in truncated.reason
     assert str(not_ember).startswith(f"{topic}[0]@2: bad magic")
+
+
+def test_offsets_are_asked_again_while_a_partitions_leader_is_unknown_and_then_named():
+    """kafka-python 3.0 raises KeyError for a partition whose leader its metadata does not know yet (a mirrored topic
+    just after its region was cut off): asked again until it answers, and past the bound the partition is named."""
+    tp = TopicPartition("us.run.rollouts", 0)
+    answers = [KeyError(tp), KeyError(tp), {tp: 7}]
+
+    def end_offsets(tps):
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    assert listed_offsets(end_offsets, [tp], timeout_s=10) == {tp: 7}
+    assert not answers
+
+    def never(tps):
+        raise KeyError(tp)
+
+    with pytest.raises(BrokerNotReady, match="us.run.rollouts"):
+        listed_offsets(never, [tp], timeout_s=0.6)

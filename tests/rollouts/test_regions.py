@@ -1,13 +1,12 @@
 """Regions as real clusters mirrored by MirrorMaker 2 (infra/regions.sh), and the faults the mirror must survive.
 
-One pair of regional clusters and one MM2 node serve every test here (a session fixture, one xdist group): starting
-them costs most of this file's time. Each test counts, reading read_committed from the central cluster on its own,
+One central broker of this file's own, one pair of regional clusters and one MM2 node serve every test here (module
+fixtures, one xdist group): starting them costs most of this file's time. Each test counts, reading read_committed from the central cluster on its own,
 the rollouts that arrived from each region against the ones each region committed: 0 lost, 0 doubled.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import uuid
@@ -35,6 +34,7 @@ from ember.rollouts.stats import collect_stats
 from ember.rollouts.topics import Topics
 from ember.schemas import decode_train_batch, encode
 from tests.rollouts.etl_support import books, etl_settings, read_topic
+from tests.rollouts.fresh_broker import fresh_broker
 from tests.rollouts.helpers import reward, rollout
 
 REGIONS = ("us", "eu")
@@ -43,21 +43,28 @@ pytestmark = pytest.mark.xdist_group("regions")
 
 
 @pytest.fixture(scope="module")
+def kafka(kafka) -> Iterator[str]:
+    """This file's central cluster: a broker of its own, freshly formatted, so that restarting it (below) stops nobody
+    else's and this file runs beside the rest of the suite, not alone. For the file's duration every `infra/kafka.sh`
+    call and every client default (EMBER_KAFKA_*) means it. The suite's `kafka` only makes sure the jars are there."""
+    with fresh_broker() as broker, pytest.MonkeyPatch.context() as env:
+        for name in ("EMBER_KAFKA_NAME", "EMBER_KAFKA_PORT", "EMBER_KAFKA_CONTROLLER_PORT", "EMBER_KAFKA_HEAP"):
+            env.setenv(name, broker.env[name])
+        env.setenv("EMBER_KAFKA_BOOTSTRAP", broker.bootstrap)
+        yield broker.bootstrap
+
+
+@pytest.fixture(scope="module")
 def regions(kafka) -> Iterator[dict[str, str]]:
-    """Region -> bootstrap of its cluster, with MM2 mirroring every region into the central broker. Central is shared
-    with every other test, so MM2 sends out only this file's policy versions (EMBER_MM2_OUT_TOPICS). Stopped after
-    this file's tests when they started it: two brokers and MM2 left running would slow every later test."""
-    started_here = "\nmm2\trunning" not in "\n" + services.run_script("regions.sh", "status", check=False).stdout
-    os.environ["EMBER_MM2_OUT_TOPICS"] = PREFIX + r".*\.policy-versions"
+    """Region -> bootstrap of its cluster, with MM2 mirroring every region into this file's central broker. Stopped
+    after this file's tests (an MM2 already running, from `ember dev up --regions`, is restarted for this central and
+    stopped too): two brokers and MM2 left running would slow every later test."""
     try:
         services.start_regions(list(REGIONS))
     except services.ServiceError as exc:
         pytest.fail(f"the regional clusters and MirrorMaker 2 could not be started:\n{exc}")
-    finally:
-        del os.environ["EMBER_MM2_OUT_TOPICS"]
     yield {region: services.region_bootstrap(region) for region in REGIONS}
-    if started_here:
-        services.run_script("regions.sh", "stop", check=False)
+    services.run_script("regions.sh", "stop", check=False)
 
 
 @pytest.fixture
@@ -455,7 +462,6 @@ def wait_for_mirrored_topics(kafka: str, regions: dict[str, str], topics: Topics
     return mirrored
 
 
-@pytest.mark.serial  # restarts the central broker every other test shares
 def test_central_restart_mid_stream_loses_doubles_and_misjudges_nothing(kafka, regions, topic_prefix):
     """The central (training) broker stops and starts while both regions keep sampling and grading. The ETL reconnects
     on its own, MM2 is restarted (see below); each region's records wait in the region, stamped with the region's log
