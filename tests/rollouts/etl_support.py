@@ -22,7 +22,7 @@ from ember.dev.services import SecureBroker
 from ember.rollouts.acls import role_bindings
 from ember.rollouts.admin import apply_acls
 from ember.rollouts.config import EtlConfig, kafka_bootstrap, parse_config
-from ember.rollouts.etl import prepare_topics
+from ember.rollouts.etl import EtlService, prepare_topics
 from ember.rollouts.reader import RolloutBatchReader
 from ember.rollouts.records import Outcome
 from ember.rollouts.replay import parse_start, replay
@@ -157,6 +157,25 @@ class EtlProcess(ServiceProcess):
 
     def __init__(self, config_path: Path, instance: str, log_dir: Path, fault: str | None = None):
         super().__init__("etl", config_path, instance, log_dir, fault=fault)
+
+
+class EtlThread(threading.Thread):
+    """One ETL process of the group, in this test process (a second one is a rebalance)."""
+
+    def __init__(self, config, instance: str):
+        super().__init__(daemon=True)
+        self.service, self.stop, self.error = EtlService(config, instance), threading.Event(), None
+
+    def run(self) -> None:
+        try:
+            self.service.run(self.stop)
+        except BaseException as exc:  # surfaced by the test, not lost in a thread
+            self.error = exc
+
+    def finish(self) -> None:
+        self.stop.set()
+        self.join(timeout=60)
+        assert self.error is None, f"ETL {self.service.instance} failed: {self.error!r}"
 
 
 def wait_for_line(proc: ServiceProcess, needle: str, timeout_s: float) -> None:

@@ -24,7 +24,6 @@ from ember.dev import services
 from ember.rollouts.admin import ensure_topics, list_topics
 from ember.rollouts.config import parse_config
 from ember.rollouts.engine import input_topics
-from ember.rollouts.etl import EtlService
 from ember.rollouts.metrics import EtlMetrics
 from ember.rollouts.mirror import MirrorWatch, RegionProofs
 from ember.rollouts.reader import RolloutBatchReader
@@ -33,7 +32,7 @@ from ember.rollouts.replay import parse_start, replay
 from ember.rollouts.stats import collect_stats
 from ember.rollouts.topics import Topics
 from ember.schemas import decode_train_batch, encode
-from tests.rollouts.etl_support import books, etl_settings, read_topic
+from tests.rollouts.etl_support import EtlThread, books, etl_settings, read_topic
 from tests.rollouts.fresh_broker import fresh_broker
 from tests.rollouts.helpers import reward, rollout
 
@@ -272,25 +271,6 @@ def test_region_down_others_flow_and_its_open_transaction_is_never_mirrored(kafk
     eu_sent = eu.finish()
     assert_exactly_once(mirrored(kafka, f"us.{topics.rollouts}", len(committed + after)), committed + after, "us after an outage")
     assert_exactly_once(mirrored(kafka, f"eu.{topics.rollouts}", len(eu_sent)), eu_sent, "eu while us was down")
-
-
-class EtlThread(threading.Thread):
-    """One ETL process of the group, in this test process (a second one is a rebalance)."""
-
-    def __init__(self, config, instance: str):
-        super().__init__(daemon=True)
-        self.service, self.stop, self.error = EtlService(config, instance), threading.Event(), None
-
-    def run(self) -> None:
-        try:
-            self.service.run(self.stop)
-        except BaseException as exc:  # surfaced by the test, not lost in a thread
-            self.error = exc
-
-    def finish(self) -> None:
-        self.stop.set()
-        self.join(timeout=60)
-        assert self.error is None, f"ETL {self.service.instance} failed: {self.error!r}"
 
 
 def send_groups(regions: dict[str, str], topics: Topics, groups: list[str], *, cut_us_off: bool = False) -> list[str]:

@@ -13,7 +13,6 @@ read_committed count checks exactly once.
 from __future__ import annotations
 
 import os
-import threading
 import time
 import uuid
 from collections import Counter
@@ -29,11 +28,11 @@ from ember.cli import app
 from ember.dev import services
 from ember.rollouts.admin import list_topics
 from ember.rollouts.config import parse_config
-from ember.rollouts.etl import EtlService, prepare_topics
+from ember.rollouts.etl import prepare_topics
 from ember.rollouts.security import KafkaSecurity
 from ember.rollouts.topics import Topics
 from ember.schemas import encode
-from tests.rollouts.etl_support import Deployment, books, etl_settings
+from tests.rollouts.etl_support import Deployment, EtlThread, books, etl_settings
 from tests.rollouts.helpers import reward, rollout
 
 REGIONS = ("us",)
@@ -71,23 +70,6 @@ def test_a_secured_region_refuses_plaintext_and_a_wrong_password(secure_kafka, s
     )
     with pytest.raises(KafkaError):
         KafkaAdminClient(bootstrap_servers=us, request_timeout_ms=2000, bootstrap_timeout_ms=2000, **intruder.client_kwargs()).list_topics()
-
-
-class EtlThread(threading.Thread):
-    def __init__(self, config):
-        super().__init__(daemon=True)
-        self.service, self.stop, self.error = EtlService(config, "a"), threading.Event(), None
-
-    def run(self) -> None:
-        try:
-            self.service.run(self.stop)
-        except BaseException as exc:  # surfaced by the test, not lost in a thread
-            self.error = exc
-
-    def finish(self) -> None:
-        self.stop.set()
-        self.join(timeout=60)
-        assert self.error is None, f"the ETL failed: {self.error!r}"
 
 
 def cli(deployment: Deployment, outputs: list[str], role: str, *args: str):
@@ -155,7 +137,7 @@ def test_rollouts_sampled_and_graded_in_secured_regions_are_batched_exactly_once
             [(g, encode(reward(r, float(j)))) for g, rs in groups.items() for j, r in enumerate(rs)])
     sent = [r.rollout_id for rs in groups.values() for r in rs]
 
-    etl = EtlThread(config)
+    etl = EtlThread(config, "a")
     etl.start()
     try:
         deadline = time.monotonic() + 120
