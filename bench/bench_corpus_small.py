@@ -169,9 +169,11 @@ def main() -> None:
         datatrove_child(*sys.argv[2:4])
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=None, help="default: quick 2 (each run is a fresh CLI process), "
+                        "otherwise 3")
     add_flags(parser)
     args = parser.parse_args()
+    args.repeats = args.repeats or profile_default(args.profile, 2, 3)
     packages = profile_default(args.profile, QUICK_PACKAGES, PACKAGES)
     cores = os.cpu_count() or 1
     with tempfile.TemporaryDirectory(prefix="bench-corpus-small-") as tmp:

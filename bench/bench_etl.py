@@ -26,7 +26,7 @@ stand in for rank 0's broadcast.
   writer uncompressed, `zstd` compresses both; `both` runs everything uncompressed plus 1 ETL x 1 rank with zstd.
 - configurations: `--configs 1x1,2x1,2x2` picks the ETL processes x ranks to run (default all three;
   with `--profile`, 1x1 and 2x2).
-- `--profile quick` (4 groups, ~130 MB, for `make bench`) or `full` (64 groups, ~2.1 GB), `--results FILE`
+- `--profile quick` (3 groups, ~100 MB, 3 paced groups, for `make bench`) or `full` (64 groups, ~2.1 GB), `--results FILE`
   writes the e2e figures (ember and the plain consumer from the same runs) for `make bench`.
 - profiling: with $EMBER_BENCH_PY_SPY (a py-spy binary) and $EMBER_BENCH_PROFILE_DIR every ETL process
   and rank is recorded (raw collapsed stacks, idle frames included).
@@ -426,9 +426,9 @@ def shapes(text: str) -> list[tuple[int, int]]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--groups", type=int, default=None, help="groups of 8 per throughput run (quick 4, ~130 MB; full 64, ~2.1 GB; default 12)")
+    parser.add_argument("--groups", type=int, default=None, help="groups of 8 per throughput run (quick 3, ~100 MB; full 64, ~2.1 GB; default 12)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--latency-groups", type=int, default=None, help="paced groups in the latency run (quick 5, full 20, default 15)")
+    parser.add_argument("--latency-groups", type=int, default=None, help="paced groups in the latency run (quick 3, full 20, default 15)")
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between groups in the latency run")
     parser.add_argument("--compression", choices=["none", "zstd", "both"], default="none",
                         help="the rollouts topic and writer: uncompressed, zstd, or uncompressed plus the 1x1 case with zstd")
@@ -443,8 +443,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_flags(parser)
     args = parser.parse_args(argv)
     args.fetchers = ["kafka-python", "confluent"] if args.fetcher == "both" else [args.fetcher]
-    args.groups = args.groups or profile_default(args.profile, 4, 64, 12)
-    args.latency_groups = args.latency_groups or profile_default(args.profile, 5, 20, 15)
+    args.groups = args.groups or profile_default(args.profile, 3, 64, 12)  # quick: 6 runs of ETL + ranks from process start
+    args.latency_groups = args.latency_groups or profile_default(args.profile, 3, 20, 15)
     args.configs = args.configs or profile_default(args.profile, shapes("1x1,2x2"), shapes("1x1,2x2"), shapes(",".join(SHAPES)))
     if args.groups < 2:
         parser.error("--groups must be at least 2: a group is one batch, and the steady rate runs from one batch to a later one")

@@ -58,6 +58,7 @@ TRAIN_CHARS = 24_000_000  # the tokenizer is trained on the input's first charac
 PAGES_PER_CALL = 5000  # web pages generated per call, so the pages in memory stay ~25 MB
 METHODS = ("raw", "datatrove", "megatron", "ember", "ember_fixed", "raw_bare")
 DEFAULT_METHODS = METHODS[:5]
+QUICK_METHODS = ("raw", "datatrove", "ember", "ember_fixed")  # megatron's torch start-up is a third of a quick run; no target
 FIXED_COST_DOCUMENTS = 12  # per source: the input of `ember_fixed`, where the pipeline's fixed cost is nearly all
 INPUT_VERSION = 2  # bump when the generated input changes, so a cached work dir is rebuilt
 
@@ -331,7 +332,8 @@ def main() -> None:
     add_flags(parser)
     parser.add_argument("--tokens", type=int, default=None, help="token target of the input (default: by profile)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    parser.add_argument("--methods", default=None, help=f"comma-separated subset of {','.join(METHODS)} (default: quick "
+                        f"{','.join(QUICK_METHODS)}, otherwise {','.join(DEFAULT_METHODS)})")
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--work", type=Path, default=None,
@@ -346,7 +348,8 @@ def main() -> None:
     from ember.tokenize.config import TokenizeConfig
 
     assert TokenizeConfig.model_fields["encode_batch_documents"].default == BATCH, "BATCH must be ember's default"
-    methods = [m.strip() for m in args.methods.split(",")]
+    methods = [m.strip() for m in args.methods.split(",")] if args.methods else list(
+        profile_default(args.profile, QUICK_METHODS, DEFAULT_METHODS))
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         parser.error(f"--methods: unknown {unknown}; choose from {','.join(METHODS)}")

@@ -92,6 +92,10 @@ def run_one(script: Path, profile: str, limit: float, work: Path) -> dict:
         except subprocess.TimeoutExpired:
             stop_group(proc)
             returncode = None
+        except KeyboardInterrupt:  # the runner stopped (Ctrl-C, SIGTERM): its bench is in a session of its own
+            stop_group(proc)
+            kill_leftovers(proc.pid)
+            raise
         kill_leftovers(proc.pid)
     wall = time.monotonic() - started
     record: dict = {"bench": name, "wall_s": round(wall, 2), "limit_s": limit, "exit_status": returncode,
@@ -162,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     # A shell that starts the runner in the background leaves SIGINT ignored, and its children would inherit that:
     # a handled SIGINT is reset to the default at exec, so each bench gets its KeyboardInterrupt (and its cleanup).
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `timeout` and `kill` stop the running bench too
     profile = "full" if args.full else "quick"
     limit = args.limit or LIMITS[profile]
     scripts, unknown = discover(args.bench_dir, args.only, args.skip)

@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,6 +86,27 @@ def test_a_bench_over_its_limit_is_stopped_with_its_children_after_its_cleanup(t
     (stuck,) = json.loads(out.read_text())["benches"]
     assert stuck["status"] == "timeout" and stuck["exit_status"] is None and "started" in stuck["stdout_tail"]
     assert cleaned.exists(), "the bench's finally block ran: what it started outside its group is stopped"
+    assert not alive(int(pid_file.read_text()))
+
+
+def test_a_stopped_runner_stops_the_bench_it_is_running(tmp_path: Path) -> None:
+    benches = tmp_path / "bench"
+    benches.mkdir()
+    pid_file, cleaned = tmp_path / "child.pid", tmp_path / "cleaned"
+    (benches / "bench_long.py").write_text(
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        f"try:\n    time.sleep(600)\nfinally:\n    open({str(cleaned)!r}, 'w').write('stopped what it started')\n")
+    runner = subprocess.Popen([sys.executable, str(RUNNER), "--bench-dir", str(benches), "--out", str(tmp_path / "r.json")],
+                              cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline and runner.poll() is None, "the bench never started"
+        time.sleep(0.1)
+    runner.terminate()  # what `timeout` sends
+    assert runner.wait(timeout=120) != 0
+    assert cleaned.exists(), "the bench got SIGINT and ran its finally block"
     assert not alive(int(pid_file.read_text()))
 
 
