@@ -11,6 +11,12 @@ if ! command -v chromium >/dev/null 2>&1; then
 fi
 echo "==> checking the architecture (import-linter contracts in pyproject.toml)"
 .venv/bin/lint-imports --no-cache
+# A full disk shows up as dozens of unrelated failures (brokers take their log dir offline, Flink and Beam cannot
+# stage): say it first, in one line.
+free_kb="$(df -Pk "$REPO" | awk 'NR == 2 {print $4}')"
+if [ "${free_kb:-0}" -lt $((8 * 1024 * 1024)) ]; then
+  echo "warning: only $((free_kb / 1024)) MiB free on $(df -P "$REPO" | awk 'NR == 2 {print $6}'); the suite's brokers, Flink clusters and builds need several GiB (a full disk fails tests all over)" >&2
+fi
 .venv/bin/ember dev up
 if [ -n "${CI:-}" ]; then
   trap '.venv/bin/ember dev down >/dev/null 2>&1 || true' EXIT
