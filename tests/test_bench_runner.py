@@ -70,16 +70,23 @@ def test_a_failing_bench_is_recorded_and_fails_the_run_after_the_rest(tmp_path: 
     assert "not ok: bench_broken, bench_silent" in done.stdout
 
 
-def test_a_bench_over_its_limit_is_stopped_with_its_children_after_its_cleanup(tmp_path: Path) -> None:
-    benches = tmp_path / "bench"
-    benches.mkdir()
-    pid_file, cleaned = tmp_path / "child.pid", tmp_path / "cleaned"
-    (benches / "bench_stuck.py").write_text(
+def long_bench(pid_file: Path, cleaned: Path) -> str:
+    """A bench that starts a child outside its own wait, writes its pid, and runs ~forever; its finally block leaves
+    `cleaned` behind, the proof that it was stopped with time for its cleanup."""
+    return (
         "import subprocess, sys, time\n"
         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
         f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
         "print('started', flush=True)\n"
-        f"try:\n    time.sleep(600)\nfinally:\n    open({str(cleaned)!r}, 'w').write('stopped what it started')\n")
+        f"try:\n    time.sleep(600)\nfinally:\n    open({str(cleaned)!r}, 'w').write('stopped what it started')\n"
+    )
+
+
+def test_a_bench_over_its_limit_is_stopped_with_its_children_after_its_cleanup(tmp_path: Path) -> None:
+    benches = tmp_path / "bench"
+    benches.mkdir()
+    pid_file, cleaned = tmp_path / "child.pid", tmp_path / "cleaned"
+    (benches / "bench_stuck.py").write_text(long_bench(pid_file, cleaned))
     out = tmp_path / "results.json"
     done = run_all("--bench-dir", str(benches), "--out", str(out), "--limit", "2", sigint_ignored=True)
     assert done.returncode == 1
@@ -93,11 +100,7 @@ def test_a_stopped_runner_stops_the_bench_it_is_running(tmp_path: Path) -> None:
     benches = tmp_path / "bench"
     benches.mkdir()
     pid_file, cleaned = tmp_path / "child.pid", tmp_path / "cleaned"
-    (benches / "bench_long.py").write_text(
-        "import subprocess, sys, time\n"
-        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
-        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
-        f"try:\n    time.sleep(600)\nfinally:\n    open({str(cleaned)!r}, 'w').write('stopped what it started')\n")
+    (benches / "bench_long.py").write_text(long_bench(pid_file, cleaned))
     runner = subprocess.Popen([sys.executable, str(RUNNER), "--bench-dir", str(benches), "--out", str(tmp_path / "r.json")],
                               cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
