@@ -167,6 +167,7 @@ class _Finished:
     outcomes: list[Outcome]
     held: dict[str, list[int]]
     rollout_ids: tuple[str, ...]
+    rewarded: tuple[tuple[str, str], ...]  # (rollout id, grader) of every reward the group consumed
     finished_at_ms: int
     last_reward_ms: int
     tokens: int
@@ -353,11 +354,9 @@ class ShardEngine:
             )
         )
 
-    def _is_closed(self, group_id: str) -> tuple[str, ...] | None:
-        if group_id in self.finishing:
-            return self.finishing[group_id].rollout_ids
-        closed = self.closed.get(group_id)
-        return closed.rollout_ids if closed is not None else None
+    def _is_closed(self, group_id: str) -> _Finished | ClosedGroup | None:
+        """The decided group (being packed, or closed within the dedup window), if `group_id` is one."""
+        return self.finishing.get(group_id) or self.closed.get(group_id)
 
     def _open_group(self, group_id: str) -> _Group:
         group = self.groups.get(group_id)
@@ -396,9 +395,9 @@ class ShardEngine:
         )
 
     def _ingest_rollout(self, message: InputMessage, rollout: Rollout, now_ms: int) -> None:
-        closed_ids = self._is_closed(rollout.group_id)
-        if closed_ids is not None:
-            reason = Reason.DUPLICATE if rollout.rollout_id in closed_ids else Reason.LATE_ROLLOUT
+        closed = self._is_closed(rollout.group_id)
+        if closed is not None:
+            reason = Reason.DUPLICATE if rollout.rollout_id in closed.rollout_ids else Reason.LATE_ROLLOUT
             self._out.outcomes.append(self._rollout_outcome(reason, rollout, (message.topic, message.offset), now_ms))
             return
         owner = self._owners.get(rollout.rollout_id)
@@ -451,8 +450,11 @@ class ShardEngine:
         if graders and reward.grader not in graders:
             self._out.outcomes.append(self._reward_outcome(Reason.UNKNOWN_GRADER, reward, (message.topic, message.offset), now_ms))
             return
-        if self._is_closed(reward.group_id) is not None:
-            self._out.outcomes.append(self._reward_outcome(Reason.LATE_REWARD, reward, (message.topic, message.offset), now_ms))
+        closed = self._is_closed(reward.group_id)
+        if closed is not None:
+            repeat = (reward.rollout_id, reward.grader) in closed.rewarded
+            reason = Reason.DUPLICATE_REWARD if repeat else Reason.LATE_REWARD
+            self._out.outcomes.append(self._reward_outcome(reason, reward, (message.topic, message.offset), now_ms))
             return
         group = self._open_group(reward.group_id)
         member = group.members.get(reward.rollout_id)
@@ -625,6 +627,11 @@ class ShardEngine:
             outcomes=outcomes,
             held=held,
             rollout_ids=tuple(s.rollout.rollout_id for m in group.members.values() for s in m.ordered),
+            rewarded=tuple(
+                (h.reward.rollout_id, h.reward.grader)
+                for holds in [*(m.rewards for m in group.members.values()), *group.early.values()]
+                for h in holds.values()
+            ),
             finished_at_ms=now_ms,
             last_reward_ms=max(reward_times, default=now_ms),
             tokens=sum(s.rollout.num_tokens for s in sequences),
@@ -731,7 +738,7 @@ class ShardEngine:
             if self._owners.get(rollout_id) == finished.group_id:
                 del self._owners[rollout_id]
         if finished.rollout_ids:
-            closed = ClosedGroup(finished.group_id, now_ms, finished.rollout_ids)
+            closed = ClosedGroup(finished.group_id, now_ms, finished.rollout_ids, finished.rewarded)
             self._remember_closed(closed)
             self._closed_delta.append(closed)
 

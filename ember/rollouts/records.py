@@ -202,11 +202,15 @@ def ranges_to_offsets(ranges: list[list[int]]) -> set[int]:
 
 @dataclass(frozen=True)
 class ClosedGroup:
-    """A group whose every message is accounted for; remembered to recognise duplicates and late data."""
+    """A group whose every message is accounted for; remembered to recognise duplicates and late data.
+
+    `rewarded`: the (rollout id, grader) of every reward the group consumed, so that a second copy of one (a grader
+    that graded again, a mirror that copied a record twice) is a duplicate, and only a reward never seen is late."""
 
     group_id: str
     closed_at_ms: int
     rollout_ids: tuple[str, ...]
+    rewarded: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -229,7 +233,7 @@ class ShardSnapshot:
 
     def encode(self) -> bytes:
         value = asdict(self)
-        value["closed"] = [[c.group_id, c.closed_at_ms, list(c.rollout_ids)] for c in self.closed]
+        value["closed"] = [[c.group_id, c.closed_at_ms, list(c.rollout_ids), [list(r) for r in c.rewarded]] for c in self.closed]
         return _dumps(value)
 
     @staticmethod
@@ -241,8 +245,13 @@ class ShardSnapshot:
                 positions={str(k): int(v) for k, v in value["positions"].items()},
                 pending={str(k): [[int(a), int(b)] for a, b in v] for k, v in value["pending"].items()},
                 next_step=int(value["next_step"]),
-                closed=tuple(ClosedGroup(str(g), int(t), tuple(ids)) for g, t, ids in value["closed"]),
+                closed=tuple(_closed_group(*entry) for entry in value["closed"]),
                 etl_instance=str(value.get("etl_instance", "")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"ETL state snapshot is malformed ({exc!r}); was it written by another tool?") from None
+
+
+def _closed_group(group_id, closed_at_ms, rollout_ids, rewarded=()) -> ClosedGroup:
+    """One entry of a snapshot's `closed`; snapshots written before `rewarded` existed have three fields."""
+    return ClosedGroup(str(group_id), int(closed_at_ms), tuple(map(str, rollout_ids)), tuple((str(r), str(g)) for r, g in rewarded))

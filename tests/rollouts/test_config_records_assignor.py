@@ -108,8 +108,11 @@ def test_offset_ranges_round_trip(offsets):
 
 
 def test_control_records_round_trip_and_reject_garbage():
-    snapshot = ShardSnapshot(3, {"rollouts": 10, "rewards": 7}, {"rollouts": [[2, 4]], "rewards": []}, 5, (ClosedGroup("g", 9, ("a", "b")),), "etl-0")
+    closed = (ClosedGroup("g", 9, ("a", "b"), (("a", "tests"), ("b", "judge"))),)
+    snapshot = ShardSnapshot(3, {"rollouts": 10, "rewards": 7}, {"rollouts": [[2, 4]], "rewards": []}, 5, closed, "etl-0")
     assert ShardSnapshot.decode(snapshot.encode()) == snapshot
+    before_rewarded = snapshot.encode().replace(b',[["a","tests"],["b","judge"]]', b"")  # written before `rewarded` existed
+    assert ShardSnapshot.decode(before_rewarded).closed == (ClosedGroup("g", 9, ("a", "b")),)
     outcome = Outcome("rollout_dropped", "stale", 1, 2, group_id="g", rollout_id="r", offset=4, detail={"lag_versions": 9})
     assert Outcome.decode(outcome.encode()) == outcome
     assert PolicyVersion.decode(PolicyVersion(4, 99).encode()) == PolicyVersion(4, 99)

@@ -74,8 +74,7 @@ def test_any_arrival_order_with_duplicates_gives_the_same_batch(order):
     expected = dict(zip([r.rollout_id for r in rollouts], grpo_advantages(SCORES)))
     assert sequence_advantages(batch) == pytest.approx(expected, rel=1e-5)
     assert done.reasons() == {"duplicate": 1}
-    late = done.reasons("reward_dropped")
-    assert late in ({"duplicate_reward": 1}, {"late_reward": 1}), "after the group is emitted a repeat is late"
+    assert done.reasons("reward_dropped") == {"duplicate_reward": 1}, "a repeat is a duplicate, before or after the decision"
 
 
 def test_missing_reward_waits_then_quorum_decides():
@@ -118,16 +117,20 @@ def test_reward_before_rollout_joins():
 
 
 def test_late_rewards_and_rollouts_after_the_group_was_emitted():
+    """After the decision a second copy of a reward the group used (a grader that graded again, a mirror that copied
+    the record twice) is a duplicate, as a second copy of a rollout is; only a reward the group never saw is late."""
     log = Log()
     rollouts = full_group(log)
     log.add(reward(rollouts[0], 0.3), 50)
+    log.add(reward(rollouts[1], 0.3, grader="judge"), 55)
     log.add(rollouts[2], 60)
     log.add(rollout("g", 99), 70)
     done = run(config(), log.messages)
     assert len(done.batched_ids) == 4
-    assert done.reasons("reward_dropped") == {"late_reward": 1}
+    assert done.reasons("reward_dropped") == {"duplicate_reward": 1, "late_reward": 1}
+    assert [o.rollout_id for o in done.outcomes if o.reason == "late_reward"] == [rollouts[1].rollout_id]
     assert done.reasons() == {"duplicate": 1, "late_rollout": 1}
-    assert done.marks == {ROLLOUTS: 6, REWARDS: 5}
+    assert done.marks == {ROLLOUTS: 6, REWARDS: 6}
 
 
 def test_a_reward_stamped_at_its_deadline_is_late():

@@ -31,7 +31,7 @@ from ember.rollouts.records import Reason
 from ember.rollouts.replay import parse_start, replay
 from ember.rollouts.stats import collect_stats
 from ember.rollouts.topics import Topics
-from ember.schemas import decode_train_batch, encode
+from ember.schemas import decode_reward, decode_train_batch, encode
 from tests.rollouts.etl_support import EtlThread, books, etl_settings, read_topic
 from tests.rollouts.fresh_broker import fresh_broker
 from tests.rollouts.helpers import reward, rollout
@@ -140,7 +140,9 @@ class Producer(threading.Thread):
 
 
 def regions_script(*args: str) -> None:
-    services.run_script("regions.sh", *args)
+    """infra/regions.sh ACTION...; its log lines (a hanging transaction aborted, say) are shown when a test fails."""
+    result = services.run_script("regions.sh", *args)
+    print(f"regions.sh {' '.join(args)}:", result.stdout, result.stderr, sep="\n")
 
 
 def test_dev_up_regions_refuses_bad_names_in_one_line():
@@ -483,5 +485,31 @@ def test_central_restart_mid_stream_loses_doubles_and_misjudges_nothing(kafka, r
     ledger = books(topics)
     assert not ledger.dropped and not ledger.rewards_dropped, (
         f"{len(ledger.dropped)} rollouts and {len(ledger.rewards_dropped)} rewards dropped, e.g. "
-        f"{(ledger.dropped + ledger.rewards_dropped)[:2]}"
+        f"{(ledger.dropped + ledger.rewards_dropped)[:2]}; every copy in central of the first dropped reward: "
+        f"{reward_copies(kafka, ledger.rewards_dropped[0]) if ledger.rewards_dropped else '-'}"
     )
+
+
+def reward_copies(kafka: str, dropped) -> list[tuple[int, int, str]]:
+    """(offset, log time, committed or not) of every record in the dropped reward's topic partition in central that is
+    a reward for its rollout: two committed copies mean the mirror copied it twice; one aborted copy, that a
+    read_committed reader was handed an aborted record."""
+    tp = TopicPartition(dropped.topic, dropped.partition)
+    found = {}
+    for isolation in ("read_uncommitted", "read_committed"):
+        consumer = KafkaConsumer(bootstrap_servers=kafka, isolation_level=isolation, enable_auto_commit=False)
+        try:
+            consumer.assign([tp])
+            consumer.seek_to_beginning(tp)
+            end = consumer.end_offsets([tp])[tp]
+            deadline = time.monotonic() + 30
+            while consumer.position(tp) < end and time.monotonic() < deadline:
+                for batch in consumer.poll(timeout_ms=500).values():
+                    for record in batch:
+                        if decode_reward(record.value).rollout_id == dropped.rollout_id:
+                            found.setdefault(record.offset, [record.timestamp, "aborted"])[1] = (
+                                "committed" if isolation == "read_committed" else "aborted"
+                            )
+        finally:
+            consumer.close()
+    return [(offset, at, state) for offset, (at, state) in sorted(found.items())]
