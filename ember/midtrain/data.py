@@ -115,21 +115,21 @@ class _Block:
                     self.mask = np.zeros(self.tokens.shape, dtype=np.uint8)
                 self.mask[slots[valid]] = chunk.mask_values[offsets[valid]]
                 self.has_mask[slots] = valid
-        starts = chunk.cu_offsets[offsets]
-        lengths = chunk.cu_offsets[offsets + 1] - starts
-        gather = np.repeat(starts - np.cumsum(lengths) + lengths, lengths) + np.arange(int(lengths.sum()))
-        self._cu_parts.append((slots, lengths, chunk.cu_values[gather]))
+        starts, ends = chunk.cu_offsets[offsets], chunk.cu_offsets[offsets + 1]
+        values = chunk.cu_values  # copied out row by row: a batch gives a block a few rows in a global shuffle
+        self._cu_parts.append(
+            (slots, ends - starts, np.concatenate([values[a:b] for a, b in zip(starts.tolist(), ends.tolist())]))
+        )
 
     def seal(self) -> None:
-        lengths = np.zeros(len(self.positions), dtype=np.int64)
-        for slots, part_lengths, _ in self._cu_parts:
-            lengths[slots] = part_lengths
-        np.cumsum(lengths, out=self.cu_offsets[1:])
-        self.cu_values = np.empty(int(self.cu_offsets[-1]), dtype=np.int32)
-        for slots, part_lengths, values in self._cu_parts:
-            self.cu_values[np.repeat(self.cu_offsets[slots] - np.cumsum(part_lengths) + part_lengths, part_lengths)
-                           + np.arange(len(values))] = values
+        """Every row's boundaries into one array, in slot order, in a single pass over all the parts."""
+        slots, lengths, values = (np.concatenate(part) for part in zip(*self._cu_parts))
         self._cu_parts = []
+        per_slot = np.zeros(len(self.positions), dtype=np.int64)
+        per_slot[slots] = lengths
+        np.cumsum(per_slot, out=self.cu_offsets[1:])
+        self.cu_values = np.empty(int(self.cu_offsets[-1]), dtype=np.int32)
+        self.cu_values[np.repeat(self.cu_offsets[slots] - np.cumsum(lengths) + lengths, lengths) + np.arange(len(values))] = values
 
     def row(self, position: int) -> _Row | None:
         slot = int(np.searchsorted(self.positions, position))
@@ -627,10 +627,11 @@ class MidtrainDataset(torch.utils.data.Dataset):
             slots = block.slots(positions[at])
             block.origin(slots, set_index, epochs, rows)
             order = np.argsort(chunks, kind="stable")  # record batches in file order, each once
-            for group in np.split(order, np.flatnonzero(np.diff(chunks[order])) + 1):
-                c = int(chunks[group[0]])
+            chunks, slots, offsets = chunks[order], slots[order], offsets[order]
+            starts = np.flatnonzero(np.diff(chunks, prepend=-1)).tolist()
+            for c, lo, hi in zip(chunks[starts].tolist(), starts, starts[1:] + [len(chunks)]):
                 chunk = self._chunk(set_index, int(shard_set.chunk_shard[c]), int(shard_set.chunk_batch[c]))
-                block.put(slots[group], chunk, offsets[group])
+                block.put(slots[lo:hi], chunk, offsets[lo:hi])
         block.seal()
         vocab_sizes = self._vocab_sizes[block.meta[:, 1]]
         if problem := _rows_problem(block.tokens, block.cu_offsets, block.cu_values, vocab_sizes, self.seq_len):
