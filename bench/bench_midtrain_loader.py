@@ -238,7 +238,8 @@ def measure(root: Path, n: int, args) -> dict:
         runs["mcore"].append(read_megatron(ds, samples))
     med = statistics.median
     out = {"n": n, "samples": samples, "e_start": med(runs["e_start"]), "m_cold": med(runs["m_cold"]),
-           "m_warm": med(runs["m_warm"]), "mcore_sps": samples / med(runs["mcore"])}
+           "m_warm": med(runs["m_warm"]), "mcore_sps": samples / med(runs["mcore"]),
+           "load": os.getloadavg()}  # the machine's 1/5/15-minute load as this size's repeats end
     for key in ("window", "global", "global_lru"):
         out[f"{key}_sps"] = samples / med(r[0] for r in runs[key])
         out[f"{key}_cache"] = max(r[1] for r in runs[key])
@@ -278,13 +279,14 @@ def main() -> None:
           f"min(N, {args.samples}) samples, cache {args.cache_mib} MiB, load average {load} (1/5/15 min) at the end")
     header = ("| sequences | ember startup s | mcore startup cold s | mcore startup cached s | startup ratio mcore-cold/ember "
               "| ember samples/s window-local | ember samples/s global shuffle | global / window-local "
-              "| ember global, no read-ahead | mcore samples/s global shuffle | ember global / mcore |")
+              "| ember global, no read-ahead | mcore samples/s global shuffle | ember global / mcore | load 1/5/15 min |")
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     for r in rows:
         print(f"| {r['n']:,} | {r['e_start']:.3f} | {r['m_cold']:.3f} | {r['m_warm']:.3f} | {r['m_cold'] / r['e_start']:.1f}x "
               f"| {r['window_sps']:,.0f} | {r['global_sps']:,.0f} | {r['global_sps'] / r['window_sps']:.2f}x "
-              f"| {r['global_lru_sps']:,.0f} | {r['mcore_sps']:,.0f} | {r['global_sps'] / r['mcore_sps']:.2f}x |")
+              f"| {r['global_lru_sps']:,.0f} | {r['mcore_sps']:,.0f} | {r['global_sps'] / r['mcore_sps']:.2f}x "
+              f"| {' / '.join(f'{x:.1f}' for x in r['load'])} |")
     print("\nmemory (MiB): ember's peak decoded bytes held / the process's peak RSS growth during the read")
     print("| sequences | window-local | global shuffle | global, no read-ahead |")
     print("|---|---|---|---|")

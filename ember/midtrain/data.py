@@ -23,15 +23,16 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 import torch
 
 from ember.midtrain.sampling import Blend, EpochShuffle, chunk_bounds, microbatch_positions, upcoming_positions
-from ember.schemas import Manifest, SchemaValidationError, read_manifest
+from ember.schemas import PACKED_SEQUENCE_SCHEMA, Manifest, SchemaValidationError, read_manifest
 from ember.storage import StorageError
 from ember.tokenize.remote_sets import RemoteSetError, local_shard_set
 from ember.tokenize.shards import ROWS_PER_BATCH_KEY
-from ember.tokenize.shardset import FileState, ShardError, ShardVerifier, vocab_problem
+from ember.tokenize.shardset import FileState, ShardError, ShardVerifier
 
 # Columns a sample needs; `segments` (document ids) is never decompressed on the training path.
 _READ_COLUMNS = ("tokens", "cu_seqlens", "source", "loss_mask")
@@ -49,7 +50,9 @@ class ShardSetSpec:
 
 @dataclass
 class _Chunk:
-    """One decoded record batch."""
+    """One decoded record batch: views of Arrow's buffers, shaped. Its rows' content is checked where
+    they are used (`_rows_problem`): all of them at once the first time a read off the read-ahead
+    plan takes one (`checked`), else in the block that copies them."""
 
     tokens: np.ndarray  # [rows, seq_len] uint32
     cu_offsets: np.ndarray
@@ -57,6 +60,7 @@ class _Chunk:
     source_ids: np.ndarray  # [rows] global source index
     mask_valid: np.ndarray | None  # [rows] bool, None when the column is all null
     mask_values: np.ndarray | None  # [rows, seq_len] uint8
+    checked: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -80,7 +84,7 @@ class _Row:
 class _Block:
     """Rows read ahead for a block of positions, as columns (no Python object per row, so the bytes
     counted are the bytes held). Filled one record batch at a time: `put` copies the rows a batch
-    serves, `seal` lays out the document boundaries."""
+    serves, `seal` lays out the document boundaries; the dataset then checks every row at once."""
 
     def __init__(self, positions: np.ndarray, seq_len: int):
         self.positions = np.sort(positions)
@@ -96,8 +100,14 @@ class _Block:
     def slots(self, positions: np.ndarray) -> np.ndarray:
         return np.searchsorted(self.positions, positions)
 
-    def put(self, slots: np.ndarray, chunk: _Chunk, offsets: np.ndarray, set_index: int, epochs: np.ndarray, rows: np.ndarray) -> None:
+    def origin(self, slots: np.ndarray, set_index: int, epochs: np.ndarray, rows: np.ndarray) -> None:
+        self.meta[slots, 1] = set_index
+        self.meta[slots, 2] = epochs
+        self.meta[slots, 3] = rows
+
+    def put(self, slots: np.ndarray, chunk: _Chunk, offsets: np.ndarray) -> None:
         self.tokens[slots] = chunk.tokens[offsets]
+        self.meta[slots, 0] = chunk.source_ids[offsets]
         if chunk.mask_valid is not None:
             valid = chunk.mask_valid[offsets]
             if valid.any():
@@ -105,22 +115,21 @@ class _Block:
                     self.mask = np.zeros(self.tokens.shape, dtype=np.uint8)
                 self.mask[slots[valid]] = chunk.mask_values[offsets[valid]]
                 self.has_mask[slots] = valid
-        self.meta[slots] = np.stack([chunk.source_ids[offsets], np.full(len(slots), set_index), epochs, rows], axis=1)
         starts, ends = chunk.cu_offsets[offsets], chunk.cu_offsets[offsets + 1]
-        lengths = ends - starts
-        gather = np.repeat(starts - np.cumsum(lengths) + lengths, lengths) + np.arange(int(lengths.sum()))
-        self._cu_parts.append((slots, lengths, chunk.cu_values[gather]))
+        values = chunk.cu_values  # copied out row by row: a batch gives a block a few rows in a global shuffle
+        self._cu_parts.append(
+            (slots, ends - starts, np.concatenate([values[a:b] for a, b in zip(starts.tolist(), ends.tolist())]))
+        )
 
     def seal(self) -> None:
-        lengths = np.zeros(len(self.positions), dtype=np.int64)
-        for slots, part_lengths, _ in self._cu_parts:
-            lengths[slots] = part_lengths
-        np.cumsum(lengths, out=self.cu_offsets[1:])
-        self.cu_values = np.empty(int(self.cu_offsets[-1]), dtype=np.int32)
-        for slots, part_lengths, values in self._cu_parts:
-            self.cu_values[np.repeat(self.cu_offsets[slots] - np.cumsum(part_lengths) + part_lengths, part_lengths)
-                           + np.arange(len(values))] = values
+        """Every row's boundaries into one array, in slot order, in a single pass over all the parts."""
+        slots, lengths, values = (np.concatenate(part) for part in zip(*self._cu_parts))
         self._cu_parts = []
+        per_slot = np.zeros(len(self.positions), dtype=np.int64)
+        per_slot[slots] = lengths
+        np.cumsum(per_slot, out=self.cu_offsets[1:])
+        self.cu_values = np.empty(int(self.cu_offsets[-1]), dtype=np.int32)
+        self.cu_values[np.repeat(self.cu_offsets[slots] - np.cumsum(lengths) + lengths, lengths) + np.arange(len(values))] = values
 
     def row(self, position: int) -> _Row | None:
         slot = int(np.searchsorted(self.positions, position))
@@ -152,6 +161,7 @@ class _Shard:
         self.batch_starts: np.ndarray = np.zeros(1, dtype=np.int64)
         self._pid: int | None = None
         self._reader: ipc.RecordBatchFileReader | None = None
+        self.columns: tuple[int, ...] = ()  # where each of _READ_COLUMNS is in a batch this reader returns
 
     def reader(self) -> ipc.RecordBatchFileReader:
         if self._pid != os.getpid():
@@ -164,11 +174,16 @@ class _Shard:
                 missing = [c for c in _READ_COLUMNS if c not in schema.names]
                 if missing:
                     raise DataError(f"{self.path}: not a PACKED_SEQUENCE_SCHEMA shard, missing columns {missing}")
+                for name in _READ_COLUMNS:  # once per file: every record batch's buffers are laid out as these say
+                    found, expected = schema.field(name).type, PACKED_SEQUENCE_SCHEMA.field(name).type
+                    if not found.equals(expected):
+                        raise DataError(f"{self.path}: column {name} is {found}, a PACKED_SEQUENCE_SCHEMA shard has {expected}")
                 fields = [schema.get_field_index(c) for c in _READ_COLUMNS]
                 # One thread per read: a loader runs as several worker processes per rank already, and
                 # Arrow's decompression pool on top of them made each record batch ~1.5x slower on 2 cores.
                 options = ipc.IpcReadOptions(included_fields=fields, use_threads=False)
                 self._reader = ipc.open_file(source, options=options)
+                self.columns = tuple(self._reader.schema.get_field_index(c) for c in _READ_COLUMNS)
             except (OSError, pa.ArrowException) as exc:
                 raise DataError(f"{self.path}: not a readable Arrow IPC shard ({exc})") from None
             self._pid = os.getpid()
@@ -194,67 +209,114 @@ class _Shard:
         return sizes
 
 
-def _cu_problem(offsets: np.ndarray, values: np.ndarray, seq_len: int) -> tuple[int, str] | None:
-    """The first row whose document boundaries `gpt_sample` cannot index with (they must start at 0,
-    increase strictly and end <= seq_len), checked for a whole record batch at once."""
-    offsets = offsets.astype(np.int64) - offsets[0]
-    values = values.astype(np.int64)
+def _rows_problem(
+    tokens: np.ndarray, cu_offsets: np.ndarray, cu_values: np.ndarray, vocab_size: int | np.ndarray, seq_len: int
+) -> tuple[int, str] | None:
+    """The first of many rows that no ember writer produces, as (row, what is wrong): a token id
+    outside the vocabulary (`vocab_size`: one for all rows, or one per row), or document boundaries
+    `gpt_sample` cannot index with (they must start at 0, increase strictly and end <= seq_len).
+
+    Why over many rows at once: the check costs per call far more than per row. A read-ahead block
+    checks all its rows in one call; in a global shuffle they come from thousands of record batches,
+    a few rows each, and checking each batch whole cost more than Arrow's read of it."""
+    over = tokens.max(axis=1) >= vocab_size
+    if over.any():
+        row = int(np.flatnonzero(over)[0])
+        limit = int(np.broadcast_to(vocab_size, over.shape)[row])
+        position = int(np.flatnonzero(tokens[row] >= limit)[0])
+        return row, (f" position {position}: token id {int(tokens[row, position])} is outside the vocabulary "
+                     f"(tokenizer.vocab_size {limit})")
+    offsets = cu_offsets.astype(np.int64) - cu_offsets[0]
+    values = cu_values[cu_offsets[0] : cu_offsets[-1]].astype(np.int64)
     counts = np.diff(offsets)
     if np.any(counts < 2):
-        return int(np.flatnonzero(counts < 2)[0]), "cu_seqlens holds fewer than 2 boundaries"
+        return int(np.flatnonzero(counts < 2)[0]), ": cu_seqlens holds fewer than 2 boundaries"
     row_of = np.repeat(np.arange(len(counts)), counts)
     bad = (values[offsets[:-1]] != 0) | (values[offsets[1:] - 1] > seq_len)
     not_increasing = (np.diff(values) <= 0) & (row_of[1:] == row_of[:-1])
     bad[row_of[1:][not_increasing]] = True
     if np.any(bad):
-        return int(np.flatnonzero(bad)[0]), f"cu_seqlens must start at 0, increase strictly and end <= {seq_len}"
+        return int(np.flatnonzero(bad)[0]), f": cu_seqlens must start at 0, increase strictly and end <= {seq_len}"
     return None
 
 
-def _decode(
-    batch: pa.RecordBatch, seq_len: int, vocab_size: int, source_index: dict[str, int], shard: Path, first_row: int
-) -> _Chunk:
-    """One record batch -> arrays, refusing what no ember writer produces (the bytes already matched
-    the manifest, so this guards against a writer's bug): a row of another length, a token id outside
-    the vocabulary, boundaries `gpt_sample` cannot use. Errors name the shard and its row."""
-    tokens_col = batch.column("tokens")
-    lengths = np.diff(tokens_col.offsets.to_numpy())
-    if np.any(lengths != seq_len):
-        row = first_row + int(np.flatnonzero(lengths != seq_len)[0])
-        raise DataError(f"{shard} row {row}: a row holds {int(lengths[row - first_row])} tokens, seq_len is {seq_len}")
-    tokens = tokens_col.flatten().to_numpy().reshape(len(batch), seq_len)
-    if problem := vocab_problem(tokens, vocab_size, first_row):
-        raise DataError(f"{shard} {problem}")
-    cu = batch.column("cu_seqlens")
-    cu_offsets, cu_values = cu.offsets.to_numpy(), cu.flatten().to_numpy()
-    if problem := _cu_problem(cu_offsets, cu_values, seq_len):
-        raise DataError(f"{shard} row {first_row + problem[0]}: {problem[1]}")
-    encoded = batch.column("source").dictionary_encode()
-    unknown = [s for s in encoded.dictionary.to_pylist() if s not in source_index]
-    if unknown:
-        raise DataError(f"{shard} rows from {first_row}: source {unknown[0]!r} is not among the manifest's sources")
-    lookup = np.array([source_index[s] for s in encoded.dictionary.to_pylist()], dtype=np.int64)
-    source_ids = lookup[encoded.indices.to_numpy(zero_copy_only=False)]
-    mask = batch.column("loss_mask")
-    mask_valid = mask_values = None
-    if mask.null_count < len(mask):
-        mask_valid = mask.is_valid().to_numpy(zero_copy_only=False)
-        filled = mask.fill_null(pa.scalar([0] * seq_len, type=mask.type))
-        mask_lengths = np.diff(filled.offsets.to_numpy())
-        if np.any(mask_lengths != seq_len):
-            row = int(np.flatnonzero(mask_lengths != seq_len)[0])
-            raise DataError(
-                f"{shard} row {first_row + row}: loss_mask holds {int(mask_lengths[row])} values, seq_len is {seq_len}"
-            )
-        mask_values = filled.flatten().to_numpy().reshape(len(batch), seq_len)
-    return _Chunk(
-        tokens=tokens,
-        cu_offsets=cu_offsets - cu_offsets[0],
-        cu_values=cu_values,
-        source_ids=source_ids,
-        mask_valid=mask_valid,
-        mask_values=mask_values,
-    )
+class _Decoder:
+    """Record batch -> `_Chunk`, refusing what cannot be shaped or named (the bytes already matched
+    the manifest, so this guards against a writer's bug): a row or a loss mask of another length, a
+    source the manifests do not name. The rows' content is checked where they are used
+    (`_rows_problem`). Errors name the shard and its row.
+
+    Why a class: in a global shuffle each decoded batch serves a few rows, so what a decode costs
+    per call matters more than per row. It reads the columns' buffers directly (arrays read from an
+    IPC file start at offset 0; `_Shard` checked their types, Arrow's validation that their offsets
+    stay inside them) and keeps what batches repeat: the offsets of n full rows, and the source ids
+    of each distinct `source` column (nearly always one name repeated; Arrow's lookup of it cost
+    more than the rest of the decode)."""
+
+    _MEMO = 256  # distinct source columns remembered
+
+    def __init__(self, seq_len: int, source_names: list[str]):
+        self.seq_len = seq_len
+        self._lookup = pc.SetLookupOptions(pa.array(source_names, pa.string()))
+        self._full_rows: dict[int, np.ndarray] = {}
+        self._source_ids: dict[tuple[int, bytes, bytes], np.ndarray] = {}
+
+    def decode(self, batch: pa.RecordBatch, columns: tuple[int, ...], shard: Path, first_row: int) -> _Chunk:
+        try:  # Arrow's reader does not check that offsets stay inside their buffers; the views below rely on it
+            batch.validate(full=True)
+        except pa.ArrowInvalid as exc:
+            raise DataError(f"{shard} rows from {first_row}: not a valid record batch ({exc})") from None
+        n, seq_len = len(batch), self.seq_len
+        tokens, cu, source, mask = (batch.column(i) for i in columns)
+        _, offsets_buffer, _, values_buffer = tokens.buffers()
+        offsets = np.frombuffer(offsets_buffer, np.int32, n + 1)
+        full = self._full_rows.get(n)
+        if full is None:
+            full = self._full_rows[n] = np.arange(n + 1, dtype=np.int32) * seq_len
+        if not np.array_equal(offsets, full):
+            lengths = np.diff(offsets)
+            if (lengths != seq_len).any():
+                row = int(np.flatnonzero(lengths != seq_len)[0])
+                raise DataError(f"{shard} row {first_row + row}: a row holds {int(lengths[row])} tokens, seq_len is {seq_len}")
+        values = np.frombuffer(values_buffer, np.uint32, n * seq_len, offset=4 * int(offsets[0]))
+        _, cu_offsets, _, cu_values = cu.buffers()
+        mask_valid = mask_values = None
+        if mask.null_count < n:
+            mask_valid = mask.is_valid().to_numpy(zero_copy_only=False)
+            filled = mask.fill_null(pa.scalar([0] * seq_len, type=mask.type))
+            mask_lengths = np.diff(filled.offsets.to_numpy())
+            if np.any(mask_lengths != seq_len):
+                row = int(np.flatnonzero(mask_lengths != seq_len)[0])
+                raise DataError(
+                    f"{shard} row {first_row + row}: loss_mask holds {int(mask_lengths[row])} values, seq_len is {seq_len}"
+                )
+            mask_values = filled.flatten().to_numpy().reshape(n, seq_len)
+        return _Chunk(
+            tokens=values.reshape(n, seq_len),
+            cu_offsets=np.frombuffer(cu_offsets, np.int32, n + 1),
+            cu_values=np.frombuffer(cu_values, np.int32) if cu_values is not None else np.empty(0, np.int32),
+            source_ids=self._sources(source, shard, first_row),
+            mask_valid=mask_valid,
+            mask_values=mask_values,
+        )
+
+    def _sources(self, source: pa.StringArray, shard: Path, first_row: int) -> np.ndarray:
+        """Each row's index in the dataset's sorted source names; the same column bytes, the same ids."""
+        key = None
+        if source.null_count == 0:
+            _, offsets, data = source.buffers()
+            key = (len(source), offsets.to_pybytes(), data.to_pybytes() if data is not None else b"")
+            if (ids := self._source_ids.get(key)) is not None:
+                return ids
+        found = pc.index_in(source, options=self._lookup)
+        if found.null_count:
+            unknown = source[int(np.flatnonzero(found.is_null().to_numpy(zero_copy_only=False))[0])].as_py()
+            raise DataError(f"{shard} rows from {first_row}: source {unknown!r} is not among the manifest's sources")
+        ids = found.to_numpy()
+        if len(self._source_ids) >= self._MEMO:
+            self._source_ids.clear()
+        self._source_ids[key] = ids
+        return ids
 
 
 @lru_cache(maxsize=4)
@@ -343,6 +405,11 @@ class _ShardSet:
         """(shard, record batch, row within batch) of a row of this set, in manifest order."""
         chunk = int(np.searchsorted(self.chunk_start, row, side="right")) - 1
         return int(self.chunk_shard[chunk]), int(self.chunk_batch[chunk]), row - int(self.chunk_start[chunk])
+
+    def where(self, shard: int, batch: int, offset: int) -> str:
+        """A row named as errors name it: the shard file and the row's index in it."""
+        shard_obj = self.shards[shard]
+        return f"{shard_obj.path} row {int(shard_obj.batch_starts[batch]) + offset}"
 
     def chunks_of(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(chunk index, row within chunk) of many rows; chunk c is (chunk_shard[c], chunk_batch[c])."""
@@ -465,10 +532,11 @@ class MidtrainDataset(torch.utils.data.Dataset):
         self.num_samples = num_samples
         self.dense_attention_mask = dense_attention_mask
         self.source_names = sorted({name for m in manifests for name in m.sources})
-        self._source_index = {name: i for i, name in enumerate(self.source_names)}
+        self._decoder = _Decoder(self.seq_len, self.source_names)
         self.sets = [
             _ShardSet(i, spec, m, window_chunks, seed, verifier) for i, (spec, m) in enumerate(zip(specs, manifests))
         ]
+        self._vocab_sizes = np.array([m.tokenizer.vocab_size for m in manifests], dtype=np.int64)
         self.blend = Blend.build([s.weight for s in specs], blend_period)
         self.fingerprint = hashlib.sha256(
             json.dumps(
@@ -521,9 +589,8 @@ class MidtrainDataset(torch.utils.data.Dataset):
         if chunk is None:
             shard_set = self.sets[set_index]
             shard_obj = shard_set.shards[shard]
-            chunk = _decode(
-                shard_obj.reader().get_batch(batch), self.seq_len, shard_set.manifest.tokenizer.vocab_size,
-                self._source_index, shard_obj.path, int(shard_obj.batch_starts[batch]),
+            chunk = self._decoder.decode(
+                shard_obj.reader().get_batch(batch), shard_obj.columns, shard_obj.path, int(shard_obj.batch_starts[batch])
             )
             self.stats.decoded_batches += 1
             cache[(shard, batch)] = chunk
@@ -558,12 +625,19 @@ class MidtrainDataset(torch.utils.data.Dataset):
             epochs, rows = shard_set.shuffle.rows_of(draws[at])
             chunks, offsets = shard_set.chunks_of(rows)
             slots = block.slots(positions[at])
+            block.origin(slots, set_index, epochs, rows)
             order = np.argsort(chunks, kind="stable")  # record batches in file order, each once
-            for group in np.split(order, np.flatnonzero(np.diff(chunks[order])) + 1):
-                c = int(chunks[group[0]])
+            chunks, slots, offsets = chunks[order], slots[order], offsets[order]
+            starts = np.flatnonzero(np.diff(chunks, prepend=-1)).tolist()
+            for c, lo, hi in zip(chunks[starts].tolist(), starts, starts[1:] + [len(chunks)]):
                 chunk = self._chunk(set_index, int(shard_set.chunk_shard[c]), int(shard_set.chunk_batch[c]))
-                block.put(slots[group], chunk, offsets[group], set_index, epochs[group], rows[group])
+                block.put(slots[lo:hi], chunk, offsets[lo:hi])
         block.seal()
+        vocab_sizes = self._vocab_sizes[block.meta[:, 1]]
+        if problem := _rows_problem(block.tokens, block.cu_offsets, block.cu_values, vocab_sizes, self.seq_len):
+            set_index, row = block.meta[problem[0], [1, 3]].tolist()
+            shard, batch, offset = self.sets[set_index].locate(row)
+            raise DataError(f"{self.sets[set_index].where(shard, batch, offset)}{problem[1]}")
         self._block = block
         self.stats.peak_bytes = max(self.stats.peak_bytes, self.held_bytes)
         return block
@@ -577,6 +651,11 @@ class MidtrainDataset(torch.utils.data.Dataset):
             set_index, epoch, set_row = self.locate(position)
             shard, batch, offset = self.sets[set_index].locate(set_row)
             chunk = self._chunk(set_index, shard, batch)
+            if not chunk.checked:  # every row of the batch at once, the first time a read off the plan uses it
+                vocab_size = self._vocab_sizes[set_index]
+                if problem := _rows_problem(chunk.tokens, chunk.cu_offsets, chunk.cu_values, vocab_size, self.seq_len):
+                    raise DataError(f"{self.sets[set_index].where(shard, batch, problem[0])}{problem[1]}")
+                chunk.checked = True
             mask = chunk.mask_values[offset] if chunk.mask_valid is not None and chunk.mask_valid[offset] else None
             row = _Row(
                 chunk.tokens[offset], chunk.cu_values[chunk.cu_offsets[offset] : chunk.cu_offsets[offset + 1]], mask,

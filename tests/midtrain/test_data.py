@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 from re import escape as re_escape
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
 import pytest
 import torch
 
@@ -286,3 +289,43 @@ def test_a_worker_refuses_a_shard_changed_after_verification(tmp_path):
     os.utime(shard, ns=(0, 10**18))
     with pytest.raises(DataError, match=re_escape(f"{shard}: changed after it was verified against the manifest")):
         list(torch.utils.data.DataLoader(ds, batch_size=4, num_workers=1))
+
+
+def rewrite_shard(path, name: str, table: pa.Table, compression: str | None = "zstd", patch=None) -> Path:
+    """Writes `table` as shard `name` of the set (then `patch` edits its bytes) and records the new size and
+    sha256 in the manifest: a writer's bug, not damage, so only the loader's own checks can catch it."""
+    shard = path / name
+    with ipc.new_file(shard, table.schema, options=ipc.IpcWriteOptions(compression=compression)) as writer:
+        writer.write_table(table, max_chunksize=2)
+    if patch:
+        shard.write_bytes(patch(shard.read_bytes()))
+    manifest = json.loads((path / "manifest.json").read_text())
+    entry = next(e for e in manifest["shards"] if e["path"] == name)
+    entry.update(bytes=shard.stat().st_size, sha256=file_sha256(shard))
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    return shard
+
+
+def test_a_shard_whose_columns_have_other_types_is_refused_naming_the_column(tmp_path):
+    """Checked once per shard as it is opened: every record batch's buffers are then read as these types say."""
+    path = small_set(tmp_path / "set")
+    table = ipc.open_file(path / "shard-000001.arrow").read_all()
+    tokens = table.column("tokens").cast(pa.list_(pa.int64()))
+    shard = rewrite_shard(path, "shard-000001.arrow", table.set_column(0, "tokens", tokens))
+    message = f"{shard}: column tokens is list<item: int64>, a PACKED_SEQUENCE_SCHEMA shard has list<item: uint32>"
+    with pytest.raises(DataError, match=re_escape(message)):
+        load(path)
+
+
+def test_a_record_batch_whose_offsets_leave_its_buffers_is_refused(tmp_path):
+    """Arrow's reader does not check offsets against the buffers they index; the loader validates each batch
+    before it views them, so a bad offset is an error naming the shard, never a read out of bounds."""
+    path = small_set(tmp_path / "set")
+    good = np.array([0, 16, 32], dtype=np.int32).tobytes()  # the first record batch's token offsets (2 rows of 16)
+    bad = np.array([0, 16, 4000], dtype=np.int32).tobytes()
+    table = ipc.open_file(path / "shard-000000.arrow").read_all()
+    shard = rewrite_shard(path, "shard-000000.arrow", table, compression=None, patch=lambda b: b.replace(good, bad, 1))
+    ds = load(path)
+    with pytest.raises(DataError, match=re_escape(f"{shard} rows from 0: not a valid record batch (")):
+        for position in range(len(ds)):
+            ds[position]
