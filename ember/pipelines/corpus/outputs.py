@@ -31,7 +31,9 @@ from apache_beam.pvalue import AsDict
 
 from ember.pipelines.corpus.config import CorpusConfig
 from ember.pipelines.corpus.formats import READ_STAGE, Row, write_parquet
-from ember.pipelines.corpus.stages import ALL_SOURCES, EARLIER_RELEASE_REASON, CorpusFn, Event, StageOutput, document_events
+from ember.pipelines.corpus.stages import (
+    ALL_SOURCES, EARLIER_RELEASE_REASON, CorpusFn, Event, StageOutput, decompress_text, document_events,
+)
 from ember.pipelines.jobs.output_guard import SHOWN_FOREIGN, OutputUnusable, is_local
 from ember.schemas.documents import CLUSTER_SCHEMA, DOCUMENT_SCHEMA, REJECTED_SCHEMA, STATS_FILE
 
@@ -94,10 +96,10 @@ class WriteJoinedPart(WriteParquetPart):
         path, sides = element
         if not sides["rows"]:
             return
-        texts: dict[tuple[str, str], list[str]] = {}
+        texts: dict[tuple[str, str], list[Row]] = {}
         for text in sides["texts"]:
-            texts.setdefault(_text_key(text), []).append(text["text"])
-        yield from self.write(path, ({**row, "text": texts[_text_key(row)].pop()} for row in sides["rows"]))
+            texts.setdefault(_text_key(text), []).append(text)
+        yield from self.write(path, ({**row, "text": decompress_text(texts[_text_key(row)].pop())} for row in sides["rows"]))
 
 
 def _shard_path(row: Row, counts: dict[str, int], prefix: str, group_field: str | None, key_field: str, per_shard: int) -> tuple[str, Row]:
