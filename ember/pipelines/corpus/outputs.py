@@ -74,11 +74,12 @@ class WriteParquetPart(CorpusFn):
 
     def process(self, element: tuple[str, Iterable[Row]]) -> Iterator[str]:
         path, rows = element
-        yield from self.write(path, rows)
+        yield from self.write(path, rows, lambda row: row)
 
-    def write(self, path: str, rows: Iterable[Row]) -> Iterator[str]:
+    def write(self, path: str, rows: Iterable[Row], complete: Callable[[Row], Row]) -> Iterator[str]:
+        """`rows` sorted, each passed through `complete` as the file is written (one row group at a time)."""
         ordered = sorted(rows, key=lambda r: tuple(r.get(f) or "" for f in self._sort_fields))
-        publish(path, lambda p: write_parquet(p, ordered, self._schema))
+        publish(path, lambda p: write_parquet(p, map(complete, ordered), self._schema))
         self.advance(len(ordered))
         yield path
 
@@ -88,9 +89,9 @@ def _text_key(row: Row) -> tuple[str, str]:
 
 
 class WriteJoinedPart(WriteParquetPart):
-    """(path, {rows, texts}) -> that one Parquet file of dedup rows with their texts joined back (`SplitText`).
-    The texts of the documents dedup removed share the shuffle and are dropped here; a path with no kept row
-    (only removed documents' texts) writes nothing."""
+    """(path, {rows, texts}) -> that one Parquet file of dedup rows with their texts joined back (`SplitText`),
+    each text decompressed only as its row group is written. The texts of the documents dedup removed share the
+    shuffle and are dropped here; a path with no kept row (only removed documents' texts) writes nothing."""
 
     def process(self, element: tuple[str, dict[str, list]]) -> Iterator[str]:
         path, sides = element
@@ -99,7 +100,7 @@ class WriteJoinedPart(WriteParquetPart):
         texts: dict[tuple[str, str], list[Row]] = {}
         for text in sides["texts"]:
             texts.setdefault(_text_key(text), []).append(text)
-        yield from self.write(path, ({**row, "text": decompress_text(texts[_text_key(row)].pop())} for row in sides["rows"]))
+        yield from self.write(path, sides["rows"], lambda row: {**row, "text": decompress_text(texts[_text_key(row)].pop())})
 
 
 def _shard_path(row: Row, counts: dict[str, int], prefix: str, group_field: str | None, key_field: str, per_shard: int) -> tuple[str, Row]:
