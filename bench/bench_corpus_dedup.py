@@ -580,9 +580,8 @@ def throughput(kind: str, docs: int, files: int, repeats: int, workers: int, wor
     subprocess.run([sys.executable, __file__, "_corpus", kind, str(input_dir), str(labels_file), str(docs), str(files)],
                    check=True)
     labels = json.loads(labels_file.read_text())
-    total_bytes, labelled, digests = labels["bytes"], [tuple(p) for p in labels["labelled"]], labels["digests"]
-    miss_mean, miss_sd = labels["expected_misses"]
-    docs = len(digests)
+    total_bytes, labelled, miss_mean, miss_sd = labels["bytes"], labels["labelled"], *labels["expected_misses"]
+    docs = len(labels.pop("digests"))
     print(f"\n## {kind}: {docs} documents ({total_bytes / 1e6:.1f} MB) in {files} files, {workers} worker(s), "
           f"median of {repeats} interleaved runs; {len(labelled)} labelled near-duplicate pairs "
           f"(of {labels['planted']} planted, exact 5-gram Jaccard >= {THRESHOLD:.3f}; ideal random hashes would miss "
@@ -602,7 +601,10 @@ def throughput(kind: str, docs: int, files: int, repeats: int, workers: int, wor
             cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
             result = {**json.loads(child.stdout.strip().splitlines()[-1]), "cpu": cpu}
             if r == 0:
-                result["quality"] = recall_precision(run_clusters(tool, input_dir, out), labelled, digests, input_dir)
+                # scored in a fresh process too: reading the clustered texts leaves this one's heap as it was
+                score = [sys.executable, __file__, "_score", tool, str(input_dir), str(out), str(labels_file)]
+                scored = subprocess.run(score, check=True, capture_output=True, text=True).stdout
+                result["quality"] = json.loads(scored.strip().splitlines()[-1])
             runs[tool].append(result)
             shutil.rmtree(out, ignore_errors=True)
     med = {}
@@ -628,6 +630,12 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_corpus":
         kind, directory, labels_file, docs, files = sys.argv[2:7]
         Path(labels_file).write_text(json.dumps(corpus_labels(kind, Path(directory), int(docs), int(files))))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "_score":
+        tool, input_dir, out, labels_file = sys.argv[2:6]
+        labels = json.loads(Path(labels_file).read_text())
+        clusters = run_clusters(tool, Path(input_dir), Path(out))
+        print(json.dumps(recall_precision(clusters, [tuple(p) for p in labels["labelled"]], labels["digests"], Path(input_dir))))
         return
     if len(sys.argv) > 1 and sys.argv[1] == "_child":
         p = argparse.ArgumentParser()
