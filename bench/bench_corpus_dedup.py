@@ -472,34 +472,79 @@ def run_clusters(tool: str, input_dir: Path, out: Path) -> dict[str, str]:
     return clusters
 
 
-def recall_precision(clusters: dict[str, str], labelled: list[tuple[str, str]], texts: dict[str, str],
-                     max_members: int = 40) -> tuple[float, float, int]:
-    """Recall on the labelled planted pairs (found when a copy of each is in one cluster: exact dedup runs first
-    and may keep either copy); precision of the predicted pairs (all pairs within each cluster, its first
-    `max_members` ids in sorted order) by exact 5-gram Jaccard >= the LSH threshold."""
+def corpus_labels(kind: str, directory: Path, docs: int, files: int) -> dict:
+    """Writes the corpus and returns what scoring needs, so no process holds its texts while the tools run:
+    the bytes, the labelled pairs (planted pairs whose exact 5-gram Jaccard >= THRESHOLD, decided here while
+    the texts are at hand), and each id's text digest (exact dedup keeps one of identical texts: any stands for it)."""
+    import hashlib
+
     from ember.pipelines.quality.minhash import jaccard, shingle_set
 
-    copies: dict[str, list[str]] = defaultdict(list)  # exact dedup keeps one copy of a text: any copy stands for it
-    for doc_id, text in texts.items():
-        copies[text].append(doc_id)
+    total_bytes, planted = (web_corpus if kind == "web" else code_corpus)(directory, docs, files)
+    digests, texts = {}, {}
+    wanted = {doc_id for pair in planted for doc_id in pair}
+    for path in sorted(directory.glob("*.parquet")):
+        for d in pq.read_table(path).to_pylist():
+            digests[d["id"]] = hashlib.blake2b(d["text"].encode(), digest_size=12).hexdigest()
+            if d["id"] in wanted:
+                texts[d["id"]] = d["text"]
+    scored = [(a, b, jaccard(shingle_set(texts[a], N_GRAMS), shingle_set(texts[b], N_GRAMS))) for a, b in planted]
+    labelled = [(a, b, j) for a, b, j in scored if j >= THRESHOLD]
+    return {"bytes": total_bytes, "planted": len(planted), "labelled": [(a, b) for a, b, _ in labelled],
+            "expected_misses": expected_misses([j for _, _, j in labelled]), "digests": digests}
+
+
+def expected_misses(jaccards: list[float]) -> tuple[float, float]:
+    """Mean and standard deviation of the labelled pairs a MinHash LSH with ideal random hashes misses: a pair of
+    Jaccard J shares no band with probability (1 - J^ROWS)^BANDS. Either tool's misses within ~2 sd of the mean
+    are its hash family's luck, not a recall loss."""
+    p = [(1 - j**ROWS) ** BANDS for j in jaccards]
+    return sum(p), sum(x * (1 - x) for x in p) ** 0.5
+
+
+def cluster_texts(input_dir: Path, ids: set[str]) -> dict[str, bytes]:
+    """The texts of `ids` only, zlib-compressed (code and prose shrink ~4x), read from the input files one at a time."""
+    import zlib
+
+    texts = {}
+    for path in sorted(input_dir.glob("*.parquet")):
+        table = pq.read_table(path)
+        for doc_id, text in zip(table.column("id").to_pylist(), table.column("text").to_pylist()):
+            if doc_id in ids:
+                texts[doc_id] = zlib.compress(text.encode(), 1)
+    return texts
+
+
+def recall_precision(clusters: dict[str, str], labelled: list[tuple[str, str]], digests: dict[str, str],
+                     input_dir: Path, max_members: int = 40) -> tuple[float, float, int]:
+    """Recall on the labelled planted pairs (found when a copy of each is in one cluster: exact dedup runs first
+    and may keep either copy), from ids and digests alone; precision of the predicted pairs (all pairs within each
+    cluster, its first `max_members` ids in sorted order) by exact 5-gram Jaccard >= the LSH threshold, from the
+    texts of those members only, shingled one cluster at a time."""
+    import zlib
+
+    from ember.pipelines.quality.minhash import jaccard, shingle_set
+
+    copies: dict[str, list[str]] = defaultdict(list)
+    for doc_id, digest in digests.items():
+        copies[digest].append(doc_id)
 
     def cluster_of(doc_id: str) -> set[str]:
-        return {clusters[c] for c in copies[texts[doc_id]] if c in clusters}
+        return {clusters[c] for c in copies[digests[doc_id]] if c in clusters}
 
     found = sum(1 for a, b in labelled if cluster_of(a) & cluster_of(b))
     members: dict[str, list[str]] = defaultdict(list)
     for doc_id, cluster in clusters.items():
         members[cluster].append(doc_id)
-    sets: dict[str, frozenset[int]] = {}
-
-    def shingled(doc_id: str) -> frozenset[int]:
-        if doc_id not in sets:
-            sets[doc_id] = shingle_set(texts[doc_id], N_GRAMS)
-        return sets[doc_id]
-
-    predicted = [p for ids in members.values() for p in combinations(sorted(ids)[:max_members], 2)]
-    true = sum(1 for a, b in predicted if jaccard(shingled(a), shingled(b)) >= THRESHOLD)
-    return (found / len(labelled) if labelled else 1.0), (true / len(predicted) if predicted else 1.0), len(predicted)
+    scored = [sorted(ids)[:max_members] for ids in members.values()]
+    texts = cluster_texts(input_dir, {doc_id for ids in scored for doc_id in ids})
+    predicted = true = 0
+    for ids in scored:
+        sets = {doc_id: shingle_set(zlib.decompress(texts[doc_id]).decode(), N_GRAMS) for doc_id in ids}
+        for a, b in combinations(ids, 2):
+            predicted += 1
+            true += jaccard(sets[a], sets[b]) >= THRESHOLD
+    return (found / len(labelled) if labelled else 1.0), (true / predicted if predicted else 1.0), predicted
 
 
 def _child(args: argparse.Namespace) -> None:
@@ -530,18 +575,17 @@ def _child(args: argparse.Namespace) -> None:
 def throughput(kind: str, docs: int, files: int, repeats: int, workers: int, work: Path) -> list:
     """Interleaved fresh-process runs of both tools on one corpus; prints the table and returns its Figures."""
     input_dir = work / kind
-    total_bytes, planted = (web_corpus if kind == "web" else code_corpus)(input_dir, docs, files)
-    texts = {}
-    for path in sorted(input_dir.glob("*.parquet")):
-        for d in pq.read_table(path).to_pylist():
-            texts[d["id"]] = d["text"]
-    from ember.pipelines.quality.minhash import jaccard, shingle_set
-
-    labelled = [(a, b) for a, b in planted if jaccard(shingle_set(texts[a], N_GRAMS), shingle_set(texts[b], N_GRAMS)) >= THRESHOLD]
-    docs = len(texts)
+    labels_file = work / f"{kind}-labels.json"
+    # a fresh process writes the corpus: the texts it held are gone before the tools run
+    subprocess.run([sys.executable, __file__, "_corpus", kind, str(input_dir), str(labels_file), str(docs), str(files)],
+                   check=True)
+    labels = json.loads(labels_file.read_text())
+    total_bytes, labelled, miss_mean, miss_sd = labels["bytes"], labels["labelled"], *labels["expected_misses"]
+    docs = len(labels.pop("digests"))
     print(f"\n## {kind}: {docs} documents ({total_bytes / 1e6:.1f} MB) in {files} files, {workers} worker(s), "
           f"median of {repeats} interleaved runs; {len(labelled)} labelled near-duplicate pairs "
-          f"(of {len(planted)} planted, exact 5-gram Jaccard >= {THRESHOLD:.3f}); load average {os.getloadavg()[0]:.1f}\n")
+          f"(of {labels['planted']} planted, exact 5-gram Jaccard >= {THRESHOLD:.3f}; ideal random hashes would miss "
+          f"{miss_mean:.1f} +- {miss_sd:.1f} of them); load average {os.getloadavg()[0]:.1f}\n")
     print("| tool | wall s | CPU s | docs per CPU-s | MB per CPU-s | kept | recall | precision (pairs) | peak RSS sum MB |")
     print("|---|---|---|---|---|---|---|---|---|")
     runs: dict[str, list[dict]] = {"ember": [], "datatrove": []}
@@ -557,7 +601,10 @@ def throughput(kind: str, docs: int, files: int, repeats: int, workers: int, wor
             cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
             result = {**json.loads(child.stdout.strip().splitlines()[-1]), "cpu": cpu}
             if r == 0:
-                result["quality"] = recall_precision(run_clusters(tool, input_dir, out), labelled, texts)
+                # scored in a fresh process too: reading the clustered texts leaves this one's heap as it was
+                score = [sys.executable, __file__, "_score", tool, str(input_dir), str(out), str(labels_file)]
+                scored = subprocess.run(score, check=True, capture_output=True, text=True).stdout
+                result["quality"] = json.loads(scored.strip().splitlines()[-1])
             runs[tool].append(result)
             shutil.rmtree(out, ignore_errors=True)
     med = {}
@@ -570,7 +617,8 @@ def throughput(kind: str, docs: int, files: int, repeats: int, workers: int, wor
         m["recall"] = recall
     e, d = med["ember"], med["datatrove"]
     print(f"\nember / datatrove: **{d['cpu'] / e['cpu']:.2f}x** docs per CPU-second, {d['seconds'] / e['seconds']:.2f}x wall "
-          f"(target 1.2x per core); recall {e['recall']:.4f} vs {d['recall']:.4f}")
+          f"(target 1.2x per core); recall {e['recall']:.4f} vs {d['recall']:.4f}; the bench's own peak RSS "
+          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
     return [
         Figure(f"{kind} filter + dedup, docs per CPU-s ({docs} docs)", "docs/CPU-s", docs / e["cpu"], docs / d["cpu"],
                "datatrove", repeats=repeats, target=1.2),
@@ -579,6 +627,16 @@ def throughput(kind: str, docs: int, files: int, repeats: int, workers: int, wor
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "_corpus":
+        kind, directory, labels_file, docs, files = sys.argv[2:7]
+        Path(labels_file).write_text(json.dumps(corpus_labels(kind, Path(directory), int(docs), int(files))))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "_score":
+        tool, input_dir, out, labels_file = sys.argv[2:6]
+        labels = json.loads(Path(labels_file).read_text())
+        clusters = run_clusters(tool, Path(input_dir), Path(out))
+        print(json.dumps(recall_precision(clusters, [tuple(p) for p in labels["labelled"]], labels["digests"], Path(input_dir))))
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "_child":
         p = argparse.ArgumentParser()
         for name in ("mode", "kind", "tool", "input", "out"):

@@ -36,9 +36,10 @@ from __future__ import annotations
 
 import gzip
 import io
+import itertools
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import pyarrow as pa
@@ -459,10 +460,16 @@ def read_file(path: str | TreeFile, source: CorpusSource) -> Iterator[tuple[Row 
     return _jsonl_rows(path, source)
 
 
-def write_parquet(path: str, rows: list[Row], schema: pa.Schema) -> None:
-    """One zstd Parquet file; rows must already be in their stated order so reruns write identical bytes."""
-    table = pa.Table.from_pylist([{f: row.get(f) for f in schema.names} for row in rows], schema=schema)
-    buffer = pa.BufferOutputStream()
-    pq.write_table(table, buffer, compression="zstd", row_group_size=8192)
+ROW_GROUP_ROWS = 8192
+
+
+def write_parquet(path: str, rows: Iterable[Row], schema: pa.Schema) -> None:
+    """One zstd Parquet file; rows must already be in their stated order so reruns write identical bytes. Written
+    one row group at a time, straight into the file: only one group's rows are ever in Arrow (a part of long
+    documents was three copies in memory: the rows, the table and the encoded file)."""
     with FileSystems.create(path, compression_type=CompressionTypes.UNCOMPRESSED) as out:
-        out.write(buffer.getvalue().to_pybytes())
+        with pq.ParquetWriter(out, schema, compression="zstd") as writer:
+            batches = itertools.batched(rows, ROW_GROUP_ROWS)
+            for batch in itertools.chain([next(batches, ())], batches):  # no rows: one empty group, as write_table
+                table = pa.Table.from_pylist([{f: row.get(f) for f in schema.names} for row in batch], schema=schema)
+                writer.write_table(table, row_group_size=ROW_GROUP_ROWS)

@@ -31,7 +31,9 @@ from apache_beam.pvalue import AsDict
 
 from ember.pipelines.corpus.config import CorpusConfig
 from ember.pipelines.corpus.formats import READ_STAGE, Row, write_parquet
-from ember.pipelines.corpus.stages import ALL_SOURCES, EARLIER_RELEASE_REASON, CorpusFn, Event, StageOutput, document_events
+from ember.pipelines.corpus.stages import (
+    ALL_SOURCES, EARLIER_RELEASE_REASON, CorpusFn, Event, StageOutput, decompress_text, document_events,
+)
 from ember.pipelines.jobs.output_guard import SHOWN_FOREIGN, OutputUnusable, is_local
 from ember.schemas.documents import CLUSTER_SCHEMA, DOCUMENT_SCHEMA, REJECTED_SCHEMA, STATS_FILE
 
@@ -72,10 +74,33 @@ class WriteParquetPart(CorpusFn):
 
     def process(self, element: tuple[str, Iterable[Row]]) -> Iterator[str]:
         path, rows = element
+        yield from self.write(path, rows, lambda row: row)
+
+    def write(self, path: str, rows: Iterable[Row], complete: Callable[[Row], Row]) -> Iterator[str]:
+        """`rows` sorted, each passed through `complete` as the file is written (one row group at a time)."""
         ordered = sorted(rows, key=lambda r: tuple(r.get(f) or "" for f in self._sort_fields))
-        publish(path, lambda p: write_parquet(p, ordered, self._schema))
+        publish(path, lambda p: write_parquet(p, map(complete, ordered), self._schema))
         self.advance(len(ordered))
         yield path
+
+
+def _text_key(row: Row) -> tuple[str, str]:
+    return row["id"], row["location"]
+
+
+class WriteJoinedPart(WriteParquetPart):
+    """(path, {rows, texts}) -> that one Parquet file of dedup rows with their texts joined back (`SplitText`),
+    each text decompressed only as its row group is written. The texts of the documents dedup removed share the
+    shuffle and are dropped here; a path with no kept row (only removed documents' texts) writes nothing."""
+
+    def process(self, element: tuple[str, dict[str, list]]) -> Iterator[str]:
+        path, sides = element
+        if not sides["rows"]:
+            return
+        texts: dict[tuple[str, str], list[Row]] = {}
+        for text in sides["texts"]:
+            texts.setdefault(_text_key(text), []).append(text)
+        yield from self.write(path, sides["rows"], lambda row: {**row, "text": decompress_text(texts[_text_key(row)].pop())})
 
 
 def _shard_path(row: Row, counts: dict[str, int], prefix: str, group_field: str | None, key_field: str, per_shard: int) -> tuple[str, Row]:
@@ -86,14 +111,24 @@ def _shard_path(row: Row, counts: dict[str, int], prefix: str, group_field: str 
     return f"{folder}/part-{shard:05d}-of-{shards:05d}.parquet", row
 
 
+def _text_shard_path(text: Row, counts: dict[str, int], prefix: str, group_field: str | None, key_field: str,
+                     per_shard: int) -> Iterator[tuple[str, Row]]:
+    """A text to the part its row would go to; none where its group kept no row (counts has no entry)."""
+    if (text[group_field] if group_field else "") in counts:
+        yield _shard_path(text, counts, prefix, group_field, key_field, per_shard)
+
+
 class WriteParquetParts(beam.PTransform):
-    """Rows -> `prefix[/group]/part-SSSSS-of-NNNNN.parquet`, shard count from the group's row count."""
+    """Rows -> `prefix[/group]/part-SSSSS-of-NNNNN.parquet`, shard count from the group's row count. With `texts`
+    (`SplitText`'s), the rows are dedup rows and each part joins its rows with their texts before writing."""
 
     def __init__(self, prefix: str, schema: pa.Schema, group_field: str | None, key_field: str,
-                 sort_fields: tuple[str, ...], rows_per_shard: int, progress_dir: str | None):
+                 sort_fields: tuple[str, ...], rows_per_shard: int, progress_dir: str | None, texts=None):
         super().__init__()
         self._args = (prefix, group_field, key_field, rows_per_shard)
-        self._fn = WriteParquetPart(schema, sort_fields, progress_dir)
+        self._texts = texts
+        fn = WriteParquetPart if texts is None else WriteJoinedPart
+        self._fn = fn(schema, sort_fields, progress_dir)
 
     def expand(self, rows):
         prefix, group_field, key_field, per_shard = self._args
@@ -102,12 +137,12 @@ class WriteParquetParts(beam.PTransform):
             | "Group" >> beam.Map(lambda r: (r[group_field] if group_field else "", 1))
             | "Count" >> beam.CombinePerKey(sum)
         )
-        return (
-            rows
-            | "AssignShard" >> beam.Map(_shard_path, AsDict(counts), prefix, group_field, key_field, per_shard)
-            | "GroupShard" >> beam.GroupByKey()
-            | "Write" >> beam.ParDo(self._fn)
-        )
+        keyed = rows | "AssignShard" >> beam.Map(_shard_path, AsDict(counts), prefix, group_field, key_field, per_shard)
+        if self._texts is None:
+            return keyed | "GroupShard" >> beam.GroupByKey() | "Write" >> beam.ParDo(self._fn)
+        texts = self._texts | "AssignTextShard" >> beam.FlatMap(
+            _text_shard_path, AsDict(counts), prefix, group_field, key_field, per_shard)
+        return {"rows": keyed, "texts": texts} | "JoinShard" >> beam.CoGroupByKey() | "Write" >> beam.ParDo(self._fn)
 
 
 def _empty_stats(config: CorpusConfig) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -205,12 +240,13 @@ def _write_stats(pairs: list[Event], path: str, config: CorpusConfig) -> str:
     return path
 
 
-def write_outputs(outputs: StageOutput, config: CorpusConfig, progress_dir: str | None) -> None:
-    """The three Parquet outputs and stats.json; kept documents count as stage `output`, rejects by reason."""
+def write_outputs(outputs: StageOutput, config: CorpusConfig, progress_dir: str | None, texts=None) -> None:
+    """The three Parquet outputs and stats.json; kept documents count as stage `output`, rejects by reason. With
+    `texts`, the documents are dedup rows (`stages.SplitText`), joined with their texts in the write."""
     out = config.output.directory.rstrip("/")
     per_shard = config.output.rows_per_shard
     _ = outputs.documents | "WriteDocuments" >> WriteParquetParts(
-        f"{out}/documents", DOCUMENT_SCHEMA, "source", "id", ("id", "location"), per_shard, progress_dir
+        f"{out}/documents", DOCUMENT_SCHEMA, "source", "id", ("id", "location"), per_shard, progress_dir, texts
     )
     _ = outputs.rejects | "WriteRejects" >> WriteParquetParts(
         f"{out}/rejects", REJECTED_SCHEMA, None, "location",

@@ -42,7 +42,9 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from ember.pipelines.corpus.config import CorpusConfig
 from ember.pipelines.corpus.outputs import WriteParquetParts, write_outputs
 from ember.pipelines.corpus.pipeline import corpus_stages
-from ember.pipelines.corpus.stages import CLUSTER_TEXT_FIELDS, REJECT_TEXT_FIELDS, ExactDedup, NearDedup, RedactRows, StageOutput
+from ember.pipelines.corpus.stages import (
+    CLUSTER_TEXT_FIELDS, DEDUP_TRANSFORMS, REJECT_TEXT_FIELDS, RedactRows, SplitText, StageOutput,
+)
 from ember.pipelines.jobs.runners import run_pipeline
 from ember.files import write_atomically
 from ember.schemas.documents import DOCUMENT_SCHEMA, REJECTED_SCHEMA
@@ -167,7 +169,7 @@ def documents_stages(p: beam.Pipeline, config: CorpusConfig, progress_dir: str |
     before dedup makes clusters, so the entry has none)."""
     documents, outputs = p, []
     for stage in corpus_stages(config, progress_dir):
-        if isinstance(stage, (ExactDedup, NearDedup)):
+        if isinstance(stage, DEDUP_TRANSFORMS):
             break
         output = documents | stage
         outputs.append(output)
@@ -230,15 +232,18 @@ def cached_documents(p: beam.Pipeline, entry: str, marker: dict[str, Any]) -> St
 def output_stages(p: beam.Pipeline, config: CorpusConfig, found: StageOutput, progress_dir: str | None) -> None:
     """exact + near dedup of the `documents` phase's results, and the write into `config.output.directory`."""
     documents, rejects, clusters, stats = found.documents, [found.rejects], [found.clusters], [found.stats]
+    texts = None
     for stage in corpus_stages(config, progress_dir):
-        if isinstance(stage, (ExactDedup, NearDedup)):
+        if isinstance(stage, DEDUP_TRANSFORMS):
+            if texts is None:
+                documents, texts = documents | "SplitText" >> SplitText(config.dedup)
             output = documents | stage
             rejects.append(output.rejects)
             clusters.append(output.clusters)
             stats.append(output.stats)
             documents = output.documents
     flat = [parts | f"All{name}" >> beam.Flatten() for name, parts in (("Rejects", rejects), ("Clusters", clusters), ("Stats", stats))]
-    write_outputs(StageOutput(documents, *flat), config, progress_dir)
+    write_outputs(StageOutput(documents, *flat), config, progress_dir, texts)
 
 
 def output_pipeline(p: beam.Pipeline, config: CorpusConfig, entry: str, marker: dict[str, Any], progress_dir: str | None) -> None:

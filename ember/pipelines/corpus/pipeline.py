@@ -1,5 +1,5 @@
 """`ember corpus build` as one Beam graph: read -> unique ids -> filter -> quality classifier -> redact -> decontaminate
--> exact dedup -> near dedup -> write (the classifier only with `filters.classifier`, decontamination only with a
+-> exact dedup -> near dedup -> write (dedup sees documents without their text, joined back at the write; the classifier only with `filters.classifier`, decontamination only with a
 `decontamination:` section).
 
 The graph is a list of stages folded in order: each stage (ember/pipelines/corpus/stages.py) takes
@@ -17,8 +17,8 @@ from ember.pipelines.corpus.decontaminate import decontaminate_stage
 from ember.pipelines.corpus.incremental import near_dedup_stage
 from ember.pipelines.corpus.outputs import require_empty_output, write_outputs
 from ember.pipelines.corpus.stages import (
-    CLUSTER_TEXT_FIELDS, REJECT_TEXT_FIELDS, ClassifyDocuments, ExactDedup, FilterDocuments, PerDocument, ReadSources,
-    RedactDocuments, RedactRows, StageOutput, UniqueIds,
+    CLUSTER_TEXT_FIELDS, DEDUP_TRANSFORMS, REJECT_TEXT_FIELDS, ClassifyDocuments, ExactDedup, FilterDocuments, PerDocument,
+    ReadSources, RedactDocuments, RedactRows, SplitText, StageOutput, UniqueIds,
 )
 from ember.pipelines.jobs.runners import run_pipeline
 
@@ -45,8 +45,10 @@ def corpus_stages(config: CorpusConfig, progress_dir: str | None = None) -> list
 
 def build_pipeline(p: beam.Pipeline, config: CorpusConfig, progress_dir: str | None = None) -> None:
     """Add the whole corpus build to `p` (inputs must already have passed `check_inputs`)."""
-    documents, outputs = p, []
+    documents, outputs, texts = p, [], None
     for stage in corpus_stages(config, progress_dir):
+        if isinstance(stage, DEDUP_TRANSFORMS) and texts is None:
+            documents, texts = documents | "SplitText" >> SplitText(config.dedup)
         output = documents | stage
         outputs.append(output)
         documents = output.documents
@@ -56,7 +58,7 @@ def build_pipeline(p: beam.Pipeline, config: CorpusConfig, progress_dir: str | N
     )
     rejects = rejects | "RedactRejects" >> RedactRows(config.redaction, REJECT_TEXT_FIELDS)
     clusters = clusters | "RedactClusters" >> RedactRows(config.redaction, CLUSTER_TEXT_FIELDS)
-    write_outputs(StageOutput(documents, rejects, clusters, stats), config, progress_dir)
+    write_outputs(StageOutput(documents, rejects, clusters, stats), config, progress_dir, texts)
 
 
 def run(config: CorpusConfig, options: PipelineOptions, progress_dir: str | None = None, wait: bool = True) -> str:
