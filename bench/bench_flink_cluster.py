@@ -226,7 +226,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="ember-bench-flink-"))
     runs: list[dict] = []
     try:
-        input_bytes = web_corpus(work / "web", args.docs, args.files)
+        input_bytes, _planted = web_corpus(work / "web", args.docs, args.files)
         print(f"# bench_flink_cluster: {args.docs} web documents ({input_bytes / 1e6:.2f} MB) in {args.files} files, "
               f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at the start", flush=True)
         if not args.skip_fnapi:
