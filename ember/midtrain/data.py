@@ -32,7 +32,7 @@ from ember.schemas import PACKED_SEQUENCE_SCHEMA, Manifest, SchemaValidationErro
 from ember.storage import StorageError
 from ember.tokenize.remote_sets import RemoteSetError, local_shard_set
 from ember.tokenize.shards import ROWS_PER_BATCH_KEY
-from ember.tokenize.shardset import FileState, ShardError, ShardVerifier
+from ember.tokenize.shardset import FileState, ShardError, ShardVerifier, vocab_problem_at
 
 # Columns a sample needs; `segments` (document ids) is never decompressed on the training path.
 _READ_COLUMNS = ("tokens", "cu_seqlens", "source", "loss_mask")
@@ -219,13 +219,8 @@ def _rows_problem(
     Why over many rows at once: the check costs per call far more than per row. A read-ahead block
     checks all its rows in one call; in a global shuffle they come from thousands of record batches,
     a few rows each, and checking each batch whole cost more than Arrow's read of it."""
-    over = tokens.max(axis=1) >= vocab_size
-    if over.any():
-        row = int(np.flatnonzero(over)[0])
-        limit = int(np.broadcast_to(vocab_size, over.shape)[row])
-        position = int(np.flatnonzero(tokens[row] >= limit)[0])
-        return row, (f" position {position}: token id {int(tokens[row, position])} is outside the vocabulary "
-                     f"(tokenizer.vocab_size {limit})")
+    if problem := vocab_problem_at(tokens, vocab_size):
+        return problem
     offsets = cu_offsets.astype(np.int64) - cu_offsets[0]
     values = cu_values[cu_offsets[0] : cu_offsets[-1]].astype(np.int64)
     counts = np.diff(offsets)

@@ -91,13 +91,24 @@ def hash_problem(digest: str, entry: ShardEntry) -> str | None:
 
 def vocab_problem(tokens: np.ndarray, vocab_size: int, first_row: int) -> str | None:
     """The first token id >= vocab_size in a [rows, seq_len] block, named by row and position."""
-    if tokens.size == 0 or int(tokens.max()) < vocab_size:
+    found = vocab_problem_at(tokens, vocab_size)
+    return None if found is None else f"row {first_row + found[0]}{found[1]}"
+
+
+def vocab_problem_at(tokens: np.ndarray, vocab_size: int | np.ndarray) -> tuple[int, str] | None:
+    """(row, " position P: ...") of the first token id outside the vocabulary in a [rows, seq_len] block;
+    `vocab_size` is one for all rows or one per row (rows gathered from shard sets of different tokenizers)."""
+    if tokens.size == 0:
         return None
-    row, position = np.argwhere(tokens >= vocab_size)[0]
-    return (
-        f"row {first_row + int(row)} position {int(position)}: token id {int(tokens[row, position])} "
-        f"is outside the vocabulary (tokenizer.vocab_size {vocab_size})"
-    )
+    limits = np.broadcast_to(vocab_size, tokens.shape[:1])
+    over = tokens.max(axis=1) >= limits
+    if not over.any():
+        return None
+    row = int(np.flatnonzero(over)[0])
+    limit = int(limits[row])
+    position = int(np.flatnonzero(tokens[row] >= limit)[0])
+    return row, (f" position {position}: token id {int(tokens[row, position])} is outside the vocabulary "
+                 f"(tokenizer.vocab_size {limit})")
 
 
 def default_marker_dir() -> Path:

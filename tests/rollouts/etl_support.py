@@ -186,9 +186,12 @@ def wait_for_line(proc: ServiceProcess, needle: str, timeout_s: float) -> None:
         time.sleep(0.2)
 
 
-def read_topic(topic: str, timeout_s: float = 60.0, deployment: Deployment | None = None) -> list:
-    """Every committed record of a topic, up to its end at the time of the call (read as the admin)."""
-    consumer = (deployment or Deployment.plaintext()).consumer(group_id=None)
+def read_topic(
+    topic: str, timeout_s: float = 60.0, deployment: Deployment | None = None, isolation_level: str = "read_committed"
+) -> list:
+    """Every committed record of a topic, up to its end at the time of the call (read as the admin); with
+    `isolation_level="read_uncommitted"`, the records of aborted and open transactions too."""
+    consumer = (deployment or Deployment.plaintext()).consumer(group_id=None, isolation_level=isolation_level)
     try:
         tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
         if not tps:

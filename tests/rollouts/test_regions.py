@@ -484,8 +484,8 @@ def test_central_restart_mid_stream_loses_doubles_and_misjudges_nothing(kafka, r
     assert_exactly_once(ids, sent, "train batches after a central restart")
     copies = {}
     for topic, decode_id in ((f"us.{topics.rollouts}", decode_rollout), (f"eu.{topics.rewards}", decode_reward)):
-        committed = central_copies(kafka, topic, decode_id, "read_committed")
-        copies[topic] = {rid: (committed.get(rid, []), offsets) for rid, offsets in central_copies(kafka, topic, decode_id, "read_uncommitted").items()}
+        committed = central_copies(topic, decode_id, "read_committed")
+        copies[topic] = {rid: (committed.get(rid, []), offsets) for rid, offsets in central_copies(topic, decode_id, "read_uncommitted").items()}
         twice = {rid: both for rid, both in copies[topic].items() if len(both[0]) != 1}
         assert set(committed) == set(sent) and not twice, (
             f"MM2's copy into {topic} across the restart: {len(set(sent) - set(committed))} missing, "
@@ -500,22 +500,10 @@ def test_central_restart_mid_stream_loses_doubles_and_misjudges_nothing(kafka, r
     )
 
 
-def central_copies(kafka: str, topic: str, decode_id, isolation: str) -> dict[str, list[int]]:
-    """Rollout id -> the offsets of `topic` in central holding a record for it (a rollout, or a reward for it), read
-    to the end offsets of the call with `isolation`: read_uncommitted shows the copies in aborted transactions too."""
-    consumer = KafkaConsumer(bootstrap_servers=kafka, isolation_level=isolation, enable_auto_commit=False)
+def central_copies(topic: str, decode_id, isolation: str) -> dict[str, list[int]]:
+    """Rollout id -> the offsets of `topic` in central (this file's broker, EMBER_KAFKA_BOOTSTRAP) holding a record for
+    it (a rollout, or a reward for it), read with `isolation`: read_uncommitted shows aborted copies too."""
     found: dict[str, list[int]] = {}
-    try:
-        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
-        consumer.assign(tps)
-        consumer.seek_to_beginning(*tps)
-        ends = consumer.end_offsets(tps)
-        deadline = time.monotonic() + 60
-        while any(consumer.position(tp) < ends[tp] for tp in tps):
-            assert time.monotonic() < deadline, f"could not read {topic} in central to its end ({isolation}) in 60 s"
-            for batch in consumer.poll(timeout_ms=500).values():
-                for record in batch:
-                    found.setdefault(decode_id(record.value).rollout_id, []).append(record.offset)
-        return found
-    finally:
-        consumer.close()
+    for record in read_topic(topic, isolation_level=isolation):
+        found.setdefault(decode_id(record.value).rollout_id, []).append(record.offset)
+    return found
