@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+import warnings
 from collections import Counter
 from collections.abc import Iterator
 
@@ -32,7 +33,7 @@ from ember.rollouts.replay import parse_start, replay
 from ember.rollouts.stats import collect_stats
 from ember.rollouts.topics import Topics
 from ember.schemas import decode_reward, decode_rollout, decode_train_batch, encode
-from tests.rollouts.etl_support import EtlThread, books, etl_settings, read_topic
+from tests.rollouts.etl_support import Deployment, EtlThread, books, etl_settings, read_topic
 from tests.rollouts.fresh_broker import fresh_broker
 from tests.rollouts.helpers import reward, rollout
 
@@ -444,10 +445,11 @@ def wait_for_mirrored_topics(kafka: str, regions: dict[str, str], topics: Topics
     return mirrored
 
 
-# Alone, after the parallel phase: run beside the rest of the suite (load 8-12), its ledger once held a second copy of
-# one eu reward, dropped as late after its group was batched (every rollout still batched exactly once); not seen
-# again in 5 runs at load 10-15. The ETL now calls such a copy a duplicate_reward, and this test checks the mirror's
-# copy on its own (each record committed once in central) before the ledger, so a repeat names the layer it came from.
+# Alone, after the parallel phase. Second copies in central have been seen twice in ~20 runs: a reward once (the ETL
+# then called it late; now a duplicate_reward), and in CI a rollout committed twice at adjacent offsets of central.
+# So the test counts each record's copies in its region and in central: MM2 must lose none; a copy past the first,
+# whichever layer made it (the region's producer or MM2, the latter reported as a warning), must be dropped by the
+# ETL as a duplicate and nothing else may be dropped.
 @pytest.mark.serial
 def test_central_restart_mid_stream_loses_doubles_and_misjudges_nothing(kafka, regions, topic_prefix):
     """The central (training) broker stops and starts while both regions keep sampling and grading. The ETL reconnects
@@ -482,28 +484,45 @@ def test_central_restart_mid_stream_loses_doubles_and_misjudges_nothing(kafka, r
         etl.finish()
     assert len(sent) >= 40, f"only {len(sent)} rollouts sampled: the restart did not land mid-stream"
     assert_exactly_once(ids, sent, "train batches after a central restart")
-    copies = {}
-    for topic, decode_id in ((f"us.{topics.rollouts}", decode_rollout), (f"eu.{topics.rewards}", decode_reward)):
-        committed = central_copies(topic, decode_id, "read_committed")
-        copies[topic] = {rid: (committed.get(rid, []), offsets) for rid, offsets in central_copies(topic, decode_id, "read_uncommitted").items()}
-        twice = {rid: both for rid, both in copies[topic].items() if len(both[0]) != 1}
-        assert set(committed) == set(sent) and not twice, (
-            f"MM2's copy into {topic} across the restart: {len(set(sent) - set(committed))} missing, "
-            f"{len(twice)} not committed exactly once, e.g. (committed offsets, every offset) {list(twice.items())[:3]}"
+    extra: dict[tuple[str, int, int], Reason] = {}  # every committed copy in central past a rollout's first: a duplicate
+    mirror_doubled = {}
+    for region, source, decode_id, reason in (
+        ("us", topics.rollouts, decode_rollout, Reason.DUPLICATE),
+        ("eu", topics.rewards, decode_reward, Reason.DUPLICATE_REWARD),
+    ):
+        topic = f"{region}.{source}"
+        produced = copies_by_rollout(read_topic(source, deployment=Deployment(regions[region])), decode_id)
+        committed = copies_by_rollout(read_topic(topic), decode_id)
+        every = copies_by_rollout(read_topic(topic, isolation_level="read_uncommitted"), decode_id)
+        lost = {rid: (offsets, committed.get(rid, [])) for rid, offsets in produced.items() if len(committed.get(rid, [])) < len(offsets)}
+        assert set(produced) == set(sent) and not lost, (
+            f"MM2's copy into {topic} across the restart lost records: {len(set(sent) - set(produced))} never in the "
+            f"region, {len(lost)} with fewer committed copies in central than in the region, e.g. (region offsets, "
+            f"central committed offsets) {list(lost.items())[:3]}"
+        )
+        mirror_doubled |= {
+            (topic, rid): (produced[rid], offsets, every[rid]) for rid, offsets in committed.items() if len(offsets) > len(produced[rid])
+        }
+        extra |= {(topic, *copy): reason for copies in committed.values() for copy in sorted(copies)[1:]}
+    if mirror_doubled:  # not ember's layer: MM2's exactly-once copy; the ledger below must still drop each copy once
+        warnings.warn(
+            f"MM2 committed more copies in central than its region holds across the central restart: (topic, rollout) "
+            f"-> (region offsets, central committed offsets, every central offset) {list(mirror_doubled.items())[:3]}",
+            stacklevel=1,
         )
     ledger = books(topics)
-    shown = {o.rollout_id: copies.get(o.topic, {}).get(o.rollout_id) for o in ledger.rewards_dropped[:3]}
-    assert not ledger.dropped and not ledger.rewards_dropped, (
-        f"{len(ledger.dropped)} rollouts and {len(ledger.rewards_dropped)} rewards dropped, e.g. "
-        f"{(ledger.dropped + ledger.rewards_dropped)[:2]}, though central holds each committed once; each dropped "
-        f"reward's (committed offsets, every offset, aborted ones too) in central: {shown}"
+    drops = {(o.topic, o.partition, o.offset): o.reason for o in ledger.dropped + ledger.rewards_dropped}
+    assert drops == {key: reason.value for key, reason in extra.items()}, (
+        f"the ledger must drop exactly the second copies in central, each as a duplicate: {len(drops)} dropped, "
+        f"{len(extra)} second copies; dropped but no second copy (topic, partition, offset, reason): "
+        f"{sorted(set(drops.items()) - {(k, r.value) for k, r in extra.items()})[:3]}; second copies not dropped as "
+        f"duplicates: {sorted((k, r.value) for k, r in extra.items() if drops.get(k) != r.value)[:3]}"
     )
 
 
-def central_copies(topic: str, decode_id, isolation: str) -> dict[str, list[int]]:
-    """Rollout id -> the offsets of `topic` in central (this file's broker, EMBER_KAFKA_BOOTSTRAP) holding a record for
-    it (a rollout, or a reward for it), read with `isolation`: read_uncommitted shows aborted copies too."""
-    found: dict[str, list[int]] = {}
-    for record in read_topic(topic, isolation_level=isolation):
-        found.setdefault(decode_id(record.value).rollout_id, []).append(record.offset)
+def copies_by_rollout(records: list, decode_id) -> dict[str, list[tuple[int, int]]]:
+    """Rollout id -> the (partition, offset) of each record (the rollout, or a reward for it) that names it."""
+    found: dict[str, list[tuple[int, int]]] = {}
+    for record in records:
+        found.setdefault(decode_id(record.value).rollout_id, []).append((record.partition, record.offset))
     return found
