@@ -37,7 +37,7 @@ def sample(config_path: Path = typer.Argument(..., metavar="CONFIG", help="Sampl
     from ember.inference.backend import Sampling
     from ember.inference.http_backend import HTTPBackendError, OpenAIBackend
     from ember.inference.tasks import read_tasks
-    from ember.rollouts.transport import BrokerNotReady, RolloutWriter
+    from ember.rollouts.transport import BrokerNotReady, RolloutWriter, WriteFailed
     from ember.tokenize.tokenizers import TokenizerLoadError, load_tokenizer
 
     try:
@@ -71,7 +71,7 @@ def sample(config_path: Path = typer.Argument(..., metavar="CONFIG", help="Sampl
             worker.run(config, prompts, sampling, writer, backend, stats, stop)
     except (worker.NoPolicy, HTTPBackendError) as exc:
         raise _fail(str(exc), 2) from None
-    except (BrokerNotReady, KafkaError) as exc:
+    except (BrokerNotReady, WriteFailed, KafkaError) as exc:
         raise _fail(f"Kafka at {config.kafka.bootstrap}: {exc}", 1) from None
     finally:
         if follower is not None:

@@ -233,9 +233,28 @@ def apply_acls(bootstrap: str, bindings: list[Binding], security: KafkaSecurity 
                     f"{len(result['failed'])} of {len(missing)} ACLs were refused ({result['failed'][0].__name__}): "
                     f"apply them as a super user (the broker's admin), not {who}"
                 )
+            _wait_until_enforced(admin, bootstrap, {_acl(b) for b in missing}, everything)
         return {b: ("created" if b in missing else "exists") for b in bindings}
     finally:
         admin.close()
+
+
+def _wait_until_enforced(admin: KafkaAdminClient, bootstrap: str, created: set, everything: ACLFilter) -> None:
+    """Until the broker's authorizer holds every created ACL, at most READY_TIMEOUT_S. The controller commits ACLs
+    before the broker replays them: a client of the role, started at once, was refused (a producer's InitProducerId,
+    a fatal error for it) on a broker under load. The broker answers DescribeAcls from that same authorizer."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        existing, _error = admin.describe_acls(everything)
+        pending = created - set(existing)
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            raise BrokerNotReady(
+                f"the broker at {bootstrap} did not enforce {len(pending)} of the {len(created)} ACLs just created within "
+                f"{READY_TIMEOUT_S:.0f}s (e.g. {next(iter(pending))}): is its metadata log behind (`ember dev status`)?"
+            )
+        time.sleep(0.1)
 
 
 def topic_configs(bootstrap: str, names: list[str], security: KafkaSecurity | None = None) -> dict[str, dict[str, str]]:

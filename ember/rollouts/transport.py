@@ -128,8 +128,14 @@ def wait_for_group_coordinator(consumer: KafkaConsumer, partition: TopicPartitio
         ) from None
 
 
+class WriteFailed(RuntimeError):
+    """Records a writer sent that the broker never took: raised at the next write, flush or close, never ignored."""
+
+
 class RecordWriter:
-    """Publishes Rollouts, Rewards or TrainBatches to one topic; counts records and wire bytes."""
+    """Publishes Rollouts, Rewards or TrainBatches to one topic; counts records and wire bytes. A record the producer
+    gives up on (a refused ACL, a fatal producer error) fails the next write, flush or close with `WriteFailed`:
+    flushing alone reports nothing, so without this a writer could lose records and exit 0."""
 
     def __init__(
         self, topic: str, producer: KafkaProducer | None = None, security: KafkaSecurity | None = None, **producer_overrides: object
@@ -138,8 +144,22 @@ class RecordWriter:
         self.producer = producer or KafkaProducer(**producer_config(security, **producer_overrides))
         self.records = 0
         self.bytes = 0
+        self.failed = 0
+        self._first_failure: BaseException | None = None
+
+    def _record_failure(self, exc: BaseException) -> None:
+        self.failed += 1
+        self._first_failure = self._first_failure or exc
+
+    def _raise_if_failed(self) -> None:
+        if self.failed:
+            raise WriteFailed(
+                f"{self.failed} of {self.records} records sent to {self.topic} were not written: {self._first_failure!r} "
+                f"(may this principal write the topic: `ember rollouts acls`? is the broker up: `ember dev status`?)"
+            )
 
     def write(self, record: Rollout | Reward | TrainBatch):
+        self._raise_if_failed()
         key = getattr(record, "group_id", None) or getattr(record, "batch_id")
         value = encode(record)
         try:
@@ -151,22 +171,30 @@ class RecordWriter:
                 f"{config.get('max_block_ms', 0) / 1000:.0f}s ({exc}): is the broker running (`ember dev status`), "
                 f"and does the topic exist (`ember rollouts topics create`)?"
             ) from None
+        future.add_errback(self._record_failure)
         self.records += 1
         self.bytes += len(value)
         return future
 
     def flush(self) -> None:
+        """Every record sent so far acknowledged, or `WriteFailed`."""
         self.producer.flush()
+        self._raise_if_failed()
 
     def close(self) -> None:
-        self.producer.flush()
-        self.producer.close()
+        try:
+            self.flush()
+        finally:
+            self.producer.close()
 
     def __enter__(self) -> "RecordWriter":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # the body's exception is the one to report; closing still sends what it can
+            self.producer.close()
 
 
 class RolloutWriter(RecordWriter):

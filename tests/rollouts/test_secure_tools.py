@@ -22,7 +22,7 @@ from ember.rollouts.cli import rollouts_app
 from ember.rollouts.etl import EtlService
 from ember.rollouts.simulate import publish_workload
 from ember.rollouts.topics import Topics, TopicSpec
-from ember.rollouts.transport import RolloutWriter
+from ember.rollouts.transport import RolloutWriter, WriteFailed
 from tests.rollouts.etl_support import Deployment, Workload, books, read_topic, setup_etl, workload
 from tests.rollouts.helpers import rollout
 
@@ -155,9 +155,11 @@ def test_acls_apply_is_refused_for_a_role_then_applied_by_the_admin_once(secured
     assert created.exit_code == 0 and created.output.count(": created") == len(topics.specs()), created.output
     bindings = role_bindings(topic_prefix)
 
-    with RolloutWriter(topic_prefix, security=deployment.security("inference"), bootstrap_servers=deployment.bootstrap) as writer:
-        with pytest.raises(TopicAuthorizationFailedError, match=topics.rollouts):
-            writer.write(rollout("before-acls", 0)).get(timeout=30)
+    writer = RolloutWriter(topic_prefix, security=deployment.security("inference"), bootstrap_servers=deployment.bootstrap)
+    with pytest.raises(TopicAuthorizationFailedError, match=topics.rollouts):
+        writer.write(rollout("before-acls", 0)).get(timeout=30)
+    with pytest.raises(WriteFailed, match=f"1 of 1 records sent to {topics.rollouts} were not written"):
+        writer.close()
     before = _cli(deployment, outputs, "trainer", "tail", topics.train_batches)
     assert before.exit_code == 2 and "as ember-trainer may not read it" in " ".join(before.output.split()), before.output
 

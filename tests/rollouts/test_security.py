@@ -27,7 +27,7 @@ from ember.rollouts.config import load_config, parse_config
 from ember.rollouts.reader import RolloutBatchReader
 from ember.rollouts.security import PASSWORD_ENV, KafkaSecurity, KafkaSecurityError
 from ember.rollouts.topics import Topics
-from ember.rollouts.transport import RolloutWriter, TopicUnavailable, producer_config
+from ember.rollouts.transport import RolloutWriter, TopicUnavailable, WriteFailed, producer_config
 from tests.rollouts.etl_support import REPO, SECURITY_ENV, Deployment, etl_settings, kill_9_scenario, takeover_scenario
 from tests.rollouts.helpers import rollout
 
@@ -218,9 +218,11 @@ def test_each_role_is_refused_outside_its_acls_and_nothing_is_written(secured, t
     finally:
         grader.close(timeout=5)
 
-    with RolloutWriter(prefix, security=deployment.security("trainer"), bootstrap_servers=deployment.bootstrap) as trainer:
-        with pytest.raises(TopicAuthorizationFailedError, match=topics.rollouts):
-            trainer.write(rollout("forged", 0)).get(timeout=30)
+    trainer = RolloutWriter(prefix, security=deployment.security("trainer"), bootstrap_servers=deployment.bootstrap)
+    with pytest.raises(TopicAuthorizationFailedError, match=topics.rollouts):
+        trainer.write(rollout("forged", 0)).get(timeout=30)
+    with pytest.raises(WriteFailed, match=f"1 of 1 records sent to {topics.rollouts} were not written"):
+        trainer.close()
 
     with pytest.raises(TopicUnavailable, match=f"{topics.rewards} does not exist, or SASL_SSL SCRAM-SHA-512 as ember-inference may not read it"):
         RolloutBatchReader(topics.rewards, group_id=f"{prefix}-trainer", bootstrap=deployment.bootstrap, security=deployment.security("inference"))

@@ -10,8 +10,9 @@ import pytest
 from kafka import KafkaConsumer, KafkaProducer
 from kafka.errors import GroupAuthorizationFailedError, TopicAuthorizationFailedError, TransactionalIdAuthorizationFailedError
 
-from ember.rollouts.transport import consumer_config, producer_config
+from ember.rollouts.transport import RolloutWriter, WriteFailed, consumer_config, producer_config
 from tests.rollouts.grading.support import prepare
+from tests.rollouts.helpers import rollout
 from tests.rollouts.grading.test_service import graded_end_to_end, humaneval  # noqa: F401  (a fixture)
 from tests.rollouts.grading.test_service import graders  # noqa: F401  (a fixture)
 
@@ -37,6 +38,10 @@ def test_grader_role_is_refused_outside_its_acls(secured):
                 producer.send(topic, key=b"forged", value=b"not the grader's to write").get(timeout=30)
     finally:
         producer.close(timeout=5)
+    writer = RolloutWriter(prefix, security=security, bootstrap_servers=deployment.bootstrap, max_block_ms=20_000)
+    writer.write(rollout("forged", 0))
+    with pytest.raises(WriteFailed, match=rf"1 of 1 records sent to {topics.rollouts} were not written: .*TopicAuthorizationFailed"):
+        writer.close()  # the writer the inference worker holds says so; flushing alone would not
     etl_group = KafkaConsumer(**consumer_config(security, bootstrap_servers=deployment.bootstrap, group_id=f"{prefix}-etl"))
     try:
         etl_group.subscribe([topics.rollouts])
