@@ -3,14 +3,17 @@
 Stages (each a Beam transform, so the same graph runs on FnApiRunner, Flink or Dataflow):
   1. per source: read Parquet row groups, batch-encode in a DoFn (tokenizer loaded once in `setup`,
      or taken from the driver when the runner works in its process); documents empty after
-     tokenization become counted rejects. Each document leaves as its tokens and, separately, its length.
+     tokenization become counted rejects. Each tokenizer call's documents leave as one batch
+     (ember/tokenize/batches.py): their tokens in one buffer and, separately, their ids and lengths.
   2. count documents per source -> number of packing windows; each document's *length* goes to a
-     window chosen by a seeded hash of its id; GroupByKey per (source, window) and pack there, so a
-     window holds lengths only, and mixture sources never share a sequence.
-  3. join each document's tokens with its placements (one GroupByKey on the document over both,
-     tagged) and send each piece to the shard its sequence lands in: global index from the per-window
-     bin counts, then a seeded Feistel permutation -> (shard, row). No worker ever holds more than one
-     shard's tokens.
+     window chosen by a seeded hash of its id (one element per batch and window); GroupByKey per
+     (source, window) and pack there, so a window holds lengths only, and mixture sources never share
+     a sequence. A window's placements go back to the batches their documents came in, one element per
+     batch and window.
+  3. join each batch's tokens with its placements (one GroupByKey on the batch over both, tagged) and
+     send each piece to the shard its sequence lands in: global index from the per-window bin counts,
+     then a seeded Feistel permutation -> (shard, row), one element per batch and shard. No worker ever
+     holds more than one shard's tokens.
   4. each shard written by its worker, atomically, then - last - the manifest with per-shard sha256 and exact
      per-source token/padding accounting.
 Code mid-training options (docs/guides/code-data.md), each recorded in the manifest: `repositories` turns a
@@ -63,6 +66,7 @@ from ember.schemas import SchemaValidationError
 from ember.schemas.documents import REJECTED_SCHEMA, reject_row
 from ember.schemas.shards import MANIFEST_FILENAME, Manifest, parse_manifest, read_manifest
 from ember.tokenize import fim, mixtures
+from ember.tokenize.batches import PLACEMENTS, TOKEN_BYTES, TOKENS, joined, token_batch
 from ember.tokenize.config import FimSettings, ShardSource, TokenizeConfig, TokenizerConfig
 from ember.tokenize.packing import Segment, assemble, pack, window_count, window_of
 from ember.tokenize.shards import ShardRow, encode_shard, shard_name
@@ -72,10 +76,8 @@ from ember.tokenize.tokenizers import Tokenizer, load_tokenizer
 STAGE = "tokenize"
 REQUIRED_COLUMNS = ("id", "source", "text")
 REJECTED_FILE = "rejected.parquet"
-TOKEN_BYTES = 4  # tokens travel between stages as little-endian uint32 bytes
 DEFAULT_RUNNER = "--runner=FnApiRunner"
 SHARDS_PER_PARQUET_BYTE = 3  # zstd Parquet text is ~3x smaller than its zstd uint32 tokens, roughly
-TOKENS, PLACEMENT = 0, 1  # the two kinds of value joined per document
 REJECTS = "rejects"  # the tagged output of reject rows, keyed by REJECTS_KEY
 REJECTS_KEY = 0  # every reject row goes to the one rejected.parquet writer
 REJECT_ROWS_PER_GROUP = 65536
@@ -97,8 +99,8 @@ def _keyed_reject(row: dict) -> beam.pvalue.TaggedOutput:
 
 
 class TokenizeDocuments(beam.DoFn):
-    """Row groups in, ((source, document id), (TOKENS, token bytes)) out; each document's length and the
-    rejects on tagged outputs."""
+    """Row groups in; per tokenizer call one batch, (key, (TOKENS, (ids, lengths, token bytes))), out, its
+    (source, key, ids, lengths) and the rejects on tagged outputs (ember/tokenize/batches.py)."""
 
     LENGTHS = "lengths"
 
@@ -143,19 +145,31 @@ class TokenizeDocuments(beam.DoFn):
                     yield self._reject(doc_id, "source_mismatch", f"row source '{source}', configured '{name}'")
                 else:
                     keep.append(i)
-            encoded = self._tok.encode_batch([texts[i] for i in keep])
+            lengths, data = self._encode([texts[i] for i in keep], [ids[i] for i in keep])
             self._progress.add(STAGE, chunk.num_rows)
-            for i, tokens, content in zip(keep, encoded.tokens, encoded.content_lengths):
-                if content == 0:
+            names, sizes = [], []
+            for i, length in zip(keep, lengths):
+                if length == 0:
                     yield self._reject(ids[i], "empty_after_tokenization", f"{len(texts[i])} characters")
-                    continue
-                if self._fim_ids is not None:
-                    tokens = fim.framed(self._fim, tokens, ids[i], *self._framing, self._fim_ids)
-                self._documents.inc()
-                self._tokens.inc(len(tokens))
-                key = (name, ids[i])
-                yield key, (TOKENS, tokens.astype("<u4", copy=False).tobytes())
-                yield beam.pvalue.TaggedOutput(self.LENGTHS, (key, len(tokens)))
+                else:
+                    names.append(ids[i])
+                    sizes.append(length)
+            if names:
+                self._documents.inc(len(names))
+                self._tokens.inc(len(data) // TOKEN_BYTES)
+                tokens, lengths_element = token_batch(name, names, sizes, data)
+                yield tokens
+                yield beam.pvalue.TaggedOutput(self.LENGTHS, lengths_element)
+
+    def _encode(self, texts: list[str], ids: list[str]) -> tuple[list[int], bytes]:
+        """Each text's token count (0: empty after tokenization) and the tokens of the others in one buffer."""
+        if self._fim_ids is None:
+            return self._tok.encode_concatenated(texts)
+        encoded = self._tok.encode_batch(texts)
+        arrays = [fim.framed(self._fim, tokens, doc_id, *self._framing, self._fim_ids)
+                  for doc_id, tokens, content in zip(ids, encoded.tokens, encoded.content_lengths) if content]
+        lengths = iter(len(a) for a in arrays)
+        return [next(lengths) if content else 0 for content in encoded.content_lengths], joined(arrays)
 
 
 @dataclass(frozen=True)
@@ -171,45 +185,58 @@ class WindowStats:
 
 
 class PackWindow(beam.DoFn):
-    """One packing window's lengths in; one placement per piece out, keyed by its document, plus the
-    window's bin count and stats."""
+    """One packing window's documents in, as (id, length, batch key, index in the batch), one list per batch; per
+    batch its documents' placements, one per piece, and the copies dropped as duplicates out, plus the window's bin
+    count and stats."""
 
     WINDOWS = "windows"
 
-    def __init__(self, seq_len: int, strategy: str, sources: dict[str, str], repeated: bool = False):
+    def __init__(self, seq_len: int, strategy: str, sources: dict[str, str]):
         self._seq_len = seq_len
         self._strategy = strategy
         self._source_paths = sources
-        self._repeated = repeated  # documents may come as several copies (a mixture): joined on the base id
 
     def process(self, element):
-        (source, window), lengths = element
-        docs: list[tuple[str, int]] = []
-        # A repeated id means an upstream dedup bug; keep one copy (the same one the join keeps).
-        for doc_id, group in itertools.groupby(sorted(lengths), key=lambda kv: kv[0]):
-            docs.append(next(group))
-            for _duplicate in group:
+        (source, window), groups = element
+        kept: list[list[tuple]] = []  # per document id, its copies of the fewest tokens
+        by_batch: dict[str, tuple[list, list]] = {}  # batch key -> (placements, dropped indices)
+        # A repeated id means an upstream dedup bug; keep one copy: the one with the fewest tokens, and of several
+        # such the one whose tokens sort first, which only the shard writer, holding their tokens, can tell.
+        for doc_id, group in itertools.groupby(sorted(itertools.chain.from_iterable(groups)), key=lambda d: d[0]):
+            copies = list(group)
+            shortest = [c for c in copies if c[1] == copies[0][1]]
+            kept.append(shortest)
+            for _name, _length, key, index in copies[len(shortest):]:
+                by_batch.setdefault(key, ([], []))[1].append(index)
+            for _duplicate in copies[1:]:
                 yield _keyed_reject(reject_row(source, self._source_paths[source], STAGE, "duplicate_document_id", "", doc_id))
-        packing = pack([n for _, n in docs], self._seq_len, self._strategy)
+        packing = pack([copies[0][1] for copies in kept], self._seq_len, self._strategy)
         for bin_index, pieces in enumerate(packing.bins):
             for slot, piece in enumerate(pieces):
-                name = docs[piece.doc][0]
-                key = (source, mixtures.base_id(name) if self._repeated else name)
-                yield key, (PLACEMENT, (window, bin_index, slot, piece.start, piece.end, name))
-        stats = WindowStats(len(docs), packing.tokens, len(packing.bins), packing.padding_tokens, packing.split_documents)
+                copies = kept[piece.doc]
+                for name, _length, key, index in copies:
+                    by_batch.setdefault(key, ([], []))[0].append(
+                        (index, bin_index, slot, piece.start, piece.end, name, len(copies) > 1))
+        for key, (placed, dropped) in by_batch.items():
+            yield key, (PLACEMENTS, (source, window, placed, dropped))
+        stats = WindowStats(len(kept), packing.tokens, len(packing.bins), packing.padding_tokens, packing.split_documents)
         yield beam.pvalue.TaggedOutput(self.WINDOWS, ((source, window), stats))
 
 
-def assign_window(element, counts: dict[str, int], window_documents: int, seed: int, plans: dict | None = None,
-                  mixture_seed: int = 0):
-    """((source, id), length) -> ((source, window), (id, length)), once per copy the mixture `plans` give it (the
-    copies go to windows of their own)."""
-    (source, doc_id), length = element
-    n = mixtures.copies(plans[source], doc_id, mixture_seed) if plans is not None else 1
+def assign_windows(element, counts: dict[str, int], window_documents: int, seed: int, plans: dict | None = None,
+                   mixture_seed: int = 0):
+    """A batch's (source, key, ids, lengths) -> ((source, window), [(id, length, key, index), ...]) per window it has
+    documents in; each document once per copy the mixture `plans` give it (the copies go to windows of their own)."""
+    source, key, names, lengths = element
     windows = window_count(counts[source], window_documents)
-    for k in range(n):
-        name = mixtures.copy_id(doc_id, k)
-        yield (source, window_of(name, windows, seed)), (name, length)
+    by_window: dict[int, list] = {}
+    for index, (doc_id, length) in enumerate(zip(names, lengths)):
+        n = mixtures.copies(plans[source], doc_id, mixture_seed) if plans is not None else 1
+        for k in range(n):
+            name = mixtures.copy_id(doc_id, k)
+            by_window.setdefault(window_of(name, windows, seed), []).append((name, length, key, index))
+    for window, documents in by_window.items():
+        yield (source, window), documents
 
 
 def mixture_plans(token_sums: list[tuple[str, int]], config: TokenizeConfig) -> dict[str, mixtures.SourcePlan]:
@@ -233,7 +260,9 @@ def window_layout(windows: list[tuple[tuple[str, int], WindowStats]], sampled: b
 
 
 class RoutePieces(beam.DoFn):
-    """A document's tokens + placements in; each piece keyed by the shard its sequence lands in."""
+    """A batch's tokens + its placements in; its pieces out, one list per shard their sequences land in:
+    (row, slot, source, name, start, end, tokens, rank). `rank` is empty but for a copy of a duplicated id that
+    ties for the fewest tokens: its whole tokens, by which the shard writer keeps one."""
 
     def __init__(self, seed: int, sequences_per_shard: int):
         self._seed = seed
@@ -241,28 +270,41 @@ class RoutePieces(beam.DoFn):
         self._permutation: FeistelPermutation | None = None
 
     def process(self, element, layout: dict):
-        (source, doc_id), grouped = element
-        values: tuple[list, list] = ([], [])
+        key, grouped = element
+        batches, placements = [], []
         for kind, value in grouped:
-            values[kind].append(value)
-        copies = sorted(values[TOKENS], key=lambda b: (len(b), b))
-        placements = values[PLACEMENT]
-        if copies and not placements and layout.get("sampled"):
-            return  # a mixture drew no copy of this document
-        if not copies or not placements:
-            raise RuntimeError(f"document {doc_id} has {len(copies)} token copies and {len(placements)} placements")
-        data = copies[0]
+            if kind == TOKENS:
+                batches.append(value)
+            else:
+                placements.append(value)
+        if len(batches) != 1:
+            raise RuntimeError(f"batch {key} has {len(batches)} token copies and {len(placements)} placement lists")
+        names, lengths, data = batches[0]
+        starts = [0, *itertools.accumulate(lengths)]
         if self._permutation is None or self._permutation.n != layout["total"]:
             self._permutation = FeistelPermutation(layout["total"], self._seed)
-        for window, bin_index, slot, start, end, name in placements:
-            position = self._permutation(layout["offsets"][(source, window)] + bin_index)
-            shard, row = divmod(position, self._per_shard)
-            yield shard, (row, slot, source, name, start, end, data[start * TOKEN_BYTES : end * TOKEN_BYTES])
+        covered = bytearray(len(names))  # placed, or dropped as a duplicate
+        by_shard: dict[int, list] = {}
+        for source, window, pieces, gone in placements:
+            for index in gone:
+                covered[index] = 1
+            first = layout["offsets"][(source, window)]
+            for index, bin_index, slot, start, end, name, tied in pieces:
+                covered[index] = 1
+                shard, row = divmod(self._permutation(first + bin_index), self._per_shard)
+                at = starts[index] * TOKEN_BYTES
+                rank = data[at : starts[index + 1] * TOKEN_BYTES] if tied else b""
+                by_shard.setdefault(shard, []).append(
+                    (row, slot, source, name, start, end, data[at + start * TOKEN_BYTES : at + end * TOKEN_BYTES], rank))
+        if not layout.get("sampled") and covered.count(0):  # a mixture may draw no copy of some
+            raise RuntimeError(f"batch {key}: {covered.count(0)} of its {len(names)} documents have no placement")
+        yield from by_shard.items()
 
 
 class WriteShard(beam.DoFn):
-    """All pieces of one shard in; the shard file written by this worker straight to the set's location, under the
-    shard's own name (a retried bundle overwrites it); its `ShardEntry`, sha256 of the bytes written, out."""
+    """All pieces of one shard in (lists of them); the shard file written by this worker straight to the set's
+    location, under the shard's own name (a retried bundle overwrites it); its `ShardEntry`, sha256 of the bytes
+    written, out."""
 
     def __init__(self, output_dir: str, seq_len: int, pad_id: int, rows_per_batch: int, per_shard: int, prefix: str = ""):
         self._output_dir = output_dir
@@ -273,15 +315,20 @@ class WriteShard(beam.DoFn):
         self._per_shard = per_shard
 
     def process(self, element):
-        shard, pieces = element
-        by_row: dict[int, list] = {}
-        for piece in pieces:
-            by_row.setdefault(piece[0], []).append(piece)
+        shard, lists = element
+        by_row: dict[int, dict[int, tuple]] = {}
+        for piece in itertools.chain.from_iterable(lists):
+            slots = by_row.setdefault(piece[0], {})
+            held = slots.get(piece[1])
+            if held is None or piece[7] < held[7]:
+                slots[piece[1]] = piece
+            if held is not None and not (piece[7] and held[7]):  # only tied copies of one document share a slot
+                raise RuntimeError(f"shard {shard} row {piece[0]} slot {piece[1]} holds {held[3]} and {piece[3]}")
         if sorted(by_row) != list(range(len(by_row))):
             raise RuntimeError(f"shard {shard} rows are not contiguous from 0: {sorted(by_row)[:10]}")
         rows = []
         for index in range(len(by_row)):
-            parts = sorted(by_row[index], key=lambda p: p[1])
+            parts = [slot for _, slot in sorted(by_row[index].items())]
             segments = [Segment(p[3], p[4], p[5], np.frombuffer(p[6], dtype="<u4")) for p in parts]
             rows.append(ShardRow(assemble(segments, self._seq_len, self._pad_id), parts[0][2]))
         data = encode_shard(rows, self._rows_per_batch)
@@ -422,14 +469,14 @@ def build(pipeline: beam.Pipeline, config: TokenizeConfig, tokenizer: Tokenizer,
         lengths = [lengths | "All lengths" >> beam.Flatten()]
     counts = (
         lengths[0]
-        | "Per source" >> beam.MapTuple(lambda key, _n: (key[0], 1))
+        | "Per source" >> beam.MapTuple(lambda source, _key, names, _lengths: (source, len(names)))
         | "Count documents" >> beam.CombinePerKey(sum)
     )
     plans = None
     if config.mixture is not None:
         plans = (
             lengths[0]
-            | "Tokens per source" >> beam.MapTuple(lambda key, n: (key[0], n))
+            | "Tokens per source" >> beam.MapTuple(lambda source, _key, _names, lengths: (source, sum(lengths)))
             | "Sum tokens" >> beam.CombinePerKey(sum)
             | "All sums" >> beam.combiners.ToList()
             | "Plan mixture" >> beam.Map(mixture_plans, config)
@@ -437,12 +484,12 @@ def build(pipeline: beam.Pipeline, config: TokenizeConfig, tokenizer: Tokenizer,
     packed = (
         lengths[0]
         | "Assign windows"
-        >> beam.FlatMap(assign_window, counts=beam.pvalue.AsDict(counts), window_documents=config.window_documents,
+        >> beam.FlatMap(assign_windows, counts=beam.pvalue.AsDict(counts), window_documents=config.window_documents,
                         seed=config.seed, plans=beam.pvalue.AsSingleton(plans) if plans is not None else None,
                         mixture_seed=config.mixture.seed if config.mixture else 0)
         | "Group windows" >> beam.GroupByKey()
         | "Pack windows"
-        >> beam.ParDo(PackWindow(config.seq_len, config.packing, source_paths, config.mixture is not None)).with_outputs(
+        >> beam.ParDo(PackWindow(config.seq_len, config.packing, source_paths)).with_outputs(
             PackWindow.WINDOWS, REJECTS, main="placements"
         )
     )
@@ -452,7 +499,7 @@ def build(pipeline: beam.Pipeline, config: TokenizeConfig, tokenizer: Tokenizer,
     entries = (
         [*tokenized, packed.placements]
         | "Tokens and placements" >> beam.Flatten()
-        | "Join per document" >> beam.GroupByKey()
+        | "Join per batch" >> beam.GroupByKey()
         | "Route pieces"
         >> beam.ParDo(RoutePieces(config.seed, config.sequences_per_shard), layout=beam.pvalue.AsSingleton(layout))
         | "Group shards" >> beam.GroupByKey()
@@ -519,7 +566,7 @@ def _repository_documents(read, config: TokenizeConfig, source: str, tokenized: 
                                  functools.partial(driver_or_loaded, driver_tokenizer))).with_outputs(
                 TokenizeRepositories.LENGTHS, main="documents")
     )
-    tokenized.append(repos.documents | f"Repository tokens {source}" >> beam.MapTuple(lambda key, data: (key, (TOKENS, data))))
+    tokenized.append(repos.documents)
     lengths.append(repos[TokenizeRepositories.LENGTHS])
     return split.rest
 

@@ -27,6 +27,7 @@ import numpy as np
 
 from ember.configs import closest
 from ember.schemas.shards import Manifest, TokenizerIdentity
+from ember.tokenize.batches import concatenated
 from ember.tokenize.config import TokenizerConfig
 
 DTYPE_LIMITS = {"uint16": 1 << 16, "uint32": 1 << 32}
@@ -378,13 +379,21 @@ class Tokenizer:
 
     def encode_batch(self, texts: list[str]) -> EncodedBatch:
         ids = self._backend.encode_ordinary_batch(texts)
-        prefix = [self.bos_id] if self.bos_id is not None else []
-        suffix = [self.eos_id] if self.eos_id is not None else []
+        prefix, suffix = self._framing()
         if prefix or suffix:
             arrays = [np.array(prefix + row + suffix, dtype=np.uint32) for row in ids]
         else:
             arrays = [np.array(row, dtype=np.uint32) for row in ids]
         return EncodedBatch(arrays, [len(row) for row in ids])
+
+    def encode_concatenated(self, texts: list[str]) -> tuple[list[int], bytes]:
+        """`encode_batch` as one buffer: each text's framed token count (0 when the text has no tokens, and nothing
+        of it in the buffer) and the framed tokens of the others end to end as little-endian uint32 bytes, without
+        an array per text (the tokenize pipeline's form, ember/tokenize/batches.py)."""
+        return concatenated(self._backend.encode_ordinary_batch(texts), *self._framing())
+
+    def _framing(self) -> tuple[list[int], list[int]]:
+        return ([self.bos_id] if self.bos_id is not None else []), ([self.eos_id] if self.eos_id is not None else [])
 
 
 def resolve_dtype(requested: str, vocab_size: int) -> str:

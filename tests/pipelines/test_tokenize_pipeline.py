@@ -320,3 +320,24 @@ def test_token_budgets_repeat_and_sample_documents_by_seeded_ids(built, corpus):
     from ember.pipelines.corpus.report_html import mixture_rows
 
     assert [r[:3] for r in mixture_rows(str(out))] == [[s, budgets[s], manifest.sources[s].tokens] for s in ("code", "web")]
+
+
+def test_of_a_repeated_id_the_copy_with_fewest_then_smallest_tokens_is_kept(corpus, tmp_path):
+    """Copies of one id in different files (different tokenizer batches) that tie on length are told apart by their
+    tokens, where they meet in the shard writer; a longer copy never wins."""
+    library = HFTokenizer.from_file(str(corpus["tokenizer"]))
+    library.encode_special_tokens = True
+    eos = library.token_to_id("<|endoftext|>")
+    texts = ["y", "x", "x y z"]  # two one-token texts and a longer one, all under one id
+    for i, text in enumerate(texts):
+        write_documents(tmp_path / "web" / f"part-{i}.parquet", [Document(source="web", kind="web", text=text, id="same")])
+    framed = [np.array([*library.encode(t, add_special_tokens=False).ids, eos], dtype="<u4") for t in texts]
+    assert len(framed[0]) == len(framed[1]) < len(framed[2])
+    config = write_config(corpus, "repeated", sources=[{"name": "web", "path": str(tmp_path / "web" / "*.parquet"), "weight": 1.0}])
+    code, output = invoke("corpus", "tokenize", config)
+    assert code == 0, output
+    rows = list(read_rows(corpus["root"] / "out-repeated"))
+    assert len(rows) == 1 and [s["document_id"] for s in rows[0]["segments"]] == ["same"]
+    kept = rows[0]["tokens"][: rows[0]["cu_seqlens"][-1]]
+    assert kept == min(framed[:2], key=lambda t: t.tobytes()).tolist()
+    assert read_manifest(corpus["root"] / "out-repeated").model_extra["rejected"] == {"web": {"duplicate_document_id": 2}}

@@ -4,6 +4,7 @@ import shutil
 import socket
 from pathlib import Path
 
+import numpy as np
 import pytest
 import tiktoken
 from tokenizers import Tokenizer as HFTokenizer
@@ -289,3 +290,15 @@ def test_decode_gives_back_the_text_or_says_why_not(hf_tokenizer_path):
     assert hf.decode(ids) == "def f(x): return x"
     with pytest.raises(TokenizerDecodeError, match="outside"):
         hf.decode([hf.identity.vocab_size])
+
+
+def test_concatenated_encode_is_encode_batch_end_to_end(hf_tokenizer_path):
+    """The pipeline's one-buffer form: the same framed ids as `encode_batch`, an empty text counted 0 and left out."""
+    ember = load_tokenizer(hf_config(hf_tokenizer_path, bos_token="<|bos|>"))
+    corpus = [*exactness_corpus(), ""]
+    lengths, data = ember.encode_concatenated(corpus)
+    batch = ember.encode_batch(corpus)
+    assert lengths == [len(ids) if content else 0 for ids, content in zip(batch.tokens, batch.content_lengths)]
+    assert lengths[-1] == 0
+    kept = [ids for ids, content in zip(batch.tokens, batch.content_lengths) if content]
+    assert np.frombuffer(data, dtype="<u4").tolist() == np.concatenate(kept).tolist()

@@ -13,6 +13,7 @@ import pyarrow.compute as pc
 from ember.pipelines.code.repo_tokens import repository_tokens
 from ember.pipelines.code.repos import RepoFile
 from ember.tokenize import fim
+from ember.tokenize.batches import joined, token_batch
 from ember.tokenize.config import FimSettings, RepositorySettings, TokenizerConfig
 from ember.tokenize.tokenizers import Tokenizer, load_tokenizer
 
@@ -44,7 +45,8 @@ class SplitRepositories(beam.DoFn):
 
 
 class TokenizeRepositories(beam.DoFn):
-    """One repository's files in; ((source, repository document id), token bytes) out, and its length on `LENGTHS`."""
+    """One repository's files in; the repository's document out as a batch of one, and its (source, key, ids,
+    lengths) on `LENGTHS` (ember/tokenize/batches.py)."""
 
     LENGTHS = "lengths"
 
@@ -63,6 +65,6 @@ class TokenizeRepositories(beam.DoFn):
         (source, repo), rows = element
         files = [RepoFile(doc_id, path, text) for doc_id, path, text in rows]
         built = repository_tokens(source, repo, files, self._settings, self._tokenizer, self._fim, self._fim_ids)
-        key = (source, built.document.id)
-        yield key, built.tokens.astype("<u4", copy=False).tobytes()
-        yield beam.pvalue.TaggedOutput(self.LENGTHS, (key, len(built.tokens)))
+        tokens, lengths = token_batch(source, [built.document.id], [len(built.tokens)], joined([built.tokens]))
+        yield tokens
+        yield beam.pvalue.TaggedOutput(self.LENGTHS, lengths)
