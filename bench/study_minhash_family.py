@@ -27,25 +27,11 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_corpus_dedup import BANDS, N_GRAMS, ROWS, THRESHOLD, code_corpus  # noqa: E402
-from ember.pipelines.quality.minhash import _BLOCK, hash_seeds, jaccard, shingles, splitmix64  # noqa: E402
+from ember.pipelines.quality.minhash import _BLOCK, hash_seeds, jaccard, shingles, splitmix64, splitmix64_inplace  # noqa: E402
 
 P61 = np.uint64((1 << 61) - 1)
-_C1, _C2, _C3 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-_S30, _S27, _S31, _S32, _S29, _S61 = (np.uint64(s) for s in (30, 27, 31, 32, 29, 61))
+_S32, _S29, _S61 = (np.uint64(s) for s in (32, 29, 61))
 _LOW32, _LOW29 = np.uint64(0xFFFFFFFF), np.uint64((1 << 29) - 1)
-
-
-def _mix_inplace(xb: np.ndarray, tb: np.ndarray) -> None:
-    """splitmix64's finaliser in place (as minhash.signature runs it)."""
-    xb += _C1
-    np.right_shift(xb, _S30, out=tb)
-    xb ^= tb
-    xb *= _C2
-    np.right_shift(xb, _S27, out=tb)
-    xb ^= tb
-    xb *= _C3
-    np.right_shift(xb, _S31, out=tb)
-    xb ^= tb
 
 
 def _mod_p61(y: np.ndarray, t: np.ndarray) -> None:
@@ -60,21 +46,21 @@ def _mod_p61(y: np.ndarray, t: np.ndarray) -> None:
 def xor_splitmix(block, params, xb, tb, ub):
     """ember's current family: splitmix64(x ^ s_k)."""
     np.bitwise_xor(block, params[0][None, :], out=xb)
-    _mix_inplace(xb, tb)
+    splitmix64_inplace(xb, tb)
 
 
 def add_splitmix2(block, params, xb, tb, ub):
     """splitmix64(splitmix64(x) + s_k): the inner mix is per n-gram (done once in `prepare`), the row cost is one mix."""
     np.add(block, params[0][None, :], out=xb)
-    _mix_inplace(xb, tb)
+    splitmix64_inplace(xb, tb)
 
 
 def double_splitmix(block, params, xb, tb, ub):
     """splitmix64(splitmix64(x ^ s_k) ^ t_k): two rounds, a stand-in for an ideal random function."""
     np.bitwise_xor(block, params[0][None, :], out=xb)
-    _mix_inplace(xb, tb)
+    splitmix64_inplace(xb, tb)
     xb ^= params[1][None, :]
-    _mix_inplace(xb, tb)
+    splitmix64_inplace(xb, tb)
 
 
 def mersenne32(block, params, xb, tb, ub):

@@ -31,6 +31,19 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> _S31)
 
 
+def splitmix64_inplace(x: np.ndarray, scratch: np.ndarray) -> None:
+    """`splitmix64` on `x` in place, `scratch` (x's shape) holding the shifts: no temporary array per operation."""
+    x += _C1
+    np.right_shift(x, _S30, out=scratch)
+    x ^= scratch
+    x *= _C2
+    np.right_shift(x, _S27, out=scratch)
+    x ^= scratch
+    x *= _C3
+    np.right_shift(x, _S31, out=scratch)
+    x ^= scratch
+
+
 def normalize(text: str) -> str:
     """Same output as datatrove's `simplify_text(text)` (a test holds them equal), without its slow paths:
     whitespace folded by `str.split`, NFD only off ASCII, and ASCII text cleaned as bytes (`_ascii_words`)."""
@@ -127,7 +140,7 @@ def signature_peak_bytes(num_hashes: int) -> int:
 
 def signature(hashes: np.ndarray, num_hashes: int, seed: int) -> np.ndarray:
     """Per hash function, the minimum over the distinct n-grams: uint64[num_hashes]. splitmix64 runs in place on
-    one preallocated block (no temporary per operation), so the work stays in cache."""
+    one preallocated block, so the work stays in cache."""
     hashes = np.unique(hashes)  # repeated n-grams (common in code) cannot change a minimum
     seeds = hash_seeds(num_hashes, seed)
     result = np.full(num_hashes, np.iinfo(np.uint64).max, dtype=np.uint64)
@@ -137,15 +150,7 @@ def signature(hashes: np.ndarray, num_hashes: int, seed: int) -> np.ndarray:
         block = hashes[start : start + _BLOCK, None]
         xb, tb = x[: len(block)], t[: len(block)]
         np.bitwise_xor(block, seeds[None, :], out=xb)
-        xb += _C1
-        np.right_shift(xb, _S30, out=tb)
-        xb ^= tb
-        xb *= _C2
-        np.right_shift(xb, _S27, out=tb)
-        xb ^= tb
-        xb *= _C3
-        np.right_shift(xb, _S31, out=tb)
-        xb ^= tb
+        splitmix64_inplace(xb, tb)
         np.minimum(result, xb.min(axis=0), out=result)
     return result
 
