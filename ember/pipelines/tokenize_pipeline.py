@@ -296,8 +296,9 @@ class RoutePieces(beam.DoFn):
                 rank = data[at : starts[index + 1] * TOKEN_BYTES] if tied else b""
                 by_shard.setdefault(shard, []).append(
                     (row, slot, source, name, start, end, data[at + start * TOKEN_BYTES : at + end * TOKEN_BYTES], rank))
-        if not layout.get("sampled") and covered.count(0):  # a mixture may draw no copy of some
-            raise RuntimeError(f"batch {key}: {covered.count(0)} of its {len(names)} documents have no placement")
+        unplaced = covered.count(0)
+        if unplaced and not layout.get("sampled"):  # a mixture may draw no copy of some
+            raise RuntimeError(f"batch {key}: {unplaced} of its {len(names)} documents have no placement")
         yield from by_shard.items()
 
 
