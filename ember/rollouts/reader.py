@@ -86,7 +86,10 @@ class RolloutFetcher:
         deadline = time.monotonic() + self.timeout_s
         while missing:
             try:
-                records = consumer.poll(timeout_ms=500)
+                # timeout 0 first: kafka-python parks a paused partition's fetched records and gives a resumed one's
+                # back only on a later call, so at a switch of partitions the first poll finds nothing buffered and
+                # nothing in flight, and with a timeout it sleeps retry_backoff_ms (100 ms) before that later call
+                records = consumer.poll(timeout_ms=0) or consumer.poll(timeout_ms=500)
             except OffsetOutOfRangeError as exc:
                 raise self._gone(refs, wanted, f"the broker answered {exc!r}") from None
             for tp, messages in records.items():

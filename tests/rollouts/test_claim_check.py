@@ -180,6 +180,43 @@ def test_the_fetcher_reads_through_other_ranks_shares_and_back(kafka, claim_log,
 
 
 @pytest.mark.integration
+def test_alternating_partitions_never_waits_out_the_clients_retry_backoff(kafka, monkeypatch):
+    """A rank's batches alternate between shards, so its fetches alternate partitions. kafka-python parks a paused
+    partition's fetched records and hands a resumed one's back only on a later call; polled with a timeout in
+    between, it sleeps retry_backoff_ms (100 ms) at every switch, which once cost a rank seconds per GB. Past the
+    first read of each partition the fetcher must never sleep there."""
+    import sys
+
+    import kafka.consumer.group as consumer_module
+
+    topic = f"test-claim-{uuid.uuid4().hex[:8]}.rollouts"
+    ensure_topics(kafka, [TopicSpec(topic, 2, compression="producer")])
+    producer = KafkaProducer(**producer_config(bootstrap_servers=kafka))
+    refs: dict[int, list[RolloutRef]] = {0: [], 1: []}
+    for i in range(8):
+        value = encode(rollout(f"g{i}", i, tokens=16, seed=i))
+        sent = producer.send(topic, key=f"g{i}".encode(), value=value, partition=i % 2).get(timeout=30)
+        refs[sent.partition].append(RolloutRef(topic, sent.partition, sent.offset, hashlib.sha256(value).digest()))
+    producer.close()
+    fetcher = RolloutFetcher(bootstrap=kafka, timeout_s=20)
+    real_sleep, slept = consumer_module.time.sleep, []
+
+    def sleep(seconds: float) -> None:
+        if sys._getframe(1).f_code.co_filename == consumer_module.__file__:
+            slept.append(seconds)
+        real_sleep(seconds)
+
+    try:
+        first = [fetcher.fetch(refs[p][:1]) for p in (0, 1)]  # a partition's first read may wait for its position
+        monkeypatch.setattr(consumer_module.time, "sleep", sleep)
+        later = [fetcher.fetch(refs[p][k : k + 1]) for k in range(1, 4) for p in (0, 1)]
+    finally:
+        fetcher.close()
+    assert len(first) == 2 and all(len(values) == 1 for values in later)
+    assert slept == [], f"the fetcher slept in kafka-python's poll at a partition switch: {slept}"
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize("fetcher_class", FETCHERS, ids=["kafka-python", "confluent"])
 def test_the_fetcher_checks_each_rollout_and_names_one_deleted_by_retention(kafka, fetcher_class):
     topic, rollouts, refs = published_rollouts(kafka, 4)
