@@ -35,7 +35,8 @@ from ember.schemas import DecodeError, Rollout, RolloutRef, TrainBatch, decode_t
 
 FETCH_BYTES = 4 * MAX_MESSAGE_BYTES  # one fetch may carry a whole batch's rollouts
 SOCKET_BUFFER_BYTES = 8 * 1024 * 1024
-READ_THROUGH = 16  # records: a forward gap this small (about one 64 MB fetch of 4 MB rollouts) is read through, not sought over
+READ_THROUGH = 16  # records: librdkafka's fetcher reads a forward gap this small (one 64 MB fetch of 4 MB rollouts) through
+PARTITION_FETCH_BYTES = 1  # kafka-python's fetcher asks a partition for its next record batch only (a larger one still comes whole)
 
 
 class RolloutFetcher:
@@ -44,10 +45,13 @@ class RolloutFetcher:
 
     Positions are kept between calls, so consecutive batches (whose rollouts are mostly consecutive in
     a partition) read on without a seek and the consumer's prefetch is not thrown away. A rank of several
-    wants every other run of offsets (the other ranks' shares lie between its own): it reads through such a
-    gap, up to `READ_THROUGH` records, since a seek drops the fetched records and every batch would then cost
-    a fresh fetch (most of it thrown away again). The Kafka client is made on first use: a rank that only
-    ever sees inline batches never connects."""
+    wants every other run of offsets (the other ranks' shares lie between its own), so each fetch asks a
+    partition for one record batch (`PARTITION_FETCH_BYTES`: a 4 MB rollout is a batch of its own; small
+    ones come many to a batch) and a gap is sought over: a seek drops at most the one batch fetched ahead,
+    where large fetches made every rank receive every rank's rollouts. The Kafka client is made on first
+    use: a rank that only ever sees inline batches never connects."""
+
+    read_through = 0  # records of a forward gap read rather than sought over
 
     def __init__(self, *, bootstrap: str | None = None, security: KafkaSecurity | None = None, timeout_s: float = 60.0):
         self.bootstrap, self.security, self.timeout_s = bootstrap, security, timeout_s
@@ -61,7 +65,7 @@ class RolloutFetcher:
                 **consumer_config(
                     self.security, bootstrap_servers=self.bootstrap or kafka_bootstrap(), group_id=None,
                     auto_offset_reset="none", max_poll_records=1, fetch_max_bytes=FETCH_BYTES,
-                    receive_buffer_bytes=SOCKET_BUFFER_BYTES,
+                    max_partition_fetch_bytes=PARTITION_FETCH_BYTES, receive_buffer_bytes=SOCKET_BUFFER_BYTES,
                 )
             )
         return self._consumer
@@ -79,7 +83,7 @@ class RolloutFetcher:
         consumer.pause(*(consumer.assignment() - set(wanted)))
         consumer.resume(*wanted)
         for tp, offsets in wanted.items():  # a new partition has no position yet (and no reset policy)
-            if tp not in assigned or not 0 <= min(offsets) - consumer.position(tp) <= READ_THROUGH:
+            if tp not in assigned or not 0 <= min(offsets) - consumer.position(tp) <= self.read_through:
                 consumer.seek(tp, min(offsets))
         values: list[bytes | None] = [None] * len(refs)
         missing = sum(len(o) for o in wanted.values())
@@ -143,7 +147,10 @@ class RdkafkaRolloutFetcher(RolloutFetcher):
     errors, but the fetches run in librdkafka's own thread in C, ahead of the Python that decodes and checks.
 
     kafka-python's fetch path (frame reads, `bytes.join`, record decoding, all in Python under the GIL) was 55%
-    of a rank's time; here a rank's Python only copies each value out once."""
+    of a rank's time; here a rank's Python only copies each value out once. librdkafka fetches ahead into its own
+    queue, which a seek empties, so this fetcher reads a gap of up to `READ_THROUGH` records through."""
+
+    read_through = READ_THROUGH
 
     @property
     def consumer(self):
@@ -169,7 +176,7 @@ class RdkafkaRolloutFetcher(RolloutFetcher):
             wanted.setdefault((ref.topic, ref.partition), {})[ref.offset] = index
         consumer = self.consumer
         moved = [key for key, offsets in wanted.items()
-                 if key not in self._assigned or not 0 <= min(offsets) - self._assigned[key] <= READ_THROUGH]
+                 if key not in self._assigned or not 0 <= min(offsets) - self._assigned[key] <= self.read_through]
         if moved:  # a new partition, or not where the prefetch stands: (re)start it at the first wanted offset
             for key in moved:
                 self._assigned[key] = min(wanted[key])

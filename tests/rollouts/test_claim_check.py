@@ -166,9 +166,10 @@ FETCHERS = [RolloutFetcher, RdkafkaRolloutFetcher]
 
 @pytest.mark.integration
 @pytest.mark.parametrize("fetcher_class", FETCHERS, ids=["kafka-python", "confluent"])
-def test_the_fetcher_reads_through_other_ranks_shares_and_back(kafka, claim_log, fetcher_class):
-    """A rank's shares skip the other ranks' rollouts (read through, not sought over); a batch behind the
-    position is sought back to. Either way each reference gets exactly its own message."""
+def test_the_fetcher_skips_other_ranks_shares_and_goes_back(kafka, claim_log, fetcher_class):
+    """A rank's shares skip the other ranks' rollouts (sought over by kafka-python's fetcher, read through by
+    librdkafka's); a batch behind the position is sought back to. Either way each reference gets exactly its
+    own message."""
     topic, rollouts, refs = claim_log
     fetcher = fetcher_class(bootstrap=kafka, timeout_s=20)
     try:
