@@ -36,7 +36,7 @@ from ember.schemas import DecodeError, Rollout, RolloutRef, TrainBatch, decode_t
 FETCH_BYTES = 4 * MAX_MESSAGE_BYTES  # one fetch may carry a whole batch's rollouts
 SOCKET_BUFFER_BYTES = 8 * 1024 * 1024
 READ_THROUGH = 16  # records: librdkafka's fetcher reads a forward gap this small (one 64 MB fetch of 4 MB rollouts) through
-PARTITION_FETCH_BYTES = 1  # kafka-python's fetcher asks a partition for its next record batch only (a larger one still comes whole)
+PARTITION_FETCH_BYTES = 1024 * 1024  # kafka-python's fetcher: per partition and fetch; a larger record batch still comes whole, alone
 
 
 class RolloutFetcher:
@@ -46,9 +46,9 @@ class RolloutFetcher:
     Positions are kept between calls, so consecutive batches (whose rollouts are mostly consecutive in
     a partition) read on without a seek and the consumer's prefetch is not thrown away. A rank of several
     wants every other run of offsets (the other ranks' shares lie between its own), so each fetch asks a
-    partition for one record batch (`PARTITION_FETCH_BYTES`: a 4 MB rollout is a batch of its own; small
-    ones come many to a batch) and a gap is sought over: a seek drops at most the one batch fetched ahead,
-    where large fetches made every rank receive every rank's rollouts. The Kafka client is made on first
+    partition for at most `PARTITION_FETCH_BYTES` (a 4 MB rollout is a batch of its own and comes alone, per
+    KIP-74; small rollouts come many to a fetch) and a gap is sought over: a seek drops at most that much fetched
+    ahead, where 64 MB fetches made every rank receive every rank's rollouts. The Kafka client is made on first
     use: a rank that only ever sees inline batches never connects."""
 
     read_through = 0  # records of a forward gap read rather than sought over
